@@ -1,0 +1,34 @@
+"""VLM Readout engine: load a vision-language model, run it, read it out.
+
+The engine never imports Qt. Public names: :func:`load_model`,
+:func:`load_image`, :func:`answer`, :func:`answer_batch`.
+"""
+
+from core.answer import Answer, answer, answer_batch
+from core.errors import (
+    ImageLoadError,
+    ModelLoadError,
+    QuestionError,
+    ReadoutError,
+    UnsafeCheckpointError,
+    UnsupportedArchitectureError,
+)
+from core.images import load_image
+from core.models.loading import LoadedModel, load_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Answer",
+    "ImageLoadError",
+    "LoadedModel",
+    "ModelLoadError",
+    "QuestionError",
+    "ReadoutError",
+    "UnsafeCheckpointError",
+    "UnsupportedArchitectureError",
+    "answer",
+    "answer_batch",
+    "load_image",
+    "load_model",
+]

@@ -1,0 +1,123 @@
+"""The canonical view of a loaded model.
+
+An :class:`Adapter` is the one place that knows a family's module paths and
+input format. Methods never reach into a model's modules: they go through
+the adapter. Each family subclasses it in ``core/models/families/<family>.py``
+and registers itself in :mod:`core.models.registry`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from PIL import Image
+
+
+@dataclass
+class ModelInputs:
+    """A prepared batch.
+
+    Attributes:
+        tensors: keyword arguments for the family's forward.
+        answer_positions: ``(batch,)`` index of the position whose next-token
+            distribution is the answer.
+        input_ids: ``(batch, pos)`` the token ids of the text stream.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    answer_positions: torch.Tensor
+    input_ids: torch.Tensor
+    prompts: list[str]
+
+
+class Adapter(ABC):
+    """Canonical names for one model family.
+
+    Attributes:
+        family: registry name of the family ("llava", "coca", ...).
+        final_norm: "rmsnorm" or "layernorm".
+        attention_kind: "self" (visual tokens interleaved with text) or
+            "cross" (text queries attend to visual keys).
+        position_scheme: "none", "absolute", "rope" or "mrope".
+    """
+
+    family: ClassVar[str]
+    final_norm: ClassVar[str]
+    attention_kind: ClassVar[str]
+    position_scheme: ClassVar[str]
+
+    def __init__(self, model: torch.nn.Module, processor: Any, tokenizer: Any, config: dict | None = None):
+        self.model = model
+        self.processor = processor
+        self.tokenizer = tokenizer
+        self.config = config or {}
+
+    # ---- sizes
+    @property
+    @abstractmethod
+    def n_layers(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def n_heads(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def d_model(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ---- text
+    @abstractmethod
+    def prompt(self, question: str) -> str:
+        """The text the model is run on for ``question``."""
+
+    @abstractmethod
+    def check_question(self, question: str) -> None:
+        """Raise :class:`core.errors.QuestionError` if the question cannot fit."""
+
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([int(token_id)]).strip()
+
+    def token_id(self, token: str) -> int:
+        """Id of a one-token answer string; QuestionError if it is not one token."""
+        from core.errors import QuestionError
+
+        ids = self.tokenizer.encode(token, add_special_tokens=False)
+        if len(ids) != 1:
+            raise QuestionError(f"{token!r} is not a single token for this model ({len(ids)} tokens)")
+        return int(ids[0])
+
+    # ---- running
+    @abstractmethod
+    def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
+        """Process images and questions into one right-padded batch."""
+
+    @abstractmethod
+    def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
+        """Full logits ``(batch, pos, vocab)`` of the text stream."""
+
+    @abstractmethod
+    def append_token(self, inputs: ModelInputs, token_id: int) -> ModelInputs:
+        """The same batch (of one) with ``token_id`` appended after the answer position."""
+
+    def next_token_logits(self, inputs: ModelInputs) -> torch.Tensor:
+        """Logits at the answer position, ``(batch, vocab)``."""
+        logits = self.forward_logits(inputs)
+        return logits[torch.arange(logits.shape[0], device=logits.device), inputs.answer_positions]
+
+    def describe(self) -> dict:
+        return {
+            "family": self.family,
+            "n_layers": self.n_layers,
+            "n_heads": self.n_heads,
+            "d_model": self.d_model,
+            "final_norm": self.final_norm,
+            "attention_kind": self.attention_kind,
+            "position_scheme": self.position_scheme,
+        }

@@ -1,0 +1,53 @@
+"""Which adapter serves which architecture.
+
+Hugging Face models are matched by ``config.architectures[0]``; open_clip
+models by their model class name. Adding a family is one new file in
+``families/`` that calls :func:`register`.
+"""
+
+from __future__ import annotations
+
+from core.errors import UnsupportedArchitectureError
+
+_HF: dict[str, type] = {}
+_OPEN_CLIP: dict[str, type] = {}
+
+
+def register(*, hf: tuple[str, ...] = (), open_clip: tuple[str, ...] = ()):
+    """Class decorator: register an Adapter for these architecture names."""
+
+    def wrap(cls):
+        for name in hf:
+            _HF[name] = cls
+        for name in open_clip:
+            _OPEN_CLIP[name] = cls
+        return cls
+
+    return wrap
+
+
+def _load_families() -> None:
+    from core.models.families import coca, llava  # noqa: F401  (registration side effect)
+
+
+def supported() -> list[str]:
+    _load_families()
+    return sorted(_HF) + [f"open_clip:{n}" for n in sorted(_OPEN_CLIP)]
+
+
+def adapter_for_hf(architecture: str | None) -> type:
+    _load_families()
+    if architecture in _HF:
+        return _HF[architecture]
+    raise UnsupportedArchitectureError(
+        f"no adapter supports architecture {architecture!r}; supported: {', '.join(supported())}"
+    )
+
+
+def adapter_for_open_clip(model_class: str) -> type:
+    _load_families()
+    if model_class in _OPEN_CLIP:
+        return _OPEN_CLIP[model_class]
+    raise UnsupportedArchitectureError(
+        f"no adapter supports open_clip model class {model_class!r}; supported: {', '.join(supported())}"
+    )

@@ -1,0 +1,65 @@
+"""`vlm-readout answer` for one pair and for a JSONL of pairs; questions that do not fit."""
+
+import json
+import shutil
+
+import pytest
+
+from core import QuestionError, answer, answer_batch, load_model
+from core.cli import main
+from core.models.loading import resources_dir
+
+SAMPLES = resources_dir() / "samples"
+
+
+def test_single_answer_prints_answer_and_probability(capsys):
+    assert main(["answer", "--model", "shapes-llava", "--image", str(SAMPLES / "sample_00.png"),
+                 "--question", "what shape is the blue object?"]) == 0
+    word, prob = capsys.readouterr().out.strip().split("\t")
+    a = answer(load_model("shapes-llava"), SAMPLES / "sample_00.png", "what shape is the blue object?")
+    assert word == a.answer and float(prob) == pytest.approx(a.prob, abs=1e-4)
+
+
+@pytest.mark.parametrize("model", ["shapes-llava", "shapes-coca"])
+def test_pairs_file_gives_one_line_per_pair_in_order(tmp_path, model):
+    sub = tmp_path / "imgs"
+    sub.mkdir()
+    rows = [json.loads(x) for x in (SAMPLES / "pairs.jsonl").read_text().splitlines()][:5]
+    lines = []
+    for r in rows:
+        shutil.copy(SAMPLES / r["image"], sub / r["image"])
+        lines.append(json.dumps({"image": f"imgs/{r['image']}", "question": r["question"]}))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["answer", "--model", model, "--pairs", str(pairs), "--out", str(out), "--batch-size", "2", "--quiet"]) == 0
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [g["question"] for g in got] == [r["question"] for r in rows]
+    assert [g["image"] for g in got] == [f"imgs/{r['image']}" for r in rows]
+    loaded = load_model(model)
+    direct = answer_batch(loaded, [SAMPLES / r["image"] for r in rows], [r["question"] for r in rows])
+    for g, d in zip(got, direct):
+        assert set(g) == {"image", "question", "answer", "prob", "top"}
+        assert len(g["top"]) == 5 and g["top"][0][0] == g["answer"] == d.answer
+        assert g["prob"] == pytest.approx(d.prob, abs=1e-5)
+        assert [p for _, p in g["top"]] == sorted((p for _, p in g["top"]), reverse=True)
+
+
+def test_bad_pairs_file_is_one_line_error(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"image": "x.png"}\n')
+    assert main(["answer", "--pairs", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+
+
+@pytest.mark.parametrize("model", ["shapes-llava", "shapes-coca"])
+def test_questions_that_do_not_fit(model):
+    loaded = load_model(model)
+    image = SAMPLES / "sample_00.png"
+    with pytest.raises(QuestionError, match="zebra"):
+        answer(loaded, image, "is there a zebra?")
+    with pytest.raises(QuestionError, match="empty"):
+        answer(loaded, image, "   ")
+    with pytest.raises(QuestionError, match="too long"):
+        answer(loaded, image, " ".join(["is the red circle left of the blue square?"] * 40))

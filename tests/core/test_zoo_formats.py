@@ -1,0 +1,103 @@
+"""The default models load with plain transformers / open_clip code, offline,
+and VLM Readout's path gives the same numbers."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from core import answer, load_model
+from core.models.loading import resources_dir
+from core.zoo import build, scenes, vocab
+
+MODELS = resources_dir() / "models"
+
+
+def test_chat_template_renders_the_training_prompt():
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(MODELS / "shapes-llava", local_files_only=True)
+    q = "is the red circle left of the blue square?"
+    conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}]
+    assert processor.apply_chat_template(conv, add_generation_prompt=True) == vocab.LLAVA_PROMPT.format(question=q)
+
+
+def test_plain_transformers_matches_readout_and_training_path():
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    d = MODELS / "shapes-llava"
+    model = AutoModelForImageTextToText.from_pretrained(d, local_files_only=True).eval()
+    processor = AutoProcessor.from_pretrained(d, local_files_only=True)
+    s = scenes.make_sample("heldout", 11)
+    conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": s.question}]}]
+    prompt = processor.apply_chat_template(conv, add_generation_prompt=True)
+    from PIL import Image
+
+    inputs = processor(images=Image.fromarray(s.image), text=prompt, return_tensors="pt")
+    n_image = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    assert n_image == scenes.GRID**2
+    from core.zoo.train import normalize_pixels
+
+    assert torch.allclose(inputs["pixel_values"], normalize_pixels(s.image[None]), atol=1e-5)
+    with torch.no_grad():
+        probs = model(**inputs).logits[0, -1].softmax(-1)
+    a = answer(load_model("shapes-llava"), s.image, s.question)
+    assert a.answer_id == int(probs.argmax()) and a.prob == pytest.approx(float(probs.max()), abs=1e-5)
+
+
+def test_plain_open_clip_matches_readout():
+    import open_clip
+    from PIL import Image
+
+    d = MODELS / "shapes-coca"
+    model, preprocess = open_clip.create_model_from_pretrained(f"local-dir:{d}")
+    tokenizer = open_clip.get_tokenizer(f"local-dir:{d}")
+    s = scenes.make_sample("heldout", 12)
+    text = tokenizer([vocab.COCA_PROMPT.format(question=s.question)])
+    n = int((text[0] != 0).sum())
+    with torch.no_grad():
+        logits = model.eval()(preprocess(Image.fromarray(s.image))[None], text[:, :n], output_labels=False)["logits"]
+    probs = logits[0, -1].softmax(-1)
+    a = answer(load_model("shapes-coca"), s.image, s.question)
+    assert a.answer_id == int(probs.argmax()) and a.prob == pytest.approx(float(probs.max()), abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["shapes-llava", "shapes-coca"])
+def test_shipped_vocabulary_and_card(name):
+    d = MODELS / name
+    assert json.loads((d / "scene_vocabulary.json").read_text()) == json.loads(json.dumps(scenes.scene_vocabulary()))
+    card = (d / "CARD.md").read_text()
+    result = json.loads((d / "eval_heldout.json").read_text())
+    for kind, row in result["by_kind"].items():
+        assert f"| {kind} | {row['accuracy']:.4f} |" in card
+    assert result["n"] == 2000
+
+
+def test_every_answer_and_template_word_is_one_token():
+    tok = vocab.build_hf_tokenizer()
+    for w in scenes.ANSWER_WORDS:
+        assert len(tok.encode(w, add_special_tokens=False)) == 1
+    assert build.vocab_size() == len(tok.get_vocab())
+    for i in range(200):
+        q = scenes.make_sample("heldout", i).question
+        assert tok.unk_token_id not in tok.encode(q)
+
+
+def test_prefix_shared_training_forward_is_exact():
+    """Training runs the image prefix once and shares its cache over several
+    questions; that must equal the plain full-sequence forward."""
+    from core.zoo.train import LlavaTrainer, normalize_pixels
+
+    trainer = LlavaTrainer(seed=0)
+    trainer.model.load_state_dict(load_model("shapes-llava").model.state_dict())
+    trainer.model.eval()
+    samples = [scenes.make_sample("heldout", i) for i in range(3)]
+    pixels = normalize_pixels(np.stack([s.image for s in samples]))
+    qs = [s.question for s in samples]
+    with torch.no_grad():
+        shared = trainer.answer_logits(pixels.repeat_interleave(2, 0)[::2], [q for q in qs for _ in range(2)], 2)
+        m = load_model("shapes-llava")
+        inputs = m.adapter.prepare([s.image for s in samples], qs)
+        plain = m.adapter.next_token_logits(inputs)
+    assert torch.allclose(shared[::2], plain, atol=1e-4)
