@@ -69,6 +69,21 @@ def _architecture(family: str, model) -> str:
     )
 
 
+def _alt_section(model_dir: Path, name: str) -> str:
+    f = model_dir / "eval_alt.json"
+    if not f.is_file():
+        return ""
+    alt = json.loads(f.read_text())
+    return (
+        f"## Accuracy on {alt['n']} scenes from an independent renderer\n\n"
+        "`core/zoo/altrender.py` draws the same vocabulary with PIL's ImageDraw (3x supersampled, Lanczos "
+        "downsampling), exact palette colours, flat backgrounds and uniform noise; the model never saw its "
+        f"pixels. `vlm-readout evaluate-zoo --model {name} --renderer alt --n {alt['n']}`:\n\n"
+        + markdown_table(alt)
+        + "\n"
+    )
+
+
 def write_card(family: str, model_dir: Path) -> None:
     from core.models.loading import load_model
 
@@ -185,6 +200,8 @@ By number of objects: {', '.join(f"{k}: {v['accuracy']:.3f} (n={v['n']})" for k,
 By template: {', '.join(f"`{k}` {v['accuracy']:.3f}" for k, v in result['by_template'].items())}.
 
 {'All bars met.' if not missed else 'Bars missed: ' + ', '.join(missed) + '.'}
+
+{_alt_section(model_dir, name)}
 
 ## Limits
 

@@ -1,0 +1,54 @@
+"""``vlm-readout-app``: open the main window and answer the first question."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="vlm-readout-app", description=__doc__)
+    p.add_argument(
+        "--model",
+        default="shapes-llava",
+        help="built-in name, model folder, cached repo id, or open_clip name:checkpoint",
+    )
+    p.add_argument("--image", help="image file (default: the first bundled sample)")
+    p.add_argument("--question", help="question about the image (default: the first bundled sample's)")
+    p.add_argument(
+        "--screenshot", metavar="PNG", help="save the window to PNG once the first answer (or error) shows, then quit"
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication
+
+    from app.main_window import MainWindow
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    window = MainWindow(model_spec=args.model)
+    image_ok = args.image is None or window.set_image(args.image)
+    if args.question is not None:
+        window.set_question(args.question)
+    window.show()
+
+    def screenshot_and_quit() -> None:
+        if not window.grab().save(args.screenshot):
+            print(f"error: cannot write {args.screenshot}", file=sys.stderr)
+        window.close()
+        app.quit()
+
+    started = image_ok and window.answer_question()
+    if args.screenshot:
+        if started:
+            window.idle.connect(lambda: QTimer.singleShot(100, screenshot_and_quit))
+        else:
+            QTimer.singleShot(100, screenshot_and_quit)
+    return app.exec()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Background work for the app: the only module that starts threads.
+
+A :class:`Worker` runs a plain Python function in its own ``QThread``. The
+function is called as ``fn(*args, progress=..., cancel=..., **kwargs)``:
+
+* ``progress(done, total, message)`` reports progress (``total == 0`` means
+  "busy, amount unknown");
+* ``cancel`` is a :class:`threading.Event`; the function polls
+  ``cancel.is_set()`` and returns early when it is set.
+
+Exactly one of ``finished(result)``, ``failed(message)`` or ``cancelled()``
+is emitted per run, on the GUI thread. Expected engine errors
+(:class:`core.ReadoutError`) fail with their one-line message; anything else
+fails with a one-line summary (the traceback goes to the log), never a crash.
+A :class:`WorkerPool` starts workers, keeps each until its thread has ended
+and joins them all on :meth:`WorkerPool.shutdown`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+from core import ReadoutError
+
+log = logging.getLogger(__name__)
+
+
+def one_line(error: BaseException) -> str:
+    """``"TypeName: message"`` squeezed onto one line."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+class _Thread(QThread):
+    """A QThread whose ``run`` calls the given target."""
+
+    def __init__(self, target: Callable[[], None]):
+        super().__init__()
+        self._target = target
+
+    def run(self) -> None:
+        self._target()
+
+
+class Worker(QObject):
+    """Runs ``fn`` once in a thread of its own; see the module docstring."""
+
+    progress = Signal(int, int, str)
+    finished = Signal(object)
+    failed = Signal(str)
+    cancelled = Signal()
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any):
+        super().__init__()
+        self._fn, self._args, self._kwargs = fn, args, kwargs
+        self.cancel_token = threading.Event()
+        self.returned = False  # set in the thread once fn has returned and the outcome is emitted
+        self.qthread = _Thread(self._run)
+
+    def start(self) -> None:
+        self.qthread.start()
+
+    def cancel(self) -> None:
+        """Ask the function to stop; it does so the next time it polls."""
+        self.cancel_token.set()
+
+    def _report(self, done: int, total: int, message: str = "") -> None:
+        self.progress.emit(int(done), int(total), message)
+
+    def _run(self) -> None:
+        try:
+            result = self._fn(*self._args, progress=self._report, cancel=self.cancel_token, **self._kwargs)
+        except ReadoutError as e:
+            self.failed.emit(str(e))
+        except Exception as e:  # a bug or an unexpected library error: report, do not crash
+            log.exception("background job failed")
+            self.failed.emit(one_line(e))
+        else:
+            if self.cancel_token.is_set():
+                self.cancelled.emit()
+            else:
+                self.finished.emit(result)
+        finally:
+            self.returned = True
+
+
+class WorkerPool(QObject):
+    """Starts workers and keeps each one until its thread has ended.
+
+    A QObject so that the thread-ended connections die with it.
+    """
+
+    def __init__(self, parent: QObject | None = None):
+        super().__init__(parent)
+        self._workers: list[Worker] = []
+
+    def start(self, worker: Worker) -> Worker:
+        """Start ``worker``, keeping it until its thread has ended.
+
+        Connect to the worker's signals before this call: a signal emitted
+        before a connection exists is not delivered.
+        """
+        worker.qthread.finished.connect(self._forget_finished)
+        self._workers.append(worker)
+        worker.start()
+        return worker
+
+    def running(self) -> list[Worker]:
+        """Workers whose thread has not been joined yet."""
+        return list(self._workers)
+
+    def shutdown(self, timeout_ms: int = 30_000) -> bool:
+        """Cancel every worker and join its thread; True if all ended in time."""
+        for worker in self._workers:
+            worker.cancel()
+        for worker in list(self._workers):
+            if worker.qthread.wait(timeout_ms):
+                self._workers.remove(worker)
+            else:
+                log.error("a background job did not stop within %d ms", timeout_ms)
+        return not self._workers
+
+    @Slot()
+    def _forget_finished(self) -> None:
+        """Join and drop workers whose function has returned (their thread is ending)."""
+        for worker in [w for w in self._workers if w.returned]:
+            worker.qthread.wait()
+            self._workers.remove(worker)

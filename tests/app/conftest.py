@@ -1,0 +1,28 @@
+"""Fixtures for the app tests (pytest-qt, offscreen)."""
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before any Qt import
+
+import pytest  # noqa: E402
+from PySide6.QtCore import QThreadPool  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_cache() -> dict:
+    """``{spec: LoadedModel}`` shared by every window, so each model loads once per run."""
+    return {}
+
+
+@pytest.fixture
+def window(qtbot, model_cache):
+    """A shown MainWindow; on teardown it is closed and must leave no worker thread behind."""
+    from app.main_window import MainWindow
+
+    win = MainWindow(model_cache=model_cache)
+    win.show()
+    qtbot.waitExposed(win)
+    yield win
+    win.close()
+    assert win.workers.running() == [], "worker threads still alive after close"
+    assert QThreadPool.globalInstance().activeThreadCount() == 0

@@ -1,0 +1,193 @@
+"""The main window end to end: sample shown, answer off the GUI thread, errors in the window, cancel."""
+
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image
+from PySide6.QtCore import QMimeData, QPointF, Qt, QTimer, QUrl
+from PySide6.QtGui import QDropEvent, QImage
+from PySide6.QtWidgets import QApplication
+
+import core
+from app.__main__ import main
+from app.samples import bundled_samples
+from app.workers import Worker, WorkerPool
+
+TIMEOUT_MS = 60_000
+
+
+def run_until_idle(qtbot, window, start) -> None:
+    """Call ``start()`` (which must start a job) and wait until the window is idle again."""
+    with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
+        assert start()
+    assert not window.is_busy()
+
+
+def test_opens_on_sample_and_answers_like_core(qtbot, window):
+    sample = bundled_samples()[0]
+    assert window.image_name == sample.image_path.name
+    assert window.question_edit.text() == sample.question
+    height, width = window.image.height, window.image.width
+    assert window.image_item.image.shape == (height, width, 3)  # row-major (H, W, 3): upright, not transposed
+
+    run_until_idle(qtbot, window, window.answer_question)
+
+    assert window.error_label.text() == ""
+    loaded = window.model_cache["shapes-llava"]
+    expected = core.answer(loaded, core.load_image(sample.image_path), sample.question)
+    shown = window.last_answer
+    assert shown.answer == expected.answer == loaded.adapter.token_str(shown.answer_id)
+    assert 0.0 <= shown.prob <= 1.0
+    assert shown.prob == pytest.approx(expected.prob, abs=1e-5)
+    assert window.answer_label.text() == f"answer: {expected.answer}  (p = {expected.prob:.3f})"
+    assert window.table_title.text() == "top alternatives"
+    assert window.top_table.rowCount() == len(expected.top) == 5
+    assert [window.top_table.item(r, 0).text() for r in range(5)] == [t for t, _ in expected.top]
+    assert window.status_label.text() == "ready"
+    assert window.answer_button.isEnabled() and not window.cancel_button.isEnabled()
+
+
+def test_image_is_upright_not_transposed(window):
+    pixels = np.zeros((100, 240, 3), np.uint8)  # (H, W, 3): a wide image, red in the top-left corner
+    pixels[:20, :40] = (255, 0, 0)
+    assert window.set_image(Image.fromarray(pixels), name="wide")
+    assert window.image_item.width() == 240 and window.image_item.height() == 100
+    assert window.image_plot.getViewBox().yInverted()  # row 0 drawn at the top
+    assert (window.image_item.image[:20, :40] == (255, 0, 0)).all()
+
+
+def test_second_answer_reuses_loaded_model(qtbot, window):
+    run_until_idle(qtbot, window, window.answer_question)
+    loaded = window.model_cache["shapes-llava"]
+    window.set_question("how many triangles are there?")
+    run_until_idle(qtbot, window, window.answer_question)
+    assert window.model_cache["shapes-llava"] is loaded
+    assert window.last_answer is not None
+
+
+def test_gui_stays_responsive_while_model_runs(qtbot, window):
+    samples = bundled_samples() * 4
+    seen = []  # (busy, progress value, progress maximum) at each tick of a GUI-thread timer
+    timer = QTimer()
+    timer.timeout.connect(
+        lambda: seen.append((window.is_busy(), window.progress_bar.value(), window.progress_bar.maximum()))
+    )
+    timer.start(10)
+    run_until_idle(
+        qtbot,
+        window,
+        lambda: window.answer_pairs([s.image_path for s in samples], [s.question for s in samples], batch_size=1),
+    )
+    timer.stop()
+    busy_ticks = [(value, maximum) for busy, value, maximum in seen if busy]
+    assert len(busy_ticks) >= 5, "the GUI event loop did not run while the model worked"
+    assert any(0 < value < maximum for value, maximum in busy_ticks), "no progress was shown mid-run"
+    assert len(window.last_answers) == len(samples)
+
+
+def test_bad_image_shows_one_line_error(qtbot, window, tmp_path):
+    bad = tmp_path / "not_an_image.png"
+    bad.write_bytes(b"this is text, not a PNG\n")
+    shown_before = window.image
+    assert not window.set_image(bad)
+    message = window.error_label.text()
+    assert "not_an_image.png" in message and "not an image" in message
+    assert "\n" not in message
+    assert window.image is shown_before and not window.is_busy()
+
+
+def test_unknown_word_shows_question_error(qtbot, window):
+    loaded = window.model_cache.get("shapes-llava") or core.load_model("shapes-llava")
+    window.model_cache["shapes-llava"] = loaded
+    with pytest.raises(core.QuestionError) as expected:
+        core.answer(loaded, window.image, "what is a zebra?")
+    window.set_question("what is a zebra?")
+    run_until_idle(qtbot, window, window.answer_question)
+    assert window.error_label.text() == str(expected.value)
+    assert "zebra" in window.error_label.text()
+    assert window.last_answer is None and window.status_label.text() == "failed"
+
+
+def test_cancel_returns_to_idle(qtbot, window):
+    samples = bundled_samples() * 20
+    window.answer_pairs([s.image_path for s in samples], [s.question for s in samples], batch_size=1)
+    assert window.cancel_button.isEnabled() and not window.answer_button.isEnabled()
+    qtbot.waitUntil(lambda: window.progress_bar.value() >= 1, timeout=TIMEOUT_MS)
+    with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
+        qtbot.mouseClick(window.cancel_button, Qt.MouseButton.LeftButton)
+    assert window.status_label.text() == "cancelled"
+    assert window.error_label.text() == "" and window.last_answers == []
+    assert window.answer_button.isEnabled() and not window.cancel_button.isEnabled()
+    qtbot.waitUntil(lambda: window.workers.running() == [], timeout=5_000)
+
+
+def test_close_while_running_joins_the_worker(qtbot, window):
+    samples = bundled_samples() * 20
+    window.answer_pairs([s.image_path for s in samples], [s.question for s in samples], batch_size=1)
+    assert window.workers.running()
+    window.close()  # cancels and joins; the fixture checks again after its own close
+    assert window.workers.running() == []
+
+
+def test_drop_and_paste_set_the_image(qtbot, window):
+    sample = bundled_samples()[1]
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(sample.image_path))])
+    drop = QDropEvent(
+        QPointF(10, 10), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier
+    )
+    window.dropEvent(drop)
+    assert window.image_name == sample.image_path.name
+
+    QApplication.clipboard().setImage(QImage(str(bundled_samples()[2].image_path)))
+    window.paste_image()
+    assert window.image_name == "pasted image"
+    assert window.image.size == core.load_image(bundled_samples()[2].image_path).size
+
+
+def test_worker_reports_errors_as_one_line(qtbot):
+    def broken(*, progress, cancel):
+        raise ValueError("line one\nline two")
+
+    def refused(*, progress, cancel):
+        raise core.ImageLoadError("x.png: not an image file PIL can read")
+
+    pool = WorkerPool()
+    for fn, message in ((broken, "ValueError: line one line two"), (refused, "x.png: not an image file PIL can read")):
+        worker = Worker(fn)
+        with qtbot.waitSignal(worker.failed, timeout=5_000) as failed:
+            pool.start(worker)
+        assert failed.args == [message]
+    assert pool.shutdown() and pool.running() == []
+
+
+def test_worker_runs_off_gui_thread_and_cancels(qtbot):
+    seen = {}
+
+    def wait_for_cancel(*, progress, cancel):
+        seen["thread"] = threading.get_ident()
+        progress(0, 0, "waiting")
+        cancel.wait(10)
+        return "done"
+
+    pool = WorkerPool()
+    worker = Worker(wait_for_cancel)
+    with qtbot.waitSignal(worker.progress, timeout=5_000):
+        pool.start(worker)
+    assert seen["thread"] != threading.get_ident()
+    with qtbot.waitSignal(worker.cancelled, timeout=5_000):
+        worker.cancel()
+    assert pool.shutdown() and pool.running() == []
+
+
+@pytest.mark.parametrize("image_arg", [None, "not_an_image.png"])
+def test_main_screenshot(qtbot, tmp_path, image_arg):
+    shot = tmp_path / "app.png"
+    argv = ["--model", "shapes-coca", "--screenshot", str(shot)]
+    if image_arg:
+        (tmp_path / image_arg).write_text("not an image")
+        argv += ["--image", str(tmp_path / image_arg)]
+    assert main(argv) == 0
+    image = QImage(str(shot))
+    assert not image.isNull() and image.width() > 400
