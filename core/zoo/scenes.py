@@ -435,18 +435,28 @@ def _placeholders(text: str) -> list[str]:
 
 
 def make_scene_questions(
-    split: str, index: int, k: int, *, max_objects: int = MAX_OBJECTS, image_size: int = IMAGE_SIZE
+    split: str,
+    index: int,
+    k: int,
+    *,
+    max_objects: int = MAX_OBJECTS,
+    image_size: int = IMAGE_SIZE,
+    kind_weights: dict[str, float] | None = None,
 ) -> tuple[np.ndarray, list[SceneObject], list[Sample]]:
-    """One scene and ``k`` questions about it, kinds cycling through
-    :data:`QUESTION_KINDS` from a random start (used for training, where one
-    image serves several questions)."""
+    """One scene and ``k`` questions about it (used for training, where one
+    image serves several questions). Kinds cycle through
+    :data:`QUESTION_KINDS` from a random start, or are drawn with
+    ``kind_weights`` when given."""
     rng = np.random.default_rng([SPLIT_SEEDS[split], 1_000_003, index])
     n = int(rng.integers(1, max_objects + 1))
     image, objects = render_scene(rng, n, image_size)
     start = int(rng.integers(len(QUESTION_KINDS)))
+    if kind_weights is not None:
+        p = np.array([kind_weights.get(kd, 0.0) for kd in QUESTION_KINDS], float)
+        drawn = rng.choice(len(QUESTION_KINDS), size=k, p=p / p.sum())
     samples = []
     for q in range(k):
-        kind = QUESTION_KINDS[(start + q) % len(QUESTION_KINDS)]
+        kind = QUESTION_KINDS[(start + q) % len(QUESTION_KINDS) if kind_weights is None else drawn[q]]
         for attempt in range(4):  # avoid asking the same question twice
             asked = _ask(rng, kind, objects, image_size)
             if asked is None:  # e.g. a relation in a one-object scene

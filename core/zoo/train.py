@@ -48,8 +48,9 @@ def normalize_pixels(images: np.ndarray) -> torch.Tensor:
 class Batches:
     """Deterministic training batches: batch ``step`` of phase ``phase``."""
 
-    def __init__(self, n_scenes: int, k: int, seed: int):
+    def __init__(self, n_scenes: int, k: int, seed: int, kind_weights: dict[str, float] | None = None):
         self.n_scenes, self.k, self.seed = n_scenes, k, seed
+        self.kind_weights = kind_weights
         self.tok = vocab.build_tokenizer()
 
     def get(self, phase: int, step: int, max_objects: int) -> dict:
@@ -57,7 +58,7 @@ class Batches:
         images, colors, shapes, centres, questions, answers, kinds = [], [], [], [], [], [], []
         for i in range(self.n_scenes):
             image, objects, samples = scenes.make_scene_questions(
-                "train", base + i, self.k, max_objects=max_objects
+                "train", base + i, self.k, max_objects=max_objects, kind_weights=self.kind_weights
             )
             images.append(image)
             c, s, m = scenes.patch_labels(objects)
@@ -77,12 +78,22 @@ class Batches:
         }
 
 
+def _patch_xy() -> torch.Tensor:
+    """(patches, 2): each patch centre's (x, y) scaled to [-1, 1], row-major."""
+    g = scenes.GRID
+    c = (torch.arange(g, dtype=torch.float32) + 0.5) / g * 2 - 1
+    return torch.stack([c.repeat(g), c.repeat_interleave(g)], dim=1)
+
+
 class DenseHead(torch.nn.Module):
-    """Per-patch colour / shape / centre classifier on vision tokens (training only)."""
+    """Per-patch linear read-outs on vision tokens (training only): colour and
+    shape class, object-centre flag, and the patch's own (x, y) so that
+    position stays linearly readable for relation questions."""
 
     def __init__(self, width: int):
         super().__init__()
-        self.proj = torch.nn.Linear(width, N_COLOR + N_SHAPE + 1)
+        self.proj = torch.nn.Linear(width, N_COLOR + N_SHAPE + 1 + 2)
+        self.register_buffer("xy", _patch_xy(), persistent=False)
 
     def loss(self, tokens: torch.Tensor, batch: dict) -> torch.Tensor:
         """tokens: (batch, patches, width)."""
@@ -91,8 +102,9 @@ class DenseHead(torch.nn.Module):
         ls = F.cross_entropy(
             out[..., N_COLOR : N_COLOR + N_SHAPE].reshape(-1, N_SHAPE), batch["shape"].reshape(-1)
         )
-        lm = F.binary_cross_entropy_with_logits(out[..., -1], batch["centre"])
-        return lc + ls + lm
+        lm = F.binary_cross_entropy_with_logits(out[..., N_COLOR + N_SHAPE], batch["centre"])
+        lxy = F.mse_loss(out[..., -2:], self.xy.expand_as(out[..., -2:]))
+        return lc + ls + lm + lxy
 
 
 def _pad(ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +222,8 @@ def train(args) -> None:
         state = saved["state"]
         print(f"resumed from {ckpt}: phase {state['phase']} step {state['step']}", flush=True)
     log = open(run_dir / "log.jsonl", "a")
-    batches = Batches(args.scenes_per_step, args.questions_per_image, args.seed)
+    weights = dict(zip(scenes.QUESTION_KINDS, args.kind_weights)) if args.kind_weights else None
+    batches = Batches(args.scenes_per_step, args.questions_per_image, args.seed, weights)
     dense_batches = Batches(args.dense_batch, 1, args.seed)
     from tqdm import tqdm
 
@@ -299,7 +312,11 @@ def main(argv=None) -> None:
     p.add_argument("--dense-batch", type=int, default=64)
     p.add_argument("--scenes-per-step", type=int, default=24)
     p.add_argument("--questions-per-image", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument(
+        "--kind-weights", type=float, nargs=4, default=[0.3, 0.35, 0.175, 0.175],
+        metavar=tuple(scenes.QUESTION_KINDS), help="share of training questions per kind (0 args: cycle evenly)",
+    )
     p.add_argument("--dense-weight", type=float, default=0.3)
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--checkpoint-every", type=int, default=50)
