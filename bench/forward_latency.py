@@ -60,7 +60,9 @@ def main() -> None:
     print("| model | parameters | forward ms (batch 1) | answer path ms | answer / forward |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['parameters']:,} | {r['forward_ms']} | {r['answer_path_ms']} | {r['answer_path_over_forward']} |")
+        print(
+            f"| {r['model']} | {r['parameters']:,} | {r['forward_ms']} | {r['answer_path_ms']} | {r['answer_path_over_forward']} |"
+        )
     if a.json:
         out = {"threads": a.threads, "machine": platform.machine(), "processor": platform.processor(), "rows": rows}
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,11 @@ from core.errors import ReadoutError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="shapes-llava", help="built-in name, model folder, cached repo id, or open_clip name:checkpoint")
+    p.add_argument(
+        "--model",
+        default="shapes-llava",
+        help="built-in name, model folder, cached repo id, or open_clip name:checkpoint",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N, or auto (spread over devices)")
     p.add_argument("--allow-pickle", action="store_true", help="accept pickle checkpoints (they can run code)")
     p.add_argument("--trust-remote-code", action="store_true", help="accept models that ship their own code")
@@ -91,8 +95,13 @@ def cmd_answer(args) -> int:
     for p, a in zip(pairs, answers):
         lines.append(
             json.dumps(
-                {"image": p["image"], "question": p["question"], "answer": a.answer, "prob": a.prob,
-                 "top": [[t, q] for t, q in a.top]}
+                {
+                    "image": p["image"],
+                    "question": p["question"],
+                    "answer": a.answer,
+                    "prob": a.prob,
+                    "top": [[t, q] for t, q in a.top],
+                }
             )
         )
     text = "\n".join(lines) + "\n"

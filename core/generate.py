@@ -32,7 +32,11 @@ def greedy_generate(loaded, image, question: str, *, max_new_tokens: int = 8) ->
     """Greedy decoding of up to ``max_new_tokens`` tokens, stopping at EOS or padding."""
     adapter = loaded.adapter
     inputs = adapter.prepare([load_image(image)], [question])
-    stop = {t for t in (getattr(adapter.tokenizer, "eos_token_id", None), getattr(adapter.tokenizer, "pad_token_id", None)) if t is not None}
+    stop = {
+        t
+        for t in (getattr(adapter.tokenizer, "eos_token_id", None), getattr(adapter.tokenizer, "pad_token_id", None))
+        if t is not None
+    }
     ids, toks, probs = [], [], []
     for _ in range(max_new_tokens):
         p = adapter.next_token_logits(inputs)[0].float().softmax(-1)

@@ -9,8 +9,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":
     sys.exit(
         subprocess.call(
-            [sys.executable, "-m", "PyInstaller", "--noconfirm", "--distpath", str(ROOT / "dist"),
-             "--workpath", str(ROOT / "build"), str(ROOT / "installer" / "vlm_readout.spec")],
+            [
+                sys.executable,
+                "-m",
+                "PyInstaller",
+                "--noconfirm",
+                "--distpath",
+                str(ROOT / "dist"),
+                "--workpath",
+                str(ROOT / "build"),
+                str(ROOT / "installer" / "vlm_readout.spec"),
+            ],
             cwd=ROOT,
         )
     )

@@ -171,9 +171,7 @@ def load_model(
         elif _looks_like_open_clip(spec_str):
             loaded = _load_open_clip_spec(spec_str, device, dtype, allow_pickle, allow_download)
         elif _looks_like_repo_id(spec_str):
-            loaded = _load_dir(
-                _cached_repo(spec_str, allow_download), device, dtype, allow_pickle, trust_remote_code
-            )
+            loaded = _load_dir(_cached_repo(spec_str, allow_download), device, dtype, allow_pickle, trust_remote_code)
         else:
             raise ModelLoadError(
                 f"{spec_str}: no such folder, built-in model ({', '.join(BUILTIN)}), "
@@ -233,8 +231,7 @@ def _read_json(f: Path) -> dict:
 def _load_hf_dir(path: Path, device, dtype, allow_pickle: bool, trust_remote_code: bool) -> LoadedModel:
     config = _read_json(path / "config.json")
     needs_remote = "auto_map" in config or any(
-        f.suffix == ".py" and f.name.startswith(("modeling_", "configuration_", "processing_"))
-        for f in path.iterdir()
+        f.suffix == ".py" and f.name.startswith(("modeling_", "configuration_", "processing_")) for f in path.iterdir()
     )
     if needs_remote and not trust_remote_code:
         raise UnsafeCheckpointError(
@@ -344,7 +341,9 @@ def _load_open_clip_spec(spec: str, device, dtype, allow_pickle: bool, allow_dow
     adapter_cls = registry.adapter_for_open_clip(model_class)
     try:
         model, _, preprocess = open_clip.create_model_and_transforms(
-            name, pretrained=str(ckpt) if ckpt.is_file() else checkpoint, device=device or "cpu",
+            name,
+            pretrained=str(ckpt) if ckpt.is_file() else checkpoint,
+            device=device or "cpu",
             weights_only=not allow_pickle,
         )
     except Exception as e:
@@ -353,4 +352,6 @@ def _load_open_clip_spec(spec: str, device, dtype, allow_pickle: bool, allow_dow
     tokenizer = open_clip.get_tokenizer(name)
     adapter = adapter_cls(model, preprocess, tokenizer, {})
     fp = _fingerprint([ckpt]) if ckpt.is_file() else hashlib.sha256(spec.encode()).hexdigest()[:16]
-    return LoadedModel(spec, adapter.family, model, preprocess, tokenizer, adapter, ckpt if ckpt.is_file() else None, fp)
+    return LoadedModel(
+        spec, adapter.family, model, preprocess, tokenizer, adapter, ckpt if ckpt.is_file() else None, fp
+    )

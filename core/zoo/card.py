@@ -123,7 +123,7 @@ def write_card(family: str, model_dir: Path) -> None:
     )
     card = f"""# {name}
 
-A small {'LLaVA' if family == 'llava' else 'CoCa'} trained from scratch on the synthetic shape scenes of
+A small {"LLaVA" if family == "llava" else "CoCa"} trained from scratch on the synthetic shape scenes of
 `core/zoo/scenes.py`, shipped as VLM Readout's default model so every read-out
 has a model whose ground truth is known exactly. It answers one word.
 
@@ -140,16 +140,16 @@ has a model whose ground truth is known exactly. It answers one word.
   size {scenes.SIZE_RANGE[0]:.0%}-{scenes.SIZE_RANGE[1]:.0%} of the image side (circle diameter, square side,
   equilateral triangle side), rotation up to +-{scenes.MAX_ROTATION_DEG:.0f} degrees, colour jitter up to
   +-{scenes.COLOR_JITTER} per channel, edges anti-aliased (2x2 or 4x4 supersampling) or hard (1x1).
-- Shapes: {', '.join(scenes.SHAPES)} (plurals: {', '.join(scenes.SHAPE_PLURALS.values())}).
+- Shapes: {", ".join(scenes.SHAPES)} (plurals: {", ".join(scenes.SHAPE_PLURALS.values())}).
 - Colours (name: RGB):
 
 | colour | RGB |
 |---|---|
 {colors}
 
-- Answers (one token each): {', '.join(scenes.ANSWER_WORDS)}.
+- Answers (one token each): {", ".join(scenes.ANSWER_WORDS)}.
 - Words: the tokenizer is word-level (lower-cased, punctuation split off) over exactly these words:
-  {', '.join(vocab.words())}. Any other word is `<unk>`, and VLM Readout refuses such questions.
+  {", ".join(vocab.words())}. Any other word is `<unk>`, and VLM Readout refuses such questions.
 - Machine-readable: `scene_vocabulary.json` beside this card.
 
 ## Question templates (verbatim)
@@ -164,42 +164,42 @@ absent pair that shares its colour or its shape with a present object.
 
 ## Prompt format
 
-`{prompt!r}` (the tokenizer prepends `<s>`). {'The saved chat template renders exactly this for a user turn holding an image then the question, with `add_generation_prompt=True`; the processor expands `<image>` into ' + str(scenes.GRID**2) + ' visual tokens.' if family == 'llava' else 'The image enters only through cross-attention.'}
+`{prompt!r}` (the tokenizer prepends `<s>`). {"The saved chat template renders exactly this for a user turn holding an image then the question, with `add_generation_prompt=True`; the processor expands `<image>` into " + str(scenes.GRID**2) + " visual tokens." if family == "llava" else "The image enters only through cross-attention."}
 The answer is the next token after the prompt.
 
 {how_to_call}
 
 ## Training
 
-`python -m core.zoo.train --family {family}` (seed {args['seed']}), on {platform.machine()} CPU, {args['threads']} thread(s):
+`python -m core.zoo.train --family {family}` (seed {args["seed"]}), on {platform.machine()} CPU, {args["threads"]} thread(s):
 
-1. dense vision pre-training, {args['dense_steps']} steps x {args['dense_batch']} images: a linear head on the
+1. dense vision pre-training, {args["dense_steps"]} steps x {args["dense_batch"]} images: a linear head on the
    vision tower predicts each patch's colour and shape (of the object covering most of it) and whether it
    holds an object's centre, from the exact scene masks;
-2. question answering, {args['qa_steps']} steps x {args['scenes_per_step']} scenes x {args['questions_per_image']}
-   questions ({args['qa_steps'] * args['scenes_per_step'] * args['questions_per_image']:,} question-answer pairs
-   on {args['qa_steps'] * args['scenes_per_step']:,} fresh scenes), cross-entropy on the answer token plus
-   {args['dense_weight']} x the dense loss; curriculum: at most 2 objects for the first 10% of steps, 3 until 20%.
-   AdamW (lr {args['lr']}, betas 0.9/0.98, weight decay 0.01), warm-up then cosine decay, gradient clip 1.0.
+2. question answering, {args["qa_steps"]} steps x {args["scenes_per_step"]} scenes x {args["questions_per_image"]}
+   questions ({args["qa_steps"] * args["scenes_per_step"] * args["questions_per_image"]:,} question-answer pairs
+   on {args["qa_steps"] * args["scenes_per_step"]:,} fresh scenes), cross-entropy on the answer token plus
+   {args["dense_weight"]} x the dense loss; curriculum: at most 2 objects for the first 10% of steps, 3 until 20%.
+   AdamW (lr {args["lr"]}, betas 0.9/0.98, weight decay 0.01), warm-up then cosine decay, gradient clip 1.0.
 
-Training time: {state['elapsed_s'] / 60:.0f} minutes of compute (both phases, on a shared 2-core machine).
+Training time: {state["elapsed_s"] / 60:.0f} minutes of compute (both phases, on a shared 2-core machine).
 Training data uses the `train` split seeds only; the accuracy below uses `heldout` seeds, which training never reads.
 
 ### Learning curve (question answering; accuracy on 400 `val` samples)
 
 {_curve_table(curve)}
 
-## Accuracy on {result['n']} held-out scenes (`heldout` split, 1-{scenes.MAX_OBJECTS} objects)
+## Accuracy on {result["n"]} held-out scenes (`heldout` split, 1-{scenes.MAX_OBJECTS} objects)
 
-Measured with `vlm-readout evaluate-zoo --model {name} --n {result['n']}` (the public load path and processor):
+Measured with `vlm-readout evaluate-zoo --model {name} --n {result["n"]}` (the public load path and processor):
 
 {markdown_table(result)}
 
-By number of objects: {', '.join(f"{k}: {v['accuracy']:.3f} (n={v['n']})" for k, v in result['by_objects'].items())}.
+By number of objects: {", ".join(f"{k}: {v['accuracy']:.3f} (n={v['n']})" for k, v in result["by_objects"].items())}.
 
-By template: {', '.join(f"`{k}` {v['accuracy']:.3f}" for k, v in result['by_template'].items())}.
+By template: {", ".join(f"`{k}` {v['accuracy']:.3f}" for k, v in result["by_template"].items())}.
 
-{'All bars met.' if not missed else 'Bars missed: ' + ', '.join(missed) + '.'}
+{"All bars met." if not missed else "Bars missed: " + ", ".join(missed) + "."}
 
 {_alt_section(model_dir, name)}
 

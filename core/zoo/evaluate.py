@@ -49,8 +49,9 @@ def evaluate(
     by_objects: dict[int, list[int]] = {}
     for start in range(0, n, batch_size):
         samples = [make(i) for i in range(start, min(n, start + batch_size))]
-        answers = answer_batch(loaded, [s.image for s in samples], [s.question for s in samples], top_k=1,
-                               batch_size=batch_size)
+        answers = answer_batch(
+            loaded, [s.image for s in samples], [s.question for s in samples], top_k=1, batch_size=batch_size
+        )
         for s, a in zip(samples, answers):
             ok = int(a.answer == s.answer)
             hits.setdefault(s.kind, []).append(ok)
@@ -59,7 +60,12 @@ def evaluate(
         if progress is not None:
             progress(min(n, start + batch_size), n)
     table = {
-        k: {"accuracy": float(np.mean(v)), "n": len(v), "bar": BARS.get(k), "meets_bar": bool(np.mean(v) >= BARS.get(k, 0))}
+        k: {
+            "accuracy": float(np.mean(v)),
+            "n": len(v),
+            "bar": BARS.get(k),
+            "meets_bar": bool(np.mean(v) >= BARS.get(k, 0)),
+        }
         for k, v in sorted(hits.items())
     }
     return {

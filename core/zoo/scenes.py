@@ -193,9 +193,7 @@ def _shape_vertices(shape: str, cx: float, cy: float, size: float, rot: float) -
 
 
 def circumradius(shape: str, size: float) -> float:
-    return {"circle": size / 2, "square": size / math.sqrt(2), "triangle": size / math.sqrt(3)}[
-        shape
-    ]
+    return {"circle": size / 2, "square": size / math.sqrt(2), "triangle": size / math.sqrt(3)}[shape]
 
 
 def render_coverage(
@@ -247,10 +245,7 @@ def _place_objects(rng: np.random.Generator, n: int, image_size: int) -> list[tu
             rad = circumradius(shape, size)
             cx = rng.uniform(rad + 1, image_size - rad - 1)
             cy = rng.uniform(rad + 1, image_size - rad - 1)
-            if all(
-                math.hypot(cx - p[2], cy - p[3]) > rad + circumradius(p[1], p[4]) + 2
-                for p in placed
-            ):
+            if all(math.hypot(cx - p[2], cy - p[3]) > rad + circumradius(p[1], p[4]) + 2 for p in placed):
                 placed.append((color, shape, cx, cy, size, rot))
                 break
         else:  # pragma: no cover - the shrinking loop always finds room for 4
@@ -352,12 +347,7 @@ def _ask(rng: np.random.Generator, kind: str, objects: list[SceneObject], image_
         present = {(o.color, o.shape) for o in objects}
         # Hard negatives: an absent pair sharing the colour or the shape of a
         # present object, so neither word alone answers the question.
-        near = [
-            (c, s)
-            for c in COLORS
-            for s in SHAPES
-            if (c, s) not in present and (c in colors or s in shapes)
-        ]
+        near = [(c, s) for c in COLORS for s in SHAPES if (c, s) not in present and (c in colors or s in shapes)]
         c, s = near[rng.integers(len(near))]
         return "exist", dict(color=c, shape=s), "no", "yes", None, None
     raise ValueError(f"unknown question kind {kind!r}; expected one of {QUESTION_KINDS}")
@@ -412,19 +402,15 @@ def scene_vocabulary() -> dict[str, Any]:
         "shapes": list(SHAPES),
         "shape_plurals": SHAPE_PLURALS,
         "object_size_range": list(SIZE_RANGE),
-        "object_size_means": "fraction of the image side: circle diameter, square side, "
-        "equilateral triangle side",
+        "object_size_means": "fraction of the image side: circle diameter, square side, equilateral triangle side",
         "max_rotation_deg": MAX_ROTATION_DEG,
         "objects_per_scene": [1, MAX_OBJECTS],
-        "objects_distinct": "every object in a scene is a distinct (color, shape) pair; "
-        "objects do not overlap",
+        "objects_distinct": "every object in a scene is a distinct (color, shape) pair; objects do not overlap",
         "relation_margin": RELATION_MARGIN,
         "relations": list(RELATIONS),
         "count_words": list(COUNT_WORDS),
         "answers": list(ANSWER_WORDS),
-        "templates": {
-            name: {**t, "placeholders": _placeholders(t["text"])} for name, t in TEMPLATES.items()
-        },
+        "templates": {name: {**t, "placeholders": _placeholders(t["text"])} for name, t in TEMPLATES.items()},
     }
 
 
@@ -466,9 +452,7 @@ def make_scene_questions(
             if question not in {s.question for s in samples}:
                 break
         kind = TEMPLATES[template]["kind"]
-        samples.append(
-            Sample(image, objects, question, answer, foil, kind, template, target, reference, split, index)
-        )
+        samples.append(Sample(image, objects, question, answer, foil, kind, template, target, reference, split, index))
     return image, objects, samples
 
 

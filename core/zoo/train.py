@@ -99,9 +99,7 @@ class DenseHead(torch.nn.Module):
         """tokens: (batch, patches, width)."""
         out = self.proj(tokens)
         lc = F.cross_entropy(out[..., :N_COLOR].reshape(-1, N_COLOR), batch["color"].reshape(-1))
-        ls = F.cross_entropy(
-            out[..., N_COLOR : N_COLOR + N_SHAPE].reshape(-1, N_SHAPE), batch["shape"].reshape(-1)
-        )
+        ls = F.cross_entropy(out[..., N_COLOR : N_COLOR + N_SHAPE].reshape(-1, N_SHAPE), batch["shape"].reshape(-1))
         lm = F.binary_cross_entropy_with_logits(out[..., N_COLOR + N_SHAPE], batch["centre"])
         lxy = F.mse_loss(out[..., -2:], self.xy.expand_as(out[..., -2:]))
         return lc + ls + lm + lxy
@@ -276,8 +274,14 @@ def train(args) -> None:
             state["elapsed_s"] += time.time() - t0
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", qa=f"{qa_loss.item():.3f}")
-            record = {"phase": phase, "step": state["step"], "loss": loss.item(), "qa_loss": qa_loss.item(),
-                      "lr": lr, "elapsed_s": round(state["elapsed_s"], 1)}
+            record = {
+                "phase": phase,
+                "step": state["step"],
+                "loss": loss.item(),
+                "qa_loss": qa_loss.item(),
+                "lr": lr,
+                "elapsed_s": round(state["elapsed_s"], 1),
+            }
             if phase == 2 and (state["step"] % args.eval_every == 0 or state["step"] == total):
                 record["val"] = quick_eval(trainer)
                 print(json.dumps(record), flush=True)
@@ -314,8 +318,12 @@ def main(argv=None) -> None:
     p.add_argument("--questions-per-image", type=int, default=8)
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument(
-        "--kind-weights", type=float, nargs=4, default=[0.3, 0.35, 0.175, 0.175],
-        metavar=tuple(scenes.QUESTION_KINDS), help="share of training questions per kind (0 args: cycle evenly)",
+        "--kind-weights",
+        type=float,
+        nargs=4,
+        default=[0.3, 0.35, 0.175, 0.175],
+        metavar=tuple(scenes.QUESTION_KINDS),
+        help="share of training questions per kind (0 args: cycle evenly)",
     )
     p.add_argument("--dense-weight", type=float, default=0.3)
     p.add_argument("--eval-every", type=int, default=250)

@@ -13,8 +13,20 @@ SAMPLES = resources_dir() / "samples"
 
 
 def test_single_answer_prints_answer_and_probability(capsys):
-    assert main(["answer", "--model", "shapes-llava", "--image", str(SAMPLES / "sample_00.png"),
-                 "--question", "what shape is the blue object?"]) == 0
+    assert (
+        main(
+            [
+                "answer",
+                "--model",
+                "shapes-llava",
+                "--image",
+                str(SAMPLES / "sample_00.png"),
+                "--question",
+                "what shape is the blue object?",
+            ]
+        )
+        == 0
+    )
     word, prob = capsys.readouterr().out.strip().split("\t")
     a = answer(load_model("shapes-llava"), SAMPLES / "sample_00.png", "what shape is the blue object?")
     assert word == a.answer and float(prob) == pytest.approx(a.prob, abs=1e-4)
@@ -32,7 +44,10 @@ def test_pairs_file_gives_one_line_per_pair_in_order(tmp_path, model):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
-    assert main(["answer", "--model", model, "--pairs", str(pairs), "--out", str(out), "--batch-size", "2", "--quiet"]) == 0
+    assert (
+        main(["answer", "--model", model, "--pairs", str(pairs), "--out", str(out), "--batch-size", "2", "--quiet"])
+        == 0
+    )
     got = [json.loads(x) for x in out.read_text().splitlines()]
     assert [g["question"] for g in got] == [r["question"] for r in rows]
     assert [g["image"] for g in got] == [f"imgs/{r['image']}" for r in rows]

@@ -14,7 +14,7 @@ def test_llava_greedy_matches_transformers_generate():
     ours = greedy_generate(m, s.image, s.question, max_new_tokens=4)
     inputs = m.adapter.prepare([s.image], [s.question])
     out = m.model.generate(**inputs.tensors, max_new_tokens=4, do_sample=False, eos_token_id=[1_000_000])
-    theirs = out[0, inputs.tensors["input_ids"].shape[1]:].tolist()
+    theirs = out[0, inputs.tensors["input_ids"].shape[1] :].tolist()
     stop = {m.tokenizer.eos_token_id, m.tokenizer.pad_token_id}
     cut = next((i for i, t in enumerate(theirs) if t in stop), len(theirs))
     assert ours.token_ids == theirs[:cut]

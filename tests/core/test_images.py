@@ -32,7 +32,14 @@ def test_exif_orientation_is_applied(tmp_path):
 
 @pytest.mark.parametrize(
     "mode,color",
-    [("RGBA", (10, 20, 30, 255)), ("P", 3), ("CMYK", (0, 255, 255, 0)), ("L", 128), ("LA", (128, 255)), ("I;16", 65535)],
+    [
+        ("RGBA", (10, 20, 30, 255)),
+        ("P", 3),
+        ("CMYK", (0, 255, 255, 0)),
+        ("L", 128),
+        ("LA", (128, 255)),
+        ("I;16", 65535),
+    ],
 )
 def test_modes_become_rgb(tmp_path, mode, color):
     img = Image.new(mode, (8, 6), color)

@@ -17,7 +17,9 @@ def test_spec_data_list_covers_resources(monkeypatch):
     monkeypatch.setitem(sys.modules, "PyInstaller.utils.hooks", hooks)
     namespace = {
         "SPECPATH": str(ROOT / "installer"),
-        "Analysis": lambda *a, **k: captured.update(k) or types.SimpleNamespace(pure=[], scripts=[], binaries=[], datas=[]),
+        "Analysis": lambda *a, **k: (
+            captured.update(k) or types.SimpleNamespace(pure=[], scripts=[], binaries=[], datas=[])
+        ),
         "PYZ": lambda *a, **k: None,
         "EXE": lambda *a, **k: None,
         "COLLECT": lambda *a, **k: None,

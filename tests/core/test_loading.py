@@ -76,7 +76,9 @@ def test_pickle_checkpoint_refused_unless_allowed(llava_copy):
     _one_line(e)
     loaded = load_model(llava_copy, allow_pickle=True)
     s = scenes.make_sample("heldout", 1)
-    assert answer(loaded, s.image, s.question).prob == pytest.approx(answer(load_model("shapes-llava"), s.image, s.question).prob, abs=1e-6)
+    assert answer(loaded, s.image, s.question).prob == pytest.approx(
+        answer(load_model("shapes-llava"), s.image, s.question).prob, abs=1e-6
+    )
 
 
 def test_pickle_open_clip_checkpoint_refused(tmp_path):
@@ -122,20 +124,33 @@ def test_uncached_repo_id_is_not_downloaded(tmp_path, monkeypatch):
     _one_line(e)
 
 
+def _cli_answer(model, image):
+    """Run ``vlm-readout answer`` in a subprocess, as a user would."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "core.cli",
+            "answer",
+            "--model",
+            str(model),
+            "--image",
+            str(image),
+            "--question",
+            "what color is the circle?",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_cli_exits_nonzero_with_one_line(tmp_path):
     (tmp_path / "img.png").write_text("not an image")
-    r = subprocess.run(
-        [sys.executable, "-m", "core.cli", "answer", "--model", str(tmp_path / "missing"),
-         "--image", str(tmp_path / "img.png"), "--question", "what color is the circle?"],
-        capture_output=True, text=True, timeout=120,
-    )
+    r = _cli_answer(tmp_path / "missing", tmp_path / "img.png")
     assert r.returncode == 2
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert lines == [lines[0]] and lines[0].startswith("error: ") and "not an image" in lines[0]
-    r = subprocess.run(
-        [sys.executable, "-m", "core.cli", "answer", "--model", str(tmp_path / "missing"),
-         "--image", str(resources_dir() / "samples" / "sample_00.png"), "--question", "what color is the circle?"],
-        capture_output=True, text=True, timeout=120,
-    )
+    r = _cli_answer(tmp_path / "missing", resources_dir() / "samples" / "sample_00.png")
     assert r.returncode == 2 and r.stderr.strip().startswith("error: ") and "no such folder" in r.stderr
     assert "Traceback" not in r.stderr

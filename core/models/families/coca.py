@@ -57,15 +57,11 @@ class CocaAdapter(Adapter):
         if not question.strip():
             raise QuestionError("the question is empty")
         if hasattr(self.tokenizer, "get_vocab"):
-            _unknown_token_check(
-                self.tokenizer, question, self.tokenizer.encode(question, add_special_tokens=False)
-            )
+            _unknown_token_check(self.tokenizer, question, self.tokenizer.encode(question, add_special_tokens=False))
         # The text tower appends a CLS token, so one position is reserved.
         n = len(self._encode(self.prompt(question)))
         if n + 1 > self.context_length:
-            raise QuestionError(
-                f"the question is too long: {n} tokens, the model takes {self.context_length - 1}"
-            )
+            raise QuestionError(f"the question is too long: {n} tokens, the model takes {self.context_length - 1}")
 
     def token_str(self, token_id: int) -> str:
         if hasattr(self.tokenizer, "decode"):

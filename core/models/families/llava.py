@@ -17,9 +17,7 @@ def _unknown_token_check(tokenizer, question: str, ids: list[int]) -> None:
         from core.zoo.vocab import unknown_words
 
         words = unknown_words(tokenizer, question)
-        raise QuestionError(
-            f"the question uses words this model's vocabulary does not have: {', '.join(words) or '?'}"
-        )
+        raise QuestionError(f"the question uses words this model's vocabulary does not have: {', '.join(words) or '?'}")
 
 
 @register(hf=("LlavaForConditionalGeneration",))
@@ -60,9 +58,7 @@ class LlavaAdapter(Adapter):
         total = len(self.tokenizer.encode(self.prompt(question))) + n_image
         limit = int(getattr(self.text_config, "max_position_embeddings", 10**9))
         if total > limit:
-            raise QuestionError(
-                f"the question is too long: {total} tokens with the image, the model takes {limit}"
-            )
+            raise QuestionError(f"the question is too long: {total} tokens with the image, the model takes {limit}")
 
     def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
         for q in questions:
