@@ -118,7 +118,7 @@ def test_corrupt_open_clip_weights(tmp_path):
 
 
 def test_uncached_repo_id_is_not_downloaded(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ModelLoadError, match="allow_download") as e:
         load_model("someone/not-a-cached-model")
     _one_line(e)
@@ -154,3 +154,18 @@ def test_cli_exits_nonzero_with_one_line(tmp_path):
     r = _cli_answer(tmp_path / "missing", resources_dir() / "samples" / "sample_00.png")
     assert r.returncode == 2 and r.stderr.strip().startswith("error: ") and "no such folder" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_repo_id_already_in_local_cache_loads_offline(tmp_path, monkeypatch):
+    """A repo id resolves through the local Hugging Face cache, never the network."""
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--readout-tests--shapes-llava"
+    shutil.copytree(LLAVA_DIR, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    # huggingface_hub reads its cache location at import; point it here.
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    loaded = load_model("readout-tests/shapes-llava")
+    assert loaded.family == "llava"
+    assert loaded.fingerprint == load_model("shapes-llava").fingerprint
