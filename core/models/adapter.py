@@ -111,6 +111,67 @@ class Adapter(ABC):
         logits = self.forward_logits(inputs)
         return logits[torch.arange(logits.shape[0], device=logits.device), inputs.answer_positions]
 
+    # ---- canonical weights (TransformerLens names; per query head, grouped K/V mapped)
+    @property
+    def n_kv_heads(self) -> int:
+        return self.n_heads
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    def kv_group(self, head: int) -> int:
+        """The key/value head that query head ``head`` reads (grouped-query attention)."""
+        return head // (self.n_heads // self.n_kv_heads)
+
+    def W_Q(self, layer: int) -> torch.Tensor:
+        """``(heads, d_model, d_head)``: q = Norm(r) @ W_Q[h] + b_Q[h] (before RoPE)."""
+        raise NotImplementedError(f"{self.family}: W_Q not mapped yet")
+
+    def b_Q(self, layer: int) -> torch.Tensor:
+        """``(heads, d_head)``."""
+        raise NotImplementedError(f"{self.family}: b_Q not mapped yet")
+
+    def W_K(self, layer: int) -> torch.Tensor:
+        """``(heads, d_model, d_head)``, each query head's key map (groups expanded)."""
+        raise NotImplementedError(f"{self.family}: W_K not mapped yet")
+
+    def b_K(self, layer: int) -> torch.Tensor:
+        raise NotImplementedError(f"{self.family}: b_K not mapped yet")
+
+    def W_V(self, layer: int) -> torch.Tensor:
+        """``(heads, d_model, d_head)``, each query head's value map (groups expanded)."""
+        raise NotImplementedError(f"{self.family}: W_V not mapped yet")
+
+    def b_V(self, layer: int) -> torch.Tensor:
+        raise NotImplementedError(f"{self.family}: b_V not mapped yet")
+
+    def W_O(self, layer: int) -> torch.Tensor:
+        """``(heads, d_head, d_model)``: head output = z[h] @ W_O[h]."""
+        raise NotImplementedError(f"{self.family}: W_O not mapped yet")
+
+    def b_O(self, layer: int) -> torch.Tensor:
+        """``(d_model,)`` the output projection's bias (zeros if none)."""
+        raise NotImplementedError(f"{self.family}: b_O not mapped yet")
+
+    def attn_norm(self, layer: int):
+        """The :class:`core.models.norms.Norm` in front of layer ``layer``'s attention."""
+        raise NotImplementedError(f"{self.family}: attn_norm not mapped yet")
+
+    def final_norm_layer(self):
+        """The :class:`core.models.norms.Norm` in front of the unembedding."""
+        raise NotImplementedError(f"{self.family}: final norm not mapped yet")
+
+    @property
+    def W_U(self) -> torch.Tensor:
+        """``(d_model, vocab)``."""
+        raise NotImplementedError(f"{self.family}: W_U not mapped yet")
+
+    @property
+    def b_U(self) -> torch.Tensor:
+        """``(vocab,)`` (zeros if the unembedding has no bias)."""
+        raise NotImplementedError(f"{self.family}: b_U not mapped yet")
+
     def describe(self) -> dict:
         return {
             "family": self.family,

@@ -140,11 +140,11 @@ class LlavaTrainer:
         b = feats.shape[0]
         pre = m.language_model.embed_tokens(torch.tensor(self.prefix_ids)).unsqueeze(0).expand(b, -1, -1)
         out = m.language_model(inputs_embeds=torch.cat([pre, feats], 1), use_cache=True)
-        cache = out.past_key_values
+        cache = out.cache
         cache.batch_repeat_interleave(k)
         suffix = [self.tok.encode(self.tail.format(question=q), add_special_tokens=False).ids for q in questions]
         ids, last = _pad(suffix)
-        out2 = m.language_model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out2 = m.language_model(input_ids=ids, cache=cache, use_cache=True)
         h = out2.last_hidden_state[torch.arange(len(last)), last]
         return self.model.lm_head(h)
 

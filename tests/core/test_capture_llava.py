@@ -1,0 +1,105 @@
+"""Capture on LLaVA: every recorded piece is checked against an independent
+computation (the model's own outputs, or a recomputation from canonical weights)."""
+
+import math
+
+import pytest
+import torch
+
+from core import load_model
+from core.capture import capture
+from core.models.loading import LoadedModel
+from core.zoo import build, scenes
+
+
+def tiny_llava_float64() -> LoadedModel:
+    """A random LLaVA built from a config (grouped-query heads), in float64."""
+    from transformers import LlavaForConditionalGeneration
+
+    from core.models.families.llava import LlavaAdapter
+
+    config = build.llava_config()
+    config.text_config.hidden_size = 64
+    config.text_config.intermediate_size = 96
+    config.text_config.num_hidden_layers = 3
+    config.text_config.num_attention_heads = 4
+    config.text_config.num_key_value_heads = 2
+    config.text_config.head_dim = 16
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).double().eval()
+    processor = build.llava_processor()
+    adapter = LlavaAdapter(model, processor, processor.tokenizer)
+    return LoadedModel("tiny-llava", "llava", model, processor, processor.tokenizer, adapter)
+
+
+@pytest.fixture(scope="module", params=["tiny-float64", "shapes-llava"])
+def traced(request):
+    m = tiny_llava_float64() if request.param == "tiny-float64" else load_model("shapes-llava")
+    s = scenes.make_sample("heldout", 4)
+    pos = list(range(0, 70, 7))
+    tr = capture(m, s.image, s.question, query_positions=pos)
+    tol = 1e-10 if request.param == "tiny-float64" else 1e-4
+    return m, tr, tol
+
+
+def test_heads_sum_to_attention_output(traced):
+    m, tr, tol = traced
+    a = m.adapter
+    for layer in range(a.n_layers):
+        heads = tr.head_output(a, layer, torch.arange(tr.input_ids.shape[1]))
+        torch.testing.assert_close(heads.sum(1) + a.b_O(layer), tr.attn_out[layer][0], atol=tol, rtol=0)
+
+
+def test_residual_reconstruction_and_lens_at_last_layer(traced):
+    m, tr, tol = traced
+    a = m.adapter
+    recon = tr.resid_pre[0] + sum(tr.attn_out) + sum(tr.mlp_out)
+    scale = tr.final_resid.abs().max()
+    assert (recon - tr.final_resid).abs().max() <= tol * max(1.0, float(scale))
+    lens = a.final_norm_layer()(tr.final_resid[0]) @ a.W_U + a.b_U
+    torch.testing.assert_close(lens, tr.logits[0], atol=tol * 10, rtol=0)
+
+
+def test_patterns_recomputed_from_canonical_weights_and_rope(traced):
+    m, tr, tol = traced
+    a = m.adapter
+    n_pos = tr.input_ids.shape[1]
+    positions = torch.arange(n_pos)
+    for layer in range(a.n_layers):
+        x = a.attn_norm(layer)(tr.resid_pre[layer][0])  # (pos, d_model)
+        q = torch.einsum("pm,hmd->phd", x, a.W_Q(layer)) + a.b_Q(layer)
+        k = torch.einsum("pm,hmd->phd", x, a.W_K(layer)) + a.b_K(layer)
+        q, k = a.rotate(q, positions), a.rotate(k, positions)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(a.d_head)
+        causal = torch.ones(n_pos, n_pos, dtype=torch.bool).tril()
+        pattern = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        torch.testing.assert_close(pattern[:, tr.query_positions], tr.patterns[layer][0], atol=max(tol, 1e-6), rtol=0)
+
+
+def test_values_recomputed_from_canonical_weights(traced):
+    m, tr, tol = traced
+    a = m.adapter
+    for layer in range(a.n_layers):
+        x = a.attn_norm(layer)(tr.resid_pre[layer][0])
+        v = torch.einsum("pm,hmd->phd", x, a.W_V(layer)) + a.b_V(layer)
+        pattern = tr.patterns[layer][0]  # (heads, n_query, pos)
+        z = torch.einsum("hqk,khd->qhd", pattern, v)
+        torch.testing.assert_close(z, tr.z[layer][0, tr.query_positions], atol=max(tol, 1e-5), rtol=0)
+
+
+def test_hooks_are_removed_and_attention_restored():
+    m = load_model("shapes-llava")
+    before = m.model.config._attn_implementation
+
+    def hook_counts():
+        return [(len(mod._forward_hooks), len(mod._forward_pre_hooks)) for mod in m.model.modules()]
+
+    s = scenes.make_sample("heldout", 2)
+    capture(m, s.image, s.question)  # transformers installs its own hooks lazily on a first run
+    counts = hook_counts()
+    capture(m, s.image, s.question)
+    assert m.model.config._attn_implementation == before
+    assert hook_counts() == counts
+    with pytest.raises(IndexError):  # a failing run removes its hooks too
+        capture(m, s.image, s.question, query_positions=[10_000])
+    assert hook_counts() == counts

@@ -1,0 +1,38 @@
+"""The shipped default models: the card's numbers are reproduced by the
+repo's evaluation command, and the card says which bars are met."""
+
+import json
+import re
+
+import pytest
+
+from core import load_model
+from core.models.loading import resources_dir
+from core.zoo.evaluate import BARS, evaluate
+
+MODELS = resources_dir() / "models"
+
+
+@pytest.mark.parametrize("name", ["shapes-llava", "shapes-coca"])
+@pytest.mark.parametrize("renderer,file", [("main", "eval_heldout.json"), ("alt", "eval_alt.json")])
+def test_card_accuracy_is_reproduced(name, renderer, file):
+    recorded = json.loads((MODELS / name / file).read_text())
+    loaded = load_model(name)
+    assert recorded["fingerprint"] == loaded.fingerprint, "the evaluation belongs to the shipped weights"
+    result = evaluate(loaded, recorded["n"], batch_size=100, renderer=renderer)
+    for kind, row in recorded["by_kind"].items():
+        # Identical inputs and weights; allow a couple of float-order flips across machines.
+        assert result["by_kind"][kind]["accuracy"] == pytest.approx(row["accuracy"], abs=0.002), kind
+
+
+@pytest.mark.parametrize("name", ["shapes-llava", "shapes-coca"])
+def test_bars_are_met_or_the_card_says_which_are_missed(name):
+    recorded = json.loads((MODELS / name / "eval_heldout.json").read_text())
+    card = (MODELS / name / "CARD.md").read_text()
+    missed = [k for k, v in recorded["by_kind"].items() if v["accuracy"] < BARS[k]]
+    if missed:
+        line = re.search(r"Bars missed: (.*)\.", card)
+        assert line and set(line.group(1).split(", ")) == set(missed)
+    else:
+        assert "All bars met." in card
+    assert recorded["n"] == 2000 and set(recorded["by_kind"]) == set(BARS)
