@@ -1,0 +1,57 @@
+"""Norm: matches the library modules; frozen scale is additive; the Jacobian
+equals autograd's."""
+
+import pytest
+import torch
+
+from core.models.norms import Norm
+
+D = 24
+
+
+def _norms():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(D, generator=g, dtype=torch.float64)
+    b = torch.randn(D, generator=g, dtype=torch.float64)
+    return {
+        "rmsnorm": Norm("rmsnorm", w, None, 1e-6),
+        "layernorm": Norm("layernorm", w, b, 1e-5),
+        "gemma": Norm("rmsnorm", w * 0.1, None, 1e-6, weight_offset=1.0),
+    }
+
+
+@pytest.mark.parametrize("name", ["rmsnorm", "layernorm", "gemma"])
+def test_jacobian_matches_autograd_and_vjp_is_its_transpose(name):
+    norm = _norms()[name]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(D, generator=g, dtype=torch.float64) * 3
+    v = torch.randn(5, D, generator=g, dtype=torch.float64)
+    u = torch.randn(D, generator=g, dtype=torch.float64)
+    for row in v:
+        _, expected = torch.autograd.functional.jvp(norm, x, row)
+        torch.testing.assert_close(norm.jvp(x, row), expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(v @ norm.vjp(x, u), norm.jvp(x, v) @ u, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["rmsnorm", "layernorm", "gemma"])
+def test_frozen_scale_is_additive(name):
+    norm = _norms()[name]
+    g = torch.Generator().manual_seed(2)
+    parts = torch.randn(7, D, generator=g, dtype=torch.float64)
+    x = parts.sum(0)
+    bias = norm.bias if norm.bias is not None else 0
+    torch.testing.assert_close(norm.frozen(x, parts).sum(0), norm(x) - bias, atol=1e-12, rtol=0)
+
+
+def test_matches_library_modules():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x = torch.randn(3, D, dtype=torch.float64)
+    ln = torch.nn.LayerNorm(D, eps=1e-5).double()
+    torch.nn.init.normal_(ln.weight)
+    torch.nn.init.normal_(ln.bias)
+    torch.testing.assert_close(Norm("layernorm", ln.weight, ln.bias, 1e-5)(x), ln(x), atol=1e-12, rtol=0)
+    rms = LlamaRMSNorm(D, eps=1e-6).double()
+    torch.nn.init.normal_(rms.weight)
+    norm = Norm("rmsnorm", rms.weight, None, 1e-6, compute_dtype=torch.float32)
+    torch.testing.assert_close(norm(x), rms(x), atol=0, rtol=0)
