@@ -45,3 +45,17 @@ def test_jacobian_dla_equals_autograd_directional_derivative(case):
         _, d = torch.autograd.functional.jvp(lambda x: norm_f(x) @ u, x_L, C[i].detach())
         assert r.components[i].dla_jacobian == pytest.approx(float(d), abs=max(tol, 1e-5 * abs(float(d))))
     assert r.audit.method == "residual DLA" and "does not sum" in " ".join(r.audit.notes)
+
+
+def test_logit_lens_last_row_is_the_model_and_kl_is_zero_there(case):
+    from core.methods.logit_lens import logit_lens
+
+    m, tr, tol, a_id, f_id = case
+    lens = logit_lens(m.adapter, tr, a_id, f_id)
+    assert [r.layer for r in lens.rows] == list(range(m.adapter.n_layers + 1))
+    last = lens.rows[-1]
+    p = lens.position
+    assert last.answer_logit == pytest.approx(float(tr.logits[0, p, a_id]), abs=max(tol, 1e-5))
+    assert last.kl_to_final == pytest.approx(0.0, abs=1e-6)
+    assert last.answer_rank == int((tr.logits[0, p] > tr.logits[0, p, a_id]).sum())
+    assert all(r.kl_to_final >= -1e-6 for r in lens.rows)
