@@ -220,3 +220,22 @@ class LlavaAdapter(Adapter):
         cos, sin = self.language_model.rotary_emb(x, positions.view(1, -1))
         cos, sin = cos[0].to(x.dtype).unsqueeze(-2), sin[0].to(x.dtype).unsqueeze(-2)  # (pos, 1, d_head)
         return x * cos + rotate_half(x) * sin
+
+    # ---- geometry
+    def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
+        """The :class:`core.geometry.VisualToken` of every image token, boxes in
+        the original image (``image_size = (width, height)``)."""
+        from core.geometry import VisualToken, resize_crop_boxes
+
+        ip = self.processor.image_processor
+        size = ip.size
+        shortest = size.get("shortest_edge") if hasattr(size, "get") else size["shortest_edge"]
+        crop = (ip.crop_size["height"], ip.crop_size["width"]) if ip.do_center_crop else None
+        if shortest is None or crop is None:
+            raise NotImplementedError("LLaVA geometry is mapped for resize-shortest-edge + centre-crop processors")
+        patch = self.model.config.vision_config.patch_size
+        boxes = resize_crop_boxes(image_size, shortest, crop, patch)
+        return [
+            VisualToken(i, None if positions is None else int(positions[i]), 0, r, c, box)
+            for i, (r, c, box) in enumerate(boxes)
+        ]

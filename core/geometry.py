@@ -1,0 +1,62 @@
+"""Visual token  <->  image patch  <->  pixel box in the ORIGINAL image.
+
+A processor resizes, crops or pads the image before the vision tower cuts it
+into patches. :class:`VisualToken` undoes that: its ``box`` is in the pixel
+coordinates of the image the user opened, so a heatmap or a region mask
+lines up with what the user sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class VisualToken:
+    """One visual token.
+
+    Attributes:
+        index: 0-based ordinal among the visual tokens.
+        position: sequence position (None for cross-attention keys).
+        image: which image (or tile) it comes from.
+        row, col: patch row and column in that image's grid.
+        box: ``[x0, y0, x1, y1]`` in original-image pixels (floats; may reach
+            past the image edge when the processor padded).
+    """
+
+    index: int
+    position: int | None
+    image: int
+    row: int
+    col: int
+    box: list[float]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resize_crop_boxes(
+    image_size: tuple[int, int], shortest_edge: int, crop: tuple[int, int], patch: int
+) -> list[tuple[int, int, list[float]]]:
+    """Patch boxes for a CLIP-style processor: resize the short side to
+    ``shortest_edge`` (aspect kept), centre-crop ``crop = (height, width)``,
+    cut ``patch`` px squares. Returns ``(row, col, box)`` in row-major order.
+
+    Args:
+        image_size: the original ``(width, height)``.
+    """
+    w, h = image_size
+    short, long = (w, h) if w <= h else (h, w)
+    new_long = int(shortest_edge * long / short)
+    new_w, new_h = (shortest_edge, new_long) if w <= h else (new_long, shortest_edge)
+    sx, sy = w / new_w, h / new_h
+    crop_h, crop_w = crop
+    # torchvision's centre crop rounds the offset (transformers' fast processors use it).
+    top = int(round((new_h - crop_h) / 2.0))
+    left = int(round((new_w - crop_w) / 2.0))
+    out = []
+    for r in range(crop_h // patch):
+        for c in range(crop_w // patch):
+            x0, y0 = left + c * patch, top + r * patch
+            out.append((r, c, [x0 * sx, y0 * sy, (x0 + patch) * sx, (y0 + patch) * sy]))
+    return out
