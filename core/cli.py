@@ -114,6 +114,28 @@ def cmd_answer(args) -> int:
     return 0
 
 
+def cmd_analyze(args) -> int:
+    from core.analyze import analyze, summary
+    from core.atomic import write_text_atomic
+    from core.images import load_image
+
+    image = load_image(args.image)
+    loaded = _load(args)
+    from tqdm import tqdm
+
+    bar = tqdm(total=4, desc="analyze", file=sys.stderr, disable=args.quiet)
+
+    def progress(done: int, total: int, message: str) -> None:
+        bar.set_description(message)
+        bar.update(done - bar.n)
+
+    result = analyze(loaded, image, args.question, answer=args.answer, foil=args.foil, progress=progress)
+    bar.close()
+    write_text_atomic(Path(args.json), json.dumps(result) + "\n")
+    print(summary(result))
+    return 0
+
+
 def cmd_evaluate(args) -> int:
     from core.zoo.evaluate import main as evaluate_main
 
@@ -134,6 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--batch-size", type=int, default=16)
     a.add_argument("--quiet", action="store_true", help="no progress bar")
     a.set_defaults(func=cmd_answer)
+
+    an = sub.add_parser("analyze", help="capture once and write every text-side read-out as JSON")
+    _add_model_args(an)
+    an.add_argument("--image", required=True)
+    an.add_argument("--question", required=True)
+    an.add_argument("--answer", help="answer token (default: the model's top token)")
+    an.add_argument("--foil", help="competing token; u = W_U[answer] - W_U[foil]")
+    an.add_argument("--json", required=True, help="output file")
+    an.add_argument("--quiet", action="store_true")
+    an.set_defaults(func=cmd_analyze)
 
     e = sub.add_parser("evaluate-zoo", help="accuracy of a default model on held-out synthetic scenes")
     _add_model_args(e)

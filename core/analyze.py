@@ -1,0 +1,114 @@
+"""``analyze``: one capture, every text-side read-out, the JSON of DESIGN.md
+(schema version 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from core.capture import capture
+from core.errors import QuestionError
+from core.images import image_sha256, load_image
+from core.methods.logit_lens import logit_lens
+from core.methods.patterns import rollout, rollout_audit, summarize_heads
+from core.methods.residual import decompose
+
+SCHEMA_VERSION = 1
+FULL_PATTERN_LIMIT = 1024  # longer prompts keep only the answer row (no rollout)
+
+
+def analyze(
+    loaded,
+    image,
+    question: str,
+    *,
+    answer: str | None = None,
+    foil: str | None = None,
+    rollout_alpha: float = 0.5,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> dict:
+    """Run the model once and read it out. ``answer`` defaults to the model's
+    own top token; ``foil`` is optional (then ``u`` is the answer's column)."""
+    step = progress or (lambda done, total, msg: None)
+    adapter = loaded.adapter
+    img = load_image(image)
+    step(0, 4, "capturing")
+    n_tokens = adapter.prepare([img], [question]).input_ids.shape[1]
+    full = n_tokens <= FULL_PATTERN_LIMIT
+    trace = capture(loaded, img, question, query_positions=range(n_tokens) if full else None)
+    pos = int(trace.answer_positions[0])
+    logits = trace.logits[0, pos].float()
+    probs = logits.softmax(-1)
+    predicted = int(logits.argmax())
+    answer_id = adapter.token_id(answer) if answer else predicted
+    foil_id = adapter.token_id(foil) if foil else None
+    if foil_id == answer_id:
+        raise QuestionError("the foil must differ from the answer")
+    step(1, 4, "decomposing the residual")
+    residual = decompose(adapter, trace, answer_id, foil_id)
+    lens = logit_lens(adapter, trace, answer_id, foil_id)
+    step(2, 4, "summarising attention")
+    tokens = adapter.visual_tokens(img.size, trace.visual_positions[0].tolist())
+    rows = max(t.row for t in tokens) + 1
+    cols = max(t.col for t in tokens) + 1
+    q_index = pos if full else 0
+    heads = summarize_heads(trace, (rows, cols), query_index=q_index)
+    audits = [residual.audit, lens.audit, heads.audit]
+    rollout_json = None
+    if full:
+        step(3, 4, "rollout")
+        r = rollout(trace, rollout_alpha)[pos]
+        rollout_json = {
+            "alpha": rollout_alpha,
+            "visual_patch_mass": r[trace.visual_positions[0]].reshape(rows, cols).tolist(),
+        }
+        audits.append(rollout_audit(rollout_alpha, "mean"))
+    ids = trace.input_ids[0].tolist()
+    step(4, 4, "done")
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": {"spec": loaded.spec, "fingerprint": loaded.fingerprint, **adapter.describe()},
+        "input": {
+            "question": question,
+            "prompt": adapter.prompt(question),
+            "input_ids": ids,
+            "tokens": [adapter.tokenizer.convert_ids_to_tokens(i) for i in ids],
+            "image_sha256": image_sha256(img),
+            "image_size": list(img.size),
+            "visual_tokens": [t.to_dict() for t in tokens],
+        },
+        "target": {
+            "position": pos,
+            "answer": adapter.token_str(answer_id),
+            "answer_id": answer_id,
+            "foil": adapter.token_str(foil_id) if foil_id is not None else None,
+            "foil_id": foil_id,
+            "logit": float(logits[answer_id]),
+            "logit_diff": float(logits[answer_id] - logits[foil_id]) if foil_id is not None else None,
+            "prob": float(probs[answer_id]),
+            "predicted": adapter.token_str(predicted),
+        },
+        "residual_decomposition": {
+            "reconstruction_max_abs_err": residual.reconstruction_max_abs_err,
+            "target_logit": residual.target_logit,
+            "frozen_sum_expected": residual.frozen_sum_expected,
+            "components": [c.to_dict() for c in residual.components],
+        },
+        "logit_lens": [r.to_dict() for r in lens.rows],
+        "attention": [h.to_dict() for h in heads.heads],
+        "rollout": rollout_json,
+        "audit": [a.to_dict() for a in audits],
+    }
+
+
+def summary(result: dict) -> str:
+    """A few human lines about an analyze result."""
+    t = result["target"]
+    top_heads = sorted(result["attention"], key=lambda h: -h["visual_mass"])[:3]
+    dla = sorted(result["residual_decomposition"]["components"], key=lambda c: -abs(c["dla_frozen"]))[:3]
+    lines = [
+        f"answer {t['answer']!r} p={t['prob']:.3f} (predicted {t['predicted']!r})",
+        "most visual attention: " + ", ".join(f"L{h['layer']}.H{h['head']} {h['visual_mass']:.2f}" for h in top_heads),
+        "largest frozen-scale DLA: " + ", ".join(f"{c['name']} {c['dla_frozen']:+.2f}" for c in dla),
+        f"reconstruction error {result['residual_decomposition']['reconstruction_max_abs_err']:.2e}",
+    ]
+    return "\n".join(lines)
