@@ -80,6 +80,12 @@ class Norm:
         gain = self._gain(y)
         return y * gain if gain is not None else y
 
+    def frozen_readout(self, x_ref: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The vector ``g`` with ``g . c == u . frozen(x_ref, c)`` for every ``c``:
+        ``center(gain * u) / sigma(x_ref)`` (the frozen map is symmetric but for the gain)."""
+        gain = self._gain(u)
+        return self.center(u * gain if gain is not None else u) * self.scale(x_ref)
+
     def jvp(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The Jacobian of the norm at ``x`` applied to ``v``: ``J(x) v``.
 

@@ -55,3 +55,12 @@ def test_matches_library_modules():
     torch.nn.init.normal_(rms.weight)
     norm = Norm("rmsnorm", rms.weight, None, 1e-6, compute_dtype=torch.float32)
     torch.testing.assert_close(norm(x), rms(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["rmsnorm", "layernorm", "gemma"])
+def test_frozen_readout_is_the_frozen_map_transposed(name):
+    norm = _norms()[name]
+    g = torch.Generator().manual_seed(3)
+    x, u = torch.randn(2, D, generator=g, dtype=torch.float64)
+    c = torch.randn(6, D, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(c @ norm.frozen_readout(x, u), norm.frozen(x, c) @ u, atol=1e-12, rtol=0)

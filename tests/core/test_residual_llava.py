@@ -59,3 +59,28 @@ def test_logit_lens_last_row_is_the_model_and_kl_is_zero_there(case):
     assert last.kl_to_final == pytest.approx(0.0, abs=1e-6)
     assert last.answer_rank == int((tr.logits[0, p] > tr.logits[0, p, a_id]).sum())
     assert all(r.kl_to_final >= -1e-6 for r in lens.rows)
+
+
+def test_source_contributions_sum_to_each_heads_direct_terms(case):
+    """Summed over sources, each head's contributions equal its residual
+    component under every convention (the value path is exact)."""
+    from core.methods.contributions import source_contributions
+
+    m, tr, tol, a_id, f_id = case
+    a = m.adapter
+    sc = source_contributions(a, tr, a_id, f_id)
+    r = decompose(a, tr, a_id, f_id)
+    by_name = {c.name: c for c in r.components}
+    for layer in range(a.n_layers):
+        for h in range(a.n_heads):
+            comp = by_name[f"L{layer}.H{h}"]
+            for field in ("projection", "dla_frozen", "dla_jacobian"):
+                got = float(getattr(sc, field)[layer, h].sum())
+                assert got == pytest.approx(getattr(comp, field), abs=max(tol, 1e-5)), (layer, h, field)
+    # norms: one source's contribution recomputed directly
+    j = int(tr.visual_positions[0, 10])
+    x = a.attn_norm(1)(tr.resid_pre[1][0, j])
+    v = x @ a.W_V(1)[2] + a.b_V(1)[2]
+    qi = int((tr.query_positions == sc.position).nonzero()[0])
+    c = tr.patterns[1][0, 2, qi, j] * (v @ a.W_O(1)[2])
+    assert float(sc.norm[1, 2, j]) == pytest.approx(float(c.norm()), rel=1e-5, abs=1e-9)

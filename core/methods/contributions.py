@@ -1,0 +1,89 @@
+"""Source contributions (METHODS.md 4.1, 4.4) for every head and source at one
+query position, without materialising ``(layers, heads, sources, d_model)``.
+
+    c^h_{p<-j} = A^h_{p,j} W_O^h (W_V^h Norm(r_j) + b_V^h)
+
+exactly the value path the model computes (biases included; sum_j c = the
+head's output at p). For a readout direction ``g`` in the residual space,
+``g^T c = A_{p,j} (v_j^h . (W_O^h g))``, so each convention is one matrix
+product per layer:
+
+* ``projection``: g = u;
+* ``dla_frozen``: g = center(gain * u) / sigma(x_L)  (final norm scale frozen);
+* ``dla_jacobian``: g = J_Norm_f(x_L)^T u;
+* ``norm``: ||c|| = A_{p,j} sqrt(v^T (W_O^h W_O^h^T) v), via a (d_head, d_head) Gram matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from core.audit import AuditRecord
+from core.methods.residual import target_direction
+
+
+@dataclass
+class SourceContributions:
+    """Each field ``(layers, heads, sources)``; sources are sequence positions 0..pos."""
+
+    position: int
+    answer_id: int
+    foil_id: int | None
+    norm: torch.Tensor
+    projection: torch.Tensor
+    dla_frozen: torch.Tensor
+    dla_jacobian: torch.Tensor
+    audit: AuditRecord = field(repr=False, default=None)
+
+
+def source_contributions(
+    adapter, trace, answer_id: int, foil_id: int | None = None, position: int | None = None, batch: int = 0
+) -> SourceContributions:
+    """All heads x all sources for the target position (patterns for that
+    position must have been captured at every layer)."""
+    pos = int(trace.answer_positions[batch]) if position is None else int(position)
+    qi = (trace.query_positions == pos).nonzero()
+    if len(qi) == 0 or len(trace.patterns) != trace.n_layers:
+        raise ValueError(f"capture the pattern of position {pos} at every layer first")
+    qi = int(qi[0])
+    x_L = trace.final_resid[batch, pos]
+    dtype = x_L.dtype
+    u = target_direction(adapter, answer_id, foil_id).to(dtype)
+    norm_f = adapter.final_norm_layer()
+    directions = torch.stack([u, norm_f.frozen_readout(x_L, u), norm_f.vjp(x_L, u)])  # (3, d_model)
+    out = {k: [] for k in ("norm", "projection", "dla_frozen", "dla_jacobian")}
+    for layer in range(trace.n_layers):
+        r = trace.resid_pre[layer][batch, : pos + 1]
+        v = torch.einsum("pm,hmd->phd", adapter.attn_norm(layer)(r), adapter.W_V(layer).to(dtype))
+        v = v + adapter.b_V(layer).to(dtype)  # (sources, heads, d_head)
+        A = trace.patterns[layer][batch, :, qi, : pos + 1].to(dtype)  # (heads, sources)
+        W_O = adapter.W_O(layer).to(dtype)  # (heads, d_head, d_model)
+        read = torch.einsum("hdm,km->khd", W_O, directions)  # (3, heads, d_head)
+        proj = torch.einsum("phd,khd->khp", v, read) * A  # (3, heads, sources)
+        gram = torch.einsum("hdm,hem->hde", W_O, W_O)
+        nrm = torch.einsum("phd,hde,phe->hp", v, gram, v).clamp_min(0).sqrt() * A
+        out["projection"].append(proj[0])
+        out["dla_frozen"].append(proj[1])
+        out["dla_jacobian"].append(proj[2])
+        out["norm"].append(nrm)
+    audit = AuditRecord.for_method(
+        "source contribution",
+        controls=[
+            "value path as computed (pre-norm, biases included)",
+            "final norm frozen at x_L (dla_frozen)",
+            "linearised at x_L (dla_jacobian)",
+            "signed",
+        ]
+        + (["competing token (foil)"] if foil_id is not None else []),
+        parameters={"position": pos, "answer_id": answer_id, "foil_id": foil_id},
+        notes=[
+            "a large norm can be suppressed later; a small direct projection can have a large indirect effect",
+            "normalising each contribution separately and summing is not the normalised sum",
+        ],
+    )
+    stack = {k: torch.stack(v) for k, v in out.items()}
+    return SourceContributions(
+        pos, answer_id, foil_id, stack["norm"], stack["projection"], stack["dla_frozen"], stack["dla_jacobian"], audit
+    )
