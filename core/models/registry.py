@@ -27,7 +27,14 @@ def register(*, hf: tuple[str, ...] = (), open_clip: tuple[str, ...] = ()):
 
 
 def _load_families() -> None:
-    from core.models.families import coca, llava  # noqa: F401  (registration side effect)
+    """Import every module of ``core.models.families`` (each registers itself)."""
+    import importlib
+    import pkgutil
+
+    from core.models import families
+
+    for info in pkgutil.iter_modules(families.__path__):
+        importlib.import_module(f"core.models.families.{info.name}")
 
 
 def supported() -> list[str]:
