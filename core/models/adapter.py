@@ -172,6 +172,30 @@ class Adapter(ABC):
         """``(vocab,)`` (zeros if the unembedding has no bias)."""
         raise NotImplementedError(f"{self.family}: b_U not mapped yet")
 
+    # ---- capture and geometry (see core/capture.py and core/geometry.py)
+    def visual_positions(self, inputs: ModelInputs) -> torch.Tensor:
+        """``(batch, n_visual)`` sequence positions of the visual tokens."""
+        raise NotImplementedError(f"{self.family}: visual positions not mapped yet")
+
+    def capture_hooks(self, layer: int, trace, keep_pattern: bool) -> list:
+        """``[(module, kind, fn)]`` hooks filling ``trace`` for block ``layer``:
+        ``resid_pre``, ``z`` (the output projection's input as (batch, pos, heads,
+        d_head)), ``attn_out``, ``mlp_out`` and, if ``keep_pattern``, the
+        patterns of ``trace.query_positions``. Kinds as in :func:`core.capture.hooks`."""
+        raise NotImplementedError(f"{self.family}: capture not mapped yet")
+
+    def final_hooks(self, trace) -> list:
+        """Hooks that record ``trace.final_resid`` (the final norm's input)."""
+        raise NotImplementedError(f"{self.family}: capture not mapped yet")
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Apply the position scheme to queries or keys ``(pos, heads, d_head)``."""
+        raise NotImplementedError(f"{self.family}: positions not mapped yet")
+
+    def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
+        """:class:`core.geometry.VisualToken` per visual token, boxes in the original image."""
+        raise NotImplementedError(f"{self.family}: geometry not mapped yet")
+
     def describe(self) -> dict:
         return {
             "family": self.family,
