@@ -25,6 +25,11 @@ from core.images import load_image
 class Trace:
     """What one forward computed.
 
+    The stream is cut into *blocks* (``block_names``): one per decoder layer
+    for self-attention models ("L0", "L1", ...); for cross-attention models
+    also the cross-attention blocks ("L0.xattn") and any text-only tower in
+    front ("T0"). Every per-layer list below is indexed by block.
+
     Attributes:
         input_ids: ``(batch, pos)``.
         answer_positions: ``(batch,)`` the position whose next token is the answer.
@@ -33,8 +38,13 @@ class Trace:
         z: per layer ``(batch, pos, heads, d_head)``: each head's output before W_O.
         attn_out: per layer ``(batch, pos, d_model)``: the attention block's output (W_O z + b_O).
         mlp_out: per layer ``(batch, pos, d_model)``.
-        patterns: per kept layer ``(batch, heads, n_query, pos)``: attention weights
-            of the kept query positions.
+        patterns: per kept block ``(batch, heads, n_query, keys)``: attention weights
+            of the kept query positions (keys: sequence positions for self-attention,
+            visual tokens for cross-attention).
+        block_names, block_kinds: per block, its name and "self" or "cross".
+        kv_source: per block, the stream its keys and values read before their
+            norm: None for self-attention (it reads ``resid_pre``), the visual
+            tokens ``(batch, n_visual, d_model)`` for cross-attention.
         query_positions: ``(n_query,)`` the kept query positions (same for every batch row).
         final_resid: ``(batch, pos, d_model)`` x_L, before the final norm.
         logits: ``(batch, pos, vocab)``.
@@ -51,15 +61,18 @@ class Trace:
     query_positions: torch.Tensor | None = None
     final_resid: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    block_names: list[str] = field(default_factory=list)
+    block_kinds: list[str] = field(default_factory=list)
+    kv_source: list[torch.Tensor | None] = field(default_factory=list)
 
     @property
-    def n_layers(self) -> int:
+    def n_blocks(self) -> int:
         return len(self.resid_pre)
 
-    def head_output(self, adapter, layer: int, positions: torch.Tensor | int, batch: int = 0) -> torch.Tensor:
+    def head_output(self, adapter, block: int, positions: torch.Tensor | int, batch: int = 0) -> torch.Tensor:
         """``W_O^h z^h`` for the given positions: ``(n_pos, heads, d_model)``."""
-        z = self.z[layer][batch, positions]  # (n_pos, heads, d_head) or (heads, d_head)
-        return torch.einsum("...hd,hdm->...hm", z, adapter.W_O(layer).to(z.dtype))
+        z = self.z[block][batch, positions]  # (n_pos, heads, d_head) or (heads, d_head)
+        return torch.einsum("...hd,hdm->...hm", z, adapter.W_O(block).to(z.dtype))
 
 
 @contextmanager
@@ -107,13 +120,14 @@ def capture(
     """Run the model once on (image, question) and record a :class:`Trace`.
 
     Args:
-        pattern_layers: layers whose attention patterns are kept (default all).
+        pattern_layers: blocks whose attention patterns are kept (default all).
         query_positions: query positions whose patterns are kept (default:
             the answer position only, which is what fits for a 7B model).
     """
     adapter = loaded.adapter
     inputs = adapter.prepare([load_image(image)], [question])
-    n = adapter.n_layers
+    blocks = adapter.blocks
+    n = len(blocks)
     keep = set(range(n) if pattern_layers is None else pattern_layers)
     qpos = torch.as_tensor(
         list(query_positions) if query_positions is not None else [int(inputs.answer_positions[0])],
@@ -128,11 +142,19 @@ def capture(
         attn_out=[None] * n,
         mlp_out=[None] * n,
         query_positions=qpos,
+        block_names=[name for name, _ in blocks],
+        block_kinds=[kind for _, kind in blocks],
+        kv_source=[None] * n,
     )
-    regs = []
-    for layer in range(n):
-        regs += adapter.capture_hooks(layer, trace, keep_pattern=layer in keep)
-    regs += adapter.final_hooks(trace)
-    with eager_attention(loaded.model), hooks(regs):
-        trace.logits = adapter.forward_logits(inputs)
+    adapter.run_capture(inputs, trace, keep)
     return trace
+
+
+def run_with_hooks(adapter, inputs, trace: Trace, keep: set[int]) -> None:
+    """The default capture: the family's hooks around the library's own forward."""
+    regs = []
+    for block in range(trace.n_blocks):
+        regs += adapter.capture_hooks(block, trace, keep_pattern=block in keep)
+    regs += adapter.final_hooks(trace)
+    with eager_attention(adapter.model), hooks(regs):
+        trace.logits = adapter.forward_logits(inputs)

@@ -26,15 +26,17 @@ from core.methods.residual import target_direction
 
 @dataclass
 class SourceContributions:
-    """Each field ``(layers, heads, sources)``; sources are sequence positions 0..pos."""
+    """Each field is a list over blocks of ``(heads, sources)``: sources are the
+    sequence positions 0..pos for self-attention blocks and the visual tokens
+    for cross-attention blocks (``trace.block_kinds``)."""
 
     position: int
     answer_id: int
     foil_id: int | None
-    norm: torch.Tensor
-    projection: torch.Tensor
-    dla_frozen: torch.Tensor
-    dla_jacobian: torch.Tensor
+    norm: list[torch.Tensor]
+    projection: list[torch.Tensor]
+    dla_frozen: list[torch.Tensor]
+    dla_jacobian: list[torch.Tensor]
     audit: AuditRecord = field(repr=False, default=None)
 
 
@@ -45,8 +47,8 @@ def source_contributions(
     position must have been captured at every layer)."""
     pos = int(trace.answer_positions[batch]) if position is None else int(position)
     qi = (trace.query_positions == pos).nonzero()
-    if len(qi) == 0 or len(trace.patterns) != trace.n_layers:
-        raise ValueError(f"capture the pattern of position {pos} at every layer first")
+    if len(qi) == 0 or len(trace.patterns) != trace.n_blocks:
+        raise ValueError(f"capture the pattern of position {pos} at every block first")
     qi = int(qi[0])
     x_L = trace.final_resid[batch, pos]
     dtype = x_L.dtype
@@ -54,11 +56,12 @@ def source_contributions(
     norm_f = adapter.final_norm_layer()
     directions = torch.stack([u, norm_f.frozen_readout(x_L, u), norm_f.vjp(x_L, u)])  # (3, d_model)
     out = {k: [] for k in ("norm", "projection", "dla_frozen", "dla_jacobian")}
-    for layer in range(trace.n_layers):
-        r = trace.resid_pre[layer][batch, : pos + 1]
-        v = torch.einsum("pm,hmd->phd", adapter.attn_norm(layer)(r), adapter.W_V(layer).to(dtype))
+    for layer in range(trace.n_blocks):
+        source = trace.kv_source[layer]
+        r = trace.resid_pre[layer][batch, : pos + 1] if source is None else source[batch]
+        v = torch.einsum("pm,hmd->phd", adapter.kv_norm(layer)(r), adapter.W_V(layer).to(dtype))
         v = v + adapter.b_V(layer).to(dtype)  # (sources, heads, d_head)
-        A = trace.patterns[layer][batch, :, qi, : pos + 1].to(dtype)  # (heads, sources)
+        A = trace.patterns[layer][batch, :, qi, : r.shape[0]].to(dtype)  # (heads, sources)
         W_O = adapter.W_O(layer).to(dtype)  # (heads, d_head, d_model)
         read = torch.einsum("hdm,km->khd", W_O, directions)  # (3, heads, d_head)
         proj = torch.einsum("phd,khd->khp", v, read) * A  # (3, heads, sources)

@@ -21,8 +21,9 @@ class HeadSummary:
     patch grid ``(rows, cols)``, patch-granular (no interpolation).
     """
 
-    layer: int
+    layer: int  # block index (see Trace.block_names)
     head: int
+    block: str
     visual_mass: float
     bos_mass: float
     entropy: float  # nats, over the whole pattern
@@ -61,19 +62,32 @@ def summarize_heads(
         grid: ``(rows, cols)`` of the visual tokens, row-major.
         sink_positions: positions reported as BOS/sink mass (default: position 0).
     """
-    vis = trace.visual_positions[batch]
-    sinks = torch.tensor(sink_positions, dtype=torch.long)
     heads = []
     for layer in sorted(trace.patterns):
-        pat = trace.patterns[layer][batch, :, query_index].float()  # (heads, pos)
+        pat = trace.patterns[layer][batch, :, query_index].float()  # (heads, keys)
+        if trace.block_kinds[layer] == "cross":  # every key is a visual token, none is a sink
+            vis = torch.arange(pat.shape[-1])
+            sinks = torch.zeros(0, dtype=torch.long)
+        else:
+            vis = trace.visual_positions[batch]
+            sinks = torch.tensor(sink_positions, dtype=torch.long)
         vm = mass(pat, vis)
         bm = mass(pat, sinks)
         ent = entropy(pat)
         arg = pat.argmax(-1)
-        grid_mass = pat[:, vis].reshape(pat.shape[0], *grid)
+        grid_mass = pat[:, vis].reshape(pat.shape[0], *grid) if len(vis) else torch.zeros(pat.shape[0], *grid)
         for h in range(pat.shape[0]):
             heads.append(
-                HeadSummary(layer, h, float(vm[h]), float(bm[h]), float(ent[h]), int(arg[h]), grid_mass[h].tolist())
+                HeadSummary(
+                    layer,
+                    h,
+                    trace.block_names[layer],
+                    float(vm[h]),
+                    float(bm[h]),
+                    float(ent[h]),
+                    int(arg[h]),
+                    grid_mass[h].tolist(),
+                )
             )
     qpos = int(trace.query_positions[query_index])
     audit = AuditRecord.for_method(
@@ -97,6 +111,8 @@ def rollout(trace, alpha: float = 0.5, heads: str | int = "mean", batch: int = 0
     n = trace.input_ids.shape[1]
     if trace.query_positions is None or len(trace.query_positions) != n:
         raise ValueError("rollout needs the full pattern: capture with query_positions=range(seq_len)")
+    if "cross" in trace.block_kinds:
+        raise NotImplementedError("rollout over cross-attention blocks is not mapped yet")
     eye = torch.eye(n)
     out = eye.clone()
     for layer in sorted(trace.patterns):

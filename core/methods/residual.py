@@ -80,16 +80,16 @@ def component_stack(adapter, trace, position: int, batch: int = 0) -> tuple[list
     """Names and ``(n_components, d_model)`` vectors that sum to x_L at ``position``."""
     names = ["embed"]
     vecs = [trace.resid_pre[0][batch, position]]
-    for layer in range(trace.n_layers):
-        heads = trace.head_output(adapter, layer, position, batch)  # (heads, d_model)
-        names += [f"L{layer}.H{h}" for h in range(heads.shape[0])]
+    for block, block_name in enumerate(trace.block_names):
+        heads = trace.head_output(adapter, block, position, batch)  # (heads, d_model)
+        names += [f"{block_name}.H{h}" for h in range(heads.shape[0])]
         vecs += list(heads)
-        b_O = adapter.b_O(layer)
+        b_O = adapter.b_O(block)
         if torch.any(b_O != 0):
-            names.append(f"bias.L{layer}.attn_out")
+            names.append(f"bias.{block_name}.attn_out")
             vecs.append(b_O.to(heads.dtype))
-        names.append(f"L{layer}.mlp")
-        vecs.append(trace.mlp_out[layer][batch, position])
+        names.append(f"{block_name}.mlp")
+        vecs.append(trace.mlp_out[block][batch, position])
     return names, torch.stack(vecs)
 
 

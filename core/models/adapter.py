@@ -173,6 +173,22 @@ class Adapter(ABC):
         raise NotImplementedError(f"{self.family}: b_U not mapped yet")
 
     # ---- capture and geometry (see core/capture.py and core/geometry.py)
+    @property
+    def blocks(self) -> list[tuple[str, str]]:
+        """``[(name, kind)]`` of the blocks a Trace is cut into; kind is "self"
+        or "cross". Self-attention decoders: one block per layer."""
+        return [(f"L{layer}", "self") for layer in range(self.n_layers)]
+
+    def kv_norm(self, block: int):
+        """The norm applied to the stream keys and values read (self-attention: ``attn_norm``)."""
+        return self.attn_norm(block)
+
+    def run_capture(self, inputs: ModelInputs, trace, keep: set[int]) -> None:
+        """Fill ``trace`` with one forward; default: hooks around the library's forward."""
+        from core.capture import run_with_hooks
+
+        run_with_hooks(self, inputs, trace, keep)
+
     def visual_positions(self, inputs: ModelInputs) -> torch.Tensor:
         """``(batch, n_visual)`` sequence positions of the visual tokens."""
         raise NotImplementedError(f"{self.family}: visual positions not mapped yet")

@@ -75,7 +75,7 @@ def test_source_contributions_sum_to_each_heads_direct_terms(case):
         for h in range(a.n_heads):
             comp = by_name[f"L{layer}.H{h}"]
             for field in ("projection", "dla_frozen", "dla_jacobian"):
-                got = float(getattr(sc, field)[layer, h].sum())
+                got = float(getattr(sc, field)[layer][h].sum())
                 assert got == pytest.approx(getattr(comp, field), abs=max(tol, 1e-5)), (layer, h, field)
     # norms: one source's contribution recomputed directly
     j = int(tr.visual_positions[0, 10])
@@ -83,4 +83,4 @@ def test_source_contributions_sum_to_each_heads_direct_terms(case):
     v = x @ a.W_V(1)[2] + a.b_V(1)[2]
     qi = int((tr.query_positions == sc.position).nonzero()[0])
     c = tr.patterns[1][0, 2, qi, j] * (v @ a.W_O(1)[2])
-    assert float(sc.norm[1, 2, j]) == pytest.approx(float(c.norm()), rel=1e-5, abs=1e-9)
+    assert float(sc.norm[1][2, j]) == pytest.approx(float(c.norm()), rel=1e-5, abs=1e-9)
