@@ -9,7 +9,7 @@ from core.capture import capture
 from core.errors import QuestionError
 from core.images import image_sha256, load_image
 from core.methods.logit_lens import logit_lens
-from core.methods.patterns import rollout, rollout_audit, summarize_heads
+from core.methods.patterns import rollout_audit, rollout_visual_mass, summarize_heads
 from core.methods.residual import decompose
 
 SCHEMA_VERSION = 1
@@ -56,10 +56,9 @@ def analyze(
     rollout_json = None
     if full:
         step(3, 4, "rollout")
-        r = rollout(trace, rollout_alpha)[pos]
         rollout_json = {
             "alpha": rollout_alpha,
-            "visual_patch_mass": r[trace.visual_positions[0]].reshape(rows, cols).tolist(),
+            "visual_patch_mass": rollout_visual_mass(trace, (rows, cols), rollout_alpha).tolist(),
         }
         audits.append(rollout_audit(rollout_alpha, "mean"))
     ids = trace.input_ids[0].tolist()

@@ -40,6 +40,7 @@ class SourceContributions:
     audit: AuditRecord = field(repr=False, default=None)
 
 
+@torch.no_grad()
 def source_contributions(
     adapter, trace, answer_id: int, foil_id: int | None = None, position: int | None = None, batch: int = 0
 ) -> SourceContributions:
@@ -86,7 +87,6 @@ def source_contributions(
             "normalising each contribution separately and summing is not the normalised sum",
         ],
     )
-    stack = {k: torch.stack(v) for k, v in out.items()}
     return SourceContributions(
-        pos, answer_id, foil_id, stack["norm"], stack["projection"], stack["dla_frozen"], stack["dla_jacobian"], audit
+        pos, answer_id, foil_id, out["norm"], out["projection"], out["dla_frozen"], out["dla_jacobian"], audit
     )

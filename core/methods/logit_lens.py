@@ -48,6 +48,7 @@ def lens_logits(adapter, x: torch.Tensor) -> torch.Tensor:
     return adapter.final_norm_layer()(x) @ adapter.W_U.to(x.dtype) + adapter.b_U.to(x.dtype)
 
 
+@torch.no_grad()
 def logit_lens(
     adapter,
     trace,

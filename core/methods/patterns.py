@@ -105,21 +105,38 @@ def summarize_heads(
 def rollout(trace, alpha: float = 0.5, heads: str | int = "mean", batch: int = 0) -> torch.Tensor:
     """Attention rollout (4.6): ``R = prod_l (alpha A_l + (1 - alpha) I)``.
 
-    Needs full patterns (capture with every query position kept). Returns the
-    ``(pos, pos)`` matrix; row ``p`` is the reachability of each source from ``p``.
+    Nodes are the sequence positions, followed (for cross-attention models)
+    by the visual tokens, which only receive edges from cross-attention
+    blocks and keep their identity row. Needs full patterns (capture with
+    every query position kept). Returns ``(nodes, nodes)``; row ``p`` is the
+    reachability of each node from position ``p``. Visual tokens of a
+    self-attention model are sequence positions already.
     """
     n = trace.input_ids.shape[1]
     if trace.query_positions is None or len(trace.query_positions) != n:
         raise ValueError("rollout needs the full pattern: capture with query_positions=range(seq_len)")
-    if "cross" in trace.block_kinds:
-        raise NotImplementedError("rollout over cross-attention blocks is not mapped yet")
-    eye = torch.eye(n)
+    n_vis = next((trace.patterns[b].shape[-1] for b, k in enumerate(trace.block_kinds) if k == "cross"), 0)
+    eye = torch.eye(n + n_vis)
     out = eye.clone()
-    for layer in sorted(trace.patterns):
-        pat = trace.patterns[layer][batch].float()  # (heads, pos, pos)
+    for block in sorted(trace.patterns):
+        pat = trace.patterns[block][batch].float()  # (heads, pos, keys)
         a = pat.mean(0) if heads == "mean" else pat[int(heads)]
-        out = (alpha * a + (1 - alpha) * eye) @ out
+        step = eye.clone()
+        if trace.block_kinds[block] == "cross":
+            step[:n, :n] *= 1 - alpha
+            step[:n, n:] = alpha * a
+        else:
+            step[:n, :n] = alpha * a + (1 - alpha) * torch.eye(n)
+        out = step @ out
     return out
+
+
+def rollout_visual_mass(trace, grid: tuple[int, int], alpha: float = 0.5, batch: int = 0) -> torch.Tensor:
+    """Rollout mass from the answer position onto the visual tokens, ``grid`` shaped."""
+    r = rollout(trace, alpha, batch=batch)[int(trace.answer_positions[batch])]
+    n = trace.input_ids.shape[1]
+    vis = trace.visual_positions[batch] if trace.visual_positions.shape[1] else torch.arange(n, r.shape[0])
+    return r[vis].reshape(grid)
 
 
 def rollout_audit(alpha: float, heads) -> AuditRecord:

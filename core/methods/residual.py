@@ -93,6 +93,7 @@ def component_stack(adapter, trace, position: int, batch: int = 0) -> tuple[list
     return names, torch.stack(vecs)
 
 
+@torch.no_grad()
 def decompose(
     adapter, trace, answer_id: int, foil_id: int | None = None, position: int | None = None, batch: int = 0
 ) -> ResidualDecomposition:

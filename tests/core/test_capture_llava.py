@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from PIL import Image
 
 from core import load_model
 from core.capture import capture
@@ -103,3 +104,18 @@ def test_hooks_are_removed_and_attention_restored():
     with pytest.raises(IndexError):  # a failing run removes its hooks too
         capture(m, s.image, s.question, query_positions=[10_000])
     assert hook_counts() == counts
+
+
+def test_rollout_is_the_product_of_mixed_patterns():
+    from core.methods.patterns import rollout
+
+    m = load_model("shapes-llava")
+    s = scenes.make_sample("heldout", 5)
+    n = m.adapter.prepare([Image.fromarray(s.image)], [s.question]).input_ids.shape[1]
+    tr = capture(m, s.image, s.question, query_positions=range(n))
+    r = rollout(tr, alpha=0.7)
+    torch.testing.assert_close(r.sum(-1), torch.ones(n), atol=1e-5, rtol=0)
+    expected = torch.eye(n)
+    for layer in range(m.adapter.n_layers):
+        expected = (0.7 * tr.patterns[layer][0].mean(0) + 0.3 * torch.eye(n)) @ expected
+    torch.testing.assert_close(r, expected, atol=1e-6, rtol=0)

@@ -98,3 +98,164 @@ class CocaAdapter(Adapter):
         new = torch.tensor([[token_id]], device=text.device)
         text = torch.cat([text, new], dim=1)
         return ModelInputs({**inputs.tensors, "text": text}, inputs.answer_positions + 1, text, inputs.prompts)
+
+    # ---- canonical view: the text path is a list of blocks
+    # T0.. the unimodal text tower (causal self-attention); then per decoder
+    # layer l a self-attention block "L{l}" and a cross-attention block
+    # "L{l}.xattn" whose keys and values are the image tokens.
+    @property
+    def blocks(self) -> list[tuple[str, str]]:
+        out = [(f"T{t}", "self") for t in range(len(self.model.text.transformer.resblocks))]
+        for layer in range(self.n_layers):
+            out += [(f"L{layer}", "self"), (f"L{layer}.xattn", "cross")]
+        return out
+
+    def _block(self, block: int):
+        text = list(self.model.text.transformer.resblocks)
+        if block < len(text):
+            return text[block]
+        layer, cross = divmod(block - len(text), 2)
+        return self.decoder.cross_attn[layer] if cross else self.decoder.resblocks[layer]
+
+    @staticmethod
+    def _layer_scale(module) -> torch.Tensor | None:
+        return getattr(module, "gamma", None)
+
+    def _split_in(self, block: int, which: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W (heads, d_model, d_head), b (heads, d_head)) for q (0), k (1) or v (2)
+        from the packed in_proj of nn.MultiheadAttention."""
+        attn = self._block(block).attn
+        d, n = self.d_model, self.n_heads
+        w = attn.in_proj_weight[which * d : (which + 1) * d].view(n, d // n, d).transpose(1, 2)
+        b = attn.in_proj_bias[which * d : (which + 1) * d].view(n, d // n)
+        return w, b
+
+    def W_Q(self, block: int) -> torch.Tensor:
+        return self._split_in(block, 0)[0]
+
+    def b_Q(self, block: int) -> torch.Tensor:
+        return self._split_in(block, 0)[1]
+
+    def W_K(self, block: int) -> torch.Tensor:
+        return self._split_in(block, 1)[0]
+
+    def b_K(self, block: int) -> torch.Tensor:
+        return self._split_in(block, 1)[1]
+
+    def W_V(self, block: int) -> torch.Tensor:
+        return self._split_in(block, 2)[0]
+
+    def b_V(self, block: int) -> torch.Tensor:
+        return self._split_in(block, 2)[1]
+
+    def W_O(self, block: int) -> torch.Tensor:
+        """``(heads, d_head, d_model)``, LayerScale folded in when the block has one."""
+        module = self._block(block)
+        w = module.attn.out_proj.weight.view(self.d_model, self.n_heads, self.d_head).permute(1, 2, 0)
+        gamma = self._layer_scale(module.ls_1)
+        return w * gamma if gamma is not None else w
+
+    def b_O(self, block: int) -> torch.Tensor:
+        module = self._block(block)
+        b = module.attn.out_proj.bias
+        gamma = self._layer_scale(module.ls_1)
+        return b * gamma if gamma is not None else b
+
+    @staticmethod
+    def _norm(ln):
+        from core.models.norms import Norm
+
+        return Norm("layernorm", ln.weight, ln.bias, ln.eps)
+
+    def attn_norm(self, block: int):
+        return self._norm(self._block(block).ln_1)
+
+    def kv_norm(self, block: int):
+        module = self._block(block)
+        return self._norm(module.ln_1_kv if hasattr(module, "ln_1_kv") else module.ln_1)
+
+    def final_norm_layer(self):
+        return self._norm(self.decoder.ln_final)
+
+    @property
+    def W_U(self) -> torch.Tensor:
+        return self.decoder.text_projection
+
+    @property
+    def b_U(self) -> torch.Tensor:
+        p = self.decoder.text_projection
+        return torch.zeros(p.shape[1], dtype=p.dtype, device=p.device)
+
+    # ---- capture: a replay of the text path from canonical weights, checked
+    # against open_clip's own forward on every run (nn.MultiheadAttention
+    # computes heads internally, so hooks cannot see z or the weights).
+    def visual_positions(self, inputs: ModelInputs) -> torch.Tensor:
+        """Cross-attention models have no visual tokens in the text sequence."""
+        return torch.zeros(inputs.input_ids.shape[0], 0, dtype=torch.long)
+
+    def run_capture(self, inputs: ModelInputs, trace, keep: set[int]) -> None:
+        import math
+
+        text, image = inputs.tensors["text"], inputs.tensors["image"]
+        n_pos = text.shape[1]
+        _, visual = self.model._encode_image(image)  # (batch, n_visual, d_model), after ln_post
+        tt = self.model.text
+        x = tt.token_embedding(text) + tt.positional_embedding[:n_pos].to(visual.dtype)
+        # The CLS token open_clip appends at the end cannot reach earlier positions.
+        causal = torch.full((n_pos, n_pos), float("-inf"), dtype=x.dtype).triu(1)
+        qpos = trace.query_positions
+        # Blocks run in order; the decoder reads the text tower's tokens without its ln_final.
+        for block, (_, kind) in enumerate(self.blocks):
+            module = self._block(block)
+            trace.resid_pre[block] = x
+            q_in = self.attn_norm(block)(x)
+            if kind == "cross":
+                trace.kv_source[block] = visual
+                kv = self.kv_norm(block)(visual)
+            else:
+                kv = q_in
+            q = torch.einsum("bpm,hmd->bphd", q_in, self.W_Q(block)) + self.b_Q(block)
+            k = torch.einsum("bpm,hmd->bphd", kv, self.W_K(block)) + self.b_K(block)
+            v = torch.einsum("bpm,hmd->bphd", kv, self.W_V(block)) + self.b_V(block)
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.d_head)
+            if kind == "self":
+                scores = scores + causal
+            pattern = scores.softmax(-1)
+            z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
+            out = torch.einsum("bqhd,hdm->bqm", z, self.W_O(block)) + self.b_O(block)
+            trace.z[block], trace.attn_out[block] = z, out
+            if block in keep:
+                trace.patterns[block] = pattern[:, :, qpos]
+            x = x + out
+            mlp = module.mlp(module.ln_2(x))
+            gamma = self._layer_scale(module.ls_2)
+            mlp = mlp * gamma if gamma is not None else mlp
+            trace.mlp_out[block] = mlp
+            x = x + mlp
+        trace.final_resid = x
+        trace.logits = self.final_norm_layer()(x) @ self.W_U + self.b_U
+        self._check_replay(inputs, trace)
+
+    def _check_replay(self, inputs: ModelInputs, trace) -> None:
+        """The replay must equal open_clip's forward at every real position."""
+        library = self.forward_logits(inputs)
+        for row, last in enumerate(inputs.answer_positions.tolist()):
+            ours, theirs = trace.logits[row, : last + 1], library[row, : last + 1]
+            err = float((ours - theirs).abs().max())
+            if err > 1e-4 * max(1.0, float(theirs.abs().max())):
+                raise RuntimeError(f"CoCa replay differs from open_clip's forward by {err:.3g}; capture refused")
+
+    def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
+        """Patch boxes of open_clip's resize-shortest + centre-crop transform; the
+        tokens are cross-attention keys, so ``position`` is None."""
+        from core.geometry import VisualToken, resize_crop_boxes
+
+        visual = self.model.visual
+        size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size
+        patch = visual.patch_size[0] if isinstance(visual.patch_size, tuple) else visual.patch_size
+        boxes = resize_crop_boxes(image_size, size, (size, size), patch)
+        return [VisualToken(i, None, 0, r, c, box) for i, (r, c, box) in enumerate(boxes)]
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads

@@ -1,0 +1,428 @@
+"""Qwen2-VL and Qwen2.5-VL (transformers' ``Qwen2VLForConditionalGeneration``
+and ``Qwen2_5_VLForConditionalGeneration``): a native-resolution ViT whose
+2x2 neighbouring patches are merged into one visual token, and a Qwen2
+decoder (q/k/v biases, grouped-query K/V, RMSNorm) over interleaved tokens
+with multimodal rotary position embedding (M-RoPE).
+
+Both families share the decoder and the processor; they differ only inside
+the vision tower (Qwen2.5-VL runs windowed attention on a window-reordered
+patch sequence, and puts the merged tokens back in row-major order after its
+merger), so one adapter serves both; :class:`Qwen2_5_VLAdapter` only renames
+the family.
+
+M-RoPE: every token has three position ids (temporal, height, width). Text
+tokens carry the same id on all three axes; the visual tokens of one image
+carry ``(start, start + row, start + col)`` on the merged-token grid, and the
+text after the image resumes at ``start + max(rows, cols)``. The head's
+``d_head / 2`` rotary frequencies are split into ``mrope_section`` blocks
+that rotate with the temporal, height and width id respectively. So
+:meth:`Qwen2VLAdapter.rotate` takes ``positions`` of shape ``(3, pos)`` (the
+model's own position ids for one batch row), not the ``(pos,)`` of plain
+RoPE; a capture records them as ``trace.position_ids`` ``(3, batch, pos)``
+and :meth:`Qwen2VLAdapter.rope_positions` recomputes them from prepared
+inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from PIL import Image
+
+from core.errors import QuestionError
+from core.models.adapter import Adapter, ModelInputs
+from core.models.registry import register
+
+# What Qwen's own chat template renders for one user turn holding an image
+# then the question, with the generation prompt (used when the processor has
+# no chat template).
+QWEN_PROMPT = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+def _size_value(size, key: str):
+    """``size[key]`` for a dict or a transformers ``SizeDict`` (None if absent)."""
+    value = getattr(size, key, None)
+    if value is None and hasattr(size, "get"):
+        value = size.get(key)
+    return value
+
+
+@register(hf=("Qwen2VLForConditionalGeneration",))
+class Qwen2VLAdapter(Adapter):
+    """The canonical view of a Qwen2-VL model (see the module docstring).
+
+    Differences from the plain-RoPE families:
+
+    * :meth:`rotate` takes M-RoPE positions ``(3, pos)``.
+    * A capture records the decoder's position ids as ``trace.position_ids``
+      ``(3, batch, pos)`` (an attribute added to the :class:`core.capture.Trace`
+      by :meth:`final_hooks`).
+    * The number of visual tokens depends on the image size (the processor
+      resizes to multiples of ``patch_size * merge_size`` within
+      ``[min_pixels, max_pixels]``), so :meth:`visual_tokens` needs the
+      image size and a batch of differently sized images has ragged visual
+      positions.
+    """
+
+    family = "qwen2_vl"
+    final_norm = "rmsnorm"
+    attention_kind = "self"
+    position_scheme = "mrope"
+
+    @property
+    def text_config(self):
+        return self.model.config.text_config
+
+    @property
+    def n_layers(self) -> int:
+        return self.text_config.num_hidden_layers
+
+    @property
+    def n_heads(self) -> int:
+        return self.text_config.num_attention_heads
+
+    @property
+    def d_model(self) -> int:
+        return self.text_config.hidden_size
+
+    # ---- text
+    def prompt(self, question: str) -> str:
+        conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        if getattr(self.processor, "chat_template", None):
+            return self.processor.apply_chat_template(conversation, add_generation_prompt=True)
+        return QWEN_PROMPT.format(question=question)
+
+    def _max_positions(self) -> int:
+        return int(getattr(self.text_config, "max_position_embeddings", None) or 10**9)
+
+    def check_question(self, question: str) -> None:
+        if not question.strip():
+            raise QuestionError("the question is empty")
+        ids = self.tokenizer.encode(question, add_special_tokens=False)
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        if unk is not None and unk in ids:
+            from core.zoo.vocab import unknown_words
+
+            words = unknown_words(self.tokenizer, question)
+            raise QuestionError(
+                f"the question uses words this model's vocabulary does not have: {', '.join(words) or '?'}"
+            )
+        # The image's token count depends on its size; prepare() checks the real total.
+        total = len(self.tokenizer.encode(self.prompt(question), add_special_tokens=False))
+        if total > self._max_positions():
+            raise QuestionError(f"the question is too long: {total} tokens, the model takes {self._max_positions()}")
+
+    # ---- running
+    def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
+        """One right-padded batch (one image per question).
+
+        ``tensors`` holds ``input_ids``, ``attention_mask``, ``mm_token_type_ids``
+        (0 text, 1 image), ``pixel_values`` ``(n_patches_total, C * T * P * P)``
+        in the model's dtype and ``image_grid_thw`` ``(n_images, 3)`` in patches.
+        """
+        for q in questions:
+            self.check_question(q)
+        prompts = [self.prompt(q) for q in questions]
+        tok = self.processor.tokenizer
+        old_side = tok.padding_side
+        tok.padding_side = "right"  # the answer position is then the last real token
+        try:
+            batch = self.processor(images=images, text=prompts, padding=True, return_tensors="pt")
+        finally:
+            tok.padding_side = old_side
+        device = self.device
+        dtype = next(self.model.parameters()).dtype
+        tensors = {k: v.to(device) for k, v in batch.items()}
+        if "pixel_values" in tensors:
+            tensors["pixel_values"] = tensors["pixel_values"].to(dtype)
+        mask = tensors["attention_mask"]
+        longest = int(mask.sum(dim=1).max())
+        if longest > self._max_positions():
+            raise QuestionError(
+                f"the question is too long: {longest} tokens with the image, the model takes {self._max_positions()}"
+            )
+        last = mask.sum(dim=1) - 1
+        return ModelInputs(tensors, last, tensors["input_ids"], prompts)
+
+    def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
+        return self.model(**inputs.tensors, use_cache=False).logits
+
+    def append_token(self, inputs: ModelInputs, token_id: int) -> ModelInputs:
+        """The batch (of one) with a text token appended; the model recomputes
+        the M-RoPE positions (the new token gets the next text position)."""
+        t = dict(inputs.tensors)
+        new = torch.tensor([[token_id]], device=t["input_ids"].device, dtype=t["input_ids"].dtype)
+        t["input_ids"] = torch.cat([t["input_ids"], new], dim=1)
+        t["attention_mask"] = torch.cat([t["attention_mask"], torch.ones_like(new)], dim=1)
+        if "mm_token_type_ids" in t:
+            t["mm_token_type_ids"] = torch.cat([t["mm_token_type_ids"], torch.zeros_like(new)], dim=1)
+        return ModelInputs(t, inputs.answer_positions + 1, t["input_ids"], inputs.prompts)
+
+    def rope_positions(self, inputs: ModelInputs) -> torch.Tensor:
+        """``(3, batch, pos)`` the M-RoPE position ids (temporal, height, width)
+        the model computes for ``inputs`` (padding positions get 0)."""
+        t = inputs.tensors
+        ids = t["input_ids"]
+        if t.get("image_grid_thw") is None or t.get("mm_token_type_ids") is None:
+            mask = t.get("attention_mask")
+            if mask is None:
+                pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+            else:
+                pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+            return pos.unsqueeze(0).expand(3, -1, -1)
+        pos, _ = self.model.model.get_rope_index(
+            ids,
+            mm_token_type_ids=t["mm_token_type_ids"],
+            image_grid_thw=t["image_grid_thw"],
+            attention_mask=t.get("attention_mask"),
+        )
+        return pos
+
+    # ---- canonical weights
+    @property
+    def language_model(self):
+        return self.model.model.language_model
+
+    def _attn(self, layer: int):
+        return self.language_model.layers[layer].self_attn
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.text_config.num_key_value_heads
+
+    @property
+    def d_head(self) -> int:
+        # Qwen2-VL's attention uses hidden_size // num_heads whatever the config says.
+        return self._attn(0).head_dim
+
+    def _split_in(self, linear, n: int, expand: bool) -> torch.Tensor:
+        """(n * d_head, d_model) weight -> (heads, d_model, d_head), groups expanded if ``expand``."""
+        w = linear.weight.view(n, self.d_head, -1).transpose(1, 2)
+        if expand and n != self.n_heads:
+            w = w.repeat_interleave(self.n_heads // n, dim=0)
+        return w
+
+    def _split_bias(self, linear, n: int) -> torch.Tensor:
+        if linear.bias is None:
+            return torch.zeros(self.n_heads, self.d_head, dtype=linear.weight.dtype, device=linear.weight.device)
+        b = linear.bias.view(n, self.d_head)
+        return b.repeat_interleave(self.n_heads // n, dim=0) if n != self.n_heads else b
+
+    def W_Q(self, layer: int) -> torch.Tensor:
+        return self._split_in(self._attn(layer).q_proj, self.n_heads, False)
+
+    def b_Q(self, layer: int) -> torch.Tensor:
+        return self._split_bias(self._attn(layer).q_proj, self.n_heads)
+
+    def W_K(self, layer: int) -> torch.Tensor:
+        return self._split_in(self._attn(layer).k_proj, self.n_kv_heads, True)
+
+    def b_K(self, layer: int) -> torch.Tensor:
+        return self._split_bias(self._attn(layer).k_proj, self.n_kv_heads)
+
+    def W_V(self, layer: int) -> torch.Tensor:
+        return self._split_in(self._attn(layer).v_proj, self.n_kv_heads, True)
+
+    def b_V(self, layer: int) -> torch.Tensor:
+        return self._split_bias(self._attn(layer).v_proj, self.n_kv_heads)
+
+    def W_O(self, layer: int) -> torch.Tensor:
+        o = self._attn(layer).o_proj
+        return o.weight.view(self.d_model, self.n_heads, self.d_head).permute(1, 2, 0)
+
+    def b_O(self, layer: int) -> torch.Tensor:
+        o = self._attn(layer).o_proj
+        return o.bias if o.bias is not None else torch.zeros(self.d_model, dtype=o.weight.dtype, device=o.weight.device)
+
+    @staticmethod
+    def _norm(module):
+        from core.models.norms import Norm
+
+        return Norm("rmsnorm", module.weight, None, module.variance_epsilon, compute_dtype=torch.float32)
+
+    def attn_norm(self, layer: int):
+        return self._norm(self.language_model.layers[layer].input_layernorm)
+
+    def final_norm_layer(self):
+        return self._norm(self.language_model.norm)
+
+    @property
+    def W_U(self) -> torch.Tensor:
+        """``(d_model, vocab)``: ``lm_head.weight.T`` (the token embedding itself
+        when ``tie_word_embeddings``; transformers ties the two parameters)."""
+        return self.model.lm_head.weight.T
+
+    @property
+    def b_U(self) -> torch.Tensor:
+        head = self.model.lm_head
+        if head.bias is not None:
+            return head.bias
+        return torch.zeros(head.weight.shape[0], dtype=head.weight.dtype, device=head.weight.device)
+
+    # ---- capture
+    def visual_positions(self, inputs: ModelInputs) -> torch.Tensor:
+        """``(batch, n_visual)`` positions of the image tokens in the sequence.
+
+        Raises:
+            ValueError: the rows hold different numbers of visual tokens
+                (images of different sizes), which no rectangular tensor holds.
+        """
+        mask = inputs.input_ids == self.model.config.image_token_id
+        rows = [row.nonzero().flatten() for row in mask]
+        if len({len(r) for r in rows}) > 1:
+            raise ValueError(
+                "the batch rows hold different numbers of visual tokens "
+                f"({[len(r) for r in rows]}): Qwen2-VL's token count follows the image size"
+            )
+        return torch.stack(rows)
+
+    def capture_hooks(self, layer: int, trace, keep_pattern: bool) -> list:
+        """Hooks that fill ``trace`` for block ``layer`` (see core.capture.Trace)."""
+        block = self.language_model.layers[layer]
+        attn = block.self_attn
+
+        def resid_pre(module, args, kwargs):
+            trace.resid_pre[layer] = args[0] if args else kwargs["hidden_states"]
+
+        def z_in(module, args):
+            x = args[0]
+            trace.z[layer] = x.view(*x.shape[:-1], self.n_heads, self.d_head)
+
+        def attn_out(module, args, out):
+            trace.attn_out[layer] = out
+
+        def mlp_out(module, args, out):
+            trace.mlp_out[layer] = out
+
+        def pattern(module, args, out):
+            weights = out[1]
+            if weights is None:
+                raise RuntimeError("attention weights missing: the model is not running eager attention")
+            trace.patterns[layer] = weights[:, :, trace.query_positions.to(weights.device)]
+
+        regs = [
+            (block, "pre_kw", resid_pre),
+            (attn.o_proj, "pre", z_in),
+            (attn.o_proj, "fwd", attn_out),
+            (block.mlp, "fwd", mlp_out),
+        ]
+        if keep_pattern:
+            regs.append((attn, "fwd", pattern))
+        return regs
+
+    def final_hooks(self, trace) -> list:
+        """Hooks that record ``trace.final_resid`` (the final norm's input) and
+        ``trace.position_ids`` ``(3, batch, pos)``: the M-RoPE positions the
+        decoder ran with (what :meth:`rotate` takes, one batch row at a time)."""
+
+        def final(module, args):
+            trace.final_resid = args[0]
+
+        def positions(module, args, kwargs):
+            trace.position_ids = self._decoder_positions(kwargs)
+
+        return [(self.language_model.norm, "pre", final), (self.language_model, "pre_kw", positions)]
+
+    @staticmethod
+    def _decoder_positions(kwargs: dict) -> torch.Tensor:
+        """The decoder's ``(3, batch, pos)`` positions from its call kwargs, as
+        Qwen2VLTextModel.forward derives them (no cache: a single full run)."""
+        pos = kwargs.get("position_ids")
+        embeds = kwargs.get("inputs_embeds")
+        if pos is None:
+            ref = embeds if embeds is not None else kwargs["input_ids"]
+            batch, n = ref.shape[0], ref.shape[1]
+            return torch.arange(n, device=ref.device).view(1, 1, -1).expand(3, batch, -1)
+        if pos.ndim == 2:
+            return pos[None].expand(3, -1, -1)
+        if pos.shape[0] == 4:  # text positions prepended for packed sequences
+            return pos[1:]
+        return pos
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Apply Qwen's M-RoPE to queries or keys ``(..., pos, heads, d_head)``.
+
+        Args:
+            x: ``(..., pos, heads, d_head)`` queries or keys (after the bias).
+            positions: ``(3, pos)``: the temporal, height and width position
+                ids of one batch row, e.g. ``trace.position_ids[:, b]`` or
+                ``rope_positions(inputs)[:, b]``. NOTE the shape differs from
+                the plain-RoPE families' ``(pos,)``: a visual token's three ids
+                differ, so a sequence index alone does not fix its rotation.
+                A ``(pos,)`` tensor is accepted and used on all three axes
+                (right for text-only runs, wrong for visual tokens).
+        """
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import rotate_half
+
+        if positions.ndim == 1:
+            positions = positions.view(1, -1).expand(3, -1)
+        if positions.ndim != 2 or positions.shape[0] != 3:
+            raise ValueError(f"M-RoPE positions must be (3, pos) or (pos,), got {tuple(positions.shape)}")
+        positions = positions.to(x.device)
+        cos, sin = self.language_model.rotary_emb(x, positions.view(3, 1, -1))  # (1, pos, d_head)
+        cos, sin = cos[0].to(x.dtype).unsqueeze(-2), sin[0].to(x.dtype).unsqueeze(-2)  # (pos, 1, d_head)
+        return x * cos + rotate_half(x) * sin
+
+    # ---- geometry
+    def visual_grid(self, image_size: tuple[int, int]) -> tuple[int, int, int, int]:
+        """``(rows, cols, resized_height, resized_width)``: the merged-token grid
+        and the size the processor resizes an image of ``image_size = (width,
+        height)`` to (smart_resize: multiples of ``patch_size * merge_size``
+        with the pixel count within ``[min_pixels, max_pixels]``)."""
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        ip = self.processor.image_processor
+        patch = int(ip.patch_size)
+        merge = int(ip.merge_size)
+        vision = self.model.config.vision_config
+        if patch != vision.patch_size or merge != vision.spatial_merge_size:
+            raise ValueError(
+                f"processor (patch {patch}, merge {merge}) and vision tower "
+                f"(patch {vision.patch_size}, merge {vision.spatial_merge_size}) disagree"
+            )
+        cell = patch * merge
+        w, h = image_size
+        if getattr(ip, "do_resize", True):
+            min_pixels = _size_value(ip.size, "shortest_edge") or _size_value(ip.size, "min_pixels")
+            max_pixels = _size_value(ip.size, "longest_edge") or _size_value(ip.size, "max_pixels")
+            rh, rw = smart_resize(h, w, factor=cell, min_pixels=min_pixels, max_pixels=max_pixels)
+        else:
+            rh, rw = h, w
+        return rh // cell, rw // cell, rh, rw
+
+    def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
+        """The :class:`core.geometry.VisualToken` of every image token, boxes in
+        the original image (``image_size = (width, height)``).
+
+        A token is one merged ``merge_size x merge_size`` block of
+        ``patch_size`` px patches of the resized image; ``row``/``col`` index
+        the merged-token grid, in the row-major order in which the tokens enter
+        the decoder (Qwen2.5-VL's window reordering is undone by its vision
+        tower before the tokens leave it). The resize (no crop, no pad) is
+        undone by scaling each axis by original / resized size.
+        """
+        from core.geometry import VisualToken
+
+        rows, cols, rh, rw = self.visual_grid(image_size)
+        cell = int(self.processor.image_processor.patch_size) * int(self.processor.image_processor.merge_size)
+        w, h = image_size
+        sx, sy = w / rw, h / rh
+        if positions is not None and len(positions) != rows * cols:
+            raise ValueError(f"{len(positions)} visual positions for a {rows}x{cols} token grid")
+        out = []
+        for i in range(rows * cols):
+            r, c = divmod(i, cols)
+            box = [c * cell * sx, r * cell * sy, (c + 1) * cell * sx, (r + 1) * cell * sy]
+            out.append(VisualToken(i, None if positions is None else int(positions[i]), 0, r, c, box))
+        return out
+
+
+@register(hf=("Qwen2_5_VLForConditionalGeneration",))
+class Qwen2_5_VLAdapter(Qwen2VLAdapter):
+    """Qwen2.5-VL: the same decoder, processor and token order as Qwen2-VL
+    (the windowed vision tower restores row-major order after its merger)."""
+
+    family = "qwen2_5_vl"
