@@ -45,6 +45,8 @@ class Trace:
         kv_source: per block, the stream its keys and values read before their
             norm: None for self-attention (it reads ``resid_pre``), the visual
             tokens ``(batch, n_visual, d_model)`` for cross-attention.
+        position_ids: what the model's position scheme ran with, when the
+            family records it (M-RoPE: ``(3, batch, pos)``).
         query_positions: ``(n_query,)`` the kept query positions (same for every batch row).
         final_resid: ``(batch, pos, d_model)`` x_L, before the final norm.
         logits: ``(batch, pos, vocab)``.
@@ -64,6 +66,7 @@ class Trace:
     block_names: list[str] = field(default_factory=list)
     block_kinds: list[str] = field(default_factory=list)
     kv_source: list[torch.Tensor | None] = field(default_factory=list)
+    position_ids: torch.Tensor | None = None  # the positions the model ran with, in its scheme's format
 
     @property
     def n_blocks(self) -> int:

@@ -205,7 +205,10 @@ class Adapter(ABC):
         raise NotImplementedError(f"{self.family}: capture not mapped yet")
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Apply the position scheme to queries or keys ``(pos, heads, d_head)``."""
+        """Apply the position scheme to queries or keys ``(pos, heads, d_head)``.
+
+        ``positions`` is in the scheme's own format: ``(pos,)`` for RoPE,
+        ``(3, pos)`` (temporal, height, width) for M-RoPE."""
         raise NotImplementedError(f"{self.family}: positions not mapped yet")
 
     def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
