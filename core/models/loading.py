@@ -285,7 +285,6 @@ def _load_open_clip_dir(path: Path, device, dtype, allow_pickle: bool) -> Loaded
     model_class = "CoCa" if "multimodal_cfg" in model_cfg else "CLIP"
     adapter_cls = registry.adapter_for_open_clip(model_class)
     import open_clip
-    import torch
 
     try:
         model, preprocess = open_clip.create_model_from_pretrained(
@@ -298,7 +297,6 @@ def _load_open_clip_dir(path: Path, device, dtype, allow_pickle: bool) -> Loaded
     extra = cfg.get("vlm_readout", {})
     adapter = adapter_cls(model, preprocess, tokenizer, extra)
     fp = _fingerprint([path / "open_clip_config.json", *files])
-    del torch
     return LoadedModel(str(path), adapter.family, model, preprocess, tokenizer, adapter, path, fp, {"open_clip": cfg})
 
 
