@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from core.errors import oom_guard
 from core.images import load_image
 
 
@@ -64,8 +65,9 @@ def answer_batch(
         if cancel is not None and cancel():
             break
         imgs = [load_image(im) for im in images[start : start + batch_size]]
-        inputs = adapter.prepare(imgs, list(questions[start : start + batch_size]))
-        out += _to_answers(adapter, adapter.next_token_logits(inputs), top_k)
+        with oom_guard(f"answering a batch of {len(imgs)}"):
+            inputs = adapter.prepare(imgs, list(questions[start : start + batch_size]))
+            out += _to_answers(adapter, adapter.next_token_logits(inputs), top_k)
         if progress is not None:
             progress(len(out), total)
     return out

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.errors import oom_guard
 from core.images import load_image
 
 
@@ -149,7 +150,8 @@ def capture(
         block_kinds=[kind for _, kind in blocks],
         kv_source=[None] * n,
     )
-    adapter.run_capture(inputs, trace, keep)
+    with oom_guard("capturing (keep fewer layers or query positions)"):
+        adapter.run_capture(inputs, trace, keep)
     return trace
 
 

@@ -31,3 +31,33 @@ class UnsafeCheckpointError(ModelLoadError):
 
 class QuestionError(ReadoutError):
     """The question does not fit the model (too long, unknown words)."""
+
+
+class OutOfMemoryError(ReadoutError):
+    """The run did not fit in memory; nothing was recorded."""
+
+
+class oom_guard:
+    """Turn an allocator failure inside the block into :class:`OutOfMemoryError`
+    with a one-line hint (GPU and CPU allocators fail differently)."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None:
+            return False
+        import torch
+
+        text = str(exc)
+        if isinstance(exc, torch.OutOfMemoryError) or (
+            isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+        ):
+            raise OutOfMemoryError(
+                f"out of memory while {self.what}; try a smaller batch, fewer kept layers/positions, "
+                "or a lower-precision dtype"
+            ) from None
+        return False

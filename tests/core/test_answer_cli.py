@@ -78,3 +78,19 @@ def test_questions_that_do_not_fit(model):
         answer(loaded, image, "   ")
     with pytest.raises(QuestionError, match="too long"):
         answer(loaded, image, " ".join(["is the red circle left of the blue square?"] * 40))
+
+
+def test_out_of_memory_is_a_one_line_error(monkeypatch):
+    from core.errors import OutOfMemoryError
+
+    loaded = load_model("shapes-llava")
+
+    def explode(inputs):
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 99999999999 bytes"
+        )
+
+    monkeypatch.setattr(loaded.adapter, "next_token_logits", explode)
+    with pytest.raises(OutOfMemoryError, match="out of memory while answering") as e:
+        answer(loaded, SAMPLES / "sample_00.png", "what shape is the blue object?")
+    assert "\n" not in str(e.value)
