@@ -8,6 +8,7 @@ from core.answer import Answer, answer, answer_batch
 from core.errors import (
     ImageLoadError,
     ModelLoadError,
+    OutOfMemoryError,
     QuestionError,
     ReadoutError,
     UnsafeCheckpointError,
@@ -23,6 +24,7 @@ __all__ = [
     "ImageLoadError",
     "LoadedModel",
     "ModelLoadError",
+    "OutOfMemoryError",
     "QuestionError",
     "ReadoutError",
     "UnsafeCheckpointError",
