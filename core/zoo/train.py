@@ -90,8 +90,9 @@ class DenseHead(torch.nn.Module):
     shape class, object-centre flag, and the patch's own (x, y) so that
     position stays linearly readable for relation questions."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, shape_weight: float = 1.0):
         super().__init__()
+        self.shape_weight = shape_weight
         self.proj = torch.nn.Linear(width, N_COLOR + N_SHAPE + 1 + 2)
         self.register_buffer("xy", _patch_xy(), persistent=False)
 
@@ -102,7 +103,7 @@ class DenseHead(torch.nn.Module):
         ls = F.cross_entropy(out[..., N_COLOR : N_COLOR + N_SHAPE].reshape(-1, N_SHAPE), batch["shape"].reshape(-1))
         lm = F.binary_cross_entropy_with_logits(out[..., N_COLOR + N_SHAPE], batch["centre"])
         lxy = F.mse_loss(out[..., -2:], self.xy.expand_as(out[..., -2:]))
-        return lc + ls + lm + lxy
+        return lc + self.shape_weight * ls + lm + lxy
 
 
 def _pad(ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,6 +209,7 @@ def train(args) -> None:
     run_dir = Path(args.run_dir or f"runs/{args.family}")
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = TRAINERS[args.family](args.seed)
+    trainer.head.shape_weight = args.shape_weight
     params = list(trainer.model.parameters()) + list(trainer.head.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     state = {"phase": 1, "step": 0, "elapsed_s": 0.0}
@@ -326,6 +328,7 @@ def main(argv=None) -> None:
         help="share of training questions per kind (0 args: cycle evenly)",
     )
     p.add_argument("--dense-weight", type=float, default=0.3)
+    p.add_argument("--shape-weight", type=float, default=1.0, help="weight of the per-patch shape loss")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--threads", type=int, default=1)
