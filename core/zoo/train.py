@@ -178,6 +178,8 @@ class CocaTrainer:
 
 
 TRAINERS = {"llava": LlavaTrainer, "coca": CocaTrainer}
+# Question-answering steps of the shipped models (the other defaults are shared).
+RECIPE_QA_STEPS = {"llava": 1800, "coca": 1500}
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -313,10 +315,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--family", choices=sorted(TRAINERS), required=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dense-steps", type=int, default=600)
-    p.add_argument("--qa-steps", type=int, default=4000)
+    p.add_argument("--dense-steps", type=int, default=1500)
+    p.add_argument("--qa-steps", type=int, default=None, help="default: the shipped recipe (see RECIPE_QA_STEPS)")
     p.add_argument("--dense-batch", type=int, default=64)
-    p.add_argument("--scenes-per-step", type=int, default=24)
+    p.add_argument("--scenes-per-step", type=int, default=16)
     p.add_argument("--questions-per-image", type=int, default=8)
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument(
@@ -328,14 +330,17 @@ def main(argv=None) -> None:
         help="share of training questions per kind (0 args: cycle evenly)",
     )
     p.add_argument("--dense-weight", type=float, default=0.3)
-    p.add_argument("--shape-weight", type=float, default=1.0, help="weight of the per-patch shape loss")
+    p.add_argument("--shape-weight", type=float, default=3.0, help="weight of the per-patch shape loss")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint")
-    train(p.parse_args(argv))
+    args = p.parse_args(argv)
+    if args.qa_steps is None:
+        args.qa_steps = RECIPE_QA_STEPS[args.family]
+    train(args)
 
 
 if __name__ == "__main__":
