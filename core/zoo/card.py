@@ -22,7 +22,18 @@ def _params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _dense_table(curve: list[dict]) -> str:
+    rows = [r for r in curve if r["phase"] == 1]
+    if not rows:
+        return ""
+    head = "| dense step | " + " | ".join(str(r["step"]) for r in rows) + " |"
+    sep = "|---" * (len(rows) + 1) + "|"
+    loss = "| dense loss | " + " | ".join(f"{r['loss']:.3f}" for r in rows) + " |"
+    return "\n".join([head, sep, loss])
+
+
 def _curve_table(curve: list[dict]) -> str:
+    curve = [r for r in curve if "val" in r]
     kinds = scenes.QUESTION_KINDS
     rows = ["| step | minutes | qa loss | " + " | ".join(kinds) + " |", "|---" * (3 + len(kinds)) + "|"]
     for r in curve:
@@ -177,7 +188,7 @@ The answer is the next token after the prompt.
    vision tower predicts each patch's colour and shape (of the object covering most of it; the shape loss
    weighted x{args.get('shape_weight', 1.0)}), whether it holds an object's centre, and the patch's own (x, y),
    from the exact scene masks. Shape is the hard part: per-patch shape accuracy stays near chance for
-   hundreds of steps, then jumps (see the note below the learning curve);
+   hundreds of steps, then jumps (visible as a drop in the dense loss below);
 2. question answering, {args['qa_steps']} steps x {args['scenes_per_step']} scenes x {args['questions_per_image']}
    questions ({args['qa_steps'] * args['scenes_per_step'] * args['questions_per_image']:,} question-answer pairs
    on {args['qa_steps'] * args['scenes_per_step']:,} fresh scenes; question kinds drawn with weights
@@ -190,7 +201,13 @@ The answer is the next token after the prompt.
 Training time: {state["elapsed_s"] / 60:.0f} minutes of compute (both phases, on a shared 2-core machine).
 Training data uses the `train` split seeds only; the accuracy below uses `heldout` seeds, which training never reads.
 
-### Learning curve (question answering; accuracy on 400 `val` samples)
+### Learning curves
+
+Dense pre-training loss (colour + weighted shape + centre + position):
+
+{_dense_table(curve)}
+
+Question answering, accuracy on 400 `val` samples (seeds training never reads):
 
 {_curve_table(curve)}
 

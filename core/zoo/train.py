@@ -306,8 +306,10 @@ def train(args) -> None:
 
 
 def export_curve(log: Path, out: Path) -> None:
-    """Keep the evaluated steps of the training log (the card's learning curve)."""
-    rows = [json.loads(x) for x in log.read_text().splitlines() if '"val"' in x]
+    """Keep the evaluated steps of the training log and every 100th dense
+    pre-training step (the card's learning curves)."""
+    rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "val" in r or (r["phase"] == 1 and r["step"] % 100 == 0)]
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
