@@ -71,7 +71,7 @@ def _architecture(family: str, model) -> str:
             f"- vision tower: ViT, {v['layers']} layers, width {v['width']}, head width {v['head_width']}, image "
             f"{v['image_size']} px, patch {v['patch_size']} px; no attentional pooler: the decoder cross-attends to "
             f"all {(v['image_size'] // v['patch_size']) ** 2} patch tokens (after `ln_post`)",
-            f"- unimodal text tower: {t['layers']} causal layers, width {t['width']}, {t['heads']} heads, CLS appended "
+            f"- unimodal text tower: {t['layers']} causal layer(s), width {t['width']}, {t['heads']} heads, CLS appended "
             f"(contrastive head unused), context {t['context_length']}",
             f"- multimodal decoder: {m['layers']} layers, each a causal self-attention block then a cross-attention "
             f"block over the image tokens, width {m['width']}, {m['heads']} heads, pre-LayerNorm, final LayerNorm "
