@@ -22,6 +22,18 @@ def _params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _command(args: dict) -> str:
+    """The exact training command (resumable; deterministic data from the seed)."""
+    cmd = (
+        f"python -m core.zoo.train --family {args['family']} --seed {args['seed']} "
+        f"--dense-steps {args['dense_steps']} --qa-steps {args['qa_steps']} "
+        f"--shape-weight {args.get('shape_weight', 1.0)} --scenes-per-step {args['scenes_per_step']}"
+    )
+    if args.get("stop_after"):
+        cmd += f" --stop-after {args['stop_after']}"
+    return cmd
+
+
 def _dense_table(curve: list[dict]) -> str:
     rows = [r for r in curve if r["phase"] == 1]
     if not rows:
@@ -182,19 +194,19 @@ The answer is the next token after the prompt.
 
 ## Training
 
-`python -m core.zoo.train --family {family}` (seed {args["seed"]}), on {platform.machine()} CPU, {args["threads"]} thread(s):
+`{_command(args)}`, on {platform.machine()} CPU, {args["threads"]} thread(s):
 
-1. dense vision pre-training, {args['dense_steps']} steps x {args['dense_batch']} images: a linear head on the
+1. dense vision pre-training, {args["dense_steps"]} steps x {args["dense_batch"]} images: a linear head on the
    vision tower predicts each patch's colour and shape (of the object covering most of it; the shape loss
-   weighted x{args.get('shape_weight', 1.0)}), whether it holds an object's centre, and the patch's own (x, y),
+   weighted x{args.get("shape_weight", 1.0)}), whether it holds an object's centre, and the patch's own (x, y),
    from the exact scene masks. Shape is the hard part: per-patch shape accuracy stays near chance for
    hundreds of steps, then jumps (visible as a drop in the dense loss below);
-2. question answering, {args['qa_steps']} steps x {args['scenes_per_step']} scenes x {args['questions_per_image']}
-   questions ({args['qa_steps'] * args['scenes_per_step'] * args['questions_per_image']:,} question-answer pairs
-   on {args['qa_steps'] * args['scenes_per_step']:,} fresh scenes; question kinds drawn with weights
-   {dict(zip(scenes.QUESTION_KINDS, args.get('kind_weights') or [0.25] * 4))}), cross-entropy on the answer token plus
-   {args['dense_weight']} x the dense loss; curriculum: at most 2 objects for the first 10% of steps, 3 until 20%.
-   AdamW (lr {args['lr']}, betas 0.9/0.98, weight decay 0.01), warm-up then cosine decay, gradient clip 1.0.
+2. question answering, {args["qa_steps"]} steps x {args["scenes_per_step"]} scenes x {args["questions_per_image"]}
+   questions ({args["qa_steps"] * args["scenes_per_step"] * args["questions_per_image"]:,} question-answer pairs
+   on {args["qa_steps"] * args["scenes_per_step"]:,} fresh scenes; question kinds drawn with weights
+   {dict(zip(scenes.QUESTION_KINDS, args.get("kind_weights") or [0.25] * 4))}), cross-entropy on the answer token plus
+   {args["dense_weight"]} x the dense loss; curriculum: at most 2 objects for the first 10% of steps, 3 until 20%.
+   AdamW (lr {args["lr"]}, betas 0.9/0.98, weight decay 0.01), warm-up then cosine decay, gradient clip 1.0.
    For LLaVA the image prefix runs once per scene and its key/value cache is shared by the scene's questions
    (exact under causal attention; a test checks it against the plain forward).
 

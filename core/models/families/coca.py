@@ -69,6 +69,9 @@ class CocaAdapter(Adapter):
         return str(token_id)
 
     def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
+        from core.images import load_image
+
+        images = [load_image(im) for im in images]  # paths and arrays too; RGB, EXIF applied
         for q in questions:
             self.check_question(q)
         prompts = [self.prompt(q) for q in questions]

@@ -61,6 +61,9 @@ class LlavaAdapter(Adapter):
             raise QuestionError(f"the question is too long: {total} tokens with the image, the model takes {limit}")
 
     def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
+        from core.images import load_image
+
+        images = [load_image(im) for im in images]  # paths and arrays too; RGB, EXIF applied
         for q in questions:
             self.check_question(q)
         prompts = [self.prompt(q) for q in questions]
