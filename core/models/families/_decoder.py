@@ -1,0 +1,134 @@
+"""Canonical weights shared by Llama-style decoders (q/k/v/o_proj, RMSNorm,
+lm_head): LLaVA's and Qwen2-VL's language models. Not a family: adapters
+mix it in and define ``d_head``."""
+
+from __future__ import annotations
+
+import torch
+
+
+class LlamaStyleWeights:
+    """Per-head W_Q/W_K/W_V/W_O (grouped K/V expanded), norms, unembedding
+    and capture hooks of ``self.model.model.language_model`` (decoder layers
+    with ``self_attn.o_proj`` and ``mlp``) and ``self.model.lm_head``."""
+
+    @property
+    def text_config(self):
+        return self.model.config.text_config
+
+    @property
+    def n_layers(self) -> int:
+        return self.text_config.num_hidden_layers
+
+    @property
+    def n_heads(self) -> int:
+        return self.text_config.num_attention_heads
+
+    @property
+    def d_model(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def language_model(self):
+        return self.model.model.language_model
+
+    def _attn(self, layer: int):
+        return self.language_model.layers[layer].self_attn
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.text_config.num_key_value_heads
+
+    def _split_in(self, linear, n: int, expand: bool) -> torch.Tensor:
+        """(n * d_head, d_model) weight -> (heads, d_model, d_head), groups expanded if ``expand``."""
+        w = linear.weight.view(n, self.d_head, -1).transpose(1, 2)
+        if expand and n != self.n_heads:
+            w = w.repeat_interleave(self.n_heads // n, dim=0)
+        return w
+
+    def _split_bias(self, linear, n: int) -> torch.Tensor:
+        if linear.bias is None:
+            return torch.zeros(self.n_heads, self.d_head, dtype=linear.weight.dtype, device=linear.weight.device)
+        b = linear.bias.view(n, self.d_head)
+        return b.repeat_interleave(self.n_heads // n, dim=0) if n != self.n_heads else b
+
+    def W_Q(self, layer: int) -> torch.Tensor:
+        return self._split_in(self._attn(layer).q_proj, self.n_heads, False)
+
+    def b_Q(self, layer: int) -> torch.Tensor:
+        return self._split_bias(self._attn(layer).q_proj, self.n_heads)
+
+    def W_K(self, layer: int) -> torch.Tensor:
+        return self._split_in(self._attn(layer).k_proj, self.n_kv_heads, True)
+
+    def b_K(self, layer: int) -> torch.Tensor:
+        return self._split_bias(self._attn(layer).k_proj, self.n_kv_heads)
+
+    def W_V(self, layer: int) -> torch.Tensor:
+        return self._split_in(self._attn(layer).v_proj, self.n_kv_heads, True)
+
+    def b_V(self, layer: int) -> torch.Tensor:
+        return self._split_bias(self._attn(layer).v_proj, self.n_kv_heads)
+
+    def W_O(self, layer: int) -> torch.Tensor:
+        o = self._attn(layer).o_proj
+        return o.weight.view(self.d_model, self.n_heads, self.d_head).permute(1, 2, 0)
+
+    def b_O(self, layer: int) -> torch.Tensor:
+        o = self._attn(layer).o_proj
+        return o.bias if o.bias is not None else torch.zeros(self.d_model, dtype=o.weight.dtype, device=o.weight.device)
+
+    @staticmethod
+    def _norm(module):
+        from core.models.norms import Norm
+
+        return Norm("rmsnorm", module.weight, None, module.variance_epsilon, compute_dtype=torch.float32)
+
+    def attn_norm(self, layer: int):
+        return self._norm(self.language_model.layers[layer].input_layernorm)
+
+    def final_norm_layer(self):
+        return self._norm(self.language_model.norm)
+
+    @property
+    def W_U(self) -> torch.Tensor:
+        return self.model.lm_head.weight.T
+
+    @property
+    def b_U(self) -> torch.Tensor:
+        head = self.model.lm_head
+        return head.bias if head.bias is not None else torch.zeros(head.weight.shape[0], dtype=head.weight.dtype)
+
+    def capture_hooks(self, layer: int, trace, keep_pattern: bool) -> list:
+        """Hooks that fill ``trace`` for block ``layer`` (see core.capture.Trace)."""
+        block = self.language_model.layers[layer]
+        attn = block.self_attn
+
+        def resid_pre(module, args, kwargs):
+            trace.resid_pre[layer] = args[0] if args else kwargs["hidden_states"]
+
+        def z_in(module, args):
+            x = args[0]
+            trace.z[layer] = x.view(*x.shape[:-1], self.n_heads, self.d_head)
+
+        def attn_out(module, args, out):
+            trace.attn_out[layer] = out
+
+        def mlp_out(module, args, out):
+            trace.mlp_out[layer] = out
+
+        def pattern(module, args, out):
+            weights = out[1]
+            if weights is None:
+                raise RuntimeError("attention weights missing: the model is not running eager attention")
+            trace.patterns[layer] = weights[:, :, trace.query_positions.to(weights.device)]
+
+        regs = [
+            (block, "pre_kw", resid_pre),
+            (attn.o_proj, "pre", z_in),
+            (attn.o_proj, "fwd", attn_out),
+            (block.mlp, "fwd", mlp_out),
+        ]
+        if keep_pattern:
+            regs.append((attn, "fwd", pattern))
+        return regs
