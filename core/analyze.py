@@ -32,9 +32,10 @@ def analyze(
     adapter = loaded.adapter
     img = load_image(image)
     step(0, 4, "capturing")
-    n_tokens = adapter.prepare([img], [question]).input_ids.shape[1]
+    inputs = adapter.prepare([img], [question])
+    n_tokens = inputs.input_ids.shape[1]
     full = n_tokens <= FULL_PATTERN_LIMIT
-    trace = capture(loaded, img, question, query_positions=range(n_tokens) if full else None)
+    trace = capture(loaded, img, question, query_positions=range(n_tokens) if full else None, inputs=inputs)
     pos = int(trace.answer_positions[0])
     logits = trace.logits[0, pos].float()
     probs = logits.softmax(-1)

@@ -8,7 +8,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from core.errors import oom_guard
-from core.images import load_image
 
 
 @dataclass
@@ -64,7 +63,7 @@ def answer_batch(
     for start in range(0, total, batch_size):
         if cancel is not None and cancel():
             break
-        imgs = [load_image(im) for im in images[start : start + batch_size]]
+        imgs = list(images[start : start + batch_size])
         with oom_guard(f"answering a batch of {len(imgs)}"):
             inputs = adapter.prepare(imgs, list(questions[start : start + batch_size]))
             out += _to_answers(adapter, adapter.next_token_logits(inputs), top_k)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 from core.errors import oom_guard
-from core.images import load_image
 
 
 @dataclass
@@ -120,6 +119,7 @@ def capture(
     *,
     pattern_layers: Sequence[int] | None = None,
     query_positions: Sequence[int] | None = None,
+    inputs=None,
 ) -> Trace:
     """Run the model once on (image, question) and record a :class:`Trace`.
 
@@ -127,9 +127,12 @@ def capture(
         pattern_layers: blocks whose attention patterns are kept (default all).
         query_positions: query positions whose patterns are kept (default:
             the answer position only, which is what fits for a 7B model).
+        inputs: the prepared batch, when the caller already has it (saves
+            running the processor twice).
     """
     adapter = loaded.adapter
-    inputs = adapter.prepare([load_image(image)], [question])
+    if inputs is None:
+        inputs = adapter.prepare([image], [question])
     blocks = adapter.blocks
     n = len(blocks)
     keep = set(range(n) if pattern_layers is None else pattern_layers)

@@ -41,8 +41,6 @@ def _load(args):
 
 def read_pairs(path: Path) -> list[dict]:
     """JSONL of {"image": path, "question": text}; image paths are relative to the file."""
-    from core.errors import ReadoutError
-
     if not path.is_file():
         raise ReadoutError(f"{path}: no such pairs file")
     pairs = []

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from core.images import load_image
-
 
 @dataclass
 class Generation:
@@ -31,7 +29,7 @@ class Generation:
 def greedy_generate(loaded, image, question: str, *, max_new_tokens: int = 8) -> Generation:
     """Greedy decoding of up to ``max_new_tokens`` tokens, stopping at EOS or padding."""
     adapter = loaded.adapter
-    inputs = adapter.prepare([load_image(image)], [question])
+    inputs = adapter.prepare([image], [question])
     stop = {
         t
         for t in (getattr(adapter.tokenizer, "eos_token_id", None), getattr(adapter.tokenizer, "pad_token_id", None))

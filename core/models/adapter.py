@@ -96,7 +96,8 @@ class Adapter(ABC):
     # ---- running
     @abstractmethod
     def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
-        """Process images and questions into one right-padded batch."""
+        """Process images (PIL images, paths or uint8 arrays) and questions
+        into one right-padded batch."""
 
     @abstractmethod
     def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:

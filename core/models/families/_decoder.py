@@ -28,6 +28,38 @@ class LlamaStyleWeights:
     def d_model(self) -> int:
         return self.text_config.hidden_size
 
+    # ---- prompts and batches through the model's own Hugging Face processor
+    fallback_prompt: str = "{question}"  # used when the processor has no chat template
+
+    def prompt(self, question: str) -> str:
+        conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        if getattr(self.processor, "chat_template", None):
+            return self.processor.apply_chat_template(conversation, add_generation_prompt=True)
+        return self.fallback_prompt.format(question=question)
+
+    def _processed_batch(self, images: list, questions: list[str]) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """Check the questions, render the prompts and run the processor with
+        right padding (so each row's answer position is its last real token);
+        tensors on the model's device, pixels in its dtype. Images may be
+        paths, arrays or PIL images."""
+        from core.images import load_image
+
+        images = [load_image(im) for im in images]
+        for q in questions:
+            self.check_question(q)
+        prompts = [self.prompt(q) for q in questions]
+        tok = self.processor.tokenizer
+        old_side = tok.padding_side
+        tok.padding_side = "right"
+        try:
+            batch = self.processor(images=images, text=prompts, padding=True, return_tensors="pt")
+        finally:
+            tok.padding_side = old_side
+        tensors = {k: v.to(self.device) for k, v in batch.items()}
+        if "pixel_values" in tensors:
+            tensors["pixel_values"] = tensors["pixel_values"].to(next(self.model.parameters()).dtype)
+        return tensors, prompts
+
     @property
     def language_model(self):
         return self.model.model.language_model

@@ -28,11 +28,7 @@ class LlavaAdapter(LlamaStyleWeights, Adapter):
     attention_kind = "self"
     position_scheme = "rope"
 
-    def prompt(self, question: str) -> str:
-        conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-        if getattr(self.processor, "chat_template", None):
-            return self.processor.apply_chat_template(conversation, add_generation_prompt=True)
-        return f"USER: <image>\n{question} ASSISTANT:"
+    fallback_prompt = "USER: <image>\n{question} ASSISTANT:"
 
     def check_question(self, question: str) -> None:
         if not question.strip():
@@ -46,26 +42,8 @@ class LlavaAdapter(LlamaStyleWeights, Adapter):
             raise QuestionError(f"the question is too long: {total} tokens with the image, the model takes {limit}")
 
     def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
-        from core.images import load_image
-
-        images = [load_image(im) for im in images]  # paths and arrays too; RGB, EXIF applied
-        for q in questions:
-            self.check_question(q)
-        prompts = [self.prompt(q) for q in questions]
-        tok = self.processor.tokenizer
-        old_side = tok.padding_side
-        tok.padding_side = "right"  # the answer position is then the last real token
-        try:
-            batch = self.processor(images=images, text=prompts, padding=True, return_tensors="pt")
-        finally:
-            tok.padding_side = old_side
-        device = self.device
-        dtype = next(self.model.parameters()).dtype
-        tensors = {k: v.to(device) for k, v in batch.items()}
-        if "pixel_values" in tensors:
-            tensors["pixel_values"] = tensors["pixel_values"].to(dtype)
-        mask = tensors["attention_mask"]
-        last = mask.sum(dim=1) - 1
+        tensors, prompts = self._processed_batch(images, questions)
+        last = tensors["attention_mask"].sum(dim=1) - 1
         return ModelInputs(tensors, last, tensors["input_ids"], prompts)
 
     def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:

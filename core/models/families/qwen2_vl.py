@@ -74,11 +74,7 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
     position_scheme = "mrope"
 
     # ---- text
-    def prompt(self, question: str) -> str:
-        conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-        if getattr(self.processor, "chat_template", None):
-            return self.processor.apply_chat_template(conversation, add_generation_prompt=True)
-        return QWEN_PROMPT.format(question=question)
+    fallback_prompt = QWEN_PROMPT
 
     def _max_positions(self) -> int:
         return int(getattr(self.text_config, "max_position_embeddings", None) or 10**9)
@@ -108,21 +104,7 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
         (0 text, 1 image), ``pixel_values`` ``(n_patches_total, C * T * P * P)``
         in the model's dtype and ``image_grid_thw`` ``(n_images, 3)`` in patches.
         """
-        for q in questions:
-            self.check_question(q)
-        prompts = [self.prompt(q) for q in questions]
-        tok = self.processor.tokenizer
-        old_side = tok.padding_side
-        tok.padding_side = "right"  # the answer position is then the last real token
-        try:
-            batch = self.processor(images=images, text=prompts, padding=True, return_tensors="pt")
-        finally:
-            tok.padding_side = old_side
-        device = self.device
-        dtype = next(self.model.parameters()).dtype
-        tensors = {k: v.to(device) for k, v in batch.items()}
-        if "pixel_values" in tensors:
-            tensors["pixel_values"] = tensors["pixel_values"].to(dtype)
+        tensors, prompts = self._processed_batch(images, questions)
         mask = tensors["attention_mask"]
         longest = int(mask.sum(dim=1).max())
         if longest > self._max_positions():
