@@ -11,6 +11,7 @@ from core import load_model
 from core.capture import capture
 from core.models.loading import LoadedModel
 from core.zoo import build, scenes
+from tests.core.exactness import assert_heads_sum_to_attention_output, assert_reconstruction_and_lens_at_last_layer
 
 
 def tiny_llava_float64() -> LoadedModel:
@@ -45,20 +46,12 @@ def traced(request):
 
 def test_heads_sum_to_attention_output(traced):
     m, tr, tol = traced
-    a = m.adapter
-    for layer in range(a.n_layers):
-        heads = tr.head_output(a, layer, torch.arange(tr.input_ids.shape[1]))
-        torch.testing.assert_close(heads.sum(1) + a.b_O(layer), tr.attn_out[layer][0], atol=tol, rtol=0)
+    assert_heads_sum_to_attention_output(m.adapter, tr, tol)
 
 
 def test_residual_reconstruction_and_lens_at_last_layer(traced):
     m, tr, tol = traced
-    a = m.adapter
-    recon = tr.resid_pre[0] + sum(tr.attn_out) + sum(tr.mlp_out)
-    scale = tr.final_resid.abs().max()
-    assert (recon - tr.final_resid).abs().max() <= tol * max(1.0, float(scale))
-    lens = a.final_norm_layer()(tr.final_resid[0]) @ a.W_U + a.b_U
-    torch.testing.assert_close(lens, tr.logits[0], atol=tol * 10, rtol=0)
+    assert_reconstruction_and_lens_at_last_layer(m.adapter, tr, tol)
 
 
 def test_patterns_recomputed_from_canonical_weights_and_rope(traced):

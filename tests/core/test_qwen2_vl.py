@@ -12,8 +12,13 @@ from PIL import Image
 
 from core.capture import capture
 from core.methods.logit_lens import logit_lens
-from core.methods.residual import component_stack, decompose, target_direction
+from core.methods.residual import decompose
 from core.models.loading import LoadedModel
+from tests.core.exactness import (
+    assert_heads_sum_to_attention_output,
+    assert_jacobian_dla_is_autograd,
+    assert_reconstruction_and_lens_at_last_layer,
+)
 
 SPECIAL = (
     "<|endoftext|>",
@@ -205,24 +210,17 @@ def test_canonical_weights_match_the_projections(traced):
 
 def test_heads_sum_to_attention_output(traced):
     m, tr, tol = traced
-    a = m.adapter
-    for layer in range(a.n_layers):
-        heads = tr.head_output(a, layer, torch.arange(tr.input_ids.shape[1]))
-        torch.testing.assert_close(heads.sum(1) + a.b_O(layer), tr.attn_out[layer][0], atol=tol, rtol=0)
+    assert_heads_sum_to_attention_output(m.adapter, tr, tol)
 
 
 def test_residual_reconstruction_and_lens_at_last_layer(traced):
     m, tr, tol = traced
-    a = m.adapter
-    recon = tr.resid_pre[0] + sum(tr.attn_out) + sum(tr.mlp_out)
-    assert (recon - tr.final_resid).abs().max() <= tol * max(1.0, float(tr.final_resid.abs().max()))
-    lens = a.final_norm_layer()(tr.final_resid[0]) @ a.W_U + a.b_U
-    torch.testing.assert_close(lens, tr.logits[0], atol=tol * 10, rtol=0)
+    assert_reconstruction_and_lens_at_last_layer(m.adapter, tr, tol)
     # the residual entering block 0 is the token embeddings with the visual features scattered in
     vis = tr.visual_positions[0]
     text = torch.ones(tr.input_ids.shape[1], dtype=torch.bool)
     text[vis] = False
-    emb = a.language_model.embed_tokens(tr.input_ids[0])
+    emb = m.adapter.language_model.embed_tokens(tr.input_ids[0])
     torch.testing.assert_close(tr.resid_pre[0][0, text], emb[text], atol=0, rtol=0)
 
 
@@ -259,14 +257,7 @@ def test_jacobian_dla_equals_autograd_directional_derivative(traced):
     m, tr, tol = traced
     a = m.adapter
     a_id, f_id = a.token_id("yes"), a.token_id("no")
-    r = decompose(a, tr, a_id, f_id)
-    x_L = tr.final_resid[0, r.position].detach()
-    u = target_direction(a, a_id, f_id).detach()
-    norm_f = a.final_norm_layer()
-    names, C = component_stack(a, tr, r.position)
-    for i in (0, 3, len(names) - 1):
-        _, d = torch.autograd.functional.jvp(lambda x: norm_f(x) @ u, x_L, C[i].detach())
-        assert r.components[i].dla_jacobian == pytest.approx(float(d), abs=max(1e-9, 1e-6 * abs(float(d))))
+    assert_jacobian_dla_is_autograd(a, tr, a_id, f_id, 1e-9, 1e-6)
 
 
 def test_source_contributions_sum_to_each_heads_direct_terms(traced):

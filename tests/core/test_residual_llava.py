@@ -1,11 +1,11 @@
 """Residual decomposition and DLA on LLaVA against independent computations."""
 
 import pytest
-import torch
 
 from core.capture import capture
-from core.methods.residual import decompose, target_direction
+from core.methods.residual import decompose
 from core.zoo import scenes
+from tests.core.exactness import assert_jacobian_dla_is_autograd
 from tests.core.test_capture_llava import tiny_llava_float64
 
 
@@ -33,17 +33,7 @@ def test_frozen_dla_sums_to_logit_difference_minus_bias(case):
 
 def test_jacobian_dla_equals_autograd_directional_derivative(case):
     m, tr, tol, a_id, f_id = case
-    a = m.adapter
-    r = decompose(a, tr, a_id, f_id)
-    x_L = tr.final_resid[0, r.position].detach()
-    u = target_direction(a, a_id, f_id).detach()
-    norm_f = a.final_norm_layer()
-    from core.methods.residual import component_stack
-
-    names, C = component_stack(a, tr, r.position)
-    for i in (0, 3, len(names) - 1):
-        _, d = torch.autograd.functional.jvp(lambda x: norm_f(x) @ u, x_L, C[i].detach())
-        assert r.components[i].dla_jacobian == pytest.approx(float(d), abs=max(tol, 1e-5 * abs(float(d))))
+    r, _ = assert_jacobian_dla_is_autograd(m.adapter, tr, a_id, f_id, tol, 1e-5)
     assert r.audit.method == "residual DLA" and "does not sum" in " ".join(r.audit.notes)
 
 
