@@ -47,6 +47,7 @@ class Trace:
             tokens ``(batch, n_visual, d_model)`` for cross-attention.
         position_ids: what the model's position scheme ran with, when the
             family records it (M-RoPE: ``(3, batch, pos)``).
+        attention_mask: ``(batch, pos)`` 1 for real tokens, 0 for padding (None: no padding).
         query_positions: ``(n_query,)`` the kept query positions (same for every batch row).
         final_resid: ``(batch, pos, d_model)`` x_L, before the final norm.
         logits: ``(batch, pos, vocab)``.
@@ -67,6 +68,7 @@ class Trace:
     block_kinds: list[str] = field(default_factory=list)
     kv_source: list[torch.Tensor | None] = field(default_factory=list)
     position_ids: torch.Tensor | None = None  # the positions the model ran with, in its scheme's format
+    attention_mask: torch.Tensor | None = None  # (batch, pos) 1 for real tokens, 0 for padding
 
     @property
     def n_blocks(self) -> int:
@@ -152,6 +154,7 @@ def capture(
         block_names=[name for name, _ in blocks],
         block_kinds=[kind for _, kind in blocks],
         kv_source=[None] * n,
+        attention_mask=inputs.tensors.get("attention_mask"),
     )
     with oom_guard("capturing (keep fewer layers or query positions)"):
         adapter.run_capture(inputs, trace, keep)

@@ -216,6 +216,62 @@ class Adapter(ABC):
         """:class:`core.geometry.VisualToken` per visual token, boxes in the original image."""
         raise NotImplementedError(f"{self.family}: geometry not mapped yet")
 
+    # ---- roles, masks and positions the read-outs need (overridden where a family differs)
+    def rope_positions(self, trace, batch: int = 0) -> torch.Tensor:
+        """The positions :meth:`rotate` takes for every sequence position of one
+        batch row: ``(pos,)`` sequence indices by default; M-RoPE families return
+        ``(3, pos)`` from ``trace.position_ids``."""
+        if trace.position_ids is not None:
+            p = trace.position_ids
+            return p[:, batch] if p.ndim == 3 else p[batch]
+        return torch.arange(trace.input_ids.shape[1])
+
+    def allowed_keys(self, trace, block: int, batch: int = 0) -> torch.Tensor:
+        """``(pos, keys)`` bool: which keys each query may attend to in block
+        ``block``. Self-attention default: causal, padding keys excluded;
+        cross-attention: every visual token. A prefix-LM (PaliGemma) overrides."""
+        n = trace.input_ids.shape[1]
+        if trace.block_kinds[block] == "cross":
+            n_keys = trace.kv_source[block].shape[1]
+            return torch.ones(n, n_keys, dtype=torch.bool)
+        allowed = torch.ones(n, n, dtype=torch.bool).tril()
+        if trace.attention_mask is not None:
+            allowed = allowed & trace.attention_mask[batch].bool().cpu().view(1, -1)
+        return allowed
+
+    def token_roles(self, trace, batch: int = 0) -> list[str]:
+        """One role per sequence position: "sink" (position 0: BOS, or the first
+        token, which serves as the attention sink in models without BOS), "visual",
+        "visual_delimiter" (image start/end/newline/separator tokens), "special"
+        (other special tokens: chat markup, EOS), "padding", or "text". Patterns
+        report sink, delimiter and special mass separately, never inside entity
+        averages; padding is never counted."""
+        ids = trace.input_ids[batch].tolist()
+        roles = ["text"] * len(ids)
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        for i, t in enumerate(ids):
+            if t in special:
+                roles[i] = "special"
+        for i in self.visual_delimiter_positions(trace, batch):
+            roles[i] = "visual_delimiter"
+        for i in trace.visual_positions[batch].tolist():
+            roles[i] = "visual"
+        if trace.attention_mask is not None:
+            for i, m in enumerate(trace.attention_mask[batch].tolist()):
+                if not m:
+                    roles[i] = "padding"
+        else:  # right-padded batches: nothing real follows the answer position
+            for i in range(int(trace.answer_positions[batch]) + 1, len(ids)):
+                roles[i] = "padding"
+        if roles and roles[0] != "padding":
+            roles[0] = "sink"
+        return roles
+
+    def visual_delimiter_positions(self, trace, batch: int = 0) -> list[int]:
+        """Sequence positions of tokens that frame or separate visual tokens but
+        carry no patch (image start/end markers, row newlines); default none."""
+        return []
+
     def describe(self) -> dict:
         return {
             "family": self.family,

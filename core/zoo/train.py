@@ -256,7 +256,7 @@ def train(args) -> None:
             t0 = time.time()
             if phase == 1:
                 batch = dense_batches.get(1, step, scenes.MAX_OBJECTS)
-                lr = lr_at(step, total, args.lr * 2, 50)
+                lr = lr_at(step, total, args.dense_lr or args.lr * 2, 50)
                 for g in opt.param_groups:
                     g["lr"] = lr
                 loss = trainer.head.loss(trainer.patch_tokens(batch["pixels"]), batch)
@@ -324,7 +324,8 @@ def main(argv=None) -> None:
     p.add_argument("--dense-batch", type=int, default=64)
     p.add_argument("--scenes-per-step", type=int, default=16)
     p.add_argument("--questions-per-image", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--lr", type=float, default=1.5e-3, help="peak learning rate of question answering")
+    p.add_argument("--dense-lr", type=float, default=None, help="peak learning rate of dense pre-training (default 2 x --lr)")
     p.add_argument(
         "--kind-weights",
         type=float,
