@@ -19,6 +19,13 @@ METHOD_TABLE: dict[str, dict[str, str]] = {
         "supports": "conditional routing regularities",
         "cannot_support": "value content, cause of output",
     },
+    "qk/ov circuit": {
+        "question": "what a head can select (QK) and write (OV)",
+        "operation": "W_Q^T R_p^T R_j W_K bilinear form; W_O W_V SVD; copying through E, OV, W_U",
+        "controls": "position scheme, biases, weight level vs activation level",
+        "supports": "potential selection and copying; why a realized pattern arose",
+        "cannot_support": "use on natural data, effect on the output",
+    },
     "source contribution": {
         "question": "what is written after routing",
         "operation": "A W_O W_V r; norm; u^T J_Norm(x_L) c",

@@ -48,6 +48,11 @@ class Trace:
         position_ids: what the model's position scheme ran with, when the
             family records it (M-RoPE: ``(3, batch, pos)``).
         attention_mask: ``(batch, pos)`` 1 for real tokens, 0 for padding (None: no padding).
+        q, k, score_scale: on request (``keep_qk``), per block, the queries
+            ``(batch, pos, heads, d_head)`` and keys ``(batch, keys, kv_heads, d_head)``
+            exactly as the model's attention received them (after bias, q/k norms
+            and the position scheme) and the factor it scales ``q . k`` by; so
+            ``q k^T * scale`` are the model's own pre-softmax scores (before the mask).
         query_positions: ``(n_query,)`` the kept query positions (same for every batch row).
         final_resid: ``(batch, pos, d_model)`` x_L, before the final norm.
         logits: ``(batch, pos, vocab)``.
@@ -69,6 +74,9 @@ class Trace:
     kv_source: list[torch.Tensor | None] = field(default_factory=list)
     position_ids: torch.Tensor | None = None  # the positions the model ran with, in its scheme's format
     attention_mask: torch.Tensor | None = None  # (batch, pos) 1 for real tokens, 0 for padding
+    q: dict[int, torch.Tensor] = field(default_factory=dict)  # block -> (batch, pos, heads, d_head)
+    k: dict[int, torch.Tensor] = field(default_factory=dict)  # block -> (batch, keys, kv_heads, d_head)
+    score_scale: dict[int, float] = field(default_factory=dict)  # block -> the model's score scaling
 
     @property
     def n_blocks(self) -> int:
@@ -121,6 +129,7 @@ def capture(
     *,
     pattern_layers: Sequence[int] | None = None,
     query_positions: Sequence[int] | None = None,
+    keep_qk: bool | Sequence[int] = False,
     inputs=None,
 ) -> Trace:
     """Run the model once on (image, question) and record a :class:`Trace`.
@@ -129,6 +138,8 @@ def capture(
         pattern_layers: blocks whose attention patterns are kept (default all).
         query_positions: query positions whose patterns are kept (default:
             the answer position only, which is what fits for a 7B model).
+        keep_qk: record the model's own post-position-scheme queries and keys
+            (``True``: every block; or a list of blocks).
         inputs: the prepared batch, when the caller already has it (saves
             running the processor twice).
     """
@@ -156,9 +167,58 @@ def capture(
         kv_source=[None] * n,
         attention_mask=inputs.tensors.get("attention_mask"),
     )
+    qk_blocks = set(range(n)) if keep_qk is True else set(keep_qk or ())
     with oom_guard("capturing (keep fewer layers or query positions)"):
-        adapter.run_capture(inputs, trace, keep)
+        with record_qk(adapter, trace, qk_blocks):
+            adapter.run_capture(inputs, trace, keep)
     return trace
+
+
+@contextmanager
+def record_qk(adapter, trace: Trace, blocks: set[int]) -> Iterator[None]:
+    """Record the queries and keys the model's eager attention receives, for
+    ``blocks``. transformers resolves ``eager_attention_forward`` in the
+    attention class's own module at call time, so it is wrapped there for the
+    run and restored in ``finally``; other modules' calls (the vision tower)
+    pass through untouched. Families that replay the forward themselves
+    (``adapter.records_qk``) fill ``trace.q``/``trace.k`` in their replay."""
+    if not blocks or getattr(adapter, "records_qk", False):
+        yield
+        return
+    import sys
+
+    by_module = {id(adapter.attention_module(b)): b for b in blocks}
+    patched: dict[object, object] = {}
+
+    def wrap(original):
+        def eager_attention_forward(module, query, key, value, attention_mask, scaling, *args, **kwargs):
+            block = by_module.get(id(module))
+            if block is not None:
+                # (batch, heads, pos, d_head) -> (batch, pos, heads, d_head)
+                trace.q[block] = query.transpose(1, 2)
+                trace.k[block] = key.transpose(1, 2)
+                trace.score_scale[block] = float(scaling)
+            return original(module, query, key, value, attention_mask, scaling, *args, **kwargs)
+
+        return eager_attention_forward
+
+    try:
+        for b in blocks:
+            mod = sys.modules[type(adapter.attention_module(b)).__module__]
+            if mod not in patched:
+                if not hasattr(mod, "eager_attention_forward"):
+                    raise NotImplementedError(
+                        f"{adapter.family}: cannot record q/k ({mod.__name__} has no eager attention)"
+                    )
+                patched[mod] = mod.eager_attention_forward
+                mod.eager_attention_forward = wrap(mod.eager_attention_forward)
+        yield
+    finally:
+        for mod, original in patched.items():
+            mod.eager_attention_forward = original
+    missing = blocks - set(trace.q)
+    if missing:
+        raise RuntimeError(f"q/k not recorded for blocks {sorted(missing)}: the attention did not run eagerly")
 
 
 def run_with_hooks(adapter, inputs, trace: Trace, keep: set[int]) -> None:

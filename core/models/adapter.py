@@ -216,6 +216,49 @@ class Adapter(ABC):
         """:class:`core.geometry.VisualToken` per visual token, boxes in the original image."""
         raise NotImplementedError(f"{self.family}: geometry not mapped yet")
 
+    # ---- the modules hooks and interventions reach (hook-based families)
+    def attention_module(self, block: int) -> torch.nn.Module:
+        """Block ``block``'s attention module (its eager call is where q/k are recorded)."""
+        raise NotImplementedError(f"{self.family}: attention modules not mapped")
+
+    def z_module(self, block: int) -> torch.nn.Module:
+        """The output projection whose input is ``z`` ``(batch, pos, heads * d_head)``."""
+        raise NotImplementedError(f"{self.family}: output projections not mapped")
+
+    def mlp_module(self, block: int) -> torch.nn.Module:
+        """Block ``block``'s MLP (its output is ``mlp_out``)."""
+        raise NotImplementedError(f"{self.family}: MLPs not mapped")
+
+    def score_scale(self, block: int) -> float:
+        """The factor ``q . k`` is multiplied by before the softmax."""
+        return self.d_head**-0.5
+
+    def score_transform(self, block: int, scores: torch.Tensor) -> torch.Tensor:
+        """Whatever the model does to scaled scores before the mask (identity;
+        Gemma 2's soft-capping overrides it)."""
+        return scores
+
+    def input_embeddings(self) -> torch.Tensor:
+        """``(vocab, d_model)`` token embeddings as the first block receives
+        them (families that scale embeddings include the scale)."""
+        return self.model.get_input_embeddings().weight
+
+    def queries_keys(self, trace, block: int, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries ``(pos, heads, d_head)`` for every sequence position and keys
+        ``(keys, heads, d_head)`` (one per query head, groups expanded) recomputed
+        from the captured residual and the canonical weights: norm, W_Q / W_K,
+        bias, then the position scheme (RoPE / M-RoPE) for self-attention.
+        Families with extra q/k transforms (q/k norms) override this."""
+        x = self.attn_norm(block)(trace.resid_pre[block][batch])
+        source = trace.kv_source[block]
+        kv = x if source is None else self.kv_norm(block)(source[batch])
+        q = torch.einsum("pm,hmd->phd", x, self.W_Q(block).to(x.dtype)) + self.b_Q(block).to(x.dtype)
+        k = torch.einsum("pm,hmd->phd", kv, self.W_K(block).to(x.dtype)) + self.b_K(block).to(x.dtype)
+        if self.position_scheme in ("rope", "mrope") and source is None:
+            positions = self.rope_positions(trace, batch)
+            q, k = self.rotate(q, positions), self.rotate(k, positions)
+        return q, k
+
     # ---- roles, masks and positions the read-outs need (overridden where a family differs)
     def rope_positions(self, trace, batch: int = 0) -> torch.Tensor:
         """The positions :meth:`rotate` takes for every sequence position of one

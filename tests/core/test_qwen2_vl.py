@@ -279,12 +279,12 @@ def test_source_contributions_sum_to_each_heads_direct_terms(traced):
 
 
 def test_position_ids_are_the_models_mrope_positions(traced):
-    """The capture records the decoder's 3-D positions; rope_positions recomputes
+    """The capture records the decoder's 3-D positions; positions_for_inputs recomputes
     them from the inputs; the visual tokens carry (start, start + row, start + col)."""
     m, tr, _ = traced
     a = m.adapter
     inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
-    torch.testing.assert_close(a.rope_positions(inputs), tr.position_ids, atol=0, rtol=0)
+    torch.testing.assert_close(a.positions_for_inputs(inputs), tr.position_ids, atol=0, rtol=0)
     pos = tr.position_ids[:, 0]  # (3, pos)
     vis = tr.visual_positions[0]
     tokens = a.visual_tokens(IMAGE_SIZE, vis.tolist())
@@ -364,7 +364,7 @@ def test_append_token_continues_the_text(traced):
     longer = a.append_token(inputs, yes)
     assert int(longer.answer_positions[0]) == int(inputs.answer_positions[0]) + 1
     assert int(longer.input_ids[0, -1]) == yes and int(longer.tensors["mm_token_type_ids"][0, -1]) == 0
-    pos = a.rope_positions(longer)[:, 0]
+    pos = a.positions_for_inputs(longer)[:, 0]
     assert torch.all(pos[:, -1] == pos[:, -2] + 1)
     with torch.no_grad():
         before, after = a.forward_logits(inputs), a.forward_logits(longer)

@@ -67,6 +67,18 @@ class LlamaStyleWeights:
     def _attn(self, layer: int):
         return self.language_model.layers[layer].self_attn
 
+    def attention_module(self, block: int):
+        return self._attn(block)
+
+    def z_module(self, block: int):
+        return self._attn(block).o_proj
+
+    def mlp_module(self, block: int):
+        return self.language_model.layers[block].mlp
+
+    def score_scale(self, block: int) -> float:
+        return float(self._attn(block).scaling)
+
     @property
     def n_kv_heads(self) -> int:
         return self.text_config.num_key_value_heads

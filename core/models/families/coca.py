@@ -17,6 +17,8 @@ class CocaAdapter(Adapter):
     """``processor`` is open_clip's image transform; ``tokenizer`` a Hugging
     Face tokenizer (the default models) or open_clip's tokenizer."""
 
+    records_qk = True  # the replay fills trace.q / trace.k itself
+
     family = "coca"
     final_norm = "layernorm"
     attention_kind = "cross"
@@ -189,6 +191,10 @@ class CocaAdapter(Adapter):
         p = self.decoder.text_projection
         return torch.zeros(p.shape[1], dtype=p.dtype, device=p.device)
 
+    def input_embeddings(self) -> torch.Tensor:
+        """``(vocab, d_model)`` token embeddings (the learned absolute positions are added per position)."""
+        return self.model.text.token_embedding.weight
+
     # ---- capture: a replay of the text path from canonical weights, checked
     # against open_clip's own forward on every run (nn.MultiheadAttention
     # computes heads internally, so hooks cannot see z or the weights).
@@ -220,6 +226,7 @@ class CocaAdapter(Adapter):
             q = torch.einsum("bpm,hmd->bphd", q_in, self.W_Q(block)) + self.b_Q(block)
             k = torch.einsum("bpm,hmd->bphd", kv, self.W_K(block)) + self.b_K(block)
             v = torch.einsum("bpm,hmd->bphd", kv, self.W_V(block)) + self.b_V(block)
+            trace.q[block], trace.k[block], trace.score_scale[block] = q, k, 1 / math.sqrt(self.d_head)
             scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.d_head)
             if kind == "self":
                 scores = scores + causal

@@ -19,7 +19,7 @@ that rotate with the temporal, height and width id respectively. So
 :meth:`Qwen2VLAdapter.rotate` takes ``positions`` of shape ``(3, pos)`` (the
 model's own position ids for one batch row), not the ``(pos,)`` of plain
 RoPE; a capture records them as ``trace.position_ids`` ``(3, batch, pos)``
-and :meth:`Qwen2VLAdapter.rope_positions` recomputes them from prepared
+and :meth:`Qwen2VLAdapter.positions_for_inputs` recomputes them from prepared
 inputs.
 """
 
@@ -128,7 +128,7 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
             t["mm_token_type_ids"] = torch.cat([t["mm_token_type_ids"], torch.zeros_like(new)], dim=1)
         return ModelInputs(t, inputs.answer_positions + 1, t["input_ids"], inputs.prompts)
 
-    def rope_positions(self, inputs: ModelInputs) -> torch.Tensor:
+    def positions_for_inputs(self, inputs: ModelInputs) -> torch.Tensor:
         """``(3, batch, pos)`` the M-RoPE position ids (temporal, height, width)
         the model computes for ``inputs`` (padding positions get 0)."""
         t = inputs.tensors
@@ -207,7 +207,7 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
             x: ``(..., pos, heads, d_head)`` queries or keys (after the bias).
             positions: ``(3, pos)``: the temporal, height and width position
                 ids of one batch row, e.g. ``trace.position_ids[:, b]`` or
-                ``rope_positions(inputs)[:, b]``. NOTE the shape differs from
+                ``positions_for_inputs(inputs)[:, b]``. NOTE the shape differs from
                 the plain-RoPE families' ``(pos,)``: a visual token's three ids
                 differ, so a sequence index alone does not fix its rotation.
                 A ``(pos,)`` tensor is accepted and used on all three axes
