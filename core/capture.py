@@ -53,6 +53,8 @@ class Trace:
             exactly as the model's attention received them (after bias, q/k norms
             and the position scheme) and the factor it scales ``q . k`` by; so
             ``q k^T * scale`` are the model's own pre-softmax scores (before the mask).
+        edits: the :class:`core.edits.Edit` s this run was made with; empty for
+            the model's own computation.
         query_positions: ``(n_query,)`` the kept query positions (same for every batch row).
         final_resid: ``(batch, pos, d_model)`` x_L, before the final norm.
         logits: ``(batch, pos, vocab)``.
@@ -77,6 +79,7 @@ class Trace:
     q: dict[int, torch.Tensor] = field(default_factory=dict)  # block -> (batch, pos, heads, d_head)
     k: dict[int, torch.Tensor] = field(default_factory=dict)  # block -> (batch, keys, kv_heads, d_head)
     score_scale: dict[int, float] = field(default_factory=dict)  # block -> the model's score scaling
+    edits: list = field(default_factory=list)  # core.edits.Edit applied in this run (empty: the model as is)
 
     @property
     def n_blocks(self) -> int:
@@ -130,6 +133,7 @@ def capture(
     pattern_layers: Sequence[int] | None = None,
     query_positions: Sequence[int] | None = None,
     keep_qk: bool | Sequence[int] = False,
+    edits: Sequence = (),
     inputs=None,
 ) -> Trace:
     """Run the model once on (image, question) and record a :class:`Trace`.
@@ -140,6 +144,8 @@ def capture(
             the answer position only, which is what fits for a 7B model).
         keep_qk: record the model's own post-position-scheme queries and keys
             (``True``: every block; or a list of blocks).
+        edits: :class:`core.edits.Edit` s to apply (ablation or patching); the
+            trace then records the edited run and says so in ``trace.edits``.
         inputs: the prepared batch, when the caller already has it (saves
             running the processor twice).
     """
@@ -166,6 +172,7 @@ def capture(
         block_kinds=[kind for _, kind in blocks],
         kv_source=[None] * n,
         attention_mask=inputs.tensors.get("attention_mask"),
+        edits=list(edits),
     )
     qk_blocks = set(range(n)) if keep_qk is True else set(keep_qk or ())
     with oom_guard("capturing (keep fewer layers or query positions)"):
@@ -223,7 +230,7 @@ def record_qk(adapter, trace: Trace, blocks: set[int]) -> Iterator[None]:
 
 def run_with_hooks(adapter, inputs, trace: Trace, keep: set[int]) -> None:
     """The default capture: the family's hooks around the library's own forward."""
-    regs = []
+    regs = adapter.edit_hooks(trace.edits)  # first, so the capture hooks see the edited values
     for block in range(trace.n_blocks):
         regs += adapter.capture_hooks(block, trace, keep_pattern=block in keep)
     regs += adapter.final_hooks(trace)

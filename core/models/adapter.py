@@ -229,6 +229,27 @@ class Adapter(ABC):
         """Block ``block``'s MLP (its output is ``mlp_out``)."""
         raise NotImplementedError(f"{self.family}: MLPs not mapped")
 
+    def edit_hooks(self, edits) -> list:
+        """``[(module, kind, fn)]`` applying :class:`core.edits.Edit` s: a
+        pre-hook on the output projection changes a head's ``z`` slice (so the
+        head's write ``W_O^h z^h`` changes and ``b_O`` stays), a forward hook
+        changes the MLP output."""
+        regs = []
+        for e in edits:
+            if e.head is None:
+
+                def mlp(module, args, out, e=e):
+                    return e.apply(out)
+
+                regs.append((self.mlp_module(e.block), "fwd", mlp))
+            else:
+
+                def z(module, args, e=e):
+                    return (e.apply(args[0], self.d_head), *args[1:])
+
+                regs.append((self.z_module(e.block), "pre", z))
+        return regs
+
     def score_scale(self, block: int) -> float:
         """The factor ``q . k`` is multiplied by before the softmax."""
         return self.d_head**-0.5

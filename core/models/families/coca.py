@@ -232,6 +232,9 @@ class CocaAdapter(Adapter):
                 scores = scores + causal
             pattern = scores.softmax(-1)
             z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
+            for e in trace.edits:  # ablation / patching applies to the replay itself
+                if e.block == block and e.head is not None:
+                    z = e.apply(z.flatten(2), self.d_head).view_as(z)
             out = torch.einsum("bqhd,hdm->bqm", z, self.W_O(block)) + self.b_O(block)
             trace.z[block], trace.attn_out[block] = z, out
             if block in keep:
@@ -240,11 +243,15 @@ class CocaAdapter(Adapter):
             mlp = module.mlp(module.ln_2(x))
             gamma = self._layer_scale(module.ls_2)
             mlp = mlp * gamma if gamma is not None else mlp
+            for e in trace.edits:
+                if e.block == block and e.head is None:
+                    mlp = e.apply(mlp)
             trace.mlp_out[block] = mlp
             x = x + mlp
         trace.final_resid = x
         trace.logits = self.final_norm_layer()(x) @ self.W_U + self.b_U
-        self._check_replay(inputs, trace)
+        if not trace.edits:  # open_clip's forward knows no edits: the unedited replay is the one checked
+            self._check_replay(inputs, trace)
 
     def _check_replay(self, inputs: ModelInputs, trace) -> None:
         """The replay must equal open_clip's forward at every real position."""
