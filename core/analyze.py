@@ -9,7 +9,7 @@ from core.capture import capture
 from core.errors import QuestionError
 from core.images import image_sha256, load_image
 from core.methods.logit_lens import logit_lens
-from core.methods.patterns import rollout_audit, rollout_visual_mass, summarize_heads
+from core.methods.patterns import primary_image, rollout_audit, rollout_visual_mass, summarize_heads
 from core.methods.residual import decompose
 
 SCHEMA_VERSION = 1
@@ -49,18 +49,21 @@ def analyze(
     lens = logit_lens(adapter, trace, answer_id, foil_id)
     step(2, 4, "summarising attention")
     tokens = adapter.visual_tokens(img.size, trace.visual_positions[0].tolist())
-    rows = max(t.row for t in tokens) + 1
-    cols = max(t.col for t in tokens) + 1
     q_index = pos if full else 0
-    heads = summarize_heads(trace, (rows, cols), query_index=q_index)
+    heads = summarize_heads(adapter, trace, tokens, query_index=q_index)
+    primary = primary_image(tokens)
     audits = [residual.audit, lens.audit, heads.audit]
     rollout_json = None
     if full:
         step(3, 4, "rollout")
+        grids = rollout_visual_mass(trace, tokens, rollout_alpha)
         rollout_json = {
             "alpha": rollout_alpha,
-            "visual_patch_mass": rollout_visual_mass(trace, (rows, cols), rollout_alpha).tolist(),
+            "visual_patch_mass": dict(grids)[primary].tolist(),
+            "primary_image": primary,
         }
+        if len(grids) > 1:
+            rollout_json["visual_patch_mass_by_image"] = [{"image": im, "grid": g.tolist()} for im, g in grids]
         audits.append(rollout_audit(rollout_alpha, "mean"))
     ids = trace.input_ids[0].tolist()
     step(4, 4, "done")

@@ -80,6 +80,7 @@ class Trace:
     k: dict[int, torch.Tensor] = field(default_factory=dict)  # block -> (batch, keys, kv_heads, d_head)
     score_scale: dict[int, float] = field(default_factory=dict)  # block -> the model's score scaling
     edits: list = field(default_factory=list)  # core.edits.Edit applied in this run (empty: the model as is)
+    norm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # post-norm families: each stream norm's input
 
     @property
     def n_blocks(self) -> int:

@@ -60,3 +60,25 @@ def resize_crop_boxes(
             x0, y0 = left + c * patch, top + r * patch
             out.append((r, c, [x0 * sx, y0 * sy, (x0 + patch) * sx, (y0 + patch) * sy]))
     return out
+
+
+def region_tokens(tokens: list[VisualToken], mask, min_cover: float = 0.25) -> list[int]:
+    """Indices (into ``tokens``) of the visual tokens whose box is covered by
+    ``mask`` ``(H, W)`` bool (original-image pixels) for at least ``min_cover``
+    of its in-image area; tokens without a patch (``col < 0``: newline, CLS) never count."""
+    import numpy as np
+
+    mask = np.asarray(mask, dtype=bool)
+    h, w = mask.shape
+    out = []
+    for i, t in enumerate(tokens):
+        if t.col < 0:  # no patch of its own (newline, CLS)
+            continue
+        x0, y0, x1, y1 = t.box
+        xa, ya = max(0, int(np.floor(x0))), max(0, int(np.floor(y0)))
+        xb, yb = min(w, int(np.ceil(x1))), min(h, int(np.ceil(y1)))
+        if xb <= xa or yb <= ya:
+            continue
+        if mask[ya:yb, xa:xb].mean() >= min_cover:
+            out.append(i)
+    return out

@@ -26,9 +26,9 @@ from core.methods.residual import target_direction
 
 @dataclass
 class SourceContributions:
-    """Each field is a list over blocks of ``(heads, sources)``: sources are the
-    sequence positions 0..pos for self-attention blocks and the visual tokens
-    for cross-attention blocks (``trace.block_kinds``)."""
+    """Each field is a list over blocks of ``(heads, sources)``: sources are
+    every sequence position for self-attention blocks (keys the mask hides
+    weigh 0) and the visual tokens for cross-attention blocks (``trace.block_kinds``)."""
 
     position: int
     answer_id: int
@@ -59,12 +59,15 @@ def source_contributions(
     out = {k: [] for k in ("norm", "projection", "dla_frozen", "dla_jacobian")}
     for layer in range(trace.n_blocks):
         source = trace.kv_source[layer]
-        r = trace.resid_pre[layer][batch, : pos + 1] if source is None else source[batch]
+        # every key, not just 0..pos: a prefix-LM (PaliGemma) lets a query read later keys; masked keys weigh 0
+        r = trace.resid_pre[layer][batch] if source is None else source[batch]
         v = torch.einsum("pm,hmd->phd", adapter.kv_norm(layer)(r), adapter.W_V(layer).to(dtype))
         v = v + adapter.b_V(layer).to(dtype)  # (sources, heads, d_head)
         A = trace.patterns[layer][batch, :, qi, : r.shape[0]].to(dtype)  # (heads, sources)
         W_O = adapter.W_O(layer).to(dtype)  # (heads, d_head, d_model)
-        read = torch.einsum("hdm,km->khd", W_O, directions)  # (3, heads, d_head)
+        # post-norm families (BLIP): the frozen norms between this block's output and x_L, transposed
+        dirs = adapter.readout_pullback(trace, layer, pos, directions, batch)
+        read = torch.einsum("hdm,km->khd", W_O, dirs)  # (3, heads, d_head)
         proj = torch.einsum("phd,khd->khp", v, read) * A  # (3, heads, sources)
         gram = torch.einsum("hdm,hem->hde", W_O, W_O)
         nrm = torch.einsum("phd,hde,phe->hp", v, gram, v).clamp_min(0).sqrt() * A

@@ -89,3 +89,156 @@ def logit_lens(
         ],
     )
     return LogitLens(pos, rows, audit)
+
+
+@dataclass
+class PositionLens:
+    """The lens at many positions at once (e.g. every visual token).
+
+    Attributes:
+        positions: ``(n_pos,)`` sequence positions.
+        top_ids, top_probs: ``(n_layers + 1, n_pos, k)``: the top tokens of the
+            lens at each layer (row ``l`` reads the residual entering block ``l``;
+            the last row reads x_L) and position.
+        target_probs: ``(n_layers + 1, n_pos, n_targets)`` the probability of
+            each of ``target_ids`` (empty when none were asked for).
+    """
+
+    positions: list[int]
+    top_ids: torch.Tensor
+    top_probs: torch.Tensor
+    target_ids: list[int]
+    target_probs: torch.Tensor
+    audit: AuditRecord = field(repr=False, default=None)
+
+    def top_tokens(self, adapter, layer: int) -> list[str]:
+        """The top-1 token at every position for one layer."""
+        return [adapter.token_str(int(i)) for i in self.top_ids[layer, :, 0]]
+
+
+@torch.no_grad()
+def logit_lens_positions(
+    adapter, trace, positions=None, *, top_k: int = 3, target_ids: list[int] | None = None, batch: int = 0
+) -> PositionLens:
+    """The lens over many positions (default: the visual tokens), every layer.
+
+    Visual tokens of a self-attention model live in the text stream, so the
+    lens says which vocabulary item each patch's state is closest to in final
+    coordinates ("this patch reads as 'red' from layer 2"). Cross-attention
+    models have no visual positions in the stream: refused.
+    """
+    pos = trace.visual_positions[batch] if positions is None else torch.as_tensor(positions)
+    if pos.numel() == 0:
+        raise ValueError("no positions to read: cross-attention models keep visual tokens out of the text stream")
+    states = torch.stack([r[batch, pos] for r in trace.resid_pre] + [trace.final_resid[batch, pos]])
+    probs = lens_logits(adapter, states).float().softmax(-1)  # (n_layers + 1, n_pos, vocab)
+    top_probs, top_ids = probs.topk(top_k, dim=-1)
+    targets = list(target_ids or [])
+    target_probs = probs[..., targets] if targets else probs.new_zeros(*probs.shape[:2], 0)
+    audit = AuditRecord.for_method(
+        "logit lens",
+        controls=["final norm recomputed on each layer's residual", "read at the given positions, not the answer"],
+        parameters={"positions": pos.tolist(), "top_k": top_k, "target_ids": targets},
+        notes=[
+            "a visual token's state is not trained to predict a next token; its lens reading is what the "
+            "final head would see in it, not what the model uses it for"
+        ],
+    )
+    return PositionLens(pos.tolist(), top_ids, top_probs, targets, target_probs, audit)
+
+
+@dataclass
+class LensGroup:
+    """The lens at the answer position over a group of samples, per layer."""
+
+    n: int
+    answer_rank: list  # per layer: patterns.Distribution (None when n == 0)
+    logit_diff: list
+    kl_to_final: list
+    top1_rate: list[float | None]  # per layer: share of samples whose lens top-1 is the answer
+
+    def to_dict(self) -> dict:
+        def dist(xs):
+            return [x.to_dict() if x is not None else None for x in xs]
+
+        return {
+            "n": self.n,
+            "answer_rank": dist(self.answer_rank),
+            "logit_diff": dist(self.logit_diff),
+            "kl_to_final": dist(self.kl_to_final),
+            "top1_rate": self.top1_rate,
+        }
+
+
+@dataclass
+class LensOverSamples:
+    """The logit lens split by whether the model answered correctly (4.8:
+    compare successes with failures)."""
+
+    n_layers: int
+    correct: LensGroup
+    incorrect: LensGroup
+    audit: AuditRecord = field(repr=False, default=None)
+
+    def to_dict(self) -> dict:
+        return {
+            "n_layers": self.n_layers,
+            "correct": self.correct.to_dict(),
+            "incorrect": self.incorrect.to_dict(),
+            "audit": self.audit.to_dict() if self.audit else None,
+        }
+
+
+def logit_lens_over_samples(loaded, samples, *, progress=None, cancel=None) -> LensOverSamples:
+    """Run the lens at the answer position of every sample and split the
+    samples by whether the model's top token is the correct answer.
+
+    Args:
+        samples: ``(image, question, answer, foil)`` items (foil may be None);
+            the lens tracks the correct answer (minus the foil where given).
+        progress: ``progress(done, total, message)``; cancel: returns True to stop.
+    """
+    from core.capture import capture
+    from core.methods.patterns import Distribution
+
+    adapter = loaded.adapter
+    samples = list(samples)
+    groups = {True: [], False: []}
+    for n, (image, question, answer, foil) in enumerate(samples):
+        if cancel is not None and cancel():
+            break
+        tr = capture(loaded, image, question, pattern_layers=[])
+        a = adapter.token_id(answer)
+        f = adapter.token_id(foil) if foil else None
+        pos = int(tr.answer_positions[0])
+        lens = logit_lens(adapter, tr, a, f, top_k=1)
+        groups[int(tr.logits[0, pos].argmax()) == a].append(lens)
+        if progress:
+            progress(n + 1, len(samples), "logit lens")
+    n_layers = len(adapter.blocks)  # lens rows: one per block, plus x_L
+
+    def summarise(lenses: list[LogitLens]) -> LensGroup:
+        if not lenses:
+            return LensGroup(
+                0, [None] * (n_layers + 1), [None] * (n_layers + 1), [None] * (n_layers + 1), [None] * (n_layers + 1)
+            )
+        rows = list(zip(*[x.rows for x in lenses]))  # per layer: the samples' rows
+        diffs = [[r.logit_diff if r.logit_diff is not None else r.answer_logit for r in layer] for layer in rows]
+        return LensGroup(
+            len(lenses),
+            [Distribution.of([r.answer_rank for r in layer]) for layer in rows],
+            [Distribution.of(d) for d in diffs],
+            [Distribution.of([r.kl_to_final for r in layer]) for layer in rows],
+            [sum(r.answer_rank == 0 for r in layer) / len(layer) for layer in rows],
+        )
+
+    audit = AuditRecord.for_method(
+        "logit lens",
+        controls=["final norm recomputed on each layer's residual", "success/failure samples compared"],
+        parameters={"n_samples": len(groups[True]) + len(groups[False]), "n_correct": len(groups[True])},
+        notes=[
+            "poor readout at a layer may be coordinate mismatch, not absence; a group difference is a "
+            "correlation over this sample set"
+        ],
+    )
+    return LensOverSamples(n_layers, summarise(groups[True]), summarise(groups[False]), audit)

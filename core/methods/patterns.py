@@ -18,7 +18,12 @@ class HeadSummary:
     """One head's pattern at one query position.
 
     ``visual_patch_mass`` is the mass on each visual token laid out on the
-    patch grid ``(rows, cols)``, patch-granular (no interpolation).
+    patch grid ``(rows, cols)`` of the primary image (see :func:`patch_grids`),
+    patch-granular (no interpolation); ``visual_patch_mass_by_image`` holds
+    every image's grid when the model sees several (tiles, a base and a
+    high-resolution view). ``bos_mass`` is the sink's mass (position 0 / BOS);
+    ``other_mass`` the mass on delimiter, special and global (CLS) tokens, kept
+    out of the visual and text numbers.
     """
 
     layer: int  # block index (see Trace.block_names)
@@ -29,6 +34,8 @@ class HeadSummary:
     entropy: float  # nats, over the whole pattern
     argmax_source: int
     visual_patch_mass: list[list[float]]
+    other_mass: dict[str, float] = field(default_factory=dict)
+    visual_patch_mass_by_image: list[dict] | None = None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -52,30 +59,85 @@ def entropy(pattern: torch.Tensor) -> torch.Tensor:
     return -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(-1)
 
 
-def summarize_heads(
-    trace, grid: tuple[int, int], query_index: int = 0, batch: int = 0, sink_positions: tuple[int, ...] = (0,)
-) -> PatternSummary:
-    """Mass on the visual tokens, on BOS, entropy and argmax source for every
-    kept layer and head at ``trace.query_positions[query_index]``.
+def patch_grids(values: torch.Tensor, tokens) -> list[tuple[int, torch.Tensor]]:
+    """Lay per-token values onto each image's patch grid.
 
     Args:
-        grid: ``(rows, cols)`` of the visual tokens, row-major.
-        sink_positions: positions reported as BOS/sink mass (default: position 0).
+        values: ``(..., n_tokens)``, one per visual token in ``tokens`` order.
+        tokens: the :class:`core.geometry.VisualToken` list.
+
+    Returns:
+        ``[(image, (..., rows, cols))]`` sorted by image; tokens without a
+        patch (``col < 0``: newline, CLS) are left out; cells no token covers are NaN.
+    """
+    if values.shape[-1] != len(tokens):
+        raise ValueError(f"{values.shape[-1]} values for {len(tokens)} visual tokens")
+    out = []
+    for im in sorted({t.image for t in tokens if t.col >= 0}):
+        idx = [k for k, t in enumerate(tokens) if t.image == im and t.col >= 0]
+        rows = max(tokens[k].row for k in idx) + 1
+        cols = max(tokens[k].col for k in idx) + 1
+        grid = values.new_full((*values.shape[:-1], rows, cols), float("nan"))
+        r = torch.tensor([tokens[k].row for k in idx])
+        c = torch.tensor([tokens[k].col for k in idx])
+        grid[..., r, c] = values[..., torch.tensor(idx)]
+        out.append((im, grid))
+    return out
+
+
+def primary_image(tokens) -> int:
+    """The image whose patch boxes cover the most of the original image (the
+    whole-image view: LLaVA-NeXT's base image, Idefics3's global image); ties
+    go to the lower index."""
+    area: dict[int, float] = {}
+    for t in tokens:
+        if t.col >= 0:
+            x0, y0, x1, y1 = t.box
+            area[t.image] = area.get(t.image, 0.0) + max(0.0, x1 - x0) * max(0.0, y1 - y0)
+    best = max(area.values())
+    return min(im for im, a in area.items() if a >= best * (1 - 1e-9))
+
+
+def key_roles(adapter, trace, block: int, batch: int = 0) -> list[str]:
+    """The role of every key of block ``block``: the sequence's token roles
+    for self-attention; for cross-attention the family's key roles ("visual",
+    or "visual_global" for a CLS-like key)."""
+    if trace.block_kinds[block] == "cross":
+        return adapter.cross_key_roles(trace, block, batch)
+    return adapter.token_roles(trace, batch)
+
+
+def summarize_heads(adapter, trace, tokens, query_index: int = 0, batch: int = 0) -> PatternSummary:
+    """Mass on the visual tokens, on the sink, on delimiters, entropy and the
+    argmax source for every kept block and head at ``trace.query_positions[query_index]``.
+
+    Args:
+        tokens: the visual tokens (``adapter.visual_tokens``), aligned with
+            ``trace.visual_positions`` (self-attention) or the keys of the
+            cross-attention blocks.
     """
     heads = []
+    primary = primary_image(tokens)
     for layer in sorted(trace.patterns):
         pat = trace.patterns[layer][batch, :, query_index].float()  # (heads, keys)
-        if trace.block_kinds[layer] == "cross":  # every key is a visual token, none is a sink
-            vis = torch.arange(pat.shape[-1])
-            sinks = torch.zeros(0, dtype=torch.long)
-        else:
-            vis = trace.visual_positions[batch]
-            sinks = torch.tensor(sink_positions, dtype=torch.long)
-        vm = mass(pat, vis)
-        bm = mass(pat, sinks)
+        roles = key_roles(adapter, trace, layer, batch)
+        if "padding" in roles and float(pat[:, [i for i, r in enumerate(roles) if r == "padding"]].max()) > 1e-6:
+            raise RuntimeError(f"block {layer}: attention reached padding positions")
+        by_role = {r: torch.tensor([i for i, x in enumerate(roles) if x == r], dtype=torch.long) for r in set(roles)}
+        empty = torch.zeros(0, dtype=torch.long)
+        vm = mass(pat, by_role.get("visual", empty))
+        bm = mass(pat, by_role.get("sink", empty))
+        others = {r: mass(pat, idx) for r, idx in by_role.items() if r not in ("visual", "sink", "text", "padding")}
         ent = entropy(pat)
         arg = pat.argmax(-1)
-        grid_mass = pat[:, vis].reshape(pat.shape[0], *grid) if len(vis) else torch.zeros(pat.shape[0], *grid)
+        if trace.block_kinds[layer] == "cross":
+            vis_values = pat
+        elif trace.visual_positions.shape[1]:
+            vis_values = pat[:, trace.visual_positions[batch]]
+        else:  # a text-only block of a cross-attention model: no visual key
+            vis_values = pat.new_zeros(pat.shape[0], len(tokens))
+        grids = patch_grids(vis_values, tokens)
+        by_image = dict(grids)
         for h in range(pat.shape[0]):
             heads.append(
                 HeadSummary(
@@ -86,20 +148,227 @@ def summarize_heads(
                     float(bm[h]),
                     float(ent[h]),
                     int(arg[h]),
-                    grid_mass[h].tolist(),
+                    by_image[primary][h].tolist(),
+                    {r: float(v[h]) for r, v in sorted(others.items())},
+                    [{"image": im, "grid": g[h].tolist()} for im, g in grids] if len(grids) > 1 else None,
                 )
             )
     qpos = int(trace.query_positions[query_index])
     audit = AuditRecord.for_method(
         "pattern analysis",
-        controls=["padding excluded", "BOS/sink mass reported separately", "patch-granular (not interpolated)"],
-        parameters={"query_position": qpos, "layers": sorted(trace.patterns), "sink_positions": list(sink_positions)},
+        controls=[
+            "padding excluded (checked)",
+            "sink mass reported separately",
+            "delimiter / special / global-token mass reported separately",
+            "patch-granular (not interpolated)",
+        ],
+        parameters={"query_position": qpos, "layers": sorted(trace.patterns), "primary_image": primary},
         notes=[
             "attention aligned with a region shows routing co-occurrence only; a high weight on a source "
             "whose value is small may not matter"
         ],
     )
     return PatternSummary(qpos, heads, audit)
+
+
+ROLES = ("sink", "visual", "visual_delimiter", "visual_global", "special", "text")
+
+
+def role_mass(adapter, trace, query_index: int = 0, batch: int = 0) -> dict[int, dict[str, torch.Tensor]]:
+    """Mass on each key role (:func:`key_roles`) for every kept block:
+    ``{block: {role: (heads,)}}``. Sink, delimiter, global and special mass
+    stay apart from visual and text mass; padding gets no mass (checked)."""
+    out = {}
+    for block in sorted(trace.patterns):
+        pat = trace.patterns[block][batch, :, query_index].float()  # (heads, keys)
+        roles = key_roles(adapter, trace, block, batch)
+        pad = [i for i, x in enumerate(roles) if x == "padding"]
+        if pad and float(pat[:, pad].abs().max()) > 1e-6:
+            raise RuntimeError(f"block {block}: attention reached padding positions")
+        out[block] = {
+            r: mass(pat, torch.tensor([i for i, x in enumerate(roles) if x == r], dtype=torch.long)) for r in ROLES
+        }
+    return out
+
+
+def relative_position_profile(trace, block: int, max_offset: int = 64, batch: int = 0) -> torch.Tensor:
+    """Mean weight by relative position: ``(heads, max_offset + 1)``, entry
+    ``[h, d]`` is the mean of ``A[p, p - d]`` over the kept query positions ``p``
+    with ``p - d >= 0`` (NaN where no query has that offset). Self-attention only."""
+    if trace.block_kinds[block] != "self":
+        raise ValueError("relative position is defined for self-attention blocks")
+    pat = trace.patterns[block][batch].float()  # (heads, n_query, keys)
+    sums = torch.zeros(pat.shape[0], max_offset + 1)
+    counts = torch.zeros(max_offset + 1)
+    for qi, p in enumerate(trace.query_positions.tolist()):
+        d = torch.arange(0, min(p, max_offset) + 1)
+        sums[:, d] += pat[:, qi, p - d]
+        counts[d] += 1
+    return sums / counts.where(counts > 0, torch.tensor(float("nan")))
+
+
+def paired_difference(trace_a, trace_b, query_index: int = 0, batch: int = 0) -> dict[int, torch.Tensor]:
+    """``{block: (heads, keys)}``: the pattern of input b minus input a at the
+    same query row. The runs must share their token layout (same length and
+    visual positions), e.g. the same question on an edited image."""
+    if trace_a.input_ids.shape != trace_b.input_ids.shape or not torch.equal(
+        trace_a.visual_positions, trace_b.visual_positions
+    ):
+        raise ValueError("paired inputs must have the same token layout (length and visual positions)")
+    return {
+        block: (trace_b.patterns[block][batch, :, query_index] - trace_a.patterns[block][batch, :, query_index]).float()
+        for block in sorted(set(trace_a.patterns) & set(trace_b.patterns))
+    }
+
+
+@dataclass
+class Distribution:
+    """A sample of values, summarised without hiding its spread.
+
+    Attributes:
+        quantiles: the value at each of 0.05, 0.25, 0.5, 0.75, 0.95.
+        edges, counts: a histogram (``len(edges) == len(counts) + 1``).
+    """
+
+    n: int
+    mean: float
+    std: float
+    quantiles: dict[str, float]
+    edges: list[float]
+    counts: list[int]
+
+    @classmethod
+    def of(cls, values, bins: int = 10, value_range: tuple[float, float] | None = None) -> Distribution:
+        v = torch.as_tensor(values, dtype=torch.float64).flatten()
+        if v.numel() == 0:
+            raise ValueError("no values")
+        qs = (0.05, 0.25, 0.5, 0.75, 0.95)
+        qv = torch.quantile(v, torch.tensor(qs, dtype=torch.float64))
+        lo, hi = value_range or (float(v.min()), float(v.max()))
+        hi = hi if hi > lo else lo + 1e-12
+        counts = torch.histc(v, bins=bins, min=lo, max=hi)
+        return cls(
+            int(v.numel()),
+            float(v.mean()),
+            float(v.std()) if v.numel() > 1 else 0.0,
+            {str(q): float(x) for q, x in zip(qs, qv)},
+            torch.linspace(lo, hi, bins + 1).tolist(),
+            [int(c) for c in counts],
+        )
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class HeadStatistics:
+    """One head's answer-row attention over many samples.
+
+    Attributes:
+        hit_rate: share of samples (with a target region) whose argmax over
+            the patch tokens falls in the region; ``n_hit_samples`` counts them.
+        chance_hit_rate: the mean share of patch tokens in the region, what a
+            uniform head would score.
+    """
+
+    block: int
+    head: int
+    name: str
+    visual_mass: Distribution
+    sink_mass: Distribution
+    region_mass: Distribution | None
+    entropy: Distribution
+    hit_rate: float | None
+    n_hit_samples: int
+    chance_hit_rate: float | None
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        for k in ("visual_mass", "sink_mass", "region_mass", "entropy"):
+            d[k] = d[k].to_dict() if d[k] is not None else None
+        return d
+
+
+@dataclass
+class PatternStatistics:
+    n_samples: int
+    heads: list[HeadStatistics]
+    audit: AuditRecord = field(repr=False, default=None)
+
+
+def pattern_statistics(
+    loaded, samples, *, region_min_cover: float = 0.25, progress=None, cancel=None
+) -> PatternStatistics:
+    """Answer-row attention of every head over many samples, as distributions.
+
+    Args:
+        samples: ``(image, question, region_mask)`` items; ``region_mask`` is
+            ``(H, W)`` bool in original-image pixels (the target object) or None.
+        progress: ``progress(done, total, message)``.
+        cancel: returns True to stop early (what was done so far is kept).
+    """
+    from core.capture import capture
+    from core.geometry import region_tokens
+    from core.images import load_image
+
+    adapter = loaded.adapter
+    samples = list(samples)
+    per: dict[tuple[int, int], dict[str, list]] = {}
+    chance = []
+    for n, (image, question, region) in enumerate(samples):
+        if cancel is not None and cancel():
+            break
+        img = load_image(image)
+        tr = capture(loaded, img, question)
+        roles = role_mass(adapter, tr)
+        tokens = adapter.visual_tokens(img.size, tr.visual_positions[0].tolist())
+        patches = [i for i, t in enumerate(tokens) if t.col >= 0]  # argmax over patch tokens only
+        in_region = set(region_tokens(tokens, region, region_min_cover)) if region is not None else None
+        if in_region is not None and patches:
+            chance.append(len(in_region) / len(patches))
+        for block in sorted(tr.patterns):
+            pat = tr.patterns[block][0, :, 0].float()  # (heads, keys)
+            vis = pat if tr.block_kinds[block] == "cross" else pat[:, tr.visual_positions[0]]
+            ent = entropy(pat)
+            for h in range(pat.shape[0]):
+                rec = per.setdefault((block, h), {"visual": [], "sink": [], "region": [], "entropy": [], "hit": []})
+                rec["visual"].append(float(roles[block]["visual"][h]))
+                rec["sink"].append(float(roles[block]["sink"][h]))
+                rec["entropy"].append(float(ent[h]))
+                if in_region is not None and patches:
+                    rec["region"].append(float(vis[h, sorted(in_region)].sum()) if in_region else 0.0)
+                    best = patches[int(vis[h, patches].argmax())]
+                    rec["hit"].append(int(best in in_region))
+        if progress:
+            progress(n + 1, len(samples), "attention statistics")
+    heads = [
+        HeadStatistics(
+            block,
+            h,
+            f"{adapter.blocks[block][0]}.H{h}",
+            Distribution.of(rec["visual"], value_range=(0.0, 1.0)),
+            Distribution.of(rec["sink"], value_range=(0.0, 1.0)),
+            Distribution.of(rec["region"], value_range=(0.0, 1.0)) if rec["region"] else None,
+            Distribution.of(rec["entropy"]),
+            sum(rec["hit"]) / len(rec["hit"]) if rec["hit"] else None,
+            len(rec["hit"]),
+            sum(chance) / len(chance) if chance else None,
+        )
+        for (block, h), rec in sorted(per.items())
+    ]
+    n_done = len(next(iter(per.values()))["visual"]) if per else 0
+    audit = AuditRecord.for_method(
+        "pattern analysis",
+        controls=[
+            "padding excluded",
+            "sink / delimiter / special mass reported separately",
+            "distributions over samples (quantiles, histogram)",
+            "chance hit rate of a uniform head reported",
+        ],
+        parameters={"n_samples": n_done, "region_min_cover": region_min_cover, "query": "answer position"},
+        notes=["a hit rate above chance is a routing regularity on this sample set, not evidence the head is used"],
+    )
+    return PatternStatistics(n_done, heads, audit)
 
 
 def rollout(trace, alpha: float = 0.5, heads: str | int = "mean", batch: int = 0) -> torch.Tensor:
@@ -131,12 +400,13 @@ def rollout(trace, alpha: float = 0.5, heads: str | int = "mean", batch: int = 0
     return out
 
 
-def rollout_visual_mass(trace, grid: tuple[int, int], alpha: float = 0.5, batch: int = 0) -> torch.Tensor:
-    """Rollout mass from the answer position onto the visual tokens, ``grid`` shaped."""
+def rollout_visual_mass(trace, tokens, alpha: float = 0.5, batch: int = 0) -> list[tuple[int, torch.Tensor]]:
+    """Rollout mass from the answer position onto the visual tokens, laid out
+    per image as :func:`patch_grids` does: ``[(image, (rows, cols))]``."""
     r = rollout(trace, alpha, batch=batch)[int(trace.answer_positions[batch])]
     n = trace.input_ids.shape[1]
     vis = trace.visual_positions[batch] if trace.visual_positions.shape[1] else torch.arange(n, r.shape[0])
-    return r[vis].reshape(grid)
+    return patch_grids(r[vis], tokens)
 
 
 def rollout_audit(alpha: float, heads) -> AuditRecord:

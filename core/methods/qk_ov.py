@@ -74,8 +74,13 @@ def factored_svd(left: torch.Tensor, right: torch.Tensor):
 def qk_circuit(adapter, block: int, head: int) -> LowRankMap:
     """The position-free QK form ``W_Q[h] W_K[h]^T * scale`` (biases and the
     position scheme left out: it is the full selection rule only for a
-    position-free model; see :func:`realized_scores` for the real one)."""
+    position-free model; see :func:`realized_scores` for the real one). With
+    per-head q/k norms their gains are folded in, and each real score is
+    further divided by rms(q) rms(k): the form gives the direction only."""
     left = adapter.W_Q(block)[head].float() * adapter.score_scale(block)
+    gain = adapter.qk_gain(block)  # per-head q/k RMSNorm gains (Mllama's cross blocks)
+    if gain is not None:
+        left = left * gain.float()
     right = adapter.W_K(block)[head].float().T
     U, s, Vh = factored_svd(left, right)
     return LowRankMap(block, head, left, right, s, U, Vh)

@@ -77,20 +77,10 @@ def target_direction(adapter, answer_id: int, foil_id: int | None) -> torch.Tens
 
 
 def component_stack(adapter, trace, position: int, batch: int = 0) -> tuple[list[str], torch.Tensor]:
-    """Names and ``(n_components, d_model)`` vectors that sum to x_L at ``position``."""
-    names = ["embed"]
-    vecs = [trace.resid_pre[0][batch, position]]
-    for block, block_name in enumerate(trace.block_names):
-        heads = trace.head_output(adapter, block, position, batch)  # (heads, d_model)
-        names += [f"{block_name}.H{h}" for h in range(heads.shape[0])]
-        vecs += list(heads)
-        b_O = adapter.b_O(block)
-        if torch.any(b_O != 0):
-            names.append(f"bias.{block_name}.attn_out")
-            vecs.append(b_O.to(heads.dtype))
-        names.append(f"{block_name}.mlp")
-        vecs.append(trace.mlp_out[block][batch, position])
-    return names, torch.stack(vecs)
+    """Names and ``(n_components, d_model)`` vectors that sum to x_L at
+    ``position``: the family's own split of its residual graph
+    (:meth:`core.models.adapter.Adapter.component_stack`)."""
+    return adapter.component_stack(trace, position, batch)
 
 
 @torch.no_grad()
@@ -105,7 +95,8 @@ def decompose(
     u = target_direction(adapter, answer_id, foil_id).to(C.dtype)
     b_U = adapter.b_U.to(C.dtype)
     u_bias = b_U[answer_id] - (b_U[foil_id] if foil_id is not None else 0)
-    norm_bias = norm_f.bias.to(C.dtype) @ u if norm_f.bias is not None else torch.zeros((), dtype=C.dtype)
+    bias_f = norm_f.frozen_bias(x_L)  # a head transform's (BLIP) depends on x_L under the frozen convention
+    norm_bias = bias_f.to(C.dtype) @ u if bias_f is not None else torch.zeros((), dtype=C.dtype)
     target = norm_f(x_L) @ u + u_bias
     proj = C @ u
     frozen = norm_f.frozen(x_L, C) @ u

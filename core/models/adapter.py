@@ -216,6 +216,31 @@ class Adapter(ABC):
         """:class:`core.geometry.VisualToken` per visual token, boxes in the original image."""
         raise NotImplementedError(f"{self.family}: geometry not mapped yet")
 
+    # ---- the residual graph (METHODS.md 4.7: "rewrite by the actual graph")
+    def component_stack(self, trace, position: int, batch: int = 0) -> tuple[list[str], torch.Tensor]:
+        """Names and ``(n_components, d_model)`` vectors that sum to x_L at
+        ``position``. Pre-norm default: x_L = x_0 + sum_l (sum_h W_O^h z^h + b_O) + sum_l m_l;
+        a post-norm family (BLIP) propagates each addend through the frozen norms after it."""
+        names = ["embed"]
+        vecs = [trace.resid_pre[0][batch, position]]
+        for block, block_name in enumerate(trace.block_names):
+            heads = trace.head_output(self, block, position, batch)  # (heads, d_model)
+            names += [f"{block_name}.H{h}" for h in range(heads.shape[0])]
+            vecs += list(heads)
+            b_O = self.b_O(block)
+            if torch.any(b_O != 0):
+                names.append(f"bias.{block_name}.attn_out")
+                vecs.append(b_O.to(heads.dtype))
+            names.append(f"{block_name}.mlp")
+            vecs.append(trace.mlp_out[block][batch, position])
+        return names, torch.stack(vecs)
+
+    def readout_pullback(self, trace, block: int, position: int, g: torch.Tensor, batch: int = 0) -> torch.Tensor:
+        """Directions ``g (..., d_model)`` on x_L mapped back to block ``block``'s
+        attention-output space, so ``g' . c`` reads a raw head write as it
+        reaches x_L. Pre-norm: the identity (every write is added to x_L as is)."""
+        return g
+
     # ---- the modules hooks and interventions reach (hook-based families)
     def attention_module(self, block: int) -> torch.nn.Module:
         """Block ``block``'s attention module (its eager call is where q/k are recorded)."""
@@ -258,6 +283,11 @@ class Adapter(ABC):
         """Whatever the model does to scaled scores before the mask (identity;
         Gemma 2's soft-capping overrides it)."""
         return scores
+
+    def qk_gain(self, block: int) -> torch.Tensor | None:
+        """``(d_head,)`` the product of per-head q and k norm gains, for families
+        that normalise q and k per head (None: no such norms)."""
+        return None
 
     def input_embeddings(self) -> torch.Tensor:
         """``(vocab, d_model)`` token embeddings as the first block receives
@@ -330,6 +360,11 @@ class Adapter(ABC):
         if roles and roles[0] != "padding":
             roles[0] = "sink"
         return roles
+
+    def cross_key_roles(self, trace, block: int, batch: int = 0) -> list[str]:
+        """The role of each key of cross-attention block ``block``: "visual", or
+        "visual_global" for a key that pools the whole image (BLIP's CLS)."""
+        return ["visual"] * trace.kv_source[block].shape[1]
 
     def visual_delimiter_positions(self, trace, batch: int = 0) -> list[int]:
         """Sequence positions of tokens that frame or separate visual tokens but

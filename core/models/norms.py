@@ -80,6 +80,11 @@ class Norm:
         gain = self._gain(y)
         return y * gain if gain is not None else y
 
+    def frozen_bias(self, x_ref: torch.Tensor) -> torch.Tensor | None:
+        """What the frozen map leaves out: ``norm(x_ref) - frozen(x_ref, x_ref)``,
+        the norm's own bias (None without one)."""
+        return self.bias
+
     def frozen_readout(self, x_ref: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The vector ``g`` with ``g . c == u . frozen(x_ref, c)`` for every ``c``:
         ``center(gain * u) / sigma(x_ref)`` (the frozen map is symmetric but for the gain)."""

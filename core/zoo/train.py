@@ -325,7 +325,9 @@ def main(argv=None) -> None:
     p.add_argument("--scenes-per-step", type=int, default=16)
     p.add_argument("--questions-per-image", type=int, default=8)
     p.add_argument("--lr", type=float, default=1.5e-3, help="peak learning rate of question answering")
-    p.add_argument("--dense-lr", type=float, default=None, help="peak learning rate of dense pre-training (default 2 x --lr)")
+    p.add_argument(
+        "--dense-lr", type=float, default=None, help="peak learning rate of dense pre-training (default 2 x --lr)"
+    )
     p.add_argument(
         "--kind-weights",
         type=float,

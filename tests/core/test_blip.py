@@ -1,0 +1,546 @@
+"""BLIP captioning adapter on a tiny random float64 model: every recorded
+piece is checked against an independent computation (the library's own
+forward, autograd, or a recomputation from canonical weights), the
+post-LayerNorm frozen-scale bookkeeping is checked to be exact, and the
+geometry is checked by experiment."""
+
+import inspect
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from core.capture import capture
+from core.errors import QuestionError, UnsupportedArchitectureError
+from core.methods import contributions, residual
+from core.methods.logit_lens import logit_lens
+from core.methods.residual import decompose, target_direction
+from core.models.loading import LoadedModel
+from tests.core.exactness import assert_heads_sum_to_attention_output, assert_jacobian_dla_is_autograd
+
+SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEC]")
+WORDS = "a picture of photo an the red blue circle square cat dog on is there with yes no"
+PREFIX = "a picture of"
+IMAGE_SIZE = (130, 70)  # non-square: the processor stretches it to 32 x 32
+TOL = 1e-10
+
+
+def tiny_tokenizer():
+    """A word-level BERT-style tokenizer built offline: ``[CLS] text [SEP]``, ``[DEC]`` as BOS."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL)}
+    for w in WORDS.split():
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(list(SPECIAL))
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])]
+    )
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        bos_token="[DEC]",
+        padding_side="left",  # the adapter must switch to right padding itself
+    )
+
+
+def tiny_blip_float64() -> LoadedModel:
+    """A random BLIP captioner from configs: text 3 layers x 4 heads, d 32;
+    vision 2 layers, width 24 (not the text width), 32 px images, 8 px patches."""
+    from transformers import BlipConfig, BlipForConditionalGeneration, BlipImageProcessor, BlipProcessor
+
+    from core.models import registry
+
+    tok = tiny_tokenizer()
+    vocab = tok.get_vocab()
+    text = {
+        "vocab_size": len(vocab),
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 16,
+        "bos_token_id": vocab["[DEC]"],
+        "pad_token_id": vocab["[PAD]"],
+        "sep_token_id": vocab["[SEP]"],
+        "eos_token_id": vocab["[SEP]"],
+    }
+    vision = {
+        "hidden_size": 24,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "image_size": 32,
+        "patch_size": 8,
+    }
+    config = BlipConfig(text_config=text, vision_config=vision)
+    config.architectures = ["BlipForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = BlipForConditionalGeneration(config).double().eval()
+    with torch.no_grad():  # the init zeroes biases and sets LayerNorm gains to 1: make them count
+        for name, p in model.text_decoder.named_parameters():
+            if "LayerNorm.weight" in name:
+                p.normal_(1, 0.3)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.3)
+        model.text_decoder.cls.predictions.transform.dense.weight.normal_(0, 0.3)
+        emb = model.vision_model.embeddings
+        emb.class_embedding.normal_(0, 1)
+        emb.position_embedding.normal_(0, 0.3)
+    processor = BlipProcessor(image_processor=BlipImageProcessor(size={"height": 32, "width": 32}), tokenizer=tok)
+    adapter = registry.adapter_for_hf("BlipForConditionalGeneration")(model, processor, processor.tokenizer)
+    return LoadedModel("tiny-blip", adapter.family, model, processor, processor.tokenizer, adapter)
+
+
+def noise_image(size: tuple[int, int], seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def traced():
+    m = tiny_blip_float64()
+    image = noise_image(IMAGE_SIZE)
+    n_pos = m.adapter.prepare([image], [PREFIX]).input_ids.shape[1]
+    tr = capture(m, image, PREFIX, query_positions=range(n_pos))
+    return m, tr
+
+
+def ids(m):
+    a = m.adapter
+    return a.token_id("cat"), a.token_id("dog")
+
+
+def wired(module, hook: str) -> bool:
+    """Whether a shared method module uses the adapter hook ``hook`` (the report's proposed diff)."""
+    return hook in inspect.getsource(module)
+
+
+# ---- registry, weights, inputs
+
+
+def test_registry_description_and_unknown_architecture(traced):
+    from core.models import registry
+    from core.models.families.blip import BlipAdapter
+
+    m, _ = traced
+    assert registry.adapter_for_hf("BlipForConditionalGeneration") is BlipAdapter
+    with pytest.raises(UnsupportedArchitectureError, match="BlipForConditionalGeneration"):
+        registry.adapter_for_hf("BlipForQuestionAnswering")  # VQA: text encoder + decoder, not mapped
+    d = m.adapter.describe()
+    assert (d["n_layers"], d["n_heads"], d["d_model"]) == (3, 4, 32)
+    assert d["attention_kind"] == "cross" and d["position_scheme"] == "absolute"
+    assert d["final_transform"] == "dense+gelu+layernorm" and d["norm_placement"] == "post"
+    assert m.adapter.blocks == [(f"L{i}{s}", k) for i in range(3) for s, k in (("", "self"), (".xattn", "cross"))]
+
+
+def test_canonical_weights_match_the_projections(traced):
+    """q/k/v/o of self and cross blocks (cross k/v read the vision width); W_U tied."""
+    m, _ = traced
+    a = m.adapter
+    for block in (2, 3):
+        attn = a._attention(block)
+        d_in = 24 if block % 2 else 32
+        x = torch.randn(5, 32, dtype=torch.float64)
+        kv = torch.randn(5, d_in, dtype=torch.float64)
+        torch.testing.assert_close(
+            torch.einsum("pm,hmd->phd", x, a.W_Q(block)) + a.b_Q(block), attn.self.query(x).view(5, 4, 8)
+        )
+        for W, b, lin in ((a.W_K, a.b_K, attn.self.key), (a.W_V, a.b_V, attn.self.value)):
+            assert W(block).shape == (4, d_in, 8)
+            torch.testing.assert_close(torch.einsum("pm,hmd->phd", kv, W(block)) + b(block), lin(kv).view(5, 4, 8))
+        z = torch.randn(5, 4, 8, dtype=torch.float64)
+        torch.testing.assert_close(
+            torch.einsum("phd,hdm->pm", z, a.W_O(block)) + a.b_O(block), attn.output.dense(z.view(5, 32))
+        )
+    emb = a.decoder.bert.embeddings.word_embeddings.weight
+    assert a.W_U.data_ptr() == emb.data_ptr() and a.W_U.shape == (32, emb.shape[0])
+    assert a.b_U.abs().sum() > 0
+
+
+def test_prepare_mirrors_generate(traced):
+    """generate() puts BOS ([DEC]) first and drops [SEP]: our input is exactly what
+    it decodes from, and its greedy first token is our answer position's argmax."""
+    m, _ = traced
+    a = m.adapter
+    image = noise_image(IMAGE_SIZE)
+    inputs = a.prepare([image], [PREFIX])
+    assert inputs.input_ids[0].tolist() == [a.tokenizer.convert_tokens_to_ids(t) for t in "[DEC] a picture of".split()]
+    assert int(inputs.answer_positions[0]) == 3 and a.token_str(int(inputs.input_ids[0, 3])) == "of"
+    raw = a.processor(images=[image], text=[PREFIX], return_tensors="pt")
+    assert raw["input_ids"][0, -1] == a.tokenizer.sep_token_id
+    out = m.model.generate(
+        pixel_values=inputs.tensors["pixel_values"],
+        input_ids=raw["input_ids"],
+        attention_mask=raw["attention_mask"],
+        max_new_tokens=1,
+        do_sample=False,
+    )
+    assert out[0, :-1].tolist() == inputs.input_ids[0].tolist()
+    with torch.no_grad():
+        assert int(out[0, -1]) == int(a.next_token_logits(inputs)[0].argmax())
+
+
+def test_right_padded_batch_matches_single_runs(traced):
+    m, _ = traced
+    a = m.adapter
+    images = [noise_image((130, 70), 1), noise_image((40, 90), 2)]
+    questions = ["a cat", "a picture of the red circle"]
+    batch = a.prepare(images, questions)
+    assert a.tokenizer.padding_side == "left"  # restored
+    mask = batch.tensors["attention_mask"]
+    assert mask[0, -1] == 0 and mask[1, -1] == 1 and mask.shape[1] == 7
+    assert a.tokenizer.sep_token_id not in batch.input_ids[mask.bool()].tolist()
+    with torch.no_grad():
+        logits = a.next_token_logits(batch)
+        for i in range(2):
+            single = a.prepare([images[i]], [questions[i]])
+            assert int(batch.answer_positions[i]) == single.input_ids.shape[1] - 1
+            torch.testing.assert_close(logits[i], a.next_token_logits(single)[0], atol=1e-12, rtol=0)
+
+
+def test_append_token_continues_the_text(traced):
+    m, _ = traced
+    a = m.adapter
+    inputs = a.prepare([noise_image(IMAGE_SIZE)], [PREFIX])
+    cat = a.token_id("cat")
+    longer = a.append_token(inputs, cat)
+    assert int(longer.answer_positions[0]) == 4 and int(longer.input_ids[0, -1]) == cat
+    with torch.no_grad():
+        torch.testing.assert_close(a.forward_logits(longer)[:, :-1], a.forward_logits(inputs), atol=1e-12, rtol=0)
+
+
+def test_question_errors(traced):
+    m, _ = traced
+    a = m.adapter
+    with pytest.raises(QuestionError, match="empty"):
+        a.check_question("  ")
+    with pytest.raises(QuestionError, match="vocabulary"):
+        a.check_question("a picture of zebras")
+    with pytest.raises(QuestionError, match="too long"):
+        a.check_question(" ".join(["a cat"] * 8))  # 16 words + BOS > 16 positions
+    a.check_question(" ".join(["a"] * 15))  # BOS + 15 = 16: fits ([SEP] is dropped)
+    with pytest.raises(QuestionError):
+        a.prepare([noise_image(IMAGE_SIZE)], [""])
+
+
+# ---- capture and exactness
+
+
+def test_capture_records_the_library_stream(traced):
+    """Independent of the hooks: the decoder's last hidden state, the vision tower's
+    output (the cross keys) and the logits from a plain library forward."""
+    m, tr = traced
+    a = m.adapter
+    inputs = a.prepare([noise_image(IMAGE_SIZE)], [PREFIX])
+    with torch.no_grad():
+        image_embeds = m.model.vision_model(inputs.tensors["pixel_values"]).last_hidden_state
+        out = a.decoder.bert(
+            input_ids=inputs.input_ids,
+            attention_mask=inputs.tensors["attention_mask"],
+            encoder_hidden_states=image_embeds,
+            is_decoder=True,
+        )
+        logits = m.model(**inputs.tensors).logits
+    torch.testing.assert_close(tr.final_resid, out.last_hidden_state, atol=0, rtol=0)
+    torch.testing.assert_close(tr.logits, logits, atol=0, rtol=0)
+    for block, kind in enumerate(tr.block_kinds):
+        assert (tr.kv_source[block] is None) == (kind == "self")
+        if kind == "cross":
+            torch.testing.assert_close(tr.kv_source[block], image_embeds, atol=0, rtol=0)
+        else:
+            assert torch.all(tr.mlp_out[block] == 0)
+    assert tr.visual_positions.shape == (1, 0)
+    assert sorted(tr.norm_inputs) == sorted(k for k, _ in a.stream_norms())
+    # each block's input is the previous LayerNorm's output (post-LN)
+    norms = dict(a.stream_norms())
+    torch.testing.assert_close(norms["embed.ln"](tr.norm_inputs["embed.ln"]), tr.resid_pre[0], atol=TOL, rtol=0)
+    torch.testing.assert_close(norms["L1.ln_self"](tr.norm_inputs["L1.ln_self"]), tr.resid_pre[3], atol=TOL, rtol=0)
+    torch.testing.assert_close(norms["L1.ln_ffn"](tr.norm_inputs["L1.ln_ffn"]), tr.resid_pre[4], atol=TOL, rtol=0)
+
+
+def test_heads_sum_to_attention_output(traced):
+    """sum_h W_O z + b_O equals the output projection's output before the residual add
+    and LayerNorm (post-LN: that is what attn_out holds), self and cross blocks."""
+    m, tr = traced
+    assert_heads_sum_to_attention_output(m.adapter, tr, TOL)
+    # and attn_out enters its LayerNorm with the block's input: the recorded LayerNorm input
+    for block in range(tr.n_blocks):
+        layer, cross = divmod(block, 2)
+        key = f"L{layer}.ln_cross" if cross else f"L{layer}.ln_self"
+        torch.testing.assert_close(tr.resid_pre[block] + tr.attn_out[block], tr.norm_inputs[key], atol=0, rtol=0)
+
+
+def test_components_sum_exactly_to_the_last_layer_output(traced):
+    """The frozen-scale bookkeeping: at every position the components sum to x_L."""
+    m, tr = traced
+    a = m.adapter
+    for p in range(tr.input_ids.shape[1]):
+        names, C = a.component_stack(tr, p)
+        err = (C.sum(0) - tr.final_resid[0, p]).abs().max()
+        assert err < TOL, (p, float(err))
+    assert names[:2] == ["embed", "bias.embed.ln"]
+    per_layer = ["L{l}.H0", "L{l}.H1", "L{l}.H2", "L{l}.H3", "bias.L{l}.attn_out", "bias.L{l}.ln_self"]
+    per_layer += [f"L{{l}}.xattn.H{h}" for h in range(4)] + ["bias.L{l}.xattn.attn_out", "bias.L{l}.ln_cross"]
+    per_layer += ["L{l}.mlp", "bias.L{l}.ln_ffn"]
+    assert names == names[:2] + [n.format(l=layer) for layer in range(3) for n in per_layer]
+    # not vacuous: the pre-LN identity x_L = x_0 + sum of block outputs fails for BLIP
+    pre_ln = tr.resid_pre[0] + sum(tr.attn_out) + sum(tr.mlp_out)
+    assert (pre_ln - tr.final_resid).abs().max() > 1e-2
+
+
+def test_readout_pullback_matches_the_propagated_components(traced):
+    """P^T g . (raw block output) == g . (its component of x_L), for heads, biases and the FFN."""
+    m, tr = traced
+    a = m.adapter
+    p = int(tr.answer_positions[0])
+    names, C = a.component_stack(tr, p)
+    by_name = dict(zip(names, C))
+    g = torch.randn(3, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for block, name in enumerate(tr.block_names):
+        pulled = a.readout_pullback(tr, block, p, g)  # (3, d_model)
+        heads = tr.head_output(a, block, p)
+        for h in range(4):
+            torch.testing.assert_close(pulled @ heads[h], g @ by_name[f"{name}.H{h}"], atol=TOL, rtol=0)
+        torch.testing.assert_close(pulled @ a.b_O(block), g @ by_name[f"bias.{name}.attn_out"], atol=TOL, rtol=0)
+        if block % 2:
+            mlp = a.readout_pullback(tr, block, p, g, output="mlp")
+            torch.testing.assert_close(
+                mlp @ tr.mlp_out[block][0, p], g @ by_name[f"L{block // 2}.mlp"], atol=TOL, rtol=0
+            )
+    with pytest.raises(ValueError, match="no FFN"):
+        a.readout_pullback(tr, 0, p, g, output="mlp")
+
+
+def test_lens_at_the_last_layer_is_the_model(traced):
+    """The head transform on x_L, then W_U and b_U, equals the plain forward's logits;
+    the logit lens has one row per block plus x_L."""
+    m, tr = traced
+    a = m.adapter
+    cat, dog = ids(m)
+    inputs = a.prepare([noise_image(IMAGE_SIZE)], [PREFIX])
+    with torch.no_grad():
+        plain = m.model(**inputs.tensors).logits[0]
+    lens = a.final_norm_layer()(tr.final_resid[0]) @ a.W_U + a.b_U
+    torch.testing.assert_close(lens, plain, atol=TOL, rtol=0)
+    rows = logit_lens(a, tr, cat, dog).rows
+    assert [r.layer for r in rows] == list(range(2 * a.n_layers + 1))
+    p = int(tr.answer_positions[0])
+    assert rows[-1].answer_logit == pytest.approx(float(plain[p, cat]), abs=1e-6)  # lens reports float32
+    assert rows[-1].logit_diff == pytest.approx(float(plain[p, cat] - plain[p, dog]), abs=1e-6)
+    assert rows[-1].kl_to_final == pytest.approx(0.0, abs=1e-6)
+
+
+@torch.no_grad()
+def test_frozen_dla_sums_to_the_logit_difference_minus_the_biases(traced):
+    """The head linearised (frozen GELU gain and LayerNorm scale) splits the logit
+    difference exactly: sum_i u . M c_i = logit diff - u . frozen_bias(x_L) - u . b_U."""
+    m, tr = traced
+    a = m.adapter
+    cat, dog = ids(m)
+    p = int(tr.answer_positions[0])
+    head = a.final_norm_layer()
+    x_L = tr.final_resid[0, p]
+    u = target_direction(a, cat, dog)
+    names, C = a.component_stack(tr, p)
+    dla = head.frozen(x_L, C) @ u
+    logit_diff = tr.logits[0, p, cat] - tr.logits[0, p, dog]
+    expected = logit_diff - head.frozen_bias(x_L) @ u - (a.b_U[cat] - a.b_U[dog])
+    assert float(dla.sum()) == pytest.approx(float(expected), abs=TOL)
+    # the same through the readout direction, and M is linear with frozen_bias the rest of T(x_L)
+    torch.testing.assert_close(C @ head.frozen_readout(x_L, u), dla, atol=TOL, rtol=0)
+    torch.testing.assert_close(head.frozen(x_L, x_L) + head.frozen_bias(x_L), head(x_L), atol=TOL, rtol=0)
+    # the dense bias really passes through the frozen gain: frozen_bias is not LN_h's bias alone
+    assert (head.frozen_bias(x_L) - head.bias).abs().max() > 1e-3
+
+
+def test_jacobian_dla_equals_autograd(traced):
+    """u^T J_T(x_L) c_i == autograd's directional derivative of the logit difference
+    through the true head transform, for every component."""
+    m, tr = traced
+    a = m.adapter
+    cat, dog = ids(m)
+    p = int(tr.answer_positions[0])
+    head = a.final_norm_layer()
+    x_L = tr.final_resid[0, p]
+    u = target_direction(a, cat, dog).detach()
+    _, C = a.component_stack(tr, p)
+    with torch.no_grad():
+        jac = C @ head.vjp(x_L, u)
+    for i in range(C.shape[0]):
+        _, d = torch.autograd.functional.jvp(lambda x: head(x) @ u, x_L, C[i])
+        assert float(jac[i]) == pytest.approx(float(d), abs=1e-9, rel=1e-7), i
+        assert float((head.jvp(x_L, C[i]) @ u).detach()) == pytest.approx(float(d), abs=1e-9, rel=1e-7)
+    # the shared check (through decompose's component stack, whichever is wired)
+    assert_jacobian_dla_is_autograd(a, tr, cat, dog, 1e-9, 1e-7)
+
+
+def test_decompose_with_the_adapter_hook(traced):
+    """core.methods.residual.decompose defers to adapter.component_stack and
+    subtracts the head's frozen_bias: exact for BLIP."""
+    m, tr = traced
+    a = m.adapter
+    assert residual.component_stack(a, tr, 0)[0] == a.component_stack(tr, 0)[0]
+    cat, dog = ids(m)
+    r = decompose(a, tr, cat, dog)
+    p = r.position
+    assert r.reconstruction_max_abs_err < TOL
+    assert r.target_logit == pytest.approx(float(tr.logits[0, p, cat] - tr.logits[0, p, dog]), abs=TOL)
+    assert sum(c.dla_frozen for c in r.components) == pytest.approx(r.frozen_sum_expected, abs=TOL)
+    assert [c.name for c in r.components] == a.component_stack(tr, p)[0]
+
+
+def _recompute(a, tr, block: int):
+    """``(pattern (heads, pos, keys), z (pos, heads, d_head))`` from canonical
+    weights, a.rotate, a.rope_positions and a.allowed_keys."""
+    x = a.attn_norm(block)(tr.resid_pre[block][0])
+    src = tr.resid_pre[block][0] if tr.kv_source[block] is None else tr.kv_source[block][0]
+    kv = a.kv_norm(block)(src)
+    pos = a.rope_positions(tr)
+    q = torch.einsum("pm,hmd->phd", x, a.W_Q(block)) + a.b_Q(block)
+    k = torch.einsum("pm,hmd->phd", kv, a.W_K(block)) + a.b_K(block)
+    v = torch.einsum("pm,hmd->phd", kv, a.W_V(block)) + a.b_V(block)
+    if tr.kv_source[block] is None:
+        q, k = a.rotate(q, pos), a.rotate(k, pos)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(a.d_head)
+    pattern = scores.masked_fill(~a.allowed_keys(tr, block), float("-inf")).softmax(-1)
+    return pattern, torch.einsum("hqk,khd->qhd", pattern, v)
+
+
+def test_patterns_and_values_recomputed_from_canonical_weights(traced):
+    m, tr = traced
+    a = m.adapter
+    for block in range(tr.n_blocks):
+        pattern, z = _recompute(a, tr, block)
+        n_keys = 17 if block % 2 else tr.input_ids.shape[1]  # CLS + 4 x 4 patches
+        assert tr.patterns[block].shape == (1, 4, tr.input_ids.shape[1], n_keys)
+        torch.testing.assert_close(pattern[:, tr.query_positions], tr.patterns[block][0], atol=TOL, rtol=0)
+        torch.testing.assert_close(z, tr.z[block][0], atol=TOL, rtol=0)
+
+
+@torch.no_grad()
+def test_source_contributions_sum_to_the_head_output(traced):
+    """Summed over sources (tokens, or visual tokens incl. CLS for cross blocks), each
+    head's contributions equal its direct term: u . W_O z at the answer position;
+    after the pullback (proposed hook) u . (its component of x_L), and likewise for
+    dla_frozen / dla_jacobian against the frozen and Jacobian read-outs of that component."""
+    m, tr = traced
+    a = m.adapter
+    cat, dog = ids(m)
+    p = int(tr.answer_positions[0])
+    sc = contributions.source_contributions(a, tr, cat, dog)
+    u = target_direction(a, cat, dog)
+    names, C = a.component_stack(tr, p)
+    by_name = dict(zip(names, C))
+    head = a.final_norm_layer()
+    x_L = tr.final_resid[0, p]
+    hooked = wired(contributions, "readout_pullback")
+    for block, name in enumerate(tr.block_names):
+        raw = tr.head_output(a, block, p)  # (heads, d_model)
+        assert sc.projection[block].shape == (4, 17 if block % 2 else p + 1)
+        for h in range(4):
+            got = float(sc.projection[block][h].sum())
+            want = by_name[f"{name}.H{h}"] @ u if hooked else raw[h] @ u
+            assert got == pytest.approx(float(want), abs=TOL), (name, h)
+            if hooked:
+                c = by_name[f"{name}.H{h}"]
+                assert float(sc.dla_frozen[block][h].sum()) == pytest.approx(float(head.frozen(x_L, c) @ u), abs=TOL)
+                assert float(sc.dla_jacobian[block][h].sum()) == pytest.approx(float(head.jvp(x_L, c) @ u), abs=1e-9)
+    # the pullback the hook applies, by hand: per-source contributions of one cross head,
+    # read with P^T u, sum to u . (its component of x_L)
+    block, h = 3, 2
+    A = tr.patterns[block][0, h, int((tr.query_positions == p).nonzero()[0])]  # (keys,)
+    v = tr.kv_source[block][0] @ a.W_V(block)[h] + a.b_V(block)[h]  # (keys, d_head)
+    c = A[:, None] * (v @ a.W_O(block)[h])  # (keys, d_model)
+    torch.testing.assert_close(c.sum(0), tr.head_output(a, block, p)[h], atol=TOL, rtol=0)
+    g = a.readout_pullback(tr, block, p, u)
+    assert float((c @ g).sum()) == pytest.approx(float(by_name[f"L1.xattn.H{h}"] @ u), abs=TOL)
+
+
+# ---- geometry
+
+
+def test_visual_tokens_are_the_cross_keys_in_order(traced):
+    m, tr = traced
+    a = m.adapter
+    tokens = a.visual_tokens(IMAGE_SIZE)
+    assert len(tokens) == tr.kv_source[1].shape[1] == 17
+    cls = tokens[0]
+    assert (cls.index, cls.row, cls.col, cls.position) == (0, -1, -1, None)
+    assert cls.box == [0.0, 0.0, 130.0, 70.0]
+    assert [(t.row, t.col) for t in tokens[1:]] == [(r, c) for r in range(4) for c in range(4)]
+    assert tokens[1].box == [0.0, 0.0, 32.5, 17.5]  # the stretch: 130 / 4 x 70 / 4
+    assert tokens[-1].box == pytest.approx([97.5, 52.5, 130.0, 70.0])
+    assert a.cross_key_roles(tr, 1) == ["visual_global"] + ["visual"] * 16
+
+
+def test_perturbing_a_box_centre_moves_its_own_token_most(traced):
+    """Geometry by experiment on a non-square image: inverting the pixels around a
+    patch's box centre changes that key (the vision tower's output the decoder
+    cross-attends to) more than any other patch key."""
+    m, _ = traced
+    a = m.adapter
+    size = (150, 90)
+    base = np.asarray(noise_image(size, 3)).copy()
+    tokens = a.visual_tokens(size)
+
+    def keys(arr):
+        inputs = a.prepare([Image.fromarray(arr)], [PREFIX])
+        with torch.no_grad():
+            return m.model.vision_model(inputs.tensors["pixel_values"]).last_hidden_state[0]
+
+    ref = keys(base)
+    for t in [tokens[i] for i in (1, 4, 6, 11, 13, 16)]:  # corners, centre, edges
+        x0, y0, x1, y1 = t.box
+        cx, cy = int((x0 + x1) / 2), int((y0 + y1) / 2)
+        rx, ry = max(1, int((x1 - x0) / 5)), max(1, int((y1 - y0) / 5))
+        arr = base.copy()
+        arr[cy - ry : cy + ry, cx - rx : cx + rx] = 255 - arr[cy - ry : cy + ry, cx - rx : cx + rx]
+        change = (keys(arr) - ref).norm(dim=-1)
+        assert int(change[1:].argmax()) + 1 == t.index, (t, change.topk(3))
+
+
+def test_hooks_are_removed_and_attention_restored(traced):
+    m, _ = traced
+    before = m.model.config._attn_implementation
+
+    def hook_counts():
+        return [(len(mod._forward_hooks), len(mod._forward_pre_hooks)) for mod in m.model.modules()]
+
+    image = noise_image(IMAGE_SIZE)
+    counts = hook_counts()
+    assert all(c == (0, 0) for c in counts)
+    capture(m, image, PREFIX)
+    assert m.model.config._attn_implementation == before
+    assert hook_counts() == counts
+    with pytest.raises(IndexError):
+        capture(m, image, PREFIX, query_positions=[10_000])
+    assert hook_counts() == counts
+
+
+def test_saved_folder_loads_with_this_adapter(tmp_path):
+    """load_model on a saved folder picks this adapter and runs the same model."""
+    from core import load_model
+
+    m = tiny_blip_float64()
+    image = noise_image(IMAGE_SIZE)
+    with torch.no_grad():
+        want = m.adapter.next_token_logits(m.adapter.prepare([image], [PREFIX])).float()
+    m.model.float().save_pretrained(tmp_path, safe_serialization=True)
+    m.processor.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path)
+    assert loaded.family == "blip" and type(loaded.adapter) is type(m.adapter)
+    with torch.no_grad():
+        got = loaded.adapter.next_token_logits(loaded.adapter.prepare([image], [PREFIX]))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

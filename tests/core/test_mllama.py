@@ -1,0 +1,701 @@
+"""Mllama (Llama 3.2 Vision) adapter on a tiny random float64 model: every
+recorded piece is checked against an independent computation (the model's
+own outputs, autograd, or a recomputation from canonical weights with the
+cross-attention q_norm/k_norm, tanh gates and mask), and the tile geometry by
+experiment.
+
+The cross layers' gates start at 0 in a fresh model (tanh(0) = 0: the cross
+path would contribute nothing), so the fixture sets them to nonzero values."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from core.capture import capture, eager_attention
+from core.errors import QuestionError
+from core.methods.residual import decompose, target_direction
+from core.models.loading import LoadedModel
+from tests.core.exactness import (
+    assert_heads_sum_to_attention_output,
+    assert_jacobian_dla_is_autograd,
+    assert_reconstruction_and_lens_at_last_layer,
+)
+
+SPECIAL = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|finetune_right_pad_id|>",
+    "<|python_tag|>",
+    "<unk>",
+)
+IMAGE_TOKEN = "<|image|>"
+WORDS = "user assistant is there a red blue circle square ? what color shape yes no of the"
+# Llama 3.2 Vision Instruct's chat template, reduced to text and image items.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|image|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+QUESTION = "is there a red circle?"
+TILE, PATCH, MAX_TILES = 32, 8, 4  # 4 x 4 patches + a class token per tile: 17 keys per tile
+CROSS_LAYER = 2
+GATES = (0.5, -0.7)  # tanh'ed attention and MLP gates of the cross layer
+# non-square: a 3-tile-wide canvas (96 x 32), the image resized to 89 x 32 inside
+# it (7 px of zero padding on the right) and one padding tile
+IMAGE_SIZE = (140, 50)
+
+
+def _vocab() -> dict[str, int]:
+    vocab = {t: i for i, t in enumerate(SPECIAL)}
+    for w in WORDS.split():
+        vocab.setdefault(w, len(vocab))
+    vocab[IMAGE_TOKEN] = len(vocab)  # as in Llama 3.2: the image token is past the lm_head's vocabulary
+    return vocab
+
+
+def tiny_tokenizer():
+    """A word-level Llama-3-style tokenizer built offline: it prepends
+    ``<|begin_of_text|>`` itself, as Llama 3's does."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = _vocab()
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([*SPECIAL, IMAGE_TOKEN])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", vocab["<|begin_of_text|>"])]
+    )
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        pad_token="<|finetune_right_pad_id|>",
+        unk_token="<unk>",
+        padding_side="left",  # the adapter must switch to right padding itself
+    )
+
+
+def tiny_processor(chat_template: str | None = CHAT_TEMPLATE):
+    from transformers import MllamaImageProcessor, MllamaProcessor
+
+    image_processor = MllamaImageProcessor(size={"height": TILE, "width": TILE}, max_image_tiles=MAX_TILES)
+    return MllamaProcessor(image_processor=image_processor, tokenizer=tiny_tokenizer(), chat_template=chat_template)
+
+
+def tiny_mllama_float64(gates: tuple[float, float] | None = GATES, chat_template: str | None = CHAT_TEMPLATE):
+    """A random Mllama built from configs: a 2+1-layer tiled ViT (32 px tiles,
+    8 px patches, intermediate layers 0 and 1 concatenated) and a 4-layer text
+    model with grouped-query heads whose layer 2 is a cross-attention layer."""
+    from transformers import MllamaConfig, MllamaForConditionalGeneration
+
+    from core.models import registry
+
+    vocab = _vocab()
+    n_text = len(vocab) - 1  # the lm_head does not cover the image token
+    vision = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_global_layers": 1,
+        "attention_heads": 4,
+        "intermediate_size": 64,
+        "vision_output_dim": 96,  # (1 + len(intermediate_layers_indices)) * hidden_size
+        "image_size": TILE,
+        "patch_size": PATCH,
+        "max_num_tiles": MAX_TILES,
+        "intermediate_layers_indices": [0, 1],
+    }
+    text = {
+        "vocab_size": n_text,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "cross_attention_layers": [CROSS_LAYER],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "max_position_embeddings": 64,
+        "bos_token_id": vocab["<|begin_of_text|>"],
+        "eos_token_id": vocab["<|eot_id|>"],
+        "pad_token_id": vocab["<|finetune_right_pad_id|>"],
+        "initializer_range": 0.1,
+    }
+    config = MllamaConfig(vision_config=vision, text_config=text, image_token_index=vocab[IMAGE_TOKEN])
+    config.architectures = ["MllamaForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = MllamaForConditionalGeneration(config).double().eval()
+    with torch.no_grad():  # the init sets norm gains to 1 and every gate to 0: make them count
+        lm = model.model.language_model
+        for layer in lm.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.normal_(1, 0.3)
+            if hasattr(layer, "cross_attn"):
+                layer.cross_attn.q_norm.weight.normal_(1, 0.3)
+                layer.cross_attn.k_norm.weight.normal_(1, 0.3)
+                if gates is not None:
+                    layer.cross_attn_attn_gate.fill_(gates[0])
+                    layer.cross_attn_mlp_gate.fill_(gates[1])
+        lm.norm.weight.normal_(1, 0.3)
+        vm = model.model.vision_model
+        vm.gated_positional_embedding.gate.fill_(0.4)
+        vm.pre_tile_positional_embedding.gate.fill_(0.3)
+        vm.post_tile_positional_embedding.gate.fill_(0.2)
+    processor = tiny_processor(chat_template)
+    adapter = registry.adapter_for_hf("MllamaForConditionalGeneration")(model, processor, processor.tokenizer)
+    return LoadedModel("tiny-mllama", adapter.family, model, processor, processor.tokenizer, adapter)
+
+
+def noise_image(size: tuple[int, int], seed: int = 0) -> Image.Image:
+    """A random RGB image of ``size = (width, height)``."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def traced():
+    m = tiny_mllama_float64()
+    image = noise_image(IMAGE_SIZE)
+    n_pos = m.adapter.prepare([image], [QUESTION]).input_ids.shape[1]
+    tr = capture(m, image, QUESTION, query_positions=range(n_pos), keep_qk=True)
+    return m, tr, 1e-10
+
+
+def test_registry_blocks_and_description(traced):
+    from core.models import registry
+    from core.models.families.mllama import MllamaAdapter
+
+    m, tr, _ = traced
+    a = m.adapter
+    assert registry.adapter_for_hf("MllamaForConditionalGeneration") is MllamaAdapter
+    d = a.describe()
+    assert d["attention_kind"] == "cross" and d["position_scheme"] == "rope" and d["final_norm"] == "rmsnorm"
+    assert (d["n_layers"], d["n_heads"], d["d_model"]) == (4, 4, 64)
+    assert a.n_kv_heads == 2 and a.d_head == 16 and a.kv_group(3) == 1
+    assert a.blocks == [("L0", "self"), ("L1", "self"), ("L2.xattn", "cross"), ("L3", "self")]
+    assert tr.block_names == ["L0", "L1", "L2.xattn", "L3"]
+    assert tr.kv_source[0] is None and tr.kv_source[CROSS_LAYER].shape == (1, MAX_TILES * 17, 64)
+    assert tr.visual_positions.shape == (1, 0)
+    names = [c.name for c in decompose(a, tr, a.token_id("yes")).components]
+    assert "L2.xattn.H0" in names and "L2.xattn.mlp" in names and "L3.H3" in names
+
+
+def test_prompt_has_one_bos_and_the_image_token(traced):
+    m, tr, _ = traced
+    a = m.adapter
+    ids = tr.input_ids[0].tolist()
+    bos = a.tokenizer.convert_tokens_to_ids("<|begin_of_text|>")
+    assert ids.count(bos) == 1 and ids[0] == bos
+    image_id = m.model.config.image_token_id
+    assert ids.count(image_id) == 1 and image_id >= a.W_U.shape[1]  # not an output token
+    assert a.visual_delimiter_positions(tr) == [ids.index(image_id)]
+    roles = a.token_roles(tr)
+    assert roles[0] == "sink" and roles[ids.index(image_id)] == "visual_delimiter" and "visual" not in roles
+    assert a.token_str(ids[-1]) == "<|end_header_id|>"
+
+
+def test_canonical_weights_match_the_projections(traced):
+    """Self and cross layers: grouped K/V expanded per query head; the cross
+    layer's W_O carries tanh(gate); q_norm/k_norm are the layer's own."""
+    m, _, tol = traced
+    a = m.adapter
+    x = torch.randn(5, a.d_model, dtype=torch.float64)
+    z = torch.randn(5, a.n_heads, a.d_head, dtype=torch.float64)
+    for layer in (1, CROSS_LAYER):
+        attn = a._attn(layer)
+        q = attn.q_proj(x).view(5, a.n_heads, a.d_head)
+        k = attn.k_proj(x).view(5, a.n_kv_heads, a.d_head)
+        v = attn.v_proj(x).view(5, a.n_kv_heads, a.d_head)
+        torch.testing.assert_close(torch.einsum("pm,hmd->phd", x, a.W_Q(layer)) + a.b_Q(layer), q, atol=tol, rtol=0)
+        for h in range(a.n_heads):
+            g = a.kv_group(h)
+            torch.testing.assert_close(x @ a.W_K(layer)[h], k[:, g], atol=tol, rtol=0)
+            torch.testing.assert_close(x @ a.W_V(layer)[h], v[:, g], atol=tol, rtol=0)
+        gate = math.tanh(GATES[0]) if layer == CROSS_LAYER else 1.0
+        torch.testing.assert_close(
+            torch.einsum("phd,hdm->pm", z, a.W_O(layer)), gate * attn.o_proj(z.view(5, -1)), atol=tol, rtol=0
+        )
+        assert torch.all(a.b_O(layer) == 0)
+    attn = a._attn(CROSS_LAYER)
+    qh = torch.randn(5, a.n_heads, a.d_head, dtype=torch.float64)
+    torch.testing.assert_close(a.q_norm(CROSS_LAYER)(qh), attn.q_norm(qh), atol=0, rtol=0)
+    torch.testing.assert_close(a.k_norm(CROSS_LAYER)(qh), attn.k_norm(qh), atol=0, rtol=0)
+    torch.testing.assert_close(a.kv_norm(CROSS_LAYER)(x), x, atol=0, rtol=0)  # no norm before k_proj/v_proj
+    assert a.q_norm(1) is None and a.kv_norm(1).kind == "rmsnorm"
+    assert a.W_U.shape == (a.d_model, m.model.lm_head.weight.shape[0]) and torch.all(a.b_U == 0)
+
+
+def test_heads_sum_to_attention_output(traced):
+    m, tr, tol = traced
+    assert_heads_sum_to_attention_output(m.adapter, tr, tol)
+
+
+def test_residual_reconstruction_and_lens_at_last_layer(traced):
+    m, tr, tol = traced
+    a = m.adapter
+    assert_reconstruction_and_lens_at_last_layer(a, tr, tol)
+    # each block's input is the previous one's plus its recorded (gated) outputs
+    for b in range(tr.n_blocks - 1):
+        step = tr.resid_pre[b] + tr.attn_out[b] + tr.mlp_out[b]
+        torch.testing.assert_close(step, tr.resid_pre[b + 1], atol=tol, rtol=0)
+    torch.testing.assert_close(tr.resid_pre[0][0], a.language_model.embed_tokens(tr.input_ids[0]), atol=0, rtol=0)
+    # and the model's own logits, from a plain forward with no hook at all: under
+    # eager attention (what a capture runs) exactly, under the default sdpa up to
+    # eager's float32 softmax
+    inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
+    with torch.no_grad(), eager_attention(m.model):
+        plain = a.forward_logits(inputs)
+    with torch.no_grad():
+        sdpa = a.forward_logits(inputs)
+    lens = a.final_norm_layer()(tr.final_resid[0]) @ a.W_U + a.b_U
+    torch.testing.assert_close(lens, plain[0], atol=tol, rtol=0)
+    torch.testing.assert_close(tr.logits, plain, atol=tol, rtol=0)
+    torch.testing.assert_close(lens, sdpa[0], atol=1e-5, rtol=0)
+
+
+def test_cross_path_is_gated_and_row_masked(traced):
+    """The cross block contributes (gates set); rows before <|image|> see no tile,
+    so their MLP output is zeroed while their attention output is not."""
+    m, tr, _ = traced
+    a = m.adapter
+    no_image = a.text_rows_without_image(tr)
+    image_pos = a.visual_delimiter_positions(tr)[0]
+    assert no_image.tolist() == [p < image_pos for p in range(tr.input_ids.shape[1])]
+    attn, mlp = tr.attn_out[CROSS_LAYER][0], tr.mlp_out[CROSS_LAYER][0]
+    assert attn.norm(dim=-1).min() > 1e-3
+    assert torch.all(mlp[no_image] == 0) and mlp[~no_image].norm(dim=-1).min() > 1e-3
+    # with the gates at their initial 0 the cross layer adds exactly nothing
+    fresh = tiny_mllama_float64(gates=None)
+    t0 = capture(fresh, noise_image(IMAGE_SIZE), QUESTION)
+    assert torch.all(t0.attn_out[CROSS_LAYER] == 0) and torch.all(t0.mlp_out[CROSS_LAYER] == 0)
+    assert torch.all(fresh.adapter.W_O(CROSS_LAYER) == 0)
+    torch.testing.assert_close(t0.resid_pre[CROSS_LAYER + 1], t0.resid_pre[CROSS_LAYER], atol=0, rtol=0)
+
+
+def _reference_masked_forward(
+    self,
+    hidden_states,
+    cross_attention_states,
+    cross_attention_mask,
+    attention_mask,
+    full_text_row_masked_out_mask,
+    cache=None,
+    **kwargs,
+):
+    """MllamaCrossAttentionDecoderLayer as Meta's reference computes it (and as
+    the fixes proposed for transformers issue #39379 do): the row mask also
+    zeroes the cross-attention output of rows that see no image."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "use_cache", "position_embeddings")}
+    residual = hidden_states
+    hidden_states, _ = self.cross_attn(
+        hidden_states=self.input_layernorm(hidden_states),
+        attention_mask=cross_attention_mask,
+        cross_attention_states=cross_attention_states,
+        cache=cache,
+        **kwargs,
+    )
+    hidden_states = full_text_row_masked_out_mask[:, 0] * hidden_states
+    hidden_states = residual + self.cross_attn_attn_gate.tanh() * hidden_states
+    residual = hidden_states
+    hidden_states = full_text_row_masked_out_mask[:, 0] * self.mlp(self.post_attention_layernorm(hidden_states))
+    return residual + self.cross_attn_mlp_gate.tanh() * hidden_states
+
+
+def test_capture_stays_exact_if_transformers_masks_the_attention_output(traced, monkeypatch):
+    """Should transformers adopt the reference's masking, the capture notices it
+    (the parts must add up to the layer's output) and records the masked write."""
+    from transformers.models.mllama.modeling_mllama import MllamaCrossAttentionDecoderLayer
+
+    m, tr, tol = traced
+    a = m.adapter
+    monkeypatch.setattr(MllamaCrossAttentionDecoderLayer, "forward", _reference_masked_forward)
+    masked = capture(m, noise_image(IMAGE_SIZE), QUESTION)
+    no_image = a.text_rows_without_image(masked)
+    assert torch.all(masked.attn_out[CROSS_LAYER][0, no_image] == 0)
+    assert torch.all(masked.z[CROSS_LAYER][0, no_image] == 0)
+    torch.testing.assert_close(masked.attn_out[CROSS_LAYER][0, ~no_image], tr.attn_out[CROSS_LAYER][0, ~no_image])
+    assert (masked.logits - tr.logits).abs().max() > 1e-6  # the change matters downstream
+    assert_heads_sum_to_attention_output(a, masked, tol)
+    assert_reconstruction_and_lens_at_last_layer(a, masked, tol)
+    with torch.no_grad(), eager_attention(m.model):
+        plain = a.forward_logits(a.prepare([noise_image(IMAGE_SIZE)], [QUESTION]))
+    torch.testing.assert_close(masked.logits, plain, atol=0, rtol=0)
+
+    def unknown_change(self, hidden_states, *args, **kwargs):
+        return 1.5 * _reference_masked_forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(MllamaCrossAttentionDecoderLayer, "forward", unknown_change)
+    with pytest.raises(RuntimeError, match="changed"):
+        capture(m, noise_image(IMAGE_SIZE), QUESTION)
+
+
+def test_frozen_dla_sums_to_logit_difference_minus_bias(traced):
+    m, tr, tol = traced
+    a = m.adapter
+    a_id, f_id = a.token_id("yes"), a.token_id("no")
+    r = decompose(a, tr, a_id, f_id)
+    p = r.position
+    assert r.target_logit == pytest.approx(float(tr.logits[0, p, a_id] - tr.logits[0, p, f_id]), abs=1e-9)
+    # the RMSNorm normalises in float32 even in a float64 model, hence 1e-6
+    assert sum(c.dla_frozen for c in r.components) == pytest.approx(r.frozen_sum_expected, abs=1e-6)
+    assert r.reconstruction_max_abs_err < tol
+    assert len(r.components) == 1 + a.n_layers * (a.n_heads + 1)  # no o_proj bias
+    by_name = {c.name: c for c in r.components}
+    assert sum(abs(by_name[f"L2.xattn.H{h}"].projection) for h in range(a.n_heads)) > 1e-6
+
+
+def test_jacobian_dla_equals_autograd_directional_derivative(traced):
+    m, tr, _ = traced
+    a = m.adapter
+    a_id, f_id = a.token_id("yes"), a.token_id("no")
+    _, names = assert_jacobian_dla_is_autograd(a, tr, a_id, f_id, 1e-9, 1e-6)
+    # autograd differentiates through the norm's float32 statistics: ~1e-8 absolute
+    cross = [i for i, n in enumerate(names) if n.startswith("L2.xattn")]
+    assert_jacobian_dla_is_autograd(a, tr, a_id, f_id, 1e-7, 1e-6, which=cross)
+
+
+def _recompute_patterns(a, tr, block: int, use_qk_norm: bool = True) -> torch.Tensor:
+    """``(heads, pos, keys)`` from canonical weights, the adapter's q/k helpers
+    (RoPE on self blocks, q_norm/k_norm on cross blocks) and allowed_keys."""
+    x = a.attn_norm(block)(tr.resid_pre[block][0])  # (pos, d_model)
+    positions = a.rope_positions(tr)
+    if tr.block_kinds[block] == "cross":
+        src = a.kv_norm(block)(tr.kv_source[block][0])  # (keys, d_model)
+        if use_qk_norm:
+            q, k = a.queries(block, x), a.keys(block, src)
+        else:
+            q = torch.einsum("pm,hmd->phd", x, a.W_Q(block))
+            k = torch.einsum("pm,hmd->phd", src, a.W_K(block))
+    else:
+        q, k = a.queries(block, x, positions), a.keys(block, x, positions)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(a.d_head)
+    return scores.masked_fill(~a.allowed_keys(tr, block), float("-inf")).softmax(-1)
+
+
+def test_patterns_recomputed_from_canonical_weights_qk_norm_and_mask(traced):
+    m, tr, _ = traced
+    a = m.adapter
+    for block in range(tr.n_blocks):
+        pattern = _recompute_patterns(a, tr, block)
+        # eager attention takes its softmax in float32
+        torch.testing.assert_close(pattern[:, tr.query_positions], tr.patterns[block][0], atol=1e-6, rtol=0)
+    # the cross mask: image rows put no weight on the padding tile, rows before the image see every key
+    kinds = a.key_kinds(IMAGE_SIZE)
+    pad = torch.tensor([k == "pad_tile" for k in kinds])
+    assert pad.sum() == 17  # one padding tile
+    cross = tr.patterns[CROSS_LAYER][0]  # (heads, pos, keys)
+    no_image = a.text_rows_without_image(tr)
+    assert torch.all(cross[:, ~no_image][..., pad] == 0)
+    assert torch.all(cross[:, no_image][..., pad] > 0)
+    allowed = a.allowed_keys(tr, CROSS_LAYER)
+    assert torch.all(allowed[no_image]) and not allowed[~no_image][:, pad].any() and allowed[~no_image][:, ~pad].all()
+    # not vacuous: without q_norm/k_norm the bilinear form gives other patterns
+    plain = _recompute_patterns(a, tr, CROSS_LAYER, use_qk_norm=False)
+    assert (plain[:, tr.query_positions] - cross).abs().max() > 1e-2
+
+
+def test_queries_keys_are_the_models_own(traced):
+    """adapter.queries_keys (RoPE on self blocks, q_norm/k_norm on the cross
+    block) equals the q and k the model's eager attention received; the
+    realized scores and patterns of core.methods.qk_ov follow."""
+    from core.methods.qk_ov import model_scores, realized_scores
+
+    m, tr, _ = traced
+    a = m.adapter
+    for block in range(tr.n_blocks):
+        q, k = a.queries_keys(tr, block)
+        torch.testing.assert_close(q, tr.q[block][0], atol=1e-12, rtol=0)
+        kv = tr.k[block][0].repeat_interleave(a.n_heads // a.n_kv_heads, dim=1)
+        torch.testing.assert_close(k, kv, atol=1e-12, rtol=0)
+        assert tr.score_scale[block] == a.score_scale(block) == a.d_head**-0.5
+        ours = realized_scores(a, tr, block)
+        torch.testing.assert_close(ours.scores, model_scores(tr, block), atol=1e-10, rtol=0)
+        torch.testing.assert_close(ours.pattern, tr.patterns[block][0], atol=1e-6, rtol=0)
+    assert tr.k[CROSS_LAYER].shape == (1, MAX_TILES * 17, a.n_kv_heads, a.d_head)
+    # The cross scores are not the bilinear form W_Q W_K^T: with the raw projections
+    # q, k they are q^T diag(g_q g_k) k / (rms(q) rms(k)) * scale (qk_gain documents it)
+    x = a.attn_norm(CROSS_LAYER)(tr.resid_pre[CROSS_LAYER][0])
+    q_raw = torch.einsum("pm,hmd->phd", x, a.W_Q(CROSS_LAYER))
+    k_raw = torch.einsum("km,hmd->khd", tr.kv_source[CROSS_LAYER][0], a.W_K(CROSS_LAYER))
+    eps = a.q_norm(CROSS_LAYER).eps
+    rms_q = (q_raw.pow(2).mean(-1) + eps).sqrt().T  # (heads, pos)
+    rms_k = (k_raw.pow(2).mean(-1) + eps).sqrt().T  # (heads, keys)
+    bilinear = torch.einsum("qhd,d,khd->hqk", q_raw, a.qk_gain(CROSS_LAYER), k_raw)
+    model = model_scores(tr, CROSS_LAYER)
+    scores = bilinear / (rms_q[:, :, None] * rms_k[:, None, :]) * a.score_scale(CROSS_LAYER)
+    torch.testing.assert_close(scores, model, atol=1e-5, rtol=0)  # float32 norm statistics
+    plain = torch.einsum("qhd,khd->hqk", q_raw, k_raw) * a.score_scale(CROSS_LAYER)
+    assert (plain - model).abs().max() > 1e-1
+
+
+def test_edits_on_the_cross_block(traced):
+    """Zeroing a cross head removes exactly its (gated) write; patching the cross
+    head's z and the cross MLP's write with their own values changes nothing;
+    the MLP write cannot be patched at rows before the image."""
+    from core.edits import Edit
+
+    m, tr, _ = traced
+    a = m.adapter
+    inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
+    pos = int(tr.answer_positions[0])
+    edited = capture(m, None, "", inputs=inputs, edits=[Edit(CROSS_LAYER, 1, (pos,))])
+    expected = tr.attn_out[CROSS_LAYER][0, pos] - tr.head_output(a, CROSS_LAYER, pos)[1]
+    torch.testing.assert_close(edited.attn_out[CROSS_LAYER][0, pos], expected, atol=1e-10, rtol=0)
+    torch.testing.assert_close(edited.attn_out[CROSS_LAYER][0, :pos], tr.attn_out[CROSS_LAYER][0, :pos], atol=0, rtol=0)
+    own = [
+        Edit(CROSS_LAYER, 2, (pos,), tr.z[CROSS_LAYER][0, pos : pos + 1, 2]),
+        Edit(CROSS_LAYER, None, (pos - 1, pos), tr.mlp_out[CROSS_LAYER][0, pos - 1 : pos + 1]),
+    ]
+    same = capture(m, None, "", inputs=inputs, edits=own)
+    torch.testing.assert_close(same.mlp_out[CROSS_LAYER], tr.mlp_out[CROSS_LAYER], atol=1e-12, rtol=0)
+    torch.testing.assert_close(same.logits, tr.logits, atol=1e-10, rtol=0)
+    doubled = capture(
+        m,
+        None,
+        "",
+        inputs=inputs,
+        edits=[Edit(CROSS_LAYER, None, (pos,), 2 * tr.mlp_out[CROSS_LAYER][0, pos : pos + 1])],
+    )
+    torch.testing.assert_close(
+        doubled.mlp_out[CROSS_LAYER][0, pos], 2 * tr.mlp_out[CROSS_LAYER][0, pos], atol=1e-12, rtol=0
+    )
+    zeroed = capture(m, None, "", inputs=inputs, edits=[Edit(CROSS_LAYER, None, None)])
+    assert torch.all(zeroed.mlp_out[CROSS_LAYER] == 0)
+    with pytest.raises(ValueError, match="before the image"):
+        capture(m, None, "", inputs=inputs, edits=[Edit(CROSS_LAYER, None, (1,), torch.ones(1, a.d_model))])
+
+
+def test_rerun_comparison_runs_on_cross_components(traced):
+    from core.methods.residual import compare_with_rerun
+
+    m, tr, _ = traced
+    a = m.adapter
+    inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
+    names = ["L3.mlp", "L2.xattn.H0", "L2.xattn.mlp"]
+    cmp = compare_with_rerun(m, tr, a.token_id("yes"), a.token_id("no"), names=names, inputs=inputs)
+    assert [r.name for r in cmp.rows] == names
+    assert cmp.rows[0].total_removal == pytest.approx(cmp.rows[0].direct_removal, abs=1e-8)
+    assert all(abs(r.total_removal) > 0 for r in cmp.rows)
+
+
+def test_values_recomputed_from_canonical_weights(traced):
+    m, tr, _ = traced
+    a = m.adapter
+    for block in range(tr.n_blocks):
+        source = tr.kv_source[block]
+        src = a.kv_norm(block)(tr.resid_pre[block][0] if source is None else source[0])
+        v = torch.einsum("pm,hmd->phd", src, a.W_V(block)) + a.b_V(block)
+        z = torch.einsum("hqk,khd->qhd", tr.patterns[block][0], v)
+        torch.testing.assert_close(z, tr.z[block][0, tr.query_positions], atol=1e-6, rtol=0)
+
+
+def test_source_contributions_sum_to_each_heads_output(traced):
+    """Summed over sources (visual keys for the cross block), each head's
+    projections equal u . (W_O^h z^h) at the answer position."""
+    from core.methods.contributions import source_contributions
+
+    m, tr, _ = traced
+    a = m.adapter
+    a_id, f_id = a.token_id("yes"), a.token_id("no")
+    sc = source_contributions(a, tr, a_id, f_id)
+    u = target_direction(a, a_id, f_id)
+    p = sc.position
+    assert sc.projection[CROSS_LAYER].shape == (a.n_heads, MAX_TILES * 17)
+    for block in range(tr.n_blocks):
+        want = tr.head_output(a, block, p) @ u  # (heads,)
+        torch.testing.assert_close(sc.projection[block].sum(-1), want, atol=1e-6, rtol=0)
+    assert sc.projection[CROSS_LAYER].abs().sum() > 1e-6
+
+
+@pytest.mark.parametrize(
+    "size, tiles",
+    [((140, 50), (1, 3)), ((50, 140), (3, 1)), ((70, 45), (2, 2)), ((20, 30), (1, 1)), ((280, 100), (1, 3))],
+)
+def test_tile_layout_and_token_boxes(traced, size, tiles):
+    m, _, _ = traced
+    a = m.adapter
+    inputs = a.prepare([noise_image(size)], [QUESTION])
+    rows, cols, new_h, new_w, tile = a.tile_layout(size)
+    assert (rows, cols) == tiles
+    n_real = rows * cols
+    assert inputs.tensors["aspect_ratio_mask"][0, 0].tolist() == [1] * n_real + [0] * (MAX_TILES - n_real)
+    image_row = inputs.tensors["cross_attention_mask"][0, -1, 0].tolist()
+    assert image_row == [1] * n_real + [0] * (MAX_TILES - n_real)
+    tokens = a.visual_tokens(size)
+    kinds = a.key_kinds(size)
+    assert len(tokens) == len(kinds) == MAX_TILES * a.num_patches
+    assert [t.index for t in tokens] == list(range(len(tokens))) and all(t.position is None for t in tokens)
+    patches = [t for t, k in zip(tokens, kinds) if k == "patch"]
+    assert len(patches) == n_real * 16
+    w, h = size
+    # the patches tile the canvas: the resized image covers [0, w] x [0, h], the rest is padding
+    assert min(t.box[0] for t in patches) == 0 and min(t.box[1] for t in patches) == 0
+    assert max(t.box[2] for t in patches) == pytest.approx(cols * tile * w / new_w)
+    assert max(t.box[3] for t in patches) == pytest.approx(rows * tile * h / new_h)
+    area = sum((t.box[2] - t.box[0]) * (t.box[3] - t.box[1]) for t in patches)
+    assert area == pytest.approx(rows * cols * tile * tile * (w / new_w) * (h / new_h))
+    cls = [t for t, k in zip(tokens, kinds) if k == "cls"]
+    assert len(cls) == n_real and all(t.row == t.col == -1 for t in cls)
+    # one canvas grid for heatmaps: every patch key has its own cell, row-major in pixels
+    g_rows, g_cols, cell = a.canvas_grid(size)
+    assert (g_rows, g_cols) == (rows * 4, cols * 4)
+    keys = [i for i, k in enumerate(kinds) if k == "patch"]
+    assert sorted(cell[keys].tolist()) == list(range(g_rows * g_cols))
+    assert torch.all(cell[[i for i, k in enumerate(kinds) if k != "patch"]] == -1)
+    for i in keys:
+        r, c = divmod(int(cell[i]), g_cols)
+        assert tokens[i].box[0] == pytest.approx(c * PATCH * w / new_w)
+        assert tokens[i].box[1] == pytest.approx(r * PATCH * h / new_h)
+
+
+def test_perturbing_a_box_centre_moves_its_own_key_most(traced):
+    """Geometry by experiment on a non-square image with a padded canvas and a
+    padding tile: inverting the pixels around a patch's box centre (original
+    pixels) changes that key's row of cross_attention_states (the projector
+    output the cross layers read) more than any other key's."""
+    m, _, _ = traced
+    a = m.adapter
+    size = (280, 100)  # canvas 1 x 3 tiles, image resized to 89 x 32, one padding tile
+    base = np.asarray(noise_image(size, 3)).copy()
+    tokens = a.visual_tokens(size)
+    kinds = a.key_kinds(size)
+
+    def states(arrays):
+        """``(n_images, n_keys, d_model)``: the cross-attention states of each image (one batch)."""
+        t = a.prepare([Image.fromarray(x) for x in arrays], [QUESTION] * len(arrays)).tensors
+        with torch.no_grad():
+            out = m.model.model.vision_model(
+                pixel_values=t["pixel_values"],
+                aspect_ratio_ids=t["aspect_ratio_ids"],
+                aspect_ratio_mask=t["aspect_ratio_mask"],
+            ).last_hidden_state
+            return m.model.model.multi_modal_projector(out).reshape(len(arrays), -1, a.d_model)
+
+    probes, edited = [], []
+    for t, kind in zip(tokens, kinds):
+        x0, y0, x1, y1 = t.box
+        cx, cy = int((x0 + x1) / 2), int((y0 + y1) / 2)
+        if kind != "patch" or cx >= size[0] or cy >= size[1]:
+            continue  # class tokens, padding tiles and patches over the canvas padding cover no centre pixel
+        rx, ry = max(1, int((x1 - x0) / 5)), max(1, int((y1 - y0) / 5))
+        arr = base.copy()
+        arr[cy - ry : cy + ry, cx - rx : cx + rx] = 255 - arr[cy - ry : cy + ry, cx - rx : cx + rx]
+        probes.append(t)
+        edited.append(arr)
+    out = states([base, *edited])
+    ref = out[0]
+    assert ref.shape[0] == len(tokens)
+    checked = set()
+    for t, moved in zip(probes, out[1:]):
+        change = (moved - ref).norm(dim=-1)
+        assert int(change.argmax()) == t.index, (t, change.topk(3))
+        checked.add((t.image, t.row, t.col))
+    # every real tile, its corners and centre were among them
+    assert {(0, 0, 0), (0, 3, 3), (1, 0, 0), (1, 2, 2), (2, 0, 0), (2, 3, 2)} <= checked
+    assert len(checked) == 3 * 16 - 4  # the last column of tile 2 lies over the canvas padding
+
+
+def test_right_padded_batch_matches_single_runs(traced):
+    """Two images with different tile counts and questions of different lengths."""
+    m, _, _ = traced
+    a = m.adapter
+    images = [noise_image((140, 50), 1), noise_image((70, 45), 2)]
+    questions = [QUESTION, "what color is the square of the blue circle?"]
+    batch = a.prepare(images, questions)
+    assert a.tokenizer.padding_side == "left"  # restored
+    mask = batch.tensors["attention_mask"]
+    assert mask[0, -1] == 0 and mask[1, -1] == 1  # row 0 is right-padded
+    logits = a.next_token_logits(batch)
+    for i in range(2):
+        single = a.prepare([images[i]], [questions[i]])
+        assert int(batch.answer_positions[i]) == int(single.answer_positions[0]) == single.input_ids.shape[1] - 1
+        torch.testing.assert_close(logits[i], a.next_token_logits(single)[0], atol=1e-9, rtol=0)
+
+
+def test_append_token_continues_the_text(traced):
+    m, _, _ = traced
+    a = m.adapter
+    inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
+    yes = a.token_id("yes")
+    longer = a.append_token(inputs, yes)
+    assert int(longer.answer_positions[0]) == int(inputs.answer_positions[0]) + 1
+    assert int(longer.input_ids[0, -1]) == yes
+    cam = longer.tensors["cross_attention_mask"]
+    assert cam.shape[1] == longer.input_ids.shape[1] and torch.equal(cam[:, -1], cam[:, -2])
+    with torch.no_grad():
+        before, after = a.forward_logits(inputs), a.forward_logits(longer)
+    torch.testing.assert_close(after[:, :-1], before, atol=1e-9, rtol=0)  # causal: the prefix is unchanged
+
+
+def test_question_errors(traced):
+    m, _, _ = traced
+    a = m.adapter
+    with pytest.raises(QuestionError, match="empty"):
+        a.check_question("  ")
+    with pytest.raises(QuestionError, match="vocabulary"):
+        a.check_question("is there a zebra?")
+    with pytest.raises(QuestionError, match="image token"):
+        a.check_question("is there <|image|> a circle?")
+    with pytest.raises(QuestionError, match="too long"):
+        a.check_question(" ".join(["red"] * 60))
+    with pytest.raises(QuestionError):
+        a.token_id("red circle")
+
+
+def test_fallback_prompt_without_chat_template():
+    m = tiny_mllama_float64(chat_template=None)
+    a = m.adapter
+    assert a.prompt(QUESTION) == tiny_processor().apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
+        add_generation_prompt=True,
+    )
+    ids = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION]).input_ids[0].tolist()
+    assert ids.count(a.tokenizer.bos_token_id) == 1
+
+
+def test_hooks_are_removed_and_attention_restored(traced):
+    m, _, _ = traced
+    before = m.model.config._attn_implementation
+
+    def hook_counts():
+        return [(len(mod._forward_hooks), len(mod._forward_pre_hooks)) for mod in m.model.modules()]
+
+    image = noise_image(IMAGE_SIZE)
+    capture(m, image, QUESTION)
+    counts = hook_counts()
+    capture(m, image, QUESTION)
+    assert m.model.config._attn_implementation == before
+    assert m.model.config.text_config._attn_implementation == before
+    assert hook_counts() == counts
+    with pytest.raises(IndexError):
+        capture(m, image, QUESTION, query_positions=[10_000])
+    assert hook_counts() == counts
+
+
+def test_saved_folder_loads_with_this_adapter(tmp_path):
+    """load_model on a saved folder picks this adapter and runs the same model."""
+    from core import load_model
+
+    m = tiny_mllama_float64()
+    m.model.float().save_pretrained(tmp_path, safe_serialization=True)
+    m.processor.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path)
+    assert loaded.family == "mllama" and type(loaded.adapter) is type(m.adapter)
+    image = noise_image(IMAGE_SIZE)
+    with torch.no_grad():
+        want = m.adapter.next_token_logits(m.adapter.prepare([image], [QUESTION]))
+        got = loaded.adapter.next_token_logits(loaded.adapter.prepare([image], [QUESTION]))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert loaded.adapter.prompt(QUESTION) == m.adapter.prompt(QUESTION)
