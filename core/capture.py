@@ -193,6 +193,11 @@ def record_qk(adapter, trace: Trace, blocks: set[int]) -> Iterator[None]:
     if not blocks or getattr(adapter, "records_qk", False):
         yield
         return
+    own = adapter.qk_record_hooks(trace, blocks)
+    if own is not None:  # attention computed inline (BLIP): hooks on the q/k projections
+        with hooks(own):
+            yield
+        return
     import sys
 
     by_module = {id(adapter.attention_module(b)): b for b in blocks}

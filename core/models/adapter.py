@@ -275,6 +275,12 @@ class Adapter(ABC):
                 regs.append((self.z_module(e.block), "pre", z))
         return regs
 
+    def qk_record_hooks(self, trace, blocks: set[int]) -> list | None:
+        """Hooks recording ``trace.q`` / ``trace.k`` / ``trace.score_scale`` for
+        families whose attention does not go through transformers' eager
+        function; None: the eager function is wrapped (see core.capture.record_qk)."""
+        return None
+
     def score_scale(self, block: int) -> float:
         """The factor ``q . k`` is multiplied by before the softmax."""
         return self.d_head**-0.5

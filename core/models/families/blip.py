@@ -313,6 +313,23 @@ class BlipAdapter(Adapter):
         layer, cross = divmod(block, 2)
         return self.layers[layer].crossattention if cross else self.layers[layer].attention
 
+    def qk_record_hooks(self, trace, blocks: set[int]) -> list:
+        """BLIP's text attention is computed inline, with no position scheme:
+        the query and key projections' outputs are the q and k its scores use."""
+        regs = []
+        for block in blocks:
+            attn = self._attention(block).self
+
+            def q_out(module, args, out, block=block):
+                trace.q[block] = out.view(*out.shape[:-1], self.n_heads, self.d_head)
+                trace.score_scale[block] = self.score_scale(block)
+
+            def k_out(module, args, out, block=block):
+                trace.k[block] = out.view(*out.shape[:-1], self.n_heads, self.d_head)
+
+            regs += [(attn.query, "fwd", q_out), (attn.key, "fwd", k_out)]
+        return regs
+
     def _split_in(self, linear) -> torch.Tensor:
         """``(heads * d_head, d_in)`` -> ``(heads, d_in, d_head)`` (d_in: the vision width for cross k/v)."""
         return linear.weight.view(self.n_heads, self.d_head, -1).transpose(1, 2)
