@@ -191,10 +191,21 @@ def role_mass(adapter, trace, query_index: int = 0, batch: int = 0) -> dict[int,
     return out
 
 
-def relative_position_profile(trace, block: int, max_offset: int = 64, batch: int = 0) -> torch.Tensor:
-    """Mean weight by relative position: ``(heads, max_offset + 1)``, entry
-    ``[h, d]`` is the mean of ``A[p, p - d]`` over the kept query positions ``p``
-    with ``p - d >= 0`` (NaN where no query has that offset). Self-attention only."""
+@dataclass
+class RelativePositionProfile:
+    """``profile (heads, max_offset + 1)``: entry ``[h, d]`` is the mean of
+    ``A[p, p - d]`` over the kept query positions ``p`` with ``p - d >= 0``
+    (NaN where no query has that offset); ``counts[d]`` how many queries had it."""
+
+    block: int
+    profile: torch.Tensor
+    counts: torch.Tensor
+    audit: AuditRecord = field(repr=False, default=None)
+
+
+def relative_position_profile(trace, block: int, max_offset: int = 64, batch: int = 0) -> RelativePositionProfile:
+    """Mean weight by relative position (query minus key) in one
+    self-attention block, over the kept query positions."""
     if trace.block_kinds[block] != "self":
         raise ValueError("relative position is defined for self-attention blocks")
     pat = trace.patterns[block][batch].float()  # (heads, n_query, keys)
@@ -204,21 +215,44 @@ def relative_position_profile(trace, block: int, max_offset: int = 64, batch: in
         d = torch.arange(0, min(p, max_offset) + 1)
         sums[:, d] += pat[:, qi, p - d]
         counts[d] += 1
-    return sums / counts.where(counts > 0, torch.tensor(float("nan")))
+    profile = sums / counts.where(counts > 0, torch.tensor(float("nan")))
+    audit = AuditRecord.for_method(
+        "pattern analysis",
+        controls=["conditioned on relative position", "every kept query row averaged"],
+        parameters={"block": block, "max_offset": max_offset, "n_queries": len(trace.query_positions)},
+        notes=["a strong offset profile is a position shortcut candidate; compare entity claims against it"],
+    )
+    return RelativePositionProfile(block, profile, counts, audit)
 
 
-def paired_difference(trace_a, trace_b, query_index: int = 0, batch: int = 0) -> dict[int, torch.Tensor]:
-    """``{block: (heads, keys)}``: the pattern of input b minus input a at the
-    same query row. The runs must share their token layout (same length and
-    visual positions), e.g. the same question on an edited image."""
+@dataclass
+class PairedDifference:
+    """``differences[block] (heads, keys)``: pattern of input b minus input a."""
+
+    query_index: int
+    differences: dict[int, torch.Tensor]
+    audit: AuditRecord = field(repr=False, default=None)
+
+
+def paired_difference(trace_a, trace_b, query_index: int = 0, batch: int = 0) -> PairedDifference:
+    """The pattern of input b minus input a at the same query row. The runs
+    must share their token layout (same length and visual positions), e.g. the
+    same question on an edited image."""
     if trace_a.input_ids.shape != trace_b.input_ids.shape or not torch.equal(
         trace_a.visual_positions, trace_b.visual_positions
     ):
         raise ValueError("paired inputs must have the same token layout (length and visual positions)")
-    return {
+    diffs = {
         block: (trace_b.patterns[block][batch, :, query_index] - trace_a.patterns[block][batch, :, query_index]).float()
         for block in sorted(set(trace_a.patterns) & set(trace_b.patterns))
     }
+    audit = AuditRecord.for_method(
+        "pattern analysis",
+        controls=["paired inputs with the same token layout", "same query row"],
+        parameters={"query_index": query_index, "blocks": sorted(diffs)},
+        notes=["a pattern change under an input edit is routing sensitivity, not the edit's effect on the answer"],
+    )
+    return PairedDifference(query_index, diffs, audit)
 
 
 @dataclass

@@ -55,7 +55,9 @@ def test_relative_position_profile_matches_brute_force(llava):
     s = scenes.make_sample("heldout", 12)
     n = llava.adapter.prepare([Image.fromarray(s.image)], [s.question]).input_ids.shape[1]
     tr = capture(llava, s.image, s.question, query_positions=range(n))
-    prof = relative_position_profile(tr, 2, max_offset=10)
+    res = relative_position_profile(tr, 2, max_offset=10)
+    prof = res.profile
+    assert res.counts[0] == n and res.audit.method == "pattern analysis"
     A = tr.patterns[2][0]  # (heads, n, n)
     for d in (0, 1, 7):
         expected = torch.stack([A[:, p, p - d] for p in range(d, n)], -1).mean(-1)
@@ -66,11 +68,11 @@ def test_paired_difference_zero_for_same_input_and_refuses_other_layouts(llava):
     s = scenes.make_sample("heldout", 13)
     a = capture(llava, s.image, s.question)
     b = capture(llava, s.image, s.question)
-    assert all(float(d.abs().max()) == 0 for d in paired_difference(a, b).values())
+    assert all(float(d.abs().max()) == 0 for d in paired_difference(a, b).differences.values())
     edited = s.image.copy()
     edited[s.objects[0].mask] = 128
     c = capture(llava, edited, s.question)
-    assert max(float(d.abs().max()) for d in paired_difference(a, c).values()) > 1e-4
+    assert max(float(d.abs().max()) for d in paired_difference(a, c).differences.values()) > 1e-4
     other = capture(llava, s.image, "is the red circle left of the blue square?")
     with pytest.raises(ValueError, match="same token layout"):
         paired_difference(a, other)
