@@ -79,7 +79,7 @@ def source_contributions(
         "source contribution",
         controls=[
             "value path as computed (pre-norm, biases included)",
-            "final norm frozen at x_L (dla_frozen)",
+            f"{adapter.frozen_convention} (dla_frozen)",
             "linearised at x_L (dla_jacobian)",
             "signed",
         ]

@@ -110,7 +110,7 @@ def decompose(
         "residual DLA",
         controls=[
             "reconstruction checked",
-            "final norm scale frozen at x_L (dla_frozen)",
+            f"{adapter.frozen_convention} (dla_frozen)",
             "linearised at x_L (dla_jacobian)",
         ]
         + (["competing token (foil)"] if foil_id is not None else []),
@@ -261,7 +261,7 @@ def compare_with_rerun(
     audit = AuditRecord.for_method(
         "residual DLA",
         controls=[
-            "final norm scale frozen at x_L (dla_frozen)",
+            f"{adapter.frozen_convention} (dla_frozen)",
             "linearised at x_L (dla_jacobian)",
             "actual re-run: component zeroed, later layers recomputed (total_removal)",
             f"edited positions: {positions}",

@@ -46,6 +46,8 @@ class Adapter(ABC):
 
     family: ClassVar[str]
     final_norm: ClassVar[str]
+    # What "frozen" means in frozen-scale DLA for this family's graph (stated in every audit row).
+    frozen_convention: ClassVar[str] = "final norm scale frozen at x_L"
     attention_kind: ClassVar[str]
     position_scheme: ClassVar[str]
 

@@ -197,6 +197,9 @@ class BlipAdapter(Adapter):
     and the answer position is the last prefix token.
     """
 
+    frozen_convention = (
+        "every LayerNorm scale frozen at its value in this run; LM-head transform linearised (GELU gain frozen)"
+    )
     family = "blip"
     final_norm = "layernorm"  # the head transform ends in a LayerNorm; see HeadTransform
     attention_kind = "cross"
