@@ -140,6 +140,11 @@ def cmd_evaluate(args) -> int:
     return evaluate_main(args)
 
 
+# Modules that add their own subcommand: each defines
+# ``add_command(subparsers, add_model_args, load)`` and sets ``func`` on its parser.
+_COMMANDS: tuple[str, ...] = ()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlm-readout", description="Read out what a vision-language model computed.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -173,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", help="write the accuracy table here")
     e.add_argument("--batch-size", type=int, default=50)
     e.set_defaults(func=cmd_evaluate)
+
+    import importlib
+
+    for name in _COMMANDS:
+        importlib.import_module(name).add_command(sub, _add_model_args, _load)
     return p
 
 
