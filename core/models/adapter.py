@@ -57,6 +57,12 @@ class Adapter(ABC):
         self.tokenizer = tokenizer
         self.config = config or {}
 
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Raise :class:`core.errors.UnsupportedArchitectureError` for a model
+        config this adapter cannot read out exactly; called before the weights
+        load (default: every config of the architecture is fine)."""
+
     # ---- sizes
     @property
     @abstractmethod

@@ -228,6 +228,19 @@ def _read_json(f: Path) -> dict:
     return data
 
 
+def _check_config_before_weights(path: Path, adapter_cls, trust_remote_code: bool) -> None:
+    """Let the adapter refuse an unsupported variant before gigabytes of weights load."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ModelLoadError(
+            f"{path}: unreadable config ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+        ) from None
+    adapter_cls.check_config(config)
+
+
 def _load_hf_dir(path: Path, device, dtype, allow_pickle: bool, trust_remote_code: bool) -> LoadedModel:
     config = _read_json(path / "config.json")
     needs_remote = "auto_map" in config or any(
@@ -240,6 +253,7 @@ def _load_hf_dir(path: Path, device, dtype, allow_pickle: bool, trust_remote_cod
         )
     architectures = config.get("architectures") or [None]
     adapter_cls = registry.adapter_for_hf(architectures[0])
+    _check_config_before_weights(path, adapter_cls, trust_remote_code)
     files, use_safetensors = _weights(path, allow_pickle)
     if use_safetensors:
         _check_safetensors(files)

@@ -572,3 +572,15 @@ def test_saved_folder_loads_with_this_adapter(tmp_path):
         got = loaded.adapter.next_token_logits(loaded.adapter.prepare([image], [QUESTION]))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert loaded.adapter.prompt(QUESTION) == model.adapter.prompt(QUESTION)
+
+
+def test_paligemma2_folder_is_refused_before_its_weights_load(tmp_path):
+    """load_model asks the adapter about the config first: a PaliGemma 2
+    folder is refused with the reason even though it holds no weights at all."""
+    from core import load_model
+
+    config, _ = tiny_config("gemma2")
+    config.architectures = ["PaliGemmaForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitectureError, match="gemma2.*not supported"):
+        load_model(str(tmp_path))

@@ -125,10 +125,12 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
 
     def __init__(self, model, processor, tokenizer, config: dict | None = None):
         super().__init__(model, processor, tokenizer, config)
-        self._refuse_unsupported()
+        self.check_config(model.config)
 
-    def _refuse_unsupported(self) -> None:
-        text = self.model.config.get_text_config()
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Refuse what the read-outs cannot reproduce (called before the weights load, too)."""
+        text = config.get_text_config()
         kind = getattr(text, "model_type", None)
         if kind != "gemma":
             raise UnsupportedArchitectureError(
