@@ -62,6 +62,7 @@ class Adapter(ABC):
         """Raise :class:`core.errors.UnsupportedArchitectureError` for a model
         config this adapter cannot read out exactly; called before the weights
         load (default: every config of the architecture is fine)."""
+        return None
 
     # ---- sizes
     @property
