@@ -1,10 +1,13 @@
 """VLM Readout engine: load a vision-language model, run it, read it out.
 
 The engine never imports Qt. Public names: :func:`load_model`,
-:func:`load_image`, :func:`answer`, :func:`answer_batch`.
+:func:`load_image`, :func:`answer`, :func:`answer_batch`, :func:`capture`
+(``core.capture`` is the function; the module's other names are imported
+``from core.capture import Trace``).
 """
 
 from core.answer import Answer, answer, answer_batch
+from core.capture import Trace, capture
 from core.errors import (
     ImageLoadError,
     ModelLoadError,
@@ -31,6 +34,8 @@ __all__ = [
     "UnsupportedArchitectureError",
     "answer",
     "answer_batch",
+    "capture",
+    "Trace",
     "load_image",
     "load_model",
 ]

@@ -80,6 +80,8 @@ class Trace:
     k: dict[int, torch.Tensor] = field(default_factory=dict)  # block -> (batch, keys, kv_heads, d_head)
     score_scale: dict[int, float] = field(default_factory=dict)  # block -> the model's score scaling
     edits: list = field(default_factory=list)  # core.edits.Edit applied in this run (empty: the model as is)
+    answer_id: int | None = None  # the target token the caller named (capture(answer=...)), else None
+    foil_id: int | None = None
     norm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # post-norm families: each stream norm's input
 
     @property
@@ -131,6 +133,8 @@ def capture(
     image,
     question: str,
     *,
+    answer: str | None = None,
+    foil: str | None = None,
     pattern_layers: Sequence[int] | None = None,
     query_positions: Sequence[int] | None = None,
     keep_qk: bool | Sequence[int] = False,
@@ -140,6 +144,8 @@ def capture(
     """Run the model once on (image, question) and record a :class:`Trace`.
 
     Args:
+        answer, foil: target tokens (one token each) recorded as
+            ``trace.answer_id`` / ``trace.foil_id`` for the read-outs.
         pattern_layers: blocks whose attention patterns are kept (default all).
         query_positions: query positions whose patterns are kept (default:
             the answer position only, which is what fits for a 7B model).
@@ -174,6 +180,8 @@ def capture(
         kv_source=[None] * n,
         attention_mask=inputs.tensors.get("attention_mask"),
         edits=list(edits),
+        answer_id=adapter.token_id(answer) if answer else None,
+        foil_id=adapter.token_id(foil) if foil else None,
     )
     qk_blocks = set(range(n)) if keep_qk is True else set(keep_qk or ())
     with oom_guard("capturing (keep fewer layers or query positions)"):

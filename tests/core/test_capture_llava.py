@@ -112,3 +112,14 @@ def test_rollout_is_the_product_of_mixed_patterns():
     for layer in range(m.adapter.n_layers):
         expected = (0.7 * tr.patterns[layer][0].mean(0) + 0.3 * torch.eye(n)) @ expected
     torch.testing.assert_close(r, expected, atol=1e-6, rtol=0)
+
+
+def test_public_capture_records_the_named_target():
+    import core
+
+    m = load_model("shapes-llava")
+    s = scenes.make_sample("heldout", 3)
+    tr = core.capture(m, s.image, s.question, answer=s.answer, foil=s.foil)
+    assert isinstance(tr, core.Trace)
+    assert (tr.answer_id, tr.foil_id) == (m.adapter.token_id(s.answer), m.adapter.token_id(s.foil))
+    assert core.capture(m, s.image, s.question).answer_id is None
