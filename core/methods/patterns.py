@@ -419,7 +419,8 @@ def rollout(trace, alpha: float = 0.5, heads: str | int = "mean", batch: int = 0
     if trace.query_positions is None or len(trace.query_positions) != n:
         raise ValueError("rollout needs the full pattern: capture with query_positions=range(seq_len)")
     n_vis = next((trace.patterns[b].shape[-1] for b, k in enumerate(trace.block_kinds) if k == "cross"), 0)
-    eye = torch.eye(n + n_vis)
+    dev = next(iter(trace.patterns.values())).device
+    eye = torch.eye(n + n_vis, device=dev)
     out = eye.clone()
     for block in sorted(trace.patterns):
         pat = trace.patterns[block][batch].float()  # (heads, pos, keys)
@@ -429,7 +430,7 @@ def rollout(trace, alpha: float = 0.5, heads: str | int = "mean", batch: int = 0
             step[:n, :n] *= 1 - alpha
             step[:n, n:] = alpha * a
         else:
-            step[:n, :n] = alpha * a + (1 - alpha) * torch.eye(n)
+            step[:n, :n] = alpha * a + (1 - alpha) * torch.eye(n, device=dev)
         out = step @ out
     return out
 

@@ -228,6 +228,15 @@ def _read_json(f: Path) -> dict:
     return data
 
 
+def _single_device(device) -> str:
+    """open_clip models are not sharded: "auto" means the GPU if there is one."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device or "cpu"
+
+
 def _check_config_before_weights(path: Path, adapter_cls, trust_remote_code: bool) -> None:
     """Let the adapter refuse an unsupported variant before gigabytes of weights load."""
     from transformers import AutoConfig
@@ -267,7 +276,13 @@ def _load_hf_dir(path: Path, device, dtype, allow_pickle: bool, trust_remote_cod
         dtype=dtype,
     )
     if device == "auto":
-        kwargs["device_map"] = "auto"  # needs accelerate
+        import importlib.util
+
+        if importlib.util.find_spec("accelerate") is None:
+            raise ModelLoadError(
+                "device 'auto' spreads the model over devices with the accelerate package, which is not installed (pip install accelerate)"
+            )
+        kwargs["device_map"] = "auto"
     try:
         model = AutoModelForImageTextToText.from_pretrained(str(path), **kwargs)
         processor = AutoProcessor.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
@@ -302,7 +317,7 @@ def _load_open_clip_dir(path: Path, device, dtype, allow_pickle: bool) -> Loaded
 
     try:
         model, preprocess = open_clip.create_model_from_pretrained(
-            f"local-dir:{path}", device=device or "cpu", weights_only=not allow_pickle
+            f"local-dir:{path}", device=_single_device(device), weights_only=not allow_pickle
         )
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
@@ -355,7 +370,7 @@ def _load_open_clip_spec(spec: str, device, dtype, allow_pickle: bool, allow_dow
         model, _, preprocess = open_clip.create_model_and_transforms(
             name,
             pretrained=str(ckpt) if ckpt.is_file() else checkpoint,
-            device=device or "cpu",
+            device=_single_device(device),
             weights_only=not allow_pickle,
         )
     except Exception as e:

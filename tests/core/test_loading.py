@@ -169,3 +169,16 @@ def test_repo_id_already_in_local_cache_loads_offline(tmp_path, monkeypatch):
     loaded = load_model("readout-tests/shapes-llava")
     assert loaded.family == "llava"
     assert loaded.fingerprint == load_model("shapes-llava").fingerprint
+
+
+def test_device_auto_without_accelerate_is_one_clear_error_and_open_clip_takes_one_device():
+    import importlib.util
+
+    from core import ModelLoadError, load_model
+
+    coca = load_model("shapes-coca", device="auto")  # not sharded: the GPU if any, else the CPU
+    assert next(coca.model.parameters()).device.type in ("cpu", "cuda")
+    if importlib.util.find_spec("accelerate") is not None:
+        pytest.skip("accelerate is installed here")
+    with pytest.raises(ModelLoadError, match="accelerate"):
+        load_model("shapes-llava", device="auto")
