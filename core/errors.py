@@ -61,3 +61,10 @@ class oom_guard:
                 "or a lower-precision dtype"
             ) from None
         return False
+
+
+class InterventionError(ReadoutError, ValueError):
+    """An edit (ablation, patch, knockout) that cannot be applied as asked: a
+    site the family does not have, positions out of range, a value of the wrong
+    shape. Also a ValueError, so callers that caught bad edits as ValueError
+    keep working."""

@@ -483,3 +483,194 @@ def patch_labels(objects: list[SceneObject], image_size: int = IMAGE_SIZE, grid:
         color[c] = 1 + names.index(o.color)
         shape[c] = 1 + SHAPES.index(o.shape)
     return color, shape, centre
+
+
+# ---------------------------------------------------------------- counterfactual scenes
+
+
+def _render_scene_edited(
+    rng: np.random.Generator, n_objects: int, image_size: int, override: tuple[int, str, str] | None
+) -> tuple[np.ndarray, list[SceneObject]]:
+    """:func:`render_scene` with object ``override[0]`` drawn in colour
+    ``override[1]`` and shape ``override[2]``: every random draw (background,
+    placement, rotation, colour jitter, noise) is made exactly as in
+    :func:`render_scene`, so everything else in the picture is identical."""
+    level = rng.uniform(*BACKGROUND_RANGE)
+    tint = rng.uniform(-BACKGROUND_TINT, BACKGROUND_TINT, size=3)
+    yy, xx = np.mgrid[0:image_size, 0:image_size].astype(np.float32) / image_size - 0.5
+    gx, gy = rng.uniform(-12, 12, size=2)
+    img = (level + tint)[None, None, :] + (gx * xx + gy * yy)[:, :, None]
+    supersample = int(rng.choice([1, 2, 4, 4]))
+    objects = []
+    for k, (color, shape, cx, cy, size, rot) in enumerate(_place_objects(rng, n_objects, image_size)):
+        if override is not None and k == override[0]:
+            color, shape = override[1], override[2]
+        cov = render_coverage(shape, cx, cy, size, rot, image_size, supersample)
+        rgb = np.clip(np.array(COLORS[color]) + rng.integers(-COLOR_JITTER, COLOR_JITTER + 1, 3), 0, 255)
+        img = img * (1 - cov[:, :, None]) + rgb[None, None, :] * cov[:, :, None]
+        mask = cov > 0
+        ys, xs = np.nonzero(mask)
+        box = [int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1]
+        objects.append(SceneObject(color, shape, (cx, cy), size, rot, box, mask, cov))
+    sigma = rng.uniform(*NOISE_SIGMA_RANGE)
+    img = img + rng.normal(0, sigma, size=img.shape)
+    return np.clip(np.rint(img), 0, 255).astype(np.uint8), objects
+
+
+def _replay_scene(sample: Sample, override: tuple[int, str, str] | None):
+    """Re-draw ``sample``'s scene from its (split, index) seed, with ``override``
+    applied to the scene the sample was asked about. The way the sample was made
+    (``make_sample`` with or without ``kind`` / ``n_objects``, or
+    ``make_scene_questions``) is found by re-drawing the unedited scene and
+    requiring it to equal ``sample.image`` bit for bit."""
+    if sample.split not in SPLIT_SEEDS or sample.index < 0:
+        raise ValueError("the sample was not drawn by make_sample or make_scene_questions (no split/index)")
+    size = sample.image.shape[0]
+    seed = SPLIT_SEEDS[sample.split]
+
+    def by_make_sample(kind_arg, n_arg, edit):
+        rng = np.random.default_rng([seed, sample.index])
+        kind = kind_arg if kind_arg is not None else QUESTION_KINDS[rng.integers(len(QUESTION_KINDS))]
+        if kind != sample.kind:
+            return None
+        for _ in range(100):
+            n = n_arg or int(rng.integers(2 if kind == "relation" else 1, MAX_OBJECTS + 1))
+            state = rng.bit_generator.state
+            image, objects = _render_scene_edited(rng, n, size, None)
+            if _ask(rng, kind, objects, size) is not None:
+                if not np.array_equal(image, sample.image):
+                    return None
+                if edit is None:
+                    return image, objects
+                rng.bit_generator.state = state  # the same draws again, with the edit
+                return _render_scene_edited(rng, n, size, edit)
+        return None
+
+    def by_scene_questions(max_objects, edit):
+        rng = np.random.default_rng([seed, 1_000_003, sample.index])
+        n = int(rng.integers(1, max_objects + 1))
+        state = rng.bit_generator.state
+        image, objects = _render_scene_edited(rng, n, size, None)
+        if not np.array_equal(image, sample.image):
+            return None
+        if edit is None:
+            return image, objects
+        rng.bit_generator.state = state
+        return _render_scene_edited(rng, n, size, edit)
+
+    n_objects = len(sample.objects)
+    tries = [lambda e, k=k, n=n: by_make_sample(k, n, e) for k in (None, sample.kind) for n in (None, n_objects)]
+    tries += [lambda e, m=m: by_scene_questions(m, e) for m in range(MAX_OBJECTS, 0, -1)]
+    for attempt in tries:
+        if attempt(None) is not None:
+            return attempt(override)
+    raise ValueError(f"cannot re-draw sample {sample.split}/{sample.index}: no generator call reproduces its image")
+
+
+def _question_fields(template: str, question: str) -> dict[str, str]:
+    import re
+
+    text = TEMPLATES[template]["text"]
+    pattern = re.escape(text)
+    for name in _placeholders(text):
+        pattern = pattern.replace(re.escape("{" + name + "}"), f"(?P<{name}>.+?)")
+    m = re.fullmatch(pattern, question)
+    if m is None:
+        raise ValueError(f"{question!r} does not match template {template!r}")
+    return m.groupdict()
+
+
+def _find_one(objects: list[SceneObject], **want) -> SceneObject:
+    found = [o for o in objects if all(getattr(o, k) == v for k, v in want.items())]
+    if len(found) != 1:
+        raise ValueError(f"the edited scene has {len(found)} objects with {want}: the question no longer applies")
+    return found[0]
+
+
+def answer_question(template: str, question: str, objects: list[SceneObject], image_size: int = IMAGE_SIZE) -> str:
+    """The ground-truth answer of ``question`` (made from ``template``) for
+    ``objects``; ValueError when the question no longer applies (the object it
+    names is missing or not unique, a relation too close to call)."""
+    f = _question_fields(template, question)
+    if template == "color_of_shape":
+        return _find_one(objects, shape=f["shape"]).color
+    if template == "shape_of_color":
+        return _find_one(objects, color=f["color"]).shape
+    if template == "count_all":
+        return COUNT_WORDS[len(objects)]
+    if template == "count_shape":
+        shape = {v: k for k, v in SHAPE_PLURALS.items()}[f["shapes"]]
+        return COUNT_WORDS[sum(o.shape == shape for o in objects)]
+    if template == "count_color":
+        return COUNT_WORDS[sum(o.color == f["color"] for o in objects)]
+    if template == "exist":
+        return "yes" if any(o.color == f["color"] and o.shape == f["shape"] for o in objects) else "no"
+    if template == "relation":
+        a = _find_one(objects, color=f["color"], shape=f["shape"])
+        b = _find_one(objects, color=f["color2"], shape=f["shape2"])
+        holds = _relation_holds(a, b, f["relation"], RELATION_MARGIN * image_size)
+        if holds is None:
+            raise ValueError("the relation is too close to call")
+        return "yes" if holds else "no"
+    raise ValueError(f"unknown template {template!r}")
+
+
+def counterfactual_sample(
+    sample: Sample, obj: int | None = None, *, color: str | None = None, shape: str | None = None
+) -> Sample:
+    """``sample`` re-rendered with one object's colour (and/or shape) changed
+    and everything else identical: the same positions, sizes, rotations,
+    background, colour jitter and noise (the scene is re-drawn from the
+    sample's seed with the same random draws; only the edited object's base
+    colour, or its outline, differs). Pairs of this kind are what visual-feature
+    patching and region counterfactuals need.
+
+    Args:
+        sample: made by :func:`make_sample` or :func:`make_scene_questions`.
+        obj: index into ``sample.objects`` (default: the sample's target).
+        color, shape: the new colour / shape; at least one, and different from the object's.
+
+    Returns:
+        A :class:`Sample` with the same question, ``answer`` recomputed on the
+        edited scene and ``foil`` the original answer when the answer changed
+        (else the original foil). Raises ValueError when the edit breaks the
+        scene's rules (two objects with the same colour and shape, a new outline
+        that touches another object or leaves the image) or the question no
+        longer applies to the edited scene.
+    """
+    obj = sample.target if obj is None else obj
+    if obj is None or not 0 <= obj < len(sample.objects):
+        raise ValueError("name the object to edit (the sample has no target object)")
+    old = sample.objects[obj]
+    new_color, new_shape = color or old.color, shape or old.shape
+    if new_color not in COLORS or new_shape not in SHAPES:
+        raise ValueError(f"unknown colour or shape: {new_color!r}, {new_shape!r}")
+    if (new_color, new_shape) == (old.color, old.shape):
+        raise ValueError("the edit changes nothing: give a different colour or shape")
+    if any((o.color, o.shape) == (new_color, new_shape) for i, o in enumerate(sample.objects) if i != obj):
+        raise ValueError(f"the scene already holds a {new_color} {new_shape}: objects must stay distinct")
+    image, objects = _replay_scene(sample, (obj, new_color, new_shape))
+    size = image.shape[0]
+    edited = objects[obj]
+    if new_shape != old.shape:
+        r = circumradius(new_shape, edited.size)
+        cx, cy = edited.center
+        if cx - r < 0 or cy - r < 0 or cx + r > size or cy + r > size:
+            raise ValueError(f"a {new_shape} of this size leaves the image at this position")
+        if any((edited.mask & o.mask).any() for i, o in enumerate(objects) if i != obj):
+            raise ValueError(f"a {new_shape} of this size touches another object at this position")
+    answer = answer_question(sample.template, sample.question, objects, size)
+    foil = sample.answer if answer != sample.answer else sample.foil
+    return Sample(
+        image,
+        objects,
+        sample.question,
+        answer,
+        foil,
+        sample.kind,
+        sample.template,
+        sample.target,
+        sample.reference,
+        sample.split,
+        sample.index,
+    )

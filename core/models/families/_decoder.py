@@ -76,6 +76,9 @@ class LlamaStyleWeights:
     def mlp_module(self, block: int):
         return self.language_model.layers[block].mlp
 
+    def layer_module(self, block: int):
+        return self.language_model.layers[block]
+
     def score_scale(self, block: int) -> float:
         return float(self._attn(block).scaling)
 

@@ -18,6 +18,7 @@ class CocaAdapter(Adapter):
     Face tokenizer (the default models) or open_clip's tokenizer."""
 
     records_qk = True  # the replay fills trace.q / trace.k itself
+    edit_sites = ("z", "mlp", "resid", "knockout", "kv_source")  # applied in the replay (run_capture)
 
     family = "coca"
     final_norm = "layernorm"
@@ -207,20 +208,38 @@ class CocaAdapter(Adapter):
 
         text, image = inputs.tensors["text"], inputs.tensors["image"]
         n_pos = text.shape[1]
+        edits = list(trace.edits)
+        self.check_edits(edits)
+        blocks = self.blocks
+        for e in edits:
+            if e.site == "kv_source" and e.block is not None and blocks[e.block][1] != "cross":
+                from core.errors import InterventionError
+
+                raise InterventionError(f"{e.describe()}: block {blocks[e.block][0]} is not a cross-attention block")
         _, visual = self.model._encode_image(image)  # (batch, n_visual, d_model), after ln_post
+        for e in edits:  # the image tokens every cross block reads
+            if e.site == "kv_source" and e.block is None:
+                visual = e.apply(visual)
         tt = self.model.text
         x = tt.token_embedding(text) + tt.positional_embedding[:n_pos].to(visual.dtype)
         # The CLS token open_clip appends at the end cannot reach earlier positions.
         causal = torch.full((n_pos, n_pos), float("-inf"), dtype=x.dtype).triu(1)
         qpos = trace.query_positions
         # Blocks run in order; the decoder reads the text tower's tokens without its ln_final.
-        for block, (_, kind) in enumerate(self.blocks):
+        for block, (_, kind) in enumerate(blocks):
             module = self._block(block)
+            for e in edits:
+                if e.site == "resid" and e.block == block:
+                    x = e.apply(x)
             trace.resid_pre[block] = x
             q_in = self.attn_norm(block)(x)
             if kind == "cross":
-                trace.kv_source[block] = visual
-                kv = self.kv_norm(block)(visual)
+                source = visual
+                for e in edits:
+                    if e.site == "kv_source" and e.block == block:
+                        source = e.apply(source)
+                trace.kv_source[block] = source
+                kv = self.kv_norm(block)(source)
             else:
                 kv = q_in
             q = torch.einsum("bpm,hmd->bphd", q_in, self.W_Q(block)) + self.b_Q(block)
@@ -230,10 +249,13 @@ class CocaAdapter(Adapter):
             scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.d_head)
             if kind == "self":
                 scores = scores + causal
+            for e in edits:  # knockout: edges removed before the softmax
+                if e.site == "knockout" and e.block == block:
+                    scores = e.knock(scores)
             pattern = scores.softmax(-1)
             z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
-            for e in trace.edits:  # ablation / patching applies to the replay itself
-                if e.block == block and e.head is not None:
+            for e in edits:  # ablation / patching applies to the replay itself
+                if e.block == block and e.site == "z":
                     z = e.apply(z.flatten(2), self.d_head).view_as(z)
             out = torch.einsum("bqhd,hdm->bqm", z, self.W_O(block)) + self.b_O(block)
             trace.z[block], trace.attn_out[block] = z, out
@@ -243,8 +265,8 @@ class CocaAdapter(Adapter):
             mlp = module.mlp(module.ln_2(x))
             gamma = self._layer_scale(module.ls_2)
             mlp = mlp * gamma if gamma is not None else mlp
-            for e in trace.edits:
-                if e.block == block and e.head is None:
+            for e in edits:
+                if e.block == block and e.site == "mlp":
                     mlp = e.apply(mlp)
             trace.mlp_out[block] = mlp
             x = x + mlp

@@ -29,6 +29,7 @@ class LlavaAdapter(LlamaStyleWeights, Adapter):
     position_scheme = "rope"
 
     fallback_prompt = "USER: <image>\n{question} ASSISTANT:"
+    edit_sites = ("z", "mlp", "resid", "knockout", "vision_out", "projector_out")
 
     def check_question(self, question: str) -> None:
         if not question.strip():
@@ -67,6 +68,18 @@ class LlavaAdapter(LlamaStyleWeights, Adapter):
         ids = inputs.input_ids
         mask = ids == self.model.config.image_token_id
         return torch.stack([row.nonzero().flatten() for row in mask])
+
+    def visual_site_module(self, site: str):
+        """``vision_out``: the projector's input, i.e. the vision tower's hidden
+        state at ``vision_feature_layer`` with CLS dropped (the features the
+        language side reads); ``projector_out``: the projector's output, the rows
+        placed at the image-token positions."""
+        projector = self.model.model.multi_modal_projector
+        if site == "vision_out":
+            return projector, "pre"
+        if site == "projector_out":
+            return projector, "fwd"
+        return super().visual_site_module(site)
 
     def final_hooks(self, trace) -> list:
         def final(module, args):

@@ -335,7 +335,7 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
             ValueError: a nonzero patch at a text row before the image (the layer
                 zeroes its MLP there whatever the MLP computes) or on a closed gate.
         """
-        is_cross_mlp = [e.head is None and e.value is not None and self.is_cross(e.block) for e in edits]
+        is_cross_mlp = [e.site == "mlp" and e.value is not None and self.is_cross(e.block) for e in edits]
         regs = super().edit_hooks([e for e, c in zip(edits, is_cross_mlp) if not c])
         for e in (e for e, c in zip(edits, is_cross_mlp) if c):
             layer = self.language_model.layers[e.block]
