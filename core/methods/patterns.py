@@ -369,7 +369,7 @@ def pattern_statistics(
                 rec["visual"].append(float(roles[block]["visual"][h]))
                 rec["sink"].append(float(roles[block]["sink"][h]))
                 rec["entropy"].append(float(ent[h]))
-                if in_region is not None and patches:
+                if in_region is not None and patches and vis.shape[-1]:  # text-only blocks see no image
                     rec["region"].append(float(vis[h, sorted(in_region)].sum()) if in_region else 0.0)
                     best = patches[int(vis[h, patches].argmax())]
                     rec["hit"].append(int(best in in_region))

@@ -29,6 +29,10 @@ def _command(args: dict) -> str:
         f"--dense-steps {args['dense_steps']} --qa-steps {args['qa_steps']} "
         f"--shape-weight {args.get('shape_weight', 1.0)} --scenes-per-step {args['scenes_per_step']}"
     )
+    if args.get("lr") is not None:
+        cmd += f" --lr {args['lr']}"
+    if args.get("dense_lr") is not None:
+        cmd += f" --dense-lr {args['dense_lr']}"
     if args.get("stop_after"):
         cmd += f" --stop-after {args['stop_after']}"
     return cmd
@@ -198,7 +202,7 @@ The answer is the next token after the prompt.
 
 1. dense vision pre-training, {args["dense_steps"]} steps x {args["dense_batch"]} images: a linear head on the
    vision tower predicts each patch's colour and shape (of the object covering most of it; the shape loss
-   weighted x{args.get("shape_weight", 1.0)}), whether it holds an object's centre, and the patch's own (x, y),
+   weighted x{args.get("shape_weight", 1.0)}; AdamW, peak lr {args.get("dense_lr") or 3e-3}), whether it holds an object's centre, and the patch's own (x, y),
    from the exact scene masks. Shape is the hard part: per-patch shape accuracy stays near chance for
    hundreds of steps, then jumps (visible as a drop in the dense loss below);
 2. question answering, {args["qa_steps"]} steps x {args["scenes_per_step"]} scenes x {args["questions_per_image"]}

@@ -124,3 +124,17 @@ def test_pattern_statistics_over_samples_match_per_sample_computation(llava):
     assert 0 < h.chance_hit_rate < 1
     stopped = pattern_statistics(llava, items, cancel=lambda: True)
     assert stopped.n_samples == 0 and stopped.heads == []
+
+
+def test_pattern_statistics_on_a_cross_attention_model_skips_text_only_blocks():
+    coca = load_model("shapes-coca")
+    samples = [scenes.make_sample("heldout", i) for i in range(20, 24)]
+    items = [(s.image, s.question, s.objects[s.target].mask if s.target is not None else None) for s in samples]
+    stats = pattern_statistics(coca, items)
+    kinds = dict(coca.adapter.blocks)
+    for h in stats.heads:
+        name = h.name.rsplit(".", 1)[0]
+        if kinds[name] == "self":  # no visual key: no region mass, no hit rate
+            assert h.region_mass is None and h.hit_rate is None
+        elif any(s.target is not None for s in samples):
+            assert h.region_mass is not None and 0.0 <= h.hit_rate <= 1.0

@@ -1,0 +1,241 @@
+"""Functional labels and the validation chain (METHODS.md 4.5, 4.11): the
+status logic, serialisation, and each step on shapes-coca with ~20 scenes."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from core import load_model
+from core.capture import capture
+from core.methods import labels as L
+from core.methods.labels import (
+    ChainStep,
+    InputCondition,
+    Label,
+    LabelError,
+    ValidationChain,
+)
+from core.zoo import scenes
+
+
+def _condition(split="heldout", n=20):
+    return InputCondition(
+        "core.zoo.scenes",
+        split,
+        n,
+        ("attribute",),
+        ("color_of_shape", "shape_of_color"),
+        {"min_distractors": 1},
+        {"split_seed": 2, "indices": list(range(n))},
+    )
+
+
+def _step(k, status="pass", value=0.5):
+    return ChainStep(k, status=status, metric="m", value=value, n=20, split="heldout")
+
+
+def _chain(**statuses):
+    chain = ValidationChain("L1.xattn.H2", "moves colour", "shapes-coca", _condition(), search={"split": "val"})
+    for k, st in statuses.items():
+        chain.record(_step(int(k[1:]), st))
+    return chain
+
+
+# ---------------------------------------------------------------- status logic (no model)
+
+
+def test_every_status_is_reachable_and_6_7_gate_supported():
+    assert _chain().status().status == "not a candidate"
+    four = {f"s{k}": "pass" for k in (1, 2, 3, 4)}
+    assert _chain(**four).status().status == "mechanism candidate"
+    assert _chain(**four, s5="fail").status().status == "mechanism candidate"
+    assert _chain(**four, s5="pass").status().status == "candidate with intervention"
+    assert _chain(**four, s5="pass", s6="pass").status().status == "candidate with intervention"
+    assert _chain(**four, s5="pass", s7="pass").status().status == "candidate with intervention"
+    status, reason = _chain(**four, s5="pass", s6="fail", s7="pass").status()
+    assert status == "candidate with intervention" and "step 6 fail" in reason
+    full = _chain(**four, s5="pass", s6="pass", s7="pass")
+    assert full.status().status == "supported" and full.label().supported
+    # 5-7 cannot make up for a missing observation step
+    broken = _chain(s1="pass", s2="pass", s3="fail", s4="pass", s5="pass", s6="pass", s7="pass")
+    status, reason = broken.status()
+    assert status == "not a candidate" and "step 3 fail" in reason
+    assert "step 4 not run" in _chain(s1="pass", s2="pass", s3="pass").status().reason
+
+
+def test_a_label_refuses_to_exist_without_its_input_condition():
+    with pytest.raises(LabelError, match="input condition"):
+        Label("moves colour", "L1.xattn.H2", "shapes-coca", None)
+    with pytest.raises(LabelError, match="input condition"):
+        Label("moves colour", "L1.xattn.H2", "shapes-coca", "heldout")  # a bare tag
+    with pytest.raises(LabelError):
+        ValidationChain("L1.xattn.H2", "moves colour", "shapes-coca", None)
+    with pytest.raises(LabelError, match="n_samples"):
+        InputCondition("core.zoo.scenes", "heldout", 0)
+    with pytest.raises(LabelError, match="held-out"):  # evaluated on the split the head was found on
+        ValidationChain("L1.xattn.H2", "moves colour", "shapes-coca", _condition("val"), search={"split": "val"})
+    with pytest.raises(LabelError, match="n=0"):
+        ChainStep(1, status="pass", n=0)
+    with pytest.raises(LabelError):
+        ChainStep(8)
+    with pytest.raises(LabelError):
+        ChainStep(1, status="maybe")
+    lab = Label("moves colour", "L1.xattn.H2", "shapes-coca", _condition().to_dict())  # a dict is converted
+    assert isinstance(lab.condition, InputCondition)
+    assert "not a supported label" in lab.text() and "heldout" in lab.text() and "n=20" in lab.text()
+
+
+def test_round_trip_to_dict_from_dict():
+    chain = _chain(s1="pass", s2="fail")
+    chain.steps[1].baselines.append(L.Baseline("matched random head", ["L1.xattn.H0"], 0.3, 20, {"x": 1}))
+    chain.steps[2].value = float("nan")  # NaN is written as null
+    d = json.loads(json.dumps(chain.to_dict()))
+    assert d["schema_version"] == L.SCHEMA_VERSION and d["status"] == "not a candidate"
+    back = ValidationChain.from_dict(d)
+    assert back.to_dict() == d
+    assert back.steps[1].baselines[0].kind == "matched random head" and back.status() == chain.status()
+    lab = _chain(**{f"s{k}": "pass" for k in range(1, 8)}).label()
+    ld = json.loads(json.dumps(lab.to_dict()))
+    assert Label.from_dict(ld).to_dict() == ld and ld["status"] == "supported"
+    assert ld["condition"]["split"] == "heldout" and ld["condition"]["n_samples"] == 20
+    with pytest.raises(LabelError, match="schema_version"):
+        Label.from_dict({**ld, "schema_version": 99})
+
+
+# ---------------------------------------------------------------- the steps on shapes-coca
+
+
+@pytest.fixture(scope="module")
+def coca():
+    return load_model("shapes-coca")
+
+
+@pytest.fixture(scope="module")
+def ctx(coca):
+    return L.attribute_context(coca, n_search=20, n_eval=20, n_side=8)
+
+
+@pytest.fixture(scope="module")
+def cand(ctx):
+    found = L.find_candidates(ctx, 1)
+    assert found[0][1]["split"] == "val" and found[0][1]["rank_by_target_dla"] == 1
+    return found[0]
+
+
+HEAD_BASELINES = {"matched random head", "other heads of the layer", "entropy-matched heads"}
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6, 7])
+def test_each_step_returns_evidence_with_n_and_baselines(ctx, cand, k):
+    head, _ = cand
+    step = L.step6_baselines(ctx, head) if k == 6 else L.STEP_FUNCTIONS[k](ctx, head)
+    assert step.number == k and step.status in ("pass", "fail") and step.n > 0 and step.split == "heldout"
+    assert step.criterion == L.CRITERIA[k] and step.audit is not None and step.why
+    kinds = {b.kind for b in step.baselines}
+    if k in (1, 2, 3, 4, 5):
+        assert HEAD_BASELINES <= kinds
+        assert all(b.n > 0 for b in step.baselines)
+    if k in (1, 2, 4):
+        assert any(x.startswith("position:") for x in kinds)
+    if k == 6:
+        steps = {r["step"] for r in step.numbers["comparisons"]}
+        assert steps == {1, 2, 4, 5} and {r["baseline"] for r in step.numbers["comparisons"]} >= HEAD_BASELINES
+    if k == 7:
+        assert set(step.numbers["side_effects"]) == {"relation", "count", "exist"}
+        assert step.numbers["alternative_route"]["alternative"] != head.name
+    json.dumps(step.to_dict())  # JSON-safe
+
+
+def test_chain_on_a_candidate_and_its_label(ctx, cand):
+    head, search = cand
+    chain = L.run_chain(ctx, head, search)
+    assert all(s.status != "not-run" for s in chain.steps.values())
+    assert chain.search["split"] == "val" and chain.condition.split == "heldout"
+    lab = chain.label()
+    assert lab.status == chain.status().status and lab.condition.n_samples == 20
+    assert ValidationChain.from_dict(json.loads(json.dumps(chain.to_dict()))).status() == chain.status()
+
+
+def test_mean_ablation_value_is_the_mean_z_over_the_reference_set(coca, ctx):
+    head = ctx.pool[5]
+    ref = ctx.search_samples[:6]
+    zs = []
+    for s in ref:
+        tr = capture(coca, Image.fromarray(s.image), s.question, pattern_layers=[])
+        zs.append(tr.z[head.block][0, int(tr.answer_positions[0]), head.head].double())
+    expected = torch.stack(zs).mean(0)
+    torch.testing.assert_close(L.mean_ablation_value(coca, ref, head), expected, atol=1e-5, rtol=0)
+    # the context's value for attribute questions is the same mean over its whole search split
+    whole = L.mean_ablation_value(coca, ctx.search_samples, head)
+    torch.testing.assert_close(ctx.mean_z(head), whole, atol=1e-5, rtol=0)
+    # the edited run writes exactly that value into the head's z at the answer position
+    s = ctx.eval_samples[0]
+    inputs = coca.adapter.prepare([Image.fromarray(s.image)], [s.question])
+    pos = int(inputs.answer_positions[0])
+    tr = capture(coca, None, "", inputs=inputs, edits=[L.head_edit(head, pos, expected)], pattern_layers=[])
+    torch.testing.assert_close(tr.z[head.block][0, pos, head.head].double(), expected, atol=1e-6, rtol=0)
+
+
+def test_observations_match_decompose_and_the_rerun(coca, ctx):
+    """The head's whole DLA is the residual component's dla_frozen; the
+    zero-ablation drop is compare_with_rerun's total_removal."""
+    from core.methods.residual import compare_with_rerun, decompose
+
+    obs = ctx.eval_obs
+    s, head = ctx.eval_samples[3], ctx.pool[6]
+    a = coca.adapter
+    inputs = a.prepare([Image.fromarray(s.image)], [s.question])
+    tr = capture(coca, None, "", inputs=inputs)
+    aid, fid = a.token_id(s.answer), a.token_id(s.foil)
+    comp = {c.name: c for c in decompose(a, tr, aid, fid).components}[head.name]
+    assert obs.head_dla[3, obs.col(head)] == pytest.approx(comp.dla_frozen, abs=1e-4)
+    row = compare_with_rerun(coca, tr, aid, fid, names=[head.name], inputs=inputs).rows[0]
+    assert ctx.drop([head], "zero")[3] == pytest.approx(row.total_removal, abs=1e-3)
+    # hits: argmax of the answer row over the visual tokens lies on the target's tokens
+    pat = tr.patterns[head.block][0, head.head, 0]
+    assert obs.hits()[3, obs.col(head)] == float(int(pat.argmax()) in obs.target[3])
+
+
+def test_swap_moves_the_asked_attribute_and_nothing_else():
+    done = 0
+    for i in range(40):
+        s = scenes.make_sample("heldout", i, kind="attribute")
+        sw = L.swap_attribute(s)
+        if sw is None:
+            continue
+        t, p = s.objects[s.target], s.objects[sw.partner]
+        outside = ~(sw.mask_a | sw.mask_b)
+        assert np.array_equal(sw.image[outside], s.image[outside])
+        assert sw.foil == s.answer and sw.answer != s.answer
+        assert sw.answer == (p.color if s.template == "color_of_shape" else p.shape)
+        if s.template == "shape_of_color":  # colours swapped: the target's ink now sits at the partner
+            ink = np.median(sw.image[p.coverage >= 0.99].astype(float), axis=0)
+            want = np.median(s.image[t.coverage >= 0.99].astype(float), axis=0)
+            assert np.abs(ink - want).max() < 12
+        done += 1
+    assert done >= 10
+
+
+def test_cancel_leaves_the_remaining_steps_not_run(coca, ctx):
+    calls = []
+
+    def progress(done, total, message):
+        calls.append(message)
+
+    stopped = L.ChainContext(
+        coca,
+        ctx.search_samples,
+        ctx.search_condition,
+        ctx.eval_samples,
+        ctx.eval_condition,
+        progress=progress,
+        cancel=lambda: True,
+    )
+    chain = L.run_chain(stopped, ctx.pool[0])
+    assert all(s.status == "not-run" for s in chain.steps.values()) and calls == ["L0.xattn.H0: step 1"]
+    assert chain.status().status == "not a candidate"
+    with pytest.raises(L.ChainCancelled):
+        L.find_candidates(stopped)
