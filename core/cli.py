@@ -142,7 +142,7 @@ def cmd_evaluate(args) -> int:
 
 # Modules that add their own subcommand: each defines
 # ``add_command(subparsers, add_model_args, load)`` and sets ``func`` on its parser.
-_COMMANDS: tuple[str, ...] = ()
+_COMMANDS: tuple[str, ...] = ("core.dataset_audit", "core.counterfactual_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
