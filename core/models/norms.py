@@ -118,3 +118,34 @@ class Norm:
         # J is symmetric apart from the gain on the left: J = G (s P - s^3 xc xc^T / d) C
         w = s * g - (s**3) * xc * (xc * g).sum(-1, keepdim=True) / d
         return self.center(w)
+
+
+class IdentityNorm(Norm):
+    """No norm at all, where a sublayer reads its input as it is (BLIP's
+    post-LN sublayers read the previous LayerNorm's output; Mllama's and BLIP's
+    cross-attention keys and values read the vision output directly): every
+    method reduces to the identity."""
+
+    def __init__(self):
+        super().__init__("identity", None, None, 0.0)
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(x[..., :1])
+
+    def center(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def frozen(self, x_ref: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return c
+
+    def frozen_readout(self, x_ref: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return u
+
+    def jvp(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return v
+
+    def vjp(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return u

@@ -52,38 +52,8 @@ from PIL import Image
 from core.errors import QuestionError
 from core.models.adapter import Adapter, ModelInputs
 from core.models.families.llava import _unknown_token_check
-from core.models.norms import Norm
+from core.models.norms import IdentityNorm, Norm
 from core.models.registry import register
-
-
-class IdentityNorm(Norm):
-    """No norm: post-LN sublayers read the stream as it is (it is already the
-    previous LayerNorm's output), and cross-attention reads the vision tower's
-    output (already through its ``post_layernorm``)."""
-
-    def __init__(self):
-        super().__init__("identity", None, None, 0.0)
-
-    def scale(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ones_like(x[..., :1])
-
-    def center(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def frozen(self, x_ref: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return c
-
-    def frozen_readout(self, x_ref: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return u
-
-    def jvp(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return v
-
-    def vjp(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return u
 
 
 class HeadTransform:

@@ -77,7 +77,7 @@ from core.errors import QuestionError
 from core.models.adapter import Adapter, ModelInputs
 from core.models.families._decoder import LlamaStyleWeights
 from core.models.families.llava import _unknown_token_check
-from core.models.norms import Norm
+from core.models.norms import IdentityNorm, Norm
 from core.models.registry import register
 
 # What Llama 3.2 Vision Instruct's chat template renders for one user turn
@@ -87,35 +87,6 @@ MLLAMA_PROMPT = (
     "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<|image|>{question}<|eot_id|>"
     "<|start_header_id|>assistant<|end_header_id|>\n\n"
 )
-
-
-class IdentityNorm(Norm):
-    """No norm at all (what Mllama's cross-attention keys and values read):
-    every method of :class:`core.models.norms.Norm` reduces to the identity."""
-
-    def __init__(self):
-        super().__init__("identity", None, None, 0.0)
-
-    def scale(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ones_like(x[..., :1])
-
-    def center(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def frozen(self, x_ref: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return c
-
-    def frozen_readout(self, x_ref: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return u
-
-    def jvp(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return v
-
-    def vjp(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return u
 
 
 def _size_value(size, key: str):
