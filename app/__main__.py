@@ -1,4 +1,5 @@
-"""``vlm-readout-app``: open the main window and answer the first question."""
+"""``vlm-readout-app``: open the main window and read out the first question
+(answer, attention, DLA, lens), recording it in a session."""
 
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--image", help="image file (default: the first bundled sample)")
     p.add_argument("--question", help="question about the image (default: the first bundled sample's)")
+    p.add_argument("--session", help="session file to record into (default: a new one in ~/.local/share/vlm-readout)")
     p.add_argument(
-        "--screenshot", metavar="PNG", help="save the window to PNG once the first answer (or error) shows, then quit"
+        "--tab", default="Answer", help="the tab shown first: Answer, Attention, DLA, Lens, Counterfactual or Audit"
+    )
+    p.add_argument(
+        "--screenshot", metavar="PNG", help="save the window to PNG once the first read-out (or error) shows, then quit"
     )
     return p.parse_args(argv)
 
@@ -29,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     from app.main_window import MainWindow
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
-    window = MainWindow(model_spec=args.model)
+    window = MainWindow(model_spec=args.model, session_path=args.session)
+    titles = [window.tabs.tabText(i).lower() for i in range(window.tabs.count())]
+    if args.tab.lower() in titles:
+        window.tabs.setCurrentIndex(titles.index(args.tab.lower()))
     image_ok = args.image is None or window.set_image(args.image)
     if args.question is not None:
         window.set_question(args.question)
@@ -41,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         window.close()
         app.quit()
 
-    started = image_ok and window.answer_question()
+    started = image_ok and window.run_readout()
     if args.screenshot:
         if started:
             window.idle.connect(lambda: QTimer.singleShot(100, screenshot_and_quit))

@@ -1,9 +1,15 @@
-"""The main window: an image, a question, the model's answer.
+"""The main window: an image and a question in; the answer and every
+read-out out, side by side with the image's visual-token grid.
+
+Left: the image canvas (patch grid, patch-granular heatmaps). Right, in tabs:
+the answer, attention, DLA, lens, the region-counterfactual painter and the
+session's audit table. Every run is recorded in the session (one SQLite file,
+autosaved after each run) and its audit rows land in the Audit tab.
 
 The model runs in :mod:`app.workers`, never on the GUI thread. Loaded models
 are cached by spec in ``MainWindow.model_cache`` and reused. Errors show as
 one red line in the window; nothing here opens a blocking dialog except the
-file picker the user asks for.
+file pickers the user asks for.
 """
 
 from __future__ import annotations
@@ -12,7 +18,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import pyqtgraph as pg
 from PIL import Image
 from PySide6.QtCore import QBuffer, QByteArray, QIODevice, Qt, Signal
 from PySide6.QtGui import QAction, QImage, QKeySequence
@@ -32,13 +37,21 @@ from PySide6.QtWidgets import (
     QSplitter,
     QTableWidget,
     QTableWidgetItem,
+    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
 import core
+from app.canvas import ImageCanvas
+from app.panels.attention_panel import AttentionPanel
+from app.panels.audit_panel import AuditPanel
+from app.panels.counterfactual_panel import CounterfactualPanel
+from app.panels.dla_panel import DLAPanel, visual_token_values
+from app.panels.lens_panel import LensPanel
 from app.samples import Sample, bundled_samples
 from app.workers import Worker, WorkerPool
+from core.session import Session
 
 BUILTIN_MODELS = ("shapes-llava", "shapes-coca")
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp);;All files (*)"
@@ -84,6 +97,111 @@ def answer_pairs_job(
     )
 
 
+def readout_job(
+    model_cache: dict, spec: str, image: Image.Image, question: str, answer: str, foil: str, *, progress, cancel
+) -> tuple[core.Answer, dict] | None:
+    """Worker job: the answer with its alternatives, then one capture and every
+    text-side read-out (:func:`core.analyze.analyze`)."""
+    from core.analyze import analyze
+
+    loaded = _cached_model(model_cache, spec, progress)
+    if cancel.is_set():
+        return None
+    progress(0, 5, "answering…")
+    result = core.answer(loaded, image, question)
+    if cancel.is_set():
+        return None
+    analysis = analyze(
+        loaded,
+        image,
+        question,
+        answer=answer or None,
+        foil=foil or None,
+        progress=lambda done, total, message: progress(done + 1, total + 1, message),
+    )
+    return result, analysis
+
+
+def head_sources_job(
+    model_cache: dict, spec: str, analysis: dict, image, question: str, layer: int, head: int, *, progress, cancel
+):
+    """Worker job: one head's per-source contributions at the answer position,
+    as values per visual token (frozen-scale DLA)."""
+    from core.methods.contributions import source_contributions
+
+    loaded = _cached_model(model_cache, spec, progress)
+    progress(0, 0, f"source contributions of block {layer} head {head}…")
+    target = analysis["target"]
+    trace = core.capture(loaded, image, question)
+    sc = source_contributions(loaded.adapter, trace, target["answer_id"], target["foil_id"])
+    row = sc.dla_frozen[layer][head].tolist()
+    return layer, head, visual_token_values(analysis, layer, row)
+
+
+def counterfactual_job(
+    model_cache: dict,
+    spec: str,
+    image,
+    question: str,
+    mask,
+    fill: str,
+    options: dict,
+    answer: str,
+    foil: str,
+    *,
+    progress,
+    cancel,
+):
+    """Worker job: fill the painted region and re-run (with the routing read-outs)."""
+    from core.methods.counterfactual import region_counterfactual
+
+    loaded = _cached_model(model_cache, spec, progress)
+    progress(0, 0, f"counterfactual ({fill} fill)…")
+    return region_counterfactual(
+        loaded, image, question, mask, fill, answer=answer or None, foil=foil or None, **options
+    )
+
+
+def sweep_job(
+    model_cache: dict,
+    spec: str,
+    image,
+    question: str,
+    k: int,
+    fill: str,
+    options: dict,
+    answer: str,
+    foil: str,
+    *,
+    progress,
+    cancel,
+):
+    """Worker job: the occlusion sweep, batched, cancellable between batches."""
+    from core.methods.counterfactual import occlusion_sweep
+
+    loaded = _cached_model(model_cache, spec, progress)
+    return occlusion_sweep(
+        loaded,
+        image,
+        question,
+        k=k,
+        fill=fill,
+        answer=answer or None,
+        foil=foil or None,
+        progress=progress,
+        cancel=cancel.is_set,
+        **options,
+    )
+
+
+def default_session_path() -> Path:
+    """A new session file under the user's data folder (one per window)."""
+    import time
+
+    folder = Path.home() / ".local" / "share" / "vlm-readout" / "sessions"
+    return folder / time.strftime("session-%Y%m%d-%H%M%S.vlmr")
+
+
 def qimage_to_png(image: QImage) -> bytes:
     """Encode a QImage as PNG bytes (for :func:`core.load_image`)."""
     data = QByteArray()
@@ -115,9 +233,15 @@ class MainWindow(QMainWindow):
 
     idle = Signal()  # a job ended: its answer, error or cancellation is shown
 
-    def __init__(self, model_spec: str = "shapes-llava", model_cache: dict | None = None):
+    def __init__(
+        self, model_spec: str = "shapes-llava", model_cache: dict | None = None, session_path: str | Path | None = None
+    ):
         super().__init__()
         self.model_cache = {} if model_cache is None else model_cache
+        self.session = Session.open_or_create(session_path or default_session_path())
+        self.analysis: dict | None = None  # the last analyze result shown in the panels
+        self.analysis_inputs: tuple | None = None  # (spec, image, question) it was computed on
+        self.last_counterfactual = None
         self.workers = WorkerPool(self)
         self.image: Image.Image | None = None
         self.image_name = ""
@@ -131,7 +255,8 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self._set_busy(False)
         self._clear_answer()
-        self.resize(1000, 680)
+        self.resize(1280, 800)
+        self._refresh_audit()
         samples = bundled_samples()
         if samples:
             self.load_sample(samples[0])
@@ -146,18 +271,9 @@ class MainWindow(QMainWindow):
         self.model_picker.setMinimumWidth(260)
         self.model_picker.setToolTip("a built-in name, a model folder, a cached repo id or open_clip name:checkpoint")
 
-        self.image_view = pg.GraphicsLayoutWidget()
-        self.image_view.setBackground("w")
-        self.image_view.setAcceptDrops(False)  # let drops reach the window
-        self.image_view.viewport().setAcceptDrops(False)
-        self.image_plot = self.image_view.addPlot()
-        self.image_plot.setAspectLocked(True)
-        self.image_plot.invertY(True)  # row 0 at the top: the image is upright
-        self.image_plot.setMenuEnabled(False)
-        self.image_plot.hideButtons()
-        self.image_plot.getViewBox().setBackgroundColor("#e6e6e6")  # shows the image's edges
-        self.image_item = pg.ImageItem(axisOrder="row-major")
-        self.image_plot.addItem(self.image_item)
+        self.canvas = ImageCanvas()  # view mode: pan, zoom, hover a token
+        self.image_plot = self.canvas.plot
+        self.image_item = self.canvas.image_item
 
         self.answer_label = _plain_label("no answer yet")
         font = self.answer_label.font()
@@ -180,12 +296,34 @@ class MainWindow(QMainWindow):
         answer_layout.addWidget(self.table_title)
         answer_layout.addWidget(self.top_table, stretch=1)
 
+        self.attention_panel = AttentionPanel()
+        self.attention_panel.head_selected.connect(self.show_head_map)
+        self.dla_panel = DLAPanel()
+        self.dla_panel.sources_requested.connect(self.request_head_sources)
+        self.dla_panel.sources_shown.connect(self._show_sources_map)
+        self.lens_panel = LensPanel()
+        self.counterfactual_panel = CounterfactualPanel()
+        self.counterfactual_panel.run_requested.connect(self.run_counterfactual)
+        self.counterfactual_panel.sweep_requested.connect(self.run_sweep)
+        self.audit_panel = AuditPanel()
+        self.audit_panel.export_requested.connect(self.export_audit)
+        self.tabs = QTabWidget()
+        for widget, title in (
+            (answer_panel, "Answer"),
+            (self.attention_panel, "Attention"),
+            (self.dla_panel, "DLA"),
+            (self.lens_panel, "Lens"),
+            (self.counterfactual_panel, "Counterfactual"),
+            (self.audit_panel, "Audit"),
+        ):
+            self.tabs.addTab(widget, title)
+
         splitter = QSplitter(Qt.Orientation.Horizontal)
-        splitter.addWidget(self.image_view)
-        splitter.addWidget(answer_panel)
-        splitter.setStretchFactor(0, 3)
-        splitter.setStretchFactor(1, 2)
-        splitter.setSizes([600, 400])
+        splitter.addWidget(self.canvas)
+        splitter.addWidget(self.tabs)
+        splitter.setStretchFactor(0, 2)
+        splitter.setStretchFactor(1, 3)
+        splitter.setSizes([500, 780])
 
         self.question_edit = QLineEdit()
         self.question_edit.setPlaceholderText("ask a question about the image")
@@ -193,6 +331,13 @@ class MainWindow(QMainWindow):
         self.question_edit.textEdited.connect(self._forget_expected)
         self.answer_button = QPushButton("Answer")
         self.answer_button.clicked.connect(self.answer_question)
+        self.readout_button = QPushButton("Read out")
+        self.readout_button.setToolTip("answer, then one capture and every read-out (attention, DLA, lens, rollout)")
+        self.readout_button.clicked.connect(self.run_readout)
+        self.target_edit = QLineEdit()
+        self.target_edit.setPlaceholderText("answer token (default: the model's top token)")
+        self.foil_edit = QLineEdit()
+        self.foil_edit.setPlaceholderText("foil token (optional: u = answer - foil)")
 
         self.progress_bar = QProgressBar()
         self.progress_bar.setTextVisible(False)
@@ -213,7 +358,15 @@ class MainWindow(QMainWindow):
         controls.addLayout(model_row, 0, 1, 1, 2)
         controls.addWidget(_plain_label("Question"), 1, 0)
         controls.addWidget(self.question_edit, 1, 1)
-        controls.addWidget(self.answer_button, 1, 2)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.answer_button)
+        buttons.addWidget(self.readout_button)
+        controls.addLayout(buttons, 1, 2)
+        targets = QHBoxLayout()
+        targets.addWidget(self.target_edit)
+        targets.addWidget(self.foil_edit)
+        controls.addWidget(_plain_label("Target"), 4, 0)
+        controls.addLayout(targets, 4, 1, 1, 2)
         progress_row = QHBoxLayout()
         progress_row.addWidget(self.progress_bar, stretch=2)
         progress_row.addWidget(self.status_label, stretch=3)
@@ -238,6 +391,13 @@ class MainWindow(QMainWindow):
             action.triggered.connect(lambda _=False, s=sample: self.load_sample(s))
             samples_menu.addAction(action)
         file_menu.addSeparator()
+        open_session = QAction("Open &session…", self)
+        open_session.triggered.connect(self.open_session_dialog)
+        file_menu.addAction(open_session)
+        export_action = QAction("&Export audit table…", self)
+        export_action.triggered.connect(self.audit_panel.choose_export)
+        file_menu.addAction(export_action)
+        file_menu.addSeparator()
         quit_action = QAction("&Quit", self, shortcut=QKeySequence.StandardKey.Quit)
         quit_action.triggered.connect(self.close)
         file_menu.addAction(quit_action)
@@ -251,6 +411,9 @@ class MainWindow(QMainWindow):
         all_samples_action = QAction("Answer &all samples", self)
         all_samples_action.triggered.connect(self.answer_all_samples)
         run_menu.addAction(all_samples_action)
+        readout_action = QAction("&Read out", self, shortcut=QKeySequence("Ctrl+R"))
+        readout_action.triggered.connect(self.run_readout)
+        run_menu.addAction(readout_action)
 
     # ----- inputs -------------------------------------------------------
 
@@ -266,8 +429,13 @@ class MainWindow(QMainWindow):
             return False
         self.image = image
         self.image_name = name or (Path(source).name if isinstance(source, (str, Path)) else "image")
-        self.image_item.setImage(np.asarray(image), autoLevels=False, levels=(0, 255))  # (H, W, 3) uint8
-        self.image_plot.autoRange(padding=0.02)
+        pixels = np.asarray(image)  # (H, W, 3) uint8
+        self.canvas.set_image(pixels)
+        self.canvas.set_tokens(None)
+        self.counterfactual_panel.set_image(pixels)
+        self.counterfactual_panel.clear_result()
+        self.counterfactual_panel.clear_sweep()
+        self._show_analysis(None)
         self._expected = None
         self._clear_answer()
         self.show_error("")
@@ -361,6 +529,121 @@ class MainWindow(QMainWindow):
             [s.image_path for s in samples], [s.question for s in samples], [s.expected for s in samples]
         )
 
+    def _targets(self) -> tuple[str, str]:
+        return self.target_edit.text().strip(), self.foil_edit.text().strip()
+
+    def run_readout(self) -> bool:
+        """Answer and read out the shown pair in the background; False if not started."""
+        if self.is_busy():
+            return False
+        if self.image is None:
+            self.show_error("no image: open one (File > Open image), drop one here or paste one")
+            return False
+        question = self.question_edit.text().strip()
+        spec = self.model_spec()
+        caption = f"{spec} · {self.image_name} · {question}"
+        if self._expected is not None:
+            caption += f"\nexpected (sample ground truth): {self._expected}"
+        image = self.image
+        answer, foil = self._targets()
+
+        def show(result) -> None:
+            if result is None:
+                return
+            answered, analysis = result
+            self._show_answer(answered, caption)
+            self.analysis_inputs = (spec, image, question)
+            self._show_analysis(analysis)
+            self._record("analyze", analysis, audits=analysis.get("audit"), parameters={"question": question})
+
+        self._start(show, readout_job, self.model_cache, spec, image, question, answer, foil)
+        return True
+
+    def request_head_sources(self, layer: int, head: int) -> bool:
+        """Compute one head's per-source contributions for the shown read-out (DLA panel)."""
+        if self.is_busy() or self.analysis is None or self.analysis_inputs is None:
+            return False
+        spec, image, question = self.analysis_inputs
+        self._start(
+            lambda r: self.dla_panel.set_sources(*r),
+            head_sources_job,
+            self.model_cache,
+            spec,
+            self.analysis,
+            image,
+            question,
+            layer,
+            head,
+            clear=False,
+        )
+        return True
+
+    def run_counterfactual(self, mask, fill: str, options: dict) -> bool:
+        """Fill the painted region and re-run the model (Counterfactual tab)."""
+        if self.is_busy() or self.image is None:
+            return False
+        question = self.question_edit.text().strip()
+        answer, foil = self._targets()
+        self.counterfactual_panel.set_busy(True)
+
+        def show(result) -> None:
+            self.last_counterfactual = result
+            self.counterfactual_panel.set_result(result)
+            self._record(
+                "counterfactual",
+                result.to_dict(),
+                audits=[a.to_dict() for a in result.audit],
+                mask=mask,
+                parameters={"question": question, "fill": fill, **{k: str(v) for k, v in options.items()}},
+            )
+
+        self._start(
+            show,
+            counterfactual_job,
+            self.model_cache,
+            self.model_spec(),
+            self.image,
+            question,
+            mask,
+            fill,
+            dict(options),
+            answer,
+            foil,
+            clear=False,
+        )
+        return True
+
+    def run_sweep(self, k: int) -> bool:
+        """The occlusion sweep with the panel's fill (Counterfactual tab)."""
+        if self.is_busy() or self.image is None:
+            return False
+        fill, options = self.counterfactual_panel.fill_choice()
+        question = self.question_edit.text().strip()
+        answer, foil = self._targets()
+        self.counterfactual_panel.set_busy(True)
+
+        def show(result) -> None:
+            if result is None:
+                return
+            self.counterfactual_panel.set_sweep(result)
+            self._record("sweep", result.to_dict(), audits=[a.to_dict() for a in getattr(result, "audit", []) or []])
+
+        self._start(
+            show,
+            sweep_job,
+            self.model_cache,
+            self.model_spec(),
+            self.image,
+            question,
+            int(k),
+            fill,
+            dict(options),
+            answer,
+            foil,
+            clear=False,
+        )
+        return True
+
     def cancel(self) -> None:
         """Ask the running job to stop; the window goes idle when it has."""
         if self._job is not None:
@@ -368,10 +651,12 @@ class MainWindow(QMainWindow):
             self.cancel_button.setEnabled(False)
             self.status_label.setText("cancelling…")
 
-    def _start(self, show_result, fn, *args) -> None:
-        """Run ``fn(*args)`` in a worker; ``show_result(result)`` runs on success, before the window goes idle."""
+    def _start(self, show_result, fn, *args, clear: bool = True) -> None:
+        """Run ``fn(*args)`` in a worker; ``show_result(result)`` runs on success, before the window goes idle.
+        ``clear``: forget the shown answer first (new answers; not for follow-up read-outs)."""
         self.show_error("")
-        self._clear_answer()
+        if clear:
+            self._clear_answer()
         job = Worker(fn, *args)
         job.progress.connect(self._on_progress)
         job.failed.connect(self._on_failed)
@@ -399,12 +684,14 @@ class MainWindow(QMainWindow):
 
     def _end_job(self, status: str) -> None:
         self._job = None
+        self.counterfactual_panel.set_busy(False)
         self._set_busy(False)
         self.status_label.setText(status)
         self.idle.emit()
 
     def _set_busy(self, busy: bool) -> None:
         self.answer_button.setEnabled(not busy)
+        self.readout_button.setEnabled(not busy)
         self.model_picker.setEnabled(not busy)
         self.cancel_button.setEnabled(busy)
         self.progress_bar.setRange(0, 0 if busy else 1)
@@ -447,6 +734,104 @@ class MainWindow(QMainWindow):
             [(q, f"{a.answer} ({a.prob:.3f})", e or "") for q, a, e in zip(questions, answers, expected, strict=True)],
         )
 
+    def _show_analysis(self, analysis: dict | None) -> None:
+        """Fill the read-out panels and the canvas from one analyze result (None clears)."""
+        self.analysis = analysis
+        self.attention_panel.set_result(analysis)
+        self.dla_panel.set_result(analysis)
+        self.lens_panel.set_result(analysis)
+        if analysis is None:
+            self.canvas.clear_heatmap()
+            return
+        tokens = analysis["input"]["visual_tokens"]
+        self.canvas.set_tokens(tokens)
+        self.counterfactual_panel.set_tokens(tokens)
+        rollout = analysis.get("rollout")
+        if rollout:
+            self.canvas.set_heatmap(
+                np.asarray(rollout["visual_patch_mass"]),
+                label=f"rollout (alpha {rollout['alpha']}): structural-flow approximation, not a cause",
+            )
+        target = analysis["target"]
+        if not self.target_edit.text().strip():
+            self.target_edit.setPlaceholderText(f"answer token (now: {target['answer']}, the model's top token)")
+
+    def show_head_map(self, layer: int, head: int) -> None:
+        """Put one head's answer-row attention on the canvas (patch-granular)."""
+        row = self.attention_panel.head_row(layer, head)
+        if row is not None:
+            self.canvas.set_heatmap(
+                np.asarray(row["visual_patch_mass"]),
+                label=f"{row['block']}.H{head}: answer-row attention (routing only)",
+            )
+
+    def _show_sources_map(self, layer: int, head: int, values) -> None:
+        rows = (self.analysis or {}).get("attention", [])
+        block = next((row["block"] for row in rows if row["layer"] == layer), f"block {layer}")
+        self.canvas.set_heatmap(np.asarray(values), label=f"{block}.H{head}: frozen-scale DLA per source token")
+
+    # ----- session ------------------------------------------------------
+
+    def _record(self, kind: str, result: dict, *, audits=None, mask=None, parameters: dict | None = None) -> None:
+        """Record a run in the session (autosaved) and refresh the audit table."""
+        try:
+            self.session.record(
+                kind,
+                result,
+                audits=audits or [],
+                image=self.image,
+                mask=mask,
+                parameters=parameters,
+                model=self.model_cache.get(self.model_spec()) or self.model_spec(),
+            )
+        except core.ReadoutError as e:
+            self.show_error(f"not saved in the session: {e}")
+        self._refresh_audit()
+
+    def _refresh_audit(self) -> None:
+        summaries = {info.id: info.summary for info in self.session.runs()}
+        rows = []
+        for row in self.session.audit_table():
+            rows.append({**row, "run": row.get("run_id"), "summary": summaries.get(row.get("run_id"), "")})
+        self.audit_panel.set_rows(rows)
+
+    def export_audit(self, fmt: str, path: str) -> bool:
+        from core.export import export_session
+
+        try:
+            written = export_session(self.session, fmt, path)
+        except core.ReadoutError as e:
+            self.show_error(str(e))
+            return False
+        self.statusBar().showMessage(f"exported {', '.join(str(p) for p in written)}")
+        return True
+
+    def open_session(self, path: str | Path) -> bool:
+        """Switch to another session file and show its last read-out and audit table."""
+        if self.is_busy():
+            self.show_error("a job is running: wait for it or cancel it before opening a session")
+            return False
+        try:
+            session = Session.open(path)
+        except core.ReadoutError as e:
+            self.show_error(str(e))
+            return False
+        self.session.close()
+        self.session = session
+        runs = session.runs("analyze")
+        if runs:
+            self._show_analysis(session.run(runs[-1].id).result)
+        self._refresh_audit()
+        self.statusBar().showMessage(f"session {Path(path).name}: {len(session.runs())} runs")
+        return True
+
+    def open_session_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(
+            self, "Open session", "", "VLM Readout sessions (*.vlmr *.sqlite *.db);;All files (*)"
+        )
+        if path:
+            self.open_session(path)
+
     def _fill_table(self, headers: list[str], rows: list[tuple[str, ...]]) -> None:
         """Rows of text; the first column takes the spare width, the others fit their contents."""
         self.top_table.setColumnCount(len(headers))
@@ -465,4 +850,5 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event) -> None:
         """Cancel running jobs and join their threads before the window goes."""
         self.workers.shutdown()
+        self.session.close()
         super().closeEvent(event)

@@ -61,7 +61,12 @@ def big_llava() -> LoadedModel:
     )
     fast.add_special_tokens({"additional_special_tokens": ["<image>"]})
     vision = CLIPVisionConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, image_size=336, patch_size=14
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=336,
+        patch_size=14,
     )
     text = LlamaConfig(
         hidden_size=1024,
@@ -169,7 +174,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     photo = Image.fromarray(rng.integers(0, 255, (336, 336, 3), dtype=np.uint8))
     rows.append(bench(big_llava(), photo, "what color is the circle ?", max(5, args.repeats // 3)))
-    print("| model | tokens | forward ms | capture ms | DLA ms | capture / forward | DLA / forward | DLA largest alloc | naive tensor |")
+    print(
+        "| model | tokens | forward ms | capture ms | DLA ms | capture / forward | DLA / forward | DLA largest alloc | naive tensor |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(

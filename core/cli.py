@@ -118,6 +118,10 @@ def cmd_analyze(args) -> int:
     from core.images import load_image
 
     image = load_image(args.image)
+    if args.session:
+        from core.session import check_session_file, record_into
+
+        check_session_file(args.session)  # fail fast, before the model loads
     loaded = _load(args)
     from tqdm import tqdm
 
@@ -130,6 +134,8 @@ def cmd_analyze(args) -> int:
     result = analyze(loaded, image, args.question, answer=args.answer, foil=args.foil, progress=progress)
     bar.close()
     write_text_atomic(Path(args.json), json.dumps(result) + "\n")
+    if args.session:
+        record_into(args.session, "analyze", result, image=image, image_path=args.image)
     print(summary(result))
     return 0
 
@@ -142,7 +148,7 @@ def cmd_evaluate(args) -> int:
 
 # Modules that add their own subcommand: each defines
 # ``add_command(subparsers, add_model_args, load)`` and sets ``func`` on its parser.
-_COMMANDS: tuple[str, ...] = ("core.dataset_audit", "core.counterfactual_cli")
+_COMMANDS: tuple[str, ...] = ("core.dataset_audit", "core.counterfactual_cli", "core.session_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--answer", help="answer token (default: the model's top token)")
     an.add_argument("--foil", help="competing token; u = W_U[answer] - W_U[foil]")
     an.add_argument("--json", required=True, help="output file")
+    an.add_argument("--session", help="also record the run into this session file (created if missing)")
     an.add_argument("--quiet", action="store_true")
     an.set_defaults(func=cmd_analyze)
 

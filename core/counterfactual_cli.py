@@ -60,6 +60,7 @@ def add_command(subparsers, add_model_args, load) -> None:
     )
     p.add_argument("--no-routing", action="store_true", help="skip the routing read-outs (no capture)")
     p.add_argument("--json", required=True, help="output file")
+    p.add_argument("--session", help="also record the run (with image and mask) into this session file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=lambda args: run(args, load))
 
@@ -88,6 +89,10 @@ def run(args, load) -> int:
             raise ReadoutError("--fill paste needs --paste-from IMG")
         options["paste_from"] = load_image(args.paste_from)
     fill = Fill(args.fill, **{k: v for k, v in options.items() if v is not None})
+    if args.session:
+        from core.session import check_session_file
+
+        check_session_file(args.session)
     loaded = load(args)
     header = {
         "model": {
@@ -155,5 +160,11 @@ def run(args, load) -> int:
         )
     doc = {**out, **header}
     write_text_atomic(Path(args.json), json.dumps(doc, allow_nan=False) + "\n")
+    if args.session:
+        from core.session import default_parameters, record_into
+
+        kind = "sweep" if args.sweep is not None else "counterfactual"
+        params = {**default_parameters(kind, doc), "paste_from": args.paste_from}
+        record_into(args.session, kind, doc, image=image, image_path=args.image, mask=mask, parameters=params)
     print(line)
     return 0

@@ -1487,6 +1487,10 @@ def cmd_audit(args, load) -> int:
         raise ReadoutError("--limit must be at least 1")
     dataset = dataset_file(args.dataset)
     items = read_dataset(dataset, args.limit)
+    if args.session:
+        from core.session import check_session_file
+
+        check_session_file(args.session)
     rank, world, local = dist_env()
     backend = None
     owned = False  # this call started the process group (and ends it)
@@ -1542,6 +1546,13 @@ def cmd_audit(args, load) -> int:
         run_params = run_params_for(loaded, dataset, methods, args, len(items))
         files = write_outputs(args.out, merged, methods, run_params, options, len(items))
         _write_run_json(args.out, started, world, backend, args.device, complete=not merged.cancelled, files=files)
+        if args.session:  # one summary run per audit (per-sample numbers stay in samples.jsonl): core/session.py
+            from core.session import record_into
+
+            summary_doc = summarize(merged.records, methods, len(items), merged.cancelled)
+            doc = {"schema_version": SCHEMA_VERSION, "parameters": run_params, **summary_doc, "out": str(args.out)}
+            audits = audit_table(methods, merged.first_audits, run_params, options)
+            record_into(args.session, "audit", _clean(doc), audits=audits, parameters=run_params, model=loaded)
         s = summarize(merged.records, [], len(items), merged.cancelled)
         print(
             f"{s['n_samples']} samples: {s['n_ok']} ok, {s['n_errors']} errors; accuracy {_fmt(s['accuracy'])}; "
@@ -1626,6 +1637,11 @@ def add_command(subparsers, add_model_args, load) -> None:
         default="mean",
         choices=["mean", "constant", "blur", "noise", "inpaint"],
         help="counterfactual: how the target mask is filled",
+    )
+    p.add_argument(
+        "--session",
+        help="also record the run into this session file: one run (kind audit) with the summary and one audit "
+        "row per method; the per-sample rows stay in the output folder",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=lambda a: cmd_audit(a, load))

@@ -15,11 +15,12 @@ def model_cache() -> dict:
 
 
 @pytest.fixture
-def window(qtbot, model_cache):
-    """A shown MainWindow; on teardown it is closed and must leave no worker thread behind."""
+def window(qtbot, model_cache, tmp_path):
+    """A shown MainWindow (its session in ``tmp_path``); on teardown it is
+    closed and must leave no worker thread behind."""
     from app.main_window import MainWindow
 
-    win = MainWindow(model_cache=model_cache)
+    win = MainWindow(model_cache=model_cache, session_path=tmp_path / "session.vlmr")
     win.show()
     qtbot.waitExposed(win)
     yield win

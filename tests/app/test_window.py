@@ -184,7 +184,7 @@ def test_worker_runs_off_gui_thread_and_cancels(qtbot):
 @pytest.mark.parametrize("image_arg", [None, "not_an_image.png"])
 def test_main_screenshot(qtbot, tmp_path, image_arg):
     shot = tmp_path / "app.png"
-    argv = ["--model", "shapes-coca", "--screenshot", str(shot)]
+    argv = ["--model", "shapes-coca", "--screenshot", str(shot), "--session", str(tmp_path / "s.vlmr")]
     if image_arg:
         (tmp_path / image_arg).write_text("not an image")
         argv += ["--image", str(tmp_path / image_arg)]

@@ -1,0 +1,753 @@
+"""The image canvas: the image, its visual-token patch grid, a patch-granular
+heatmap, hover read-outs, and a paintable region mask.
+
+Coordinates are original-image pixels everywhere: the image item sits at
+``(0, 0)`` with one scene unit per pixel, rows go down (row-major, y inverted),
+and a token's ``box = [x0, y0, x1, y1]`` (:class:`core.geometry.VisualToken`)
+is drawn where it lies on the picture the user opened.
+
+Heatmaps are drawn per patch (one filled box per visual token) by default.
+The "interpolated" toggle swaps in an upsampled smooth view and, while it is
+on, a banner on the canvas says ``interpolated: visual smoothing, not a
+causal pixel mask``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyqtgraph as pg
+from PIL import Image
+from PySide6.QtCore import QPointF, QRectF, Qt, Signal
+from PySide6.QtGui import QBrush, QColor, QPen
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QGraphicsEllipseItem,
+    QGraphicsItem,
+    QGraphicsRectItem,
+    QHBoxLayout,
+    QLabel,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.canvas.brush import MaskPainter
+from core.methods.counterfactual import INTERPOLATED_FLAG
+
+INTERPOLATED_TEXT = f"interpolated: {INTERPOLATED_FLAG}"
+MODES = ("view", "brush", "eraser", "box")
+SEQUENTIAL_MAP = "viridis"
+DIVERGING_MAP = "CET-D1"  # blue - white - red, symmetric levels around 0
+MAX_SMOOTH_SIDE = 768  # the interpolated view is rendered at most this many pixels on a side
+
+
+@dataclass(frozen=True)
+class CanvasToken:
+    """A visual token as the canvas draws it.
+
+    Attributes:
+        item: position in the token list given to :meth:`ImageCanvas.set_tokens`
+            (a per-token value array is indexed by it).
+        index: the token's own ``index`` (ordinal among the visual tokens).
+        image, row, col: which image (or tile) and its patch row / column.
+        box: ``(x0, y0, x1, y1)`` in original-image pixels.
+    """
+
+    item: int
+    index: int
+    image: int
+    row: int
+    col: int
+    box: tuple[float, float, float, float]
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "image": self.image, "row": self.row, "col": self.col, "box": list(self.box)}
+
+
+def _field(t: Any, name: str, default=None):
+    if isinstance(t, Mapping):
+        return t.get(name, default)
+    return getattr(t, name, default)
+
+
+def as_canvas_tokens(tokens: Sequence) -> list[CanvasToken]:
+    """:class:`CanvasToken` for each ``VisualToken`` or DESIGN-JSON token dict (``index, image, row, col, box``)."""
+    out = []
+    for i, t in enumerate(tokens):
+        box = _field(t, "box")
+        out.append(
+            CanvasToken(
+                i,
+                int(_field(t, "index", i)),
+                int(_field(t, "image", 0) or 0),
+                int(_field(t, "row", -1)),
+                int(_field(t, "col", -1)),
+                tuple(float(v) for v in box) if box is not None else (0.0, 0.0, 0.0, 0.0),
+            )
+        )
+    return out
+
+
+def primary_image(tokens: Sequence[CanvasToken]) -> int | None:
+    """The image whose patch boxes cover the most area (the whole-image view;
+    the same rule as ``core.methods.patterns.primary_image``)."""
+    area: dict[int, float] = {}
+    for t in tokens:
+        if t.col >= 0:
+            x0, y0, x1, y1 = t.box
+            area[t.image] = area.get(t.image, 0.0) + max(0.0, x1 - x0) * max(0.0, y1 - y0)
+    if not area:
+        return None
+    best = max(area.values())
+    return min(im for im, a in area.items() if a >= best * (1 - 1e-9))
+
+
+def describe_token_layout(tokens: Sequence, family: str | None = None) -> str:
+    """A one-line note for the canvas when the visual tokens are not one plain
+    patch grid of the image (tiles, merged blocks, tokens without a patch);
+    ``""`` when they are. ``family`` (the adapter's) names known cases."""
+    toks = as_canvas_tokens(tokens)
+    images = sorted({t.image for t in toks if t.col >= 0})
+    no_patch = sum(1 for t in toks if t.col < 0)
+    notes = []
+    fam = (family or "").lower()
+    if len(images) > 1:
+        notes.append(
+            f"visual tokens come from {len(images)} views of the image (tiles and a whole-image view); "
+            f"the grid shows the whole-image view (image {primary_image(toks)})"
+        )
+    if fam.startswith("qwen2") or "qwen" in fam:
+        notes.append("each visual token is a merged 2x2 block of patches")
+    if fam.startswith("idefics") or "smolvlm" in fam:
+        notes.append("each visual token is a pixel-shuffled block of patches")
+    if no_patch:
+        notes.append(
+            f"{no_patch} visual token(s) have no patch of their own (newline / CLS / pooled) and are not drawn"
+        )
+    return "; ".join(notes)
+
+
+class _BoxesItem(pg.GraphicsObject):
+    """Base of the grid and heatmap items: boxes in image pixels; ``paint``
+    draws only the boxes that meet the exposed rectangle, so a brush repaint
+    of a small dirty rectangle stays cheap with thousands of cells."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFlag(QGraphicsItem.GraphicsItemFlag.ItemUsesExtendedStyleOption, True)
+        self._boxes = np.zeros((0, 4))
+        self._bounds = QRectF()
+
+    def _set_boxes(self, boxes: np.ndarray) -> None:
+        self.prepareGeometryChange()
+        self._boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
+        if len(self._boxes):
+            x0, y0 = self._boxes[:, 0].min(), self._boxes[:, 1].min()
+            x1, y1 = self._boxes[:, 2].max(), self._boxes[:, 3].max()
+            self._bounds = QRectF(x0, y0, x1 - x0, y1 - y0)
+        else:
+            self._bounds = QRectF()
+        self.update()
+
+    def _exposed(self, option) -> np.ndarray:
+        """Indices of the boxes that meet the exposed rectangle (with a pixel of slack for pens)."""
+        r = option.exposedRect.adjusted(-1, -1, 1, 1)
+        b = self._boxes
+        return np.nonzero(
+            (b[:, 0] <= r.right()) & (b[:, 2] >= r.left()) & (b[:, 1] <= r.bottom()) & (b[:, 3] >= r.top())
+        )[0]
+
+    def boundingRect(self) -> QRectF:
+        return self._bounds.adjusted(-1, -1, 1, 1)
+
+
+class GridItem(_BoxesItem):
+    """Outlines of the patch boxes (a thin cosmetic pen: one screen pixel at any zoom)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rects: list[QRectF] = []
+        self._pens = [QPen(QColor(0, 0, 0, 120), 0), QPen(QColor(255, 255, 255, 200), 0, Qt.PenStyle.DashLine)]
+        for pen in self._pens:
+            pen.setCosmetic(True)
+
+    def set_rects(self, rects: list[QRectF]) -> None:
+        self.rects = rects
+        self._set_boxes([(r.left(), r.top(), r.right(), r.bottom()) for r in rects])
+
+    def paint(self, p, option, widget=None) -> None:
+        if not self.rects:
+            return
+        rects = [self.rects[i] for i in self._exposed(option)]
+        p.setBrush(Qt.BrushStyle.NoBrush)
+        for pen in self._pens:
+            p.setPen(pen)
+            p.drawRects(rects)
+
+
+class PatchHeatmapItem(_BoxesItem):
+    """One filled box per visual token, coloured by its value (NaN: not drawn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cells: list[tuple[CanvasToken, float, QColor]] = []
+
+    def set_cells(self, cells: list[tuple[CanvasToken, float, QColor]]) -> None:
+        self.cells = cells
+        self._rects = [_rect(t.box) for t, _, _ in cells]
+        self._set_boxes([t.box for t, _, _ in cells])
+
+    def paint(self, p, option, widget=None) -> None:
+        p.setPen(Qt.PenStyle.NoPen)
+        for i in self._exposed(option):
+            _, value, color = self.cells[i]
+            if np.isfinite(value):
+                p.fillRect(self._rects[i], color)
+
+
+def _rect(box) -> QRectF:
+    x0, y0, x1, y1 = box
+    return QRectF(x0, y0, x1 - x0, y1 - y0)
+
+
+class _CanvasViewBox(pg.ViewBox):
+    """A ViewBox that hands left-button drags and clicks to the canvas's tool
+    while a paint tool is active; otherwise it pans and zooms as usual."""
+
+    def __init__(self, canvas: ImageCanvas):
+        super().__init__(lockAspect=True, invertY=True, enableMenu=False)
+        self._canvas = canvas
+
+    def mouseDragEvent(self, ev, axis=None) -> None:
+        if self._canvas.mode() != "view" and ev.button() == Qt.MouseButton.LeftButton:
+            ev.accept()
+            self._canvas._tool_drag(ev)
+            return
+        super().mouseDragEvent(ev, axis)
+
+    def mouseClickEvent(self, ev) -> None:
+        if self._canvas.mode() in ("brush", "eraser") and ev.button() == Qt.MouseButton.LeftButton:
+            ev.accept()
+            p = self.mapSceneToView(ev.scenePos())
+            self._canvas.begin_stroke(p.x(), p.y())
+            self._canvas.end_stroke()
+            return
+        super().mouseClickEvent(ev)
+
+
+class ImageCanvas(QWidget):
+    """An image with its visual-token grid, a patch heatmap and a paintable mask.
+
+    Data in: :meth:`set_image`, :meth:`set_tokens`, :meth:`set_heatmap`,
+    :meth:`set_token_note`, :meth:`set_mask`. Tools: :meth:`set_mode`
+    (``"view"`` pans and zooms; ``"brush"``, ``"eraser"``, ``"box"`` edit the
+    mask), :meth:`set_brush_size`, :meth:`undo`, :meth:`redo`,
+    :meth:`clear_mask`. Painting by program (tests, scripts) uses
+    :meth:`begin_stroke` / :meth:`stroke_to` / :meth:`end_stroke` and
+    :meth:`paint_box` with image-pixel coordinates.
+
+    Signals:
+        mask_changed(np.ndarray): ``(H, W)`` bool copy after each finished edit.
+        token_hovered(int): the hovered token's position in the token list, -1 for none.
+        mode_changed(str): the tool changed.
+    """
+
+    mask_changed = Signal(object)
+    token_hovered = Signal(int)
+    mode_changed = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None, *, paint: bool = False):
+        super().__init__(parent)
+        self.image: np.ndarray | None = None
+        self.tokens: list[CanvasToken] = []
+        self.cells: list[CanvasToken] = []  # the tokens drawn as grid cells (col >= 0, shown image)
+        self.shown_image: int | None = None
+        self.values: np.ndarray | None = None  # per token in self.tokens (NaN: none)
+        self.levels: tuple[float, float] | None = None
+        self.colormap: pg.ColorMap | None = None
+        self.heatmap_label = ""
+        self._boxes = np.zeros((0, 4))
+        self._mode = "view"
+        self._interpolated = False
+        self._box_start: QPointF | None = None
+        self._build()
+        self.painter = MaskPainter(self)
+        self.painter.overlay.setZValue(30)
+        self.plot.addItem(self.painter.overlay)
+        self.painter.mask_changed.connect(self.mask_changed)
+        self.undo_stack = self.painter.undo_stack
+        self.set_mode("brush" if paint else "view")
+
+    # ----- layout -------------------------------------------------------
+
+    def _build(self) -> None:
+        self.grid_check = QCheckBox("grid")
+        self.grid_check.setChecked(True)
+        self.grid_check.toggled.connect(self.set_grid_visible)
+        self.heatmap_check = QCheckBox("heatmap")
+        self.heatmap_check.setChecked(True)
+        self.heatmap_check.toggled.connect(lambda _: self._show_heatmap_items())
+        self.interpolated_check = QCheckBox("interpolated")
+        self.interpolated_check.setToolTip(
+            "show an upsampled, smoothed heatmap (display only: " + INTERPOLATED_FLAG + ")"
+        )
+        self.interpolated_check.toggled.connect(self.set_interpolated)
+        self.heatmap_title = _plain_label()
+        self.heatmap_title.setStyleSheet("font-weight: bold;")
+        top = QHBoxLayout()
+        top.setContentsMargins(0, 0, 0, 0)
+        top.addWidget(self.grid_check)
+        top.addWidget(self.heatmap_check)
+        top.addWidget(self.interpolated_check)
+        top.addSpacing(12)
+        top.addWidget(self.heatmap_title, stretch=1)
+
+        self.note_label = _plain_label()
+        self.note_label.setWordWrap(True)
+        self.note_label.setStyleSheet("background: #fff3cd; color: #664d03; padding: 3px; border: 1px solid #e0c060;")
+        self.note_label.hide()
+
+        self.view = pg.GraphicsLayoutWidget()
+        self.view.setBackground("w")
+        self.view.setAcceptDrops(False)
+        self.view.viewport().setAcceptDrops(False)
+        self.view.ci.layout.setContentsMargins(2, 2, 2, 2)
+        self.viewbox = _CanvasViewBox(self)
+        self.plot = self.view.addPlot(viewBox=self.viewbox)
+        self.plot.setMenuEnabled(False)
+        self.plot.hideButtons()
+        for axis in ("left", "bottom"):
+            self.plot.getAxis(axis).setStyle(tickLength=-4)
+            self.plot.getAxis(axis).setTextPen("#444")
+        self.viewbox.setBackgroundColor("#e6e6e6")  # shows the image's edges
+        self.image_item = pg.ImageItem(axisOrder="row-major")
+        self.plot.addItem(self.image_item)
+        self.heatmap_item = PatchHeatmapItem()
+        self.heatmap_item.setZValue(10)
+        self.heatmap_item.setOpacity(0.55)
+        self.plot.addItem(self.heatmap_item)
+        self.smooth_item = pg.ImageItem(axisOrder="row-major")
+        self.smooth_item.setZValue(10)
+        self.smooth_item.setOpacity(0.55)
+        self.smooth_item.hide()
+        self.plot.addItem(self.smooth_item)
+        self.grid_item = GridItem()
+        self.grid_item.setZValue(20)
+        self.plot.addItem(self.grid_item)
+        self.hover_item = QGraphicsRectItem()
+        pen = QPen(QColor(255, 200, 0), 2)
+        pen.setCosmetic(True)
+        self.hover_item.setPen(pen)
+        self.hover_item.setZValue(40)
+        self.hover_item.hide()
+        self.plot.addItem(self.hover_item)
+        self.cursor_item = QGraphicsEllipseItem()
+        cpen = QPen(QColor(20, 20, 20), 1)
+        cpen.setCosmetic(True)
+        self.cursor_item.setPen(cpen)
+        self.cursor_item.setZValue(50)
+        self.cursor_item.hide()
+        self.plot.addItem(self.cursor_item)
+        self.box_item = QGraphicsRectItem()
+        bpen = QPen(QColor(255, 0, 170), 2, Qt.PenStyle.DashLine)
+        bpen.setCosmetic(True)
+        self.box_item.setPen(bpen)
+        self.box_item.setBrush(QBrush(QColor(255, 0, 170, 40)))
+        self.box_item.setZValue(50)
+        self.box_item.hide()
+        self.plot.addItem(self.box_item)
+
+        self.colorbar = pg.ColorBarItem(
+            values=(0, 1), width=14, colorMap=pg.colormap.get(SEQUENTIAL_MAP), interactive=False, colorMapMenu=False
+        )
+        self.colorbar.getAxis("right").setTextPen("#222")
+        self.view.addItem(self.colorbar)
+        self.colorbar.hide()
+
+        # The banner lives on the view itself (a child widget over the viewport): it stays put
+        # whatever the zoom, and shows in screenshots.
+        self.interpolated_label = QLabel(INTERPOLATED_TEXT, self.view)
+        self.interpolated_label.setTextFormat(Qt.TextFormat.PlainText)
+        self.interpolated_label.setStyleSheet(
+            "background: rgba(255, 235, 150, 235); color: #5a3b00; font-weight: bold; padding: 3px 6px;"
+            "border: 1px solid #b8860b;"
+        )
+        self.interpolated_label.move(8, 8)
+        self.interpolated_label.adjustSize()
+        self.interpolated_label.hide()
+
+        self.hover_label = _plain_label("hover over the image for a token")
+        self.hover_label.setStyleSheet("color: #333;")
+        self.hover_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(3)
+        layout.addLayout(top)
+        layout.addWidget(self.note_label)
+        layout.addWidget(self.view, stretch=1)
+        layout.addWidget(self.hover_label)
+
+        self.view.scene().sigMouseMoved.connect(self._on_mouse_moved)
+
+    # ----- data in -------------------------------------------------------
+
+    def set_image(self, image) -> None:
+        """Show ``image``: a PIL image or an ``(H, W)``, ``(H, W, 3)`` or ``(H, W, 4)``
+        uint8 array (row 0 at the top). The mask starts empty at the image's size
+        and the undo history is cleared; tokens and heatmap are kept."""
+        if isinstance(image, Image.Image):
+            image = np.asarray(image.convert("RGBA" if image.mode in ("RGBA", "LA", "P") else "RGB"))
+        arr = np.asarray(image)
+        if arr.ndim not in (2, 3) or (arr.ndim == 3 and arr.shape[2] not in (3, 4)):
+            raise ValueError(f"expected an (H, W), (H, W, 3) or (H, W, 4) image, got shape {arr.shape}")
+        if arr.dtype != np.uint8:
+            arr = np.clip(arr * (255.0 if arr.max(initial=0) <= 1.0 else 1.0), 0, 255).astype(np.uint8)
+        self.image = arr
+        self.image_item.setImage(arr, autoLevels=False, levels=(0, 255))
+        self.painter.reset(arr.shape[:2])
+        self.plot.autoRange(padding=0.02)
+
+    def image_size(self) -> tuple[int, int] | None:
+        """``(width, height)`` of the shown image."""
+        return None if self.image is None else (self.image.shape[1], self.image.shape[0])
+
+    def set_tokens(self, tokens: Sequence | None, image: int | str | None = "primary") -> None:
+        """Draw the patch grid of ``tokens`` (:class:`core.geometry.VisualToken` or
+        their JSON dicts; boxes in original-image pixels). Tokens with ``col < 0``
+        (newline, CLS) are not cells. ``image``: which image's (tile's) tokens are
+        cells: ``"primary"`` (the whole-image view, default), an index, or None for all.
+        The heatmap is cleared."""
+        self.tokens = as_canvas_tokens(tokens or [])
+        if image == "primary":
+            image = primary_image(self.tokens)
+        self.shown_image = image
+        self.cells = [t for t in self.tokens if t.col >= 0 and (image is None or t.image == image)]
+        self._boxes = np.array([t.box for t in self.cells], dtype=np.float64).reshape(-1, 4)
+        self.grid_item.set_rects([_rect(t.box) for t in self.cells])
+        self.hover_item.hide()
+        self.clear_heatmap()
+
+    def set_heatmap(
+        self,
+        values,
+        *,
+        label: str = "",
+        levels: tuple[float, float] | None = None,
+        colormap: str | pg.ColorMap | None = None,
+    ) -> None:
+        """Colour each grid cell by a value.
+
+        Args:
+            values: one value per token in the :meth:`set_tokens` list
+                (``(n_tokens,)``), or one per drawn cell in order, or a grid
+                ``(rows, cols)`` indexed by the cells' ``row, col`` (the
+                ``visual_patch_mass`` layout), or ``{token index: value}``.
+                NaN leaves a cell empty. None clears the heatmap.
+            label: what the values are (shown above the canvas and on the colour bar).
+            levels: ``(low, high)`` of the colour scale; default: the data's
+                range, symmetric around 0 when the values change sign.
+            colormap: a pyqtgraph colour-map name or ColorMap; default
+                viridis, or a diverging blue-white-red map for signed values.
+        """
+        if values is None:
+            self.clear_heatmap()
+            return
+        per_token = self._values_per_token(values)
+        cell_values = np.array([per_token[t.item] for t in self.cells], dtype=np.float64)
+        finite = cell_values[np.isfinite(cell_values)]  # the scale covers what is drawn
+        signed = finite.size and finite.min() < 0 < finite.max()
+        if levels is None:
+            if not finite.size:
+                levels = (0.0, 1.0)
+            elif signed:
+                m = float(np.abs(finite).max())
+                levels = (-m, m)
+            else:
+                levels = (float(finite.min()), float(finite.max()))
+        lo, hi = float(levels[0]), float(levels[1])
+        if hi == lo:
+            lo, hi = lo - 0.5, hi + 0.5
+        elif hi < lo:
+            lo, hi = hi, lo
+        if colormap is None:
+            colormap = DIVERGING_MAP if signed else SEQUENTIAL_MAP
+        cmap = pg.colormap.get(colormap) if isinstance(colormap, str) else colormap
+        self.values, self.levels, self.colormap, self.heatmap_label = per_token, (lo, hi), cmap, label
+        colors = self._colors(cell_values)
+        self.heatmap_item.set_cells(
+            [(t, float(v), QColor(int(c[0]), int(c[1]), int(c[2]))) for t, v, c in zip(self.cells, cell_values, colors)]
+        )
+        self.colorbar.setColorMap(cmap)
+        self.colorbar.setLevels((lo, hi))
+        self.colorbar.getAxis("right").setLabel(label)
+        self.heatmap_title.setText(f"heatmap: {label}" if label else "heatmap")
+        self._update_smooth()
+        self._show_heatmap_items()
+
+    def clear_heatmap(self) -> None:
+        self.values = self.levels = self.colormap = None
+        self.heatmap_label = ""
+        self.heatmap_item.set_cells([])
+        self.smooth_item.clear()
+        self.heatmap_title.setText("")
+        self._show_heatmap_items()
+
+    def _values_per_token(self, values) -> np.ndarray:
+        n = len(self.tokens)
+        out = np.full(n, np.nan)
+        if isinstance(values, Mapping):
+            by_index = {t.index: t.item for t in self.tokens}
+            for k, v in values.items():
+                if int(k) in by_index:
+                    out[by_index[int(k)]] = np.nan if v is None else float(v)
+            return out
+        arr = np.array(values, dtype=np.float64)  # None -> nan
+        if arr.ndim == 2:
+            for t in self.cells:
+                if 0 <= t.row < arr.shape[0] and 0 <= t.col < arr.shape[1]:
+                    out[t.item] = arr[t.row, t.col]
+            return out
+        if arr.ndim == 1 and len(arr) == n:
+            return arr.copy()
+        if arr.ndim == 1 and len(arr) == len(self.cells):
+            for t, v in zip(self.cells, arr):
+                out[t.item] = v
+            return out
+        raise ValueError(
+            f"{arr.shape} heatmap values do not fit {n} tokens ({len(self.cells)} grid cells): give one value "
+            "per token, one per cell, or a (rows, cols) grid"
+        )
+
+    def _colors(self, values: np.ndarray) -> np.ndarray:
+        """``(n, 4)`` uint8 RGBA of ``values`` on the current colour map and levels (NaN: transparent)."""
+        lo, hi = self.levels
+        norm = np.clip((np.nan_to_num(values, nan=lo) - lo) / (hi - lo), 0.0, 1.0)
+        rgba = np.asarray(self.colormap.map(norm, mode=pg.ColorMap.BYTE), dtype=np.uint8).reshape(-1, 4).copy()
+        rgba[~np.isfinite(values), 3] = 0
+        return rgba
+
+    def color_of(self, value: float) -> QColor:
+        """The colour-map colour of ``value`` at the current levels (opaque)."""
+        c = self._colors(np.array([value], dtype=np.float64))[0]
+        return QColor(int(c[0]), int(c[1]), int(c[2]))
+
+    def set_token_note(self, text: str) -> None:
+        """A note above the canvas, e.g. that the model's visual tokens are tiles,
+        merged blocks or a pooled mixture (hidden when empty)."""
+        self.note_label.setText(text or "")
+        self.note_label.setVisible(bool(text))
+
+    def token_note(self) -> str:
+        return self.note_label.text()
+
+    def set_grid_visible(self, visible: bool) -> None:
+        self.grid_item.setVisible(bool(visible))
+        if self.grid_check.isChecked() != bool(visible):
+            self.grid_check.setChecked(bool(visible))
+
+    # ----- interpolated view ---------------------------------------------
+
+    def set_interpolated(self, on: bool) -> None:
+        """Show the upsampled smooth heatmap instead of the patch cells; the
+        banner ``interpolated: visual smoothing, not a causal pixel mask`` is on
+        the canvas exactly while this is on."""
+        on = bool(on)
+        self._interpolated = on
+        if self.interpolated_check.isChecked() != on:
+            self.interpolated_check.blockSignals(True)
+            self.interpolated_check.setChecked(on)
+            self.interpolated_check.blockSignals(False)
+        self.interpolated_label.setVisible(on)
+        self.interpolated_label.raise_()
+        self._update_smooth()
+        self._show_heatmap_items()
+
+    def is_interpolated(self) -> bool:
+        return self._interpolated
+
+    def _show_heatmap_items(self) -> None:
+        has = self.values is not None and bool(self.heatmap_item.cells)
+        on = has and self.heatmap_check.isChecked()
+        self.heatmap_item.setVisible(on and not self._interpolated)
+        self.smooth_item.setVisible(on and self._interpolated)
+        self.colorbar.setVisible(has)
+
+    def _update_smooth(self) -> None:
+        """Bilinear upsampling of the cell grid over the grid's pixel extent (display only)."""
+        if not self._interpolated or self.values is None or not self.cells:
+            return
+        rows = max(t.row for t in self.cells) + 1
+        cols = max(t.col for t in self.cells) + 1
+        grid = np.full((rows, cols), np.nan, dtype=np.float32)
+        for t in self.cells:
+            grid[t.row, t.col] = self.values[t.item]
+        x0, y0 = self._boxes[:, 0].min(), self._boxes[:, 1].min()
+        x1, y1 = self._boxes[:, 2].max(), self._boxes[:, 3].max()
+        w, h = max(x1 - x0, 1.0), max(y1 - y0, 1.0)
+        scale = min(1.0, MAX_SMOOTH_SIDE / max(w, h))
+        out_w, out_h = max(cols, int(round(w * scale))), max(rows, int(round(h * scale)))
+        missing = ~np.isfinite(grid)
+        filled = np.where(missing, np.nanmean(grid) if (~missing).any() else 0.0, grid).astype(np.float32)
+        smooth = np.asarray(Image.fromarray(filled, mode="F").resize((out_w, out_h), Image.BILINEAR))
+        holes = np.asarray(Image.fromarray(missing.astype(np.uint8) * 255).resize((out_w, out_h), Image.NEAREST)) > 0
+        rgba = self._colors(np.where(holes, np.nan, smooth).ravel()).reshape(out_h, out_w, 4)
+        self.smooth_item.setImage(rgba, autoLevels=False, levels=(0, 255))
+        self.smooth_item.setRect(QRectF(x0, y0, w, h))
+
+    # ----- hover ---------------------------------------------------------
+
+    def token_at(self, x: float, y: float) -> CanvasToken | None:
+        """The drawn cell whose box holds image point ``(x, y)`` (the smallest
+        box when boxes overlap), or None."""
+        if not len(self._boxes):
+            return None
+        b = self._boxes
+        inside = np.nonzero((x >= b[:, 0]) & (x < b[:, 2]) & (y >= b[:, 1]) & (y < b[:, 3]))[0]
+        if not len(inside):
+            return None
+        areas = (b[inside, 2] - b[inside, 0]) * (b[inside, 3] - b[inside, 1])
+        return self.cells[int(inside[int(np.argmin(areas))])]
+
+    def value_of(self, token: CanvasToken) -> float | None:
+        """The heatmap value of ``token`` (None: no heatmap or no value)."""
+        if self.values is None:
+            return None
+        v = float(self.values[token.item])
+        return v if np.isfinite(v) else None
+
+    def describe_point(self, x: float, y: float) -> str:
+        """The hover text for image point ``(x, y)``."""
+        t = self.token_at(x, y)
+        if t is None:
+            size = self.image_size()
+            inside = size is not None and 0 <= x < size[0] and 0 <= y < size[1]
+            return f"pixel ({int(x)}, {int(y)}): no visual token here" if inside else ""
+        x0, y0, x1, y1 = t.box
+        text = (
+            f"token {t.index}  ·  image {t.image}, row {t.row}, col {t.col}  ·  "
+            f"box [{x0:.1f}, {y0:.1f}, {x1:.1f}, {y1:.1f}] px"
+        )
+        v = self.value_of(t)
+        if self.values is not None:
+            name = self.heatmap_label or "value"
+            text += f"  ·  {name} = {v:.4g}" if v is not None else f"  ·  {name}: n/a"
+        return text
+
+    def hover_at(self, x: float, y: float) -> CanvasToken | None:
+        """Update the hover read-outs (label, tooltip, highlight) for image point ``(x, y)``."""
+        t = self.token_at(x, y)
+        text = self.describe_point(x, y)
+        self.hover_label.setText(text or "hover over the image for a token")
+        self.view.setToolTip(text)
+        if t is not None:
+            self.hover_item.setRect(_rect(t.box))
+            self.hover_item.show()
+        else:
+            self.hover_item.hide()
+        self.token_hovered.emit(t.item if t is not None else -1)
+        return t
+
+    def _on_mouse_moved(self, scene_pos) -> None:
+        if not self.plot.sceneBoundingRect().contains(scene_pos):
+            return
+        p = self.viewbox.mapSceneToView(scene_pos)
+        self.hover_at(p.x(), p.y())
+        self._place_cursor(p.x(), p.y())
+
+    def _place_cursor(self, x: float, y: float) -> None:
+        if self._mode in ("brush", "eraser"):
+            r = max(self.painter.size / 2.0, 0.5)
+            self.cursor_item.setRect(QRectF(x - r, y - r, 2 * r, 2 * r))
+            self.cursor_item.show()
+        else:
+            self.cursor_item.hide()
+
+    # ----- tools ---------------------------------------------------------
+
+    def set_mode(self, mode: str) -> None:
+        """``"view"`` (pan / zoom), ``"brush"``, ``"eraser"`` or ``"box"``."""
+        if mode not in MODES:
+            raise ValueError(f"unknown tool {mode!r}; expected one of {', '.join(MODES)}")
+        if self.painter.is_stroking():
+            self.end_stroke()
+        self._mode = mode
+        self.cursor_item.setVisible(False)
+        self.view.setCursor(Qt.CursorShape.ArrowCursor if mode == "view" else Qt.CursorShape.CrossCursor)
+        self.mode_changed.emit(mode)
+
+    def mode(self) -> str:
+        return self._mode
+
+    def set_brush_size(self, size: float) -> None:
+        """Brush and eraser diameter in image pixels (at least 1)."""
+        self.painter.size = max(1.0, float(size))
+
+    def brush_size(self) -> float:
+        return self.painter.size
+
+    def mask(self) -> np.ndarray:
+        """A copy of the painted region, ``(H, W)`` bool on the original image."""
+        return self.painter.mask.copy()
+
+    def set_mask(self, mask: np.ndarray, *, undoable: bool = True) -> None:
+        """Replace the region (``(H, W)`` bool, the image's size)."""
+        self.painter.set_mask(mask, undoable=undoable)
+
+    def clear_mask(self) -> None:
+        """Empty the region (one undo step)."""
+        self.painter.clear()
+
+    def undo(self) -> None:
+        self.undo_stack.undo()
+
+    def redo(self) -> None:
+        self.undo_stack.redo()
+
+    def begin_stroke(self, x: float, y: float) -> None:
+        """Start a brush (or eraser, in eraser mode) stroke at image point ``(x, y)``."""
+        self.painter.begin(x, y, erase=self._mode == "eraser")
+
+    def stroke_to(self, x: float, y: float) -> None:
+        """Continue the stroke: the whole segment from the last point is painted."""
+        self.painter.move_to(x, y)
+
+    def end_stroke(self) -> None:
+        """Finish the stroke (one undo step)."""
+        self.painter.end()
+
+    def paint_box(self, x0: float, y0: float, x1: float, y1: float, *, erase: bool = False) -> None:
+        """Fill the box between two corners (image pixels): one undo step."""
+        self.painter.fill_box(x0, y0, x1, y1, erase=erase)
+
+    def _tool_drag(self, ev) -> None:
+        p = self.viewbox.mapSceneToView(ev.scenePos())
+        if self._mode == "box":
+            if ev.isStart():
+                self._box_start = self.viewbox.mapSceneToView(ev.buttonDownScenePos())
+            if self._box_start is None:
+                return
+            s = self._box_start
+            self.box_item.setRect(QRectF(s, p).normalized())
+            self.box_item.show()
+            if ev.isFinish():
+                self.box_item.hide()
+                self._box_start = None
+                self.paint_box(s.x(), s.y(), p.x(), p.y())
+            return
+        if ev.isStart():
+            s = self.viewbox.mapSceneToView(ev.buttonDownScenePos())
+            self.begin_stroke(s.x(), s.y())
+        self.stroke_to(p.x(), p.y())
+        self._place_cursor(p.x(), p.y())
+        if ev.isFinish():
+            self.end_stroke()
+
+
+def _plain_label(text: str = "") -> QLabel:
+    label = QLabel(text)
+    label.setTextFormat(Qt.TextFormat.PlainText)
+    return label

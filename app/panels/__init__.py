@@ -1,0 +1,1 @@
+"""The side panels of the main window: attention, DLA, lens, counterfactual, audit."""

@@ -1,0 +1,570 @@
+"""Attention panel: the answer position's attention, layer x head.
+
+Two heat grids side by side, one cell per (block, head): the mass on the
+visual tokens and, separately, the mass on BOS / the sink (never folded into
+the visual mass). Clicking a cell selects that head: :attr:`AttentionPanel.head_selected`
+fires with ``(layer, head)`` (``layer`` is the block index of the analyze JSON)
+and the panel shows the head's entropy, argmax source, other mass and its
+patch map (patch-granular, not interpolated). A second tab shows per-head
+distributions over a dataset run (:func:`core.methods.patterns.pattern_statistics`)
+as box plots.
+
+The helpers :class:`HeatGrid`, :func:`style_plot` and :func:`token_grid` are
+shared with the other panels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPoint, QPointF, QRectF, Qt, Signal
+from PySide6.QtGui import QColor, QFontDatabase, QPen
+from PySide6.QtWidgets import (
+    QComboBox,
+    QGraphicsRectItem,
+    QHBoxLayout,
+    QLabel,
+    QSizePolicy,
+    QSplitter,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+FOREGROUND = "#202020"
+MASS_MAP = "viridis"
+SINK_MAP = "CET-L12"  # light to dark blue: the sink grid never looks like the visual grid
+SIGNED_MAP = "CET-D1"  # blue - white - red, for signed values
+MAX_ANNOTATED_CELLS = 256  # cells get their value written in them up to this many
+
+
+def plain_label(text: str = "", *, wrap: bool = False) -> QLabel:
+    """A label that never interprets its text as HTML (tokens like ``<image>``)."""
+    label = QLabel(text)
+    label.setTextFormat(Qt.TextFormat.PlainText)
+    label.setWordWrap(wrap)
+    label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    return label
+
+
+def style_plot(plot: pg.PlotItem) -> None:
+    """Dark axes and labels, readable on the panels' white plot background."""
+    for name in ("left", "bottom", "right", "top"):
+        axis = plot.getAxis(name)
+        axis.setPen(pg.mkPen(FOREGROUND))
+        axis.setTextPen(pg.mkPen(FOREGROUND))
+    plot.titleLabel.setAttr("color", FOREGROUND)
+
+
+def block_names(result: dict) -> dict[int, str]:
+    """``{block index: block name}`` from an analyze result's attention rows."""
+    return {int(a["layer"]): a.get("block", f"L{a['layer']}") for a in result.get("attention", [])}
+
+
+def is_cross_block(name: str) -> bool:
+    """Whether a block is a cross-attention block (the adapters name them ``L{l}.xattn``)."""
+    return name.endswith(".xattn")
+
+
+def token_grid(values: Sequence[float], visual_tokens: Sequence[dict], image: int | None = None) -> np.ndarray:
+    """Per-visual-token values laid onto one image's patch grid.
+
+    Args:
+        values: ``(n_visual_tokens,)``, in the order of ``result["input"]["visual_tokens"]``.
+        visual_tokens: the analyze JSON's visual token dicts (``index, row, col, image``).
+        image: which image's grid; default the image with the most patch tokens.
+
+    Returns:
+        ``(rows, cols)`` float array; cells no token covers are NaN. Tokens
+        without a patch (``col < 0``: newline, CLS) are left out.
+    """
+    values = np.asarray(values, dtype=float).ravel()
+    if len(values) != len(visual_tokens):
+        raise ValueError(f"{len(values)} values for {len(visual_tokens)} visual tokens")
+    patches = [(k, t) for k, t in enumerate(visual_tokens) if t.get("col", -1) is not None and t.get("col", -1) >= 0]
+    if not patches:
+        return np.full((0, 0), np.nan)
+    if image is None:
+        counts: dict[int, int] = {}
+        for _, t in patches:
+            counts[t.get("image", 0)] = counts.get(t.get("image", 0), 0) + 1
+        image = max(sorted(counts), key=lambda im: counts[im])
+    mine = [(k, t) for k, t in patches if t.get("image", 0) == image]
+    rows = max(t["row"] for _, t in mine) + 1
+    cols = max(t["col"] for _, t in mine) + 1
+    grid = np.full((rows, cols), np.nan)
+    for k, t in mine:
+        grid[t["row"], t["col"]] = values[k]
+    return grid
+
+
+def _lenient_update_min(label: pg.LabelItem) -> None:
+    """LabelItem.updateMin without the minimum width: the title may be clipped, the plot is not."""
+    bounds = label.itemRect()
+    label.setMinimumWidth(0)
+    label.setMinimumHeight(bounds.height())
+    label._sizeHint = {
+        Qt.SizeHint.MinimumSize: (0, bounds.height()),
+        Qt.SizeHint.PreferredSize: (bounds.width(), bounds.height()),
+        Qt.SizeHint.MaximumSize: (-1, -1),
+        Qt.SizeHint.MinimumDescent: (0, 0),
+    }
+    label.updateGeometry()
+
+
+def set_title(plot: pg.PlotItem, text: str, size: str = "10pt") -> None:
+    """A plot title that does not set the plot's minimum width (a long title
+    would otherwise push the plot wider than a narrow dock and clip it)."""
+    label = plot.titleLabel
+    if getattr(label, "updateMin", None) is not None and not getattr(label, "_lenient", False):
+        label.updateMin = lambda: _lenient_update_min(label)  # LabelItem calls it on every text change and resize
+        label._lenient = True
+    plot.setTitle(text, size=size)
+
+
+class HeatGrid(pg.PlotWidget):
+    """A labelled heat grid (row-major): cell ``(r, c)`` covers ``[c, c+1] x [r, r+1]``,
+    row 0 at the top, with a colour bar, optional values written in the cells,
+    a hover tooltip and a click that emits :attr:`cell_clicked` ``(row, col)``."""
+
+    cell_clicked = Signal(int, int)
+
+    def __init__(self, title: str = "", *, color_map: str = MASS_MAP, annotate: bool = True, parent=None):
+        super().__init__(parent=parent, background="w")
+        self.plot_item = self.getPlotItem()
+        style_plot(self.plot_item)
+        set_title(self.plot_item, title)
+        self.plot_item.setMenuEnabled(False)
+        self.plot_item.hideButtons()
+        self.plot_item.getViewBox().invertY(True)
+        self.plot_item.getViewBox().setMouseEnabled(False, False)
+        self.image_item = pg.ImageItem(axisOrder="row-major")
+        self.plot_item.addItem(self.image_item)
+        self.color_map = pg.colormap.get(color_map)
+        self.color_bar = pg.ColorBarItem(
+            values=(0, 1), colorMap=self.color_map, interactive=False, width=12, pen=FOREGROUND
+        )
+        self.color_bar.setImageItem(self.image_item, insert_in=self.plot_item)
+        self.color_bar.axis.setPen(pg.mkPen(FOREGROUND))
+        self.color_bar.axis.setTextPen(pg.mkPen(FOREGROUND))
+        self.annotate = annotate
+        self.values = np.zeros((0, 0))
+        self.row_labels: list[str] = []
+        self.col_labels: list[str] = []
+        self.value_format = "{:.2f}"
+        self._texts: list[pg.TextItem] = []
+        self._highlight = QGraphicsRectItem(0, 0, 1, 1)
+        pen = QPen(QColor("#ff2020"))
+        pen.setWidthF(3)
+        pen.setCosmetic(True)
+        self._highlight.setPen(pen)
+        self._highlight.setZValue(20)
+        self._highlight.hide()
+        self.plot_item.getViewBox().addItem(self._highlight)
+        self.scene().sigMouseClicked.connect(self._on_click)
+        self.scene().sigMouseMoved.connect(self._on_move)
+        self.plot_item.getViewBox().sigResized.connect(self._fit_texts)
+        self.setMinimumSize(160, 140)
+
+    def set_grid(
+        self,
+        values: np.ndarray,
+        row_labels: Sequence[str] | None = None,
+        col_labels: Sequence[str] | None = None,
+        *,
+        levels: tuple[float, float] | None = None,
+        value_format: str = "{:.2f}",
+    ) -> None:
+        """Show ``values (rows, cols)``; NaN cells stay empty. ``levels`` default
+        to the data range (symmetric about 0 for a signed colour map)."""
+        values = np.asarray(values, dtype=float)
+        if values.ndim != 2:
+            raise ValueError(f"a heat grid needs (rows, cols) values, got shape {values.shape}")
+        self.values = values
+        rows, cols = values.shape
+        self.row_labels = list(row_labels) if row_labels is not None else [str(r) for r in range(rows)]
+        self.col_labels = list(col_labels) if col_labels is not None else [str(c) for c in range(cols)]
+        self.value_format = value_format
+        finite = values[np.isfinite(values)]
+        if levels is None:
+            if finite.size == 0:
+                levels = (0.0, 1.0)
+            elif self.color_map.name.startswith("CET-D"):
+                m = float(np.abs(finite).max()) or 1.0
+                levels = (-m, m)
+            else:
+                lo, hi = float(finite.min()), float(finite.max())
+                levels = (lo, hi if hi > lo else lo + 1.0)
+        if values.size:
+            self.image_item.setImage(values, autoLevels=False)
+            self.image_item.setRect(QRectF(0, 0, cols, rows))
+        else:
+            self.image_item.clear()
+        self.color_bar.setLevels(levels)
+        self._set_ticks(rows, cols)
+        self._write_values(levels)
+        self.plot_item.getViewBox().setRange(xRange=(0, max(cols, 1)), yRange=(0, max(rows, 1)), padding=0.02)
+        self._highlight.hide()
+
+    def _set_ticks(self, rows: int, cols: int) -> None:
+        def ticks(labels, n):
+            step = max(1, math.ceil(n / 40))
+            major = [(i + 0.5, labels[i]) for i in range(0, n, step)]
+            return [major]
+
+        self.plot_item.getAxis("left").setTicks(ticks(self.row_labels, rows))
+        self.plot_item.getAxis("bottom").setTicks(ticks(self.col_labels, cols))
+
+    def _write_values(self, levels: tuple[float, float]) -> None:
+        for t in self._texts:
+            self.plot_item.getViewBox().removeItem(t)
+        self._texts = []
+        rows, cols = self.values.shape
+        if not self.annotate or rows * cols > MAX_ANNOTATED_CELLS:
+            return
+        lo, hi = levels
+        for r in range(rows):
+            for c in range(cols):
+                v = self.values[r, c]
+                if not np.isfinite(v):
+                    continue
+                rgba = self.color_map.map((v - lo) / (hi - lo) if hi > lo else 0.5, mode="float")
+                light = 0.299 * rgba[0] + 0.587 * rgba[1] + 0.114 * rgba[2]
+                text = pg.TextItem(self.value_format.format(v), color="k" if light > 0.55 else "w", anchor=(0.5, 0.5))
+                text.setPos(c + 0.5, r + 0.5)
+                self.plot_item.getViewBox().addItem(text)
+                self._texts.append(text)
+        self._fit_texts()
+
+    def _fit_texts(self, *_args) -> None:
+        """Cell values are written only while a cell is wide and tall enough to hold them."""
+        if not self._texts:
+            return
+        rows, cols = self.values.shape
+        rect = self.plot_item.getViewBox().sceneBoundingRect()
+        fits = rect.width() / max(cols, 1) >= 38 and rect.height() / max(rows, 1) >= 16
+        for t in self._texts:
+            t.setVisible(fits)
+
+    def highlight(self, row: int | None, col: int | None = None) -> None:
+        """Outline one cell (None hides the outline)."""
+        if row is None or col is None:
+            self._highlight.hide()
+            return
+        self._highlight.setRect(QRectF(col, row, 1, 1))
+        self._highlight.show()
+
+    def cell_at(self, scene_pos: QPointF) -> tuple[int, int] | None:
+        """The ``(row, col)`` under a scene position, or None."""
+        vb = self.plot_item.getViewBox()
+        if not vb.sceneBoundingRect().contains(scene_pos):
+            return None
+        p = vb.mapSceneToView(scene_pos)
+        r, c = math.floor(p.y()), math.floor(p.x())
+        rows, cols = self.values.shape
+        if 0 <= r < rows and 0 <= c < cols:
+            return r, c
+        return None
+
+    def cell_center(self, row: int, col: int) -> QPoint:
+        """Widget (viewport) coordinates of a cell's centre, e.g. for a test click."""
+        scene = self.plot_item.getViewBox().mapViewToScene(QPointF(col + 0.5, row + 0.5))
+        return self.mapFromScene(scene)
+
+    def _on_click(self, event) -> None:
+        if event.button() != Qt.MouseButton.LeftButton:
+            return
+        cell = self.cell_at(event.scenePos())
+        if cell is not None:
+            self.cell_clicked.emit(*cell)
+
+    def _on_move(self, scene_pos) -> None:
+        cell = self.cell_at(scene_pos)
+        if cell is None:
+            self.setToolTip("")
+            return
+        r, c = cell
+        v = self.values[r, c]
+        shown = self.value_format.format(v) if np.isfinite(v) else "—"
+        self.setToolTip(f"{self.row_labels[r]}  {self.col_labels[c]}: {shown}")
+
+
+class BoxPlot(pg.PlotWidget):
+    """Quantile boxes: a box from q25 to q75, whiskers to q05 and q95, a median line."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent=parent, background="w")
+        self.plot_item = self.getPlotItem()
+        style_plot(self.plot_item)
+        self.plot_item.setMenuEnabled(False)
+        self.plot_item.showGrid(y=True, alpha=0.25)
+        self.boxes = pg.BarGraphItem(x=[], y0=[], height=[], width=0.6, brush="#8fb3e0", pen=FOREGROUND)
+        self.whiskers = pg.PlotDataItem(pen=pg.mkPen(FOREGROUND, width=1), connect="pairs")
+        self.medians = pg.PlotDataItem(pen=pg.mkPen("#d02020", width=2), connect="pairs")
+        self.chance = pg.InfiniteLine(angle=0, pen=pg.mkPen("#d02020", width=1, style=Qt.PenStyle.DashLine))
+        for item in (self.boxes, self.whiskers, self.medians, self.chance):
+            self.plot_item.addItem(item)
+        self.chance.hide()
+
+    def set_boxes(self, labels: Sequence[str], quantiles: Sequence[dict | None], *, y_label: str = "") -> None:
+        """``quantiles[i]``: ``{"0.05", "0.25", "0.5", "0.75", "0.95"}`` (None: no data)."""
+        xs, lo, hi, wx, wy, mx, my = [], [], [], [], [], [], []
+        for i, q in enumerate(quantiles):
+            if not q:
+                continue
+            q05, q25, q50, q75, q95 = (float(q[k]) for k in ("0.05", "0.25", "0.5", "0.75", "0.95"))
+            xs.append(i)
+            lo.append(q25)
+            hi.append(q75 - q25)
+            wx += [i, i, i, i]
+            wy += [q05, q25, q75, q95]
+            mx += [i - 0.3, i + 0.3]
+            my += [q50, q50]
+        self.boxes.setOpts(x=xs, y0=lo, height=hi, width=0.6)
+        self.whiskers.setData(wx, wy)
+        self.medians.setData(mx, my)
+        self.chance.hide()
+        self._ticks(labels)
+        self.plot_item.setLabel("left", y_label)
+        self.plot_item.getViewBox().autoRange()
+
+    def set_bars(self, labels: Sequence[str], values: Sequence[float | None], *, chance: float | None, y_label: str):
+        """Plain bars (a hit rate per head) with an optional dashed chance line."""
+        xs = [i for i, v in enumerate(values) if v is not None]
+        self.boxes.setOpts(x=xs, y0=[0.0] * len(xs), height=[values[i] for i in xs], width=0.6)
+        self.whiskers.setData([], [])
+        self.medians.setData([], [])
+        if chance is not None:
+            self.chance.setValue(chance)
+            self.chance.show()
+        else:
+            self.chance.hide()
+        self._ticks(labels)
+        self.plot_item.setLabel("left", y_label)
+        self.plot_item.getViewBox().autoRange()
+
+    def _ticks(self, labels: Sequence[str]) -> None:
+        step = max(1, math.ceil(len(labels) / 24))
+        self.plot_item.getAxis("bottom").setTicks([[(i, labels[i]) for i in range(0, len(labels), step)]])
+
+
+STAT_METRICS = {
+    "visual mass": ("visual_mass", "mass on visual tokens"),
+    "BOS / sink mass": ("sink_mass", "mass on BOS / sink"),
+    "target-region mass": ("region_mass", "mass on the target region"),
+    "entropy": ("entropy", "entropy (nats)"),
+    "hit rate": ("hit_rate", "argmax in target region (share)"),
+}
+
+
+class AttentionPanel(QWidget):
+    """Layer x head attention of the answer position.
+
+    Feed it with :meth:`set_result` (the ``core.analyze.analyze`` dict) and,
+    for a dataset run, :meth:`set_statistics`. Select a head with a click or
+    :meth:`select_head`.
+
+    Signals:
+        head_selected(layer, head): a cell was clicked (``layer`` = block index).
+    """
+
+    head_selected = Signal(int, int)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.result: dict | None = None
+        self.statistics: list[dict] = []
+        self.n_samples: int | None = None
+        self.layers: list[int] = []  # grid row -> block index
+        self.heads: list[int] = []  # grid col -> head index
+        self.cells: dict[tuple[int, int], dict] = {}  # (layer, head) -> attention row
+        self.selected: tuple[int, int] | None = None
+
+        self.title = plain_label("no analysis yet: press Run")
+        self.visual_grid = HeatGrid("mass on visual tokens")
+        self.sink_grid = HeatGrid("BOS / sink mass (separate)", color_map=SINK_MAP)
+        self.patch_map = HeatGrid("selected head: patch map", annotate=False)
+        self.patch_map.setMinimumWidth(200)
+        self.details = plain_label("click a cell to select a head", wrap=True)
+        self.details.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        self.details.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Expanding)
+        self.visual_grid.cell_clicked.connect(self._on_cell)
+        self.sink_grid.cell_clicked.connect(self._on_cell)
+
+        self.details.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
+        side = QWidget()
+        s = QVBoxLayout(side)
+        s.setContentsMargins(0, 0, 0, 0)
+        s.addWidget(self.patch_map, 3)
+        s.addWidget(self.details, 2)
+        this_input = QSplitter(Qt.Orientation.Horizontal)
+        this_input.addWidget(self.visual_grid)
+        this_input.addWidget(self.sink_grid)
+        this_input.addWidget(side)
+        this_input.setSizes([380, 380, 420])
+
+        self.metric_combo = QComboBox()
+        self.metric_combo.addItems(list(STAT_METRICS))
+        self.metric_combo.currentTextChanged.connect(self._draw_statistics)
+        self.stats_note = plain_label("no dataset run loaded", wrap=True)
+        self.box_plot = BoxPlot()
+        dataset = QWidget()
+        d = QVBoxLayout(dataset)
+        d.setContentsMargins(0, 0, 0, 0)
+        row = QHBoxLayout()
+        row.addWidget(plain_label("per-head distribution over samples:"))
+        row.addWidget(self.metric_combo)
+        row.addStretch(1)
+        d.addLayout(row)
+        d.addWidget(self.box_plot, 1)
+        d.addWidget(self.stats_note)
+
+        self.tabs = QTabWidget()
+        self.tabs.addTab(this_input, "this input")
+        self.tabs.addTab(dataset, "dataset distribution")
+        self.tabs.setTabEnabled(1, False)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.title)
+        layout.addWidget(self.tabs, 1)
+
+    # ---- data in ----------------------------------------------------------
+
+    def set_result(self, result: dict | None) -> None:
+        """Show an analyze result (None clears). Keeps the selected head if it still exists."""
+        self.result = result
+        rows = (result or {}).get("attention") or []
+        self.cells = {(int(a["layer"]), int(a["head"])): a for a in rows}
+        names = block_names(result or {})
+        self.layers = sorted(names)
+        self.heads = sorted({h for _, h in self.cells})
+        vis = np.full((len(self.layers), len(self.heads)), np.nan)
+        sink = np.full_like(vis, np.nan)
+        for (layer, head), a in self.cells.items():
+            r, c = self.layers.index(layer), self.heads.index(head)
+            vis[r, c] = a["visual_mass"]
+            sink[r, c] = a["bos_mass"]
+        row_labels = [names[layer] for layer in self.layers]
+        col_labels = [f"H{h}" for h in self.heads]
+        self.visual_grid.set_grid(vis, row_labels, col_labels, levels=(0.0, 1.0))
+        self.sink_grid.set_grid(sink, row_labels, col_labels, levels=(0.0, 1.0))
+        for grid in (self.visual_grid, self.sink_grid):
+            grid.plot_item.setLabel("left", "block")
+            grid.plot_item.setLabel("bottom", "head")
+        if result:
+            t, m = result.get("target", {}), result.get("model", {})
+            self.title.setText(
+                f"{m.get('spec', '?')}: attention of the answer position {t.get('position', '?')} "
+                f"(answer {t.get('answer', '?')!r}); {len(self.layers)} blocks x {len(self.heads)} heads"
+            )
+        else:
+            self.title.setText("no analysis yet: press Run")
+        previous = self.selected
+        self.selected = None
+        if previous in self.cells:
+            self.select_head(*previous, emit=False)
+        else:
+            self.details.setText("click a cell to select a head")
+            self.patch_map.set_grid(np.zeros((0, 0)))
+
+    def set_statistics(self, statistics) -> None:
+        """Per-head distributions over a dataset run.
+
+        Args:
+            statistics: a :class:`core.methods.patterns.PatternStatistics`, a
+                dict ``{"n_samples", "heads": [HeadStatistics.to_dict(), ...]}``
+                or the list of head dicts; None clears.
+        """
+        if statistics is None:
+            heads, n = [], None
+        elif hasattr(statistics, "heads"):
+            heads, n = [h.to_dict() for h in statistics.heads], getattr(statistics, "n_samples", None)
+        elif isinstance(statistics, dict):
+            heads, n = list(statistics.get("heads", [])), statistics.get("n_samples")
+        else:
+            heads, n = list(statistics), None
+        self.statistics = sorted(heads, key=lambda h: (int(h["block"]), int(h["head"])))
+        self.n_samples = n
+        self.tabs.setTabEnabled(1, bool(self.statistics))
+        self._draw_statistics()
+
+    # ---- selection ---------------------------------------------------------
+
+    def select_head(self, layer: int, head: int, *, emit: bool = True) -> bool:
+        """Select a head (``layer`` = block index); False if the result has no such head."""
+        a = self.cells.get((int(layer), int(head)))
+        if a is None:
+            return False
+        self.selected = (int(layer), int(head))
+        r, c = self.layers.index(int(layer)), self.heads.index(int(head))
+        self.visual_grid.highlight(r, c)
+        self.sink_grid.highlight(r, c)
+        self.details.setText(self._describe(a))
+        grid = np.asarray(a.get("visual_patch_mass") or np.zeros((0, 0)), dtype=float)
+        if grid.ndim != 2:
+            grid = np.zeros((0, 0))
+        set_title(self.patch_map.plot_item, f"{a.get('block')}.H{head}: per patch, not interpolated", "9pt")
+        self.patch_map.set_grid(grid, levels=(0.0, max(float(np.nanmax(grid)) if grid.size else 0.0, 1e-6)))
+        self.patch_map.plot_item.setLabel("left", "patch row")
+        self.patch_map.plot_item.setLabel("bottom", "patch col")
+        if emit:
+            self.head_selected.emit(int(layer), int(head))
+        return True
+
+    def head_row(self, layer: int, head: int) -> dict | None:
+        """The analyze attention row of one head (its ``visual_patch_mass`` is the canvas map)."""
+        return self.cells.get((int(layer), int(head)))
+
+    def _on_cell(self, row: int, col: int) -> None:
+        self.select_head(self.layers[row], self.heads[col])
+
+    def _describe(self, a: dict) -> str:
+        name = f"{a.get('block', 'L' + str(a['layer']))}.H{a['head']}"
+        lines = [
+            f"{name}  (block {a['layer']}, head {a['head']})",
+            f"visual mass  {a['visual_mass']:.3f}",
+            f"BOS / sink   {a['bos_mass']:.3f}",
+        ]
+        for role, v in sorted((a.get("other_mass") or {}).items()):
+            lines.append(f"{role.replace('_', ' ')}  {v:.3f}")
+        lines.append(f"entropy      {a['entropy']:.3f} nats")
+        lines.append(f"argmax       {self._describe_source(a)}")
+        return "\n".join(lines)
+
+    def _describe_source(self, a: dict) -> str:
+        src = int(a["argmax_source"])
+        inp = (self.result or {}).get("input", {})
+        vts = inp.get("visual_tokens", [])
+        if is_cross_block(a.get("block", "")):
+            if 0 <= src < len(vts):
+                t = vts[src]
+                return f"key {src}: visual token {t['index']} (row {t['row']}, col {t['col']})"
+            return f"key {src}"
+        tokens = inp.get("tokens", [])
+        tok = tokens[src] if 0 <= src < len(tokens) else "?"
+        for t in vts:
+            if t.get("position") == src:
+                return f"position {src} {tok!r}: visual token {t['index']} (row {t['row']}, col {t['col']})"
+        return f"position {src} {tok!r}"
+
+    # ---- dataset distribution ----------------------------------------------
+
+    def _draw_statistics(self, *_args) -> None:
+        if not self.statistics:
+            self.box_plot.set_boxes([], [])
+            self.stats_note.setText("no dataset run loaded")
+            return
+        key, y_label = STAT_METRICS[self.metric_combo.currentText()]
+        labels = [h.get("name", f"{h['block']}.H{h['head']}") for h in self.statistics]
+        if key == "hit_rate":
+            chance = next((h["chance_hit_rate"] for h in self.statistics if h.get("chance_hit_rate") is not None), None)
+            self.box_plot.set_bars(labels, [h.get("hit_rate") for h in self.statistics], chance=chance, y_label=y_label)
+            extra = f"dashed line: chance hit rate of a uniform head ({chance:.3f})" if chance is not None else ""
+        else:
+            quantiles = [(h.get(key) or {}).get("quantiles") for h in self.statistics]
+            self.box_plot.set_boxes(labels, quantiles, y_label=y_label)
+            extra = "box: 25-75 %, whiskers: 5-95 %, red line: median"
+        n = f"{self.n_samples} samples" if self.n_samples is not None else "dataset run"
+        self.stats_note.setText(f"{n}, answer position; {extra}. Sink mass is kept apart from visual mass.")

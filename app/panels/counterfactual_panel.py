@@ -1,0 +1,703 @@
+"""The counterfactual panel: paint a region, choose a fill, ask for a run, and
+read the result beside the edited image.
+
+The panel never runs the model. "Run" emits ``run_requested(mask, fill,
+fill_options)`` and "Occlusion sweep" emits ``sweep_requested(k)``; whoever
+owns the model runs :func:`core.methods.counterfactual.region_counterfactual`
+(or ``occlusion_sweep``) in a worker and hands the result back with
+:meth:`CounterfactualPanel.set_result` / :meth:`CounterfactualPanel.set_sweep`.
+The result layout is the DESIGN.md ``counterfactual`` JSON
+(``RegionCounterfactual.to_dict()``); the sweep is ``OcclusionMap.to_dict()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyqtgraph as pg
+from PIL import Image
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QColor, QKeySequence, QShortcut
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QButtonGroup,
+    QColorDialog,
+    QComboBox,
+    QDoubleSpinBox,
+    QFileDialog,
+    QGridLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QPushButton,
+    QSlider,
+    QSpinBox,
+    QSplitter,
+    QStackedWidget,
+    QTableWidget,
+    QTableWidgetItem,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.canvas import ImageCanvas
+from core.methods.counterfactual import FILLS
+
+IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp);;All files (*)"
+TOOLS = (("brush", "Brush", "B"), ("eraser", "Eraser", "E"), ("box", "Box", "R"), ("view", "Pan", "H"))
+
+
+def _plain_label(text: str = "") -> QLabel:
+    label = QLabel(text)
+    label.setTextFormat(Qt.TextFormat.PlainText)
+    return label
+
+
+def _fmt(v: Any, signed: bool = False) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, (bool, np.bool_)):
+        return "yes" if v else "no"
+    if isinstance(v, (int, float, np.floating, np.integer)):
+        return f"{float(v):+.4f}" if signed else f"{float(v):.4f}"
+    return str(v)
+
+
+def _readonly_table(rows: int, headers: Sequence[str]) -> QTableWidget:
+    table = QTableWidget(rows, len(headers))
+    table.setHorizontalHeaderLabels(list(headers))
+    table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+    table.setSelectionMode(QAbstractItemView.SelectionMode.NoSelection)
+    table.setWordWrap(False)
+    table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+    return table
+
+
+class _ImagePreview(pg.GraphicsLayoutWidget):
+    """A small upright (row-major) image view with a caption."""
+
+    def __init__(self, caption: str):
+        super().__init__()
+        self.setBackground("w")
+        self.ci.layout.setContentsMargins(0, 0, 0, 0)
+        self.caption = self.addLabel(caption, color="#222", size="9pt")
+        self.nextRow()
+        self.box = self.addViewBox(lockAspect=True, invertY=True, enableMenu=False)
+        self.box.setBackgroundColor("#e6e6e6")
+        self.image_item = pg.ImageItem(axisOrder="row-major")
+        self.box.addItem(self.image_item)
+        self.image: np.ndarray | None = None
+
+    def set_image(self, image: np.ndarray | None, caption: str | None = None) -> None:
+        self.image = None if image is None else np.asarray(image)
+        if image is None:
+            self.image_item.clear()
+        else:
+            self.image_item.setImage(self.image, autoLevels=False, levels=(0, 255))
+            self.box.autoRange(padding=0.02)
+        if caption is not None:
+            self.caption.setText(caption, color="#222", size="9pt")
+
+
+class CounterfactualPanel(QWidget):
+    """Paint a region on the image, choose a fill, and read the answer change
+    and the region's routing read-outs side by side.
+
+    Data in: :meth:`set_image`, :meth:`set_tokens` (grid on the canvases),
+    :meth:`set_token_note`, :meth:`set_result`, :meth:`set_sweep`,
+    :meth:`set_busy`, :meth:`show_message`.
+
+    Signals:
+        run_requested(mask, fill, fill_options): ``mask`` ``(H, W)`` bool on
+            the original image; ``fill`` one of :data:`core.methods.counterfactual.FILLS`;
+            ``fill_options`` the keyword options for it (``color``, ``radius``,
+            ``seed``, ``paste_from``), ready for ``region_counterfactual(...,
+            mask, fill, **fill_options)``.
+        sweep_requested(k): run the occlusion sweep with k x k patch cells
+            (the fill is :meth:`fill_choice`).
+        mask_changed(np.ndarray): the painted region after each edit.
+    """
+
+    run_requested = Signal(object, str, dict)
+    sweep_requested = Signal(int)
+    mask_changed = Signal(object)
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.image: np.ndarray | None = None
+        self.tokens: list = []
+        self.result: dict | None = None
+        self.sweep: dict | None = None
+        self.paste_source: str | None = None
+        self._color = (128, 128, 128)
+        self._build()
+        self.set_busy(False)
+        self._update_region_label(self.canvas.mask())
+
+    # ----- layout -------------------------------------------------------
+
+    def _build(self) -> None:
+        self.canvas = ImageCanvas(paint=True)
+        self.canvas.mask_changed.connect(self._on_mask_changed)
+        self.canvas.mode_changed.connect(self._on_mode_changed)
+
+        self.tool_group = QButtonGroup(self)
+        self.tool_group.setExclusive(True)
+        self.tool_buttons: dict[str, QToolButton] = {}
+        tools = QHBoxLayout()
+        for mode, text, key in TOOLS:
+            b = QToolButton()
+            b.setText(text)
+            b.setCheckable(True)
+            b.setToolTip(f"{text} ({key})")
+            b.setShortcut(QKeySequence(key))
+            b.clicked.connect(lambda _=False, m=mode: self.canvas.set_mode(m))
+            self.tool_group.addButton(b)
+            self.tool_buttons[mode] = b
+            tools.addWidget(b)
+        self.tool_buttons[self.canvas.mode()].setChecked(True)
+        self.size_slider = QSlider(Qt.Orientation.Horizontal)
+        self.size_slider.setRange(1, 200)
+        self.size_slider.setValue(int(self.canvas.brush_size()))
+        self.size_slider.setMinimumWidth(90)
+        self.size_slider.setToolTip("brush and eraser diameter, in image pixels")
+        self.size_slider.valueChanged.connect(self._on_size)
+        self.size_label = _plain_label(f"size {int(self.canvas.brush_size())} px")
+        self.size_label.setMinimumWidth(70)
+        tools.addSpacing(6)
+        tools.addWidget(self.size_slider, stretch=1)
+        tools.addWidget(self.size_label)
+        self.undo_button = QToolButton()
+        self.undo_button.setText("Undo")
+        self.undo_button.clicked.connect(self.canvas.undo)
+        self.redo_button = QToolButton()
+        self.redo_button.setText("Redo")
+        self.redo_button.clicked.connect(self.canvas.redo)
+        self.clear_button = QToolButton()
+        self.clear_button.setText("Clear")
+        self.clear_button.clicked.connect(self.canvas.clear_mask)
+        stack = self.canvas.undo_stack
+        stack.canUndoChanged.connect(self.undo_button.setEnabled)
+        stack.canRedoChanged.connect(self.redo_button.setEnabled)
+        self.undo_button.setEnabled(stack.canUndo())
+        self.redo_button.setEnabled(stack.canRedo())
+        for b in (self.undo_button, self.redo_button, self.clear_button):
+            tools.addWidget(b)
+        for seq, slot in (
+            (QKeySequence.StandardKey.Undo, self.canvas.undo),
+            (QKeySequence.StandardKey.Redo, self.canvas.redo),
+        ):
+            sc = QShortcut(seq, self)
+            sc.setContext(Qt.ShortcutContext.WidgetWithChildrenShortcut)
+            sc.activated.connect(slot)
+
+        # fill choice, with the options of the chosen fill only
+        self.fill_combo = QComboBox()
+        self.fill_combo.addItems(list(FILLS))
+        self.fill_combo.setToolTip("what the painted pixels are replaced with")
+        self.fill_options = QStackedWidget()
+        no_options = self.fill_options.addWidget(QWidget())
+        self._option_pages: dict[str, int] = {"mean": no_options, "inpaint": no_options}
+        self.color_button = QPushButton()
+        self.color_button.setToolTip("the constant fill's colour")
+        self.color_button.clicked.connect(self._pick_color)
+        self._option_pages["constant"] = self._add_option_page(self.color_button)
+        self.radius_spin = QDoubleSpinBox()
+        self.radius_spin.setRange(0.5, 100.0)
+        self.radius_spin.setValue(4.0)
+        self.radius_spin.setSuffix(" px σ")
+        self._option_pages["blur"] = self._add_option_page(self.radius_spin)
+        self.seed_spin = QSpinBox()
+        self.seed_spin.setRange(0, 2**31 - 1)
+        self.seed_spin.setPrefix("seed ")
+        self._option_pages["noise"] = self._add_option_page(self.seed_spin)
+        self.paste_button = QPushButton("Image…")
+        self.paste_button.setToolTip("the image whose same region is pasted in (resized to this image)")
+        self.paste_button.clicked.connect(self._pick_paste_source)
+        self.paste_label = _plain_label("no image chosen")
+        self.paste_label.setStyleSheet("color: #555;")
+        self._option_pages["paste"] = self._add_option_page(self.paste_button, self.paste_label)
+        self.fill_combo.currentTextChanged.connect(self._on_fill_changed)
+        self._set_color_swatch()
+
+        self.run_button = QPushButton("Run")
+        self.run_button.setToolTip("fill the painted region and re-run the model")
+        self.run_button.setStyleSheet("font-weight: bold;")
+        self.run_button.clicked.connect(self.request_run)
+        self.sweep_k = QSpinBox()
+        self.sweep_k.setRange(1, 16)
+        self.sweep_k.setPrefix("k = ")
+        self.sweep_k.setToolTip("cells of k x k patches")
+        self.sweep_button = QPushButton("Occlusion sweep")
+        self.sweep_button.setToolTip("fill every k x k block of patches in turn: a map of the answer effect")
+        self.sweep_button.clicked.connect(self.request_sweep)
+
+        fill_row = QHBoxLayout()
+        fill_row.addWidget(_plain_label("Fill"))
+        fill_row.addWidget(self.fill_combo)
+        fill_row.addWidget(self.fill_options, stretch=1)
+        fill_row.addWidget(self.run_button)
+        sweep_row = QHBoxLayout()
+        self.region_label = _plain_label()
+        self.region_label.setStyleSheet("color: #333;")
+        sweep_row.addWidget(self.region_label, stretch=1)
+        sweep_row.addWidget(self.sweep_k)
+        sweep_row.addWidget(self.sweep_button)
+
+        self.message_label = _plain_label()
+        self.message_label.setWordWrap(True)
+        self.message_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+
+        left = QWidget()
+        left_layout = QVBoxLayout(left)
+        left_layout.setContentsMargins(0, 0, 4, 0)
+        left_layout.addLayout(tools)
+        left_layout.addWidget(self.canvas, stretch=1)
+        left_layout.addLayout(fill_row)
+        left_layout.addLayout(sweep_row)
+        left_layout.addWidget(self.message_label)
+
+        # results: pictures on top, numbers below
+        self.edited_view = _ImagePreview("edited image")
+        self.sweep_canvas = ImageCanvas()
+        self.sweep_title = _plain_label("occlusion sweep: not run")
+        self.sweep_title.setStyleSheet("font-weight: bold;")
+        self.sweep_summary = _plain_label()
+        self.sweep_summary.setWordWrap(True)
+        self.sweep_summary.setStyleSheet("color: #333;")
+        sweep_box = QWidget()
+        sweep_layout = QVBoxLayout(sweep_box)
+        sweep_layout.setContentsMargins(0, 0, 0, 0)
+        sweep_layout.addWidget(self.sweep_title)
+        sweep_layout.addWidget(self.sweep_canvas, stretch=1)
+        sweep_layout.addWidget(self.sweep_summary)
+        pictures = QSplitter(Qt.Orientation.Horizontal)
+        pictures.addWidget(self.edited_view)
+        pictures.addWidget(sweep_box)
+        pictures.setSizes([300, 360])
+
+        self.answer_group = QGroupBox("Answer change")
+        self.tokens_label = _plain_label("no run yet")
+        self.tokens_label.setWordWrap(True)
+        self.flip_label = _plain_label()
+        font = self.flip_label.font()
+        font.setBold(True)
+        font.setPointSizeF(font.pointSizeF() * 1.15)
+        self.flip_label.setFont(font)
+        self.flip_label.setWordWrap(True)
+        self.answer_table = _readonly_table(4, ["original", "edited", "change"])
+        self.answer_table.setVerticalHeaderLabels(["predicted", "answer prob", "answer logit", "logit diff"])
+        self.answer_table.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.answer_table.resizeRowsToContents()
+        height = self.answer_table.horizontalHeader().sizeHint().height() + 4
+        height += sum(self.answer_table.rowHeight(r) for r in range(self.answer_table.rowCount()))
+        self.answer_table.setFixedHeight(height)
+        self.fill_summary = _plain_label()
+        self.fill_summary.setWordWrap(True)
+        self.fill_summary.setStyleSheet("color: #555;")
+        answer_layout = QVBoxLayout(self.answer_group)
+        answer_layout.addWidget(self.tokens_label)
+        answer_layout.addWidget(self.flip_label)
+        answer_layout.addWidget(self.answer_table)
+        answer_layout.addWidget(self.fill_summary)
+        answer_layout.addStretch(1)
+
+        self.routing_group = QGroupBox("Routing read-outs for the region")
+        self.top_k = QSpinBox()
+        self.top_k.setRange(1, 64)
+        self.top_k.setValue(5)
+        self.top_k.setPrefix("top ")
+        self.top_k.valueChanged.connect(lambda _: self._show_routing())
+        self.routing_numbers = QGridLayout()
+        self.rollout_value = _plain_label("—")
+        self.dla_value = _plain_label("—")
+        self.mean_mass_value = _plain_label("—")
+        for r, (name, widget) in enumerate(
+            (
+                ("rollout mass", self.rollout_value),
+                ("DLA through region", self.dla_value),
+                ("mean head mass", self.mean_mass_value),
+            )
+        ):
+            self.routing_numbers.addWidget(_plain_label(name), r, 0)
+            self.routing_numbers.addWidget(widget, r, 1)
+        self.heads_title = _plain_label("attention mass per head")
+        self.heads_table = _readonly_table(0, ["head", "block", "mass"])
+        self.heads_table.verticalHeader().setVisible(False)
+        routing_caption = _plain_label(
+            "attention, rollout and DLA show routing and the direct write from one capture of the original; "
+            "the answer change is the causal read-out"
+        )
+        routing_caption.setWordWrap(True)
+        routing_caption.setStyleSheet("color: #666; font-size: 9pt;")
+        heads_row = QHBoxLayout()
+        heads_row.addWidget(self.heads_title, stretch=1)
+        heads_row.addWidget(self.top_k)
+        routing_layout = QVBoxLayout(self.routing_group)
+        routing_layout.addLayout(self.routing_numbers)
+        routing_layout.addLayout(heads_row)
+        routing_layout.addWidget(self.heads_table, stretch=1)
+        routing_layout.addWidget(routing_caption)
+
+        numbers = QHBoxLayout()
+        numbers.addWidget(self.answer_group, stretch=1)
+        numbers.addWidget(self.routing_group, stretch=1)
+        numbers_box = QWidget()
+        numbers_box.setLayout(numbers)
+        numbers.setContentsMargins(0, 0, 0, 0)
+
+        right = QSplitter(Qt.Orientation.Vertical)
+        right.addWidget(pictures)
+        right.addWidget(numbers_box)
+        right.setSizes([330, 400])
+
+        splitter = QSplitter(Qt.Orientation.Horizontal)
+        splitter.addWidget(left)
+        splitter.addWidget(right)
+        splitter.setStretchFactor(0, 1)
+        splitter.setStretchFactor(1, 1)
+        splitter.setSizes([560, 700])
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addWidget(splitter)
+        self._clear_numbers()
+
+    def _add_option_page(self, *widgets: QWidget) -> int:
+        page = QWidget()
+        row = QHBoxLayout(page)
+        row.setContentsMargins(0, 0, 0, 0)
+        for w in widgets:
+            row.addWidget(w)
+        row.addStretch(1)
+        return self.fill_options.addWidget(page)
+
+    # ----- data in -------------------------------------------------------
+
+    def set_image(self, image) -> None:
+        """Show an image (PIL or ``(H, W, 3)`` uint8, row 0 at the top) on the paint
+        canvas and the sweep map; clears the mask, its history and the results."""
+        if isinstance(image, Image.Image):
+            image = np.asarray(image.convert("RGB"))
+        self.image = np.asarray(image)
+        self.canvas.set_image(self.image)
+        self.sweep_canvas.set_image(self.image)
+        self.sweep_canvas.set_tokens([])
+        self.clear_result()
+        self.clear_sweep()
+
+    def set_tokens(self, tokens: Sequence | None) -> None:
+        """The visual tokens (``VisualToken`` or their dicts) drawn as the patch grid."""
+        self.tokens = list(tokens or [])
+        self.canvas.set_tokens(self.tokens)
+        self._update_region_label(self.canvas.mask())
+
+    def set_token_note(self, text: str) -> None:
+        """The canvas note about what a visual token is (tiles, merged blocks, pooled)."""
+        self.canvas.set_token_note(text)
+
+    def set_brush_size(self, size: int) -> None:
+        """Brush and eraser diameter in image pixels (moves the size slider)."""
+        self.size_slider.setValue(int(size))
+
+    def mask(self) -> np.ndarray:
+        """The painted region, ``(H, W)`` bool (a copy)."""
+        return self.canvas.mask()
+
+    def set_busy(self, busy: bool) -> None:
+        """Disable Run and the sweep while a job runs."""
+        self.run_button.setEnabled(not busy)
+        self.sweep_button.setEnabled(not busy)
+
+    def show_message(self, text: str, *, error: bool = False) -> None:
+        """One line under the canvas (red when ``error``)."""
+        self.message_label.setStyleSheet("color: #c00000;" if error else "color: #333;")
+        self.message_label.setText(text)
+
+    # ----- fill ----------------------------------------------------------
+
+    def set_fill(self, kind: str, **options) -> None:
+        """Choose the fill and its options (``color=(r, g, b)``, ``radius``, ``seed``, ``paste_from``)."""
+        if kind not in FILLS:
+            raise ValueError(f"unknown fill {kind!r}; expected one of {', '.join(FILLS)}")
+        if options.get("color") is not None:
+            self._color = tuple(int(v) for v in options["color"])
+            self._set_color_swatch()
+        if options.get("radius") is not None:
+            self.radius_spin.setValue(float(options["radius"]))
+        if options.get("seed") is not None:
+            self.seed_spin.setValue(int(options["seed"]))
+        if options.get("paste_from") is not None:
+            self.set_paste_source(options["paste_from"])
+        self.fill_combo.setCurrentText(kind)
+
+    def fill_choice(self) -> tuple[str, dict]:
+        """``(fill, options)`` as :func:`core.methods.counterfactual.region_counterfactual` takes them."""
+        kind = self.fill_combo.currentText()
+        if kind == "constant":
+            return kind, {"color": tuple(self._color)}
+        if kind == "blur":
+            return kind, {"radius": float(self.radius_spin.value())}
+        if kind == "noise":
+            return kind, {"seed": int(self.seed_spin.value())}
+        if kind == "paste":
+            return kind, {"paste_from": self.paste_source} if self.paste_source else {}
+        return kind, {}
+
+    def set_paste_source(self, path: str | Path) -> None:
+        self.paste_source = str(path)
+        self.paste_label.setText(Path(path).name)
+        self.paste_label.setToolTip(str(path))
+
+    def _on_fill_changed(self, kind: str) -> None:
+        self.fill_options.setCurrentIndex(self._option_pages.get(kind, 0))
+
+    def _set_color_swatch(self) -> None:
+        r, g, b = self._color
+        text_color = "#000" if (r * 299 + g * 587 + b * 114) / 1000 > 128 else "#fff"
+        self.color_button.setText(f"RGB {r}, {g}, {b}")
+        self.color_button.setStyleSheet(f"background: rgb({r}, {g}, {b}); color: {text_color};")
+
+    def _pick_color(self) -> None:
+        color = QColorDialog.getColor(QColor(*self._color), self, "Constant fill colour")
+        if color.isValid():
+            self._color = (color.red(), color.green(), color.blue())
+            self._set_color_swatch()
+
+    def _pick_paste_source(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Paste the region from", "", IMAGE_FILTER)
+        if path:
+            self.set_paste_source(path)
+
+    # ----- actions -------------------------------------------------------
+
+    def request_run(self) -> bool:
+        """Emit ``run_requested(mask, fill, options)``; False (and a message) when
+        there is no image, no painted pixel, or a paste fill without a source."""
+        if self.image is None:
+            self.show_message("no image to edit", error=True)
+            return False
+        mask = self.canvas.mask()
+        if not mask.any():
+            self.show_message("paint a region first (brush or box), then Run", error=True)
+            return False
+        kind, options = self.fill_choice()
+        if kind == "paste" and not options.get("paste_from"):
+            self.show_message("the paste fill needs another image: choose one with Image…", error=True)
+            return False
+        self.show_message(f"running: {kind} fill over {int(mask.sum())} px…")
+        self.run_requested.emit(mask, kind, options)
+        return True
+
+    def request_sweep(self) -> bool:
+        """Emit ``sweep_requested(k)``; False without an image."""
+        if self.image is None:
+            self.show_message("no image to sweep", error=True)
+            return False
+        k = int(self.sweep_k.value())
+        self.show_message(f"running the occlusion sweep ({k}x{k} patches per cell, {self.fill_combo.currentText()})…")
+        self.sweep_requested.emit(k)
+        return True
+
+    def _on_mask_changed(self, mask: np.ndarray) -> None:
+        self._update_region_label(mask)
+        self.mask_changed.emit(mask)
+
+    def _on_mode_changed(self, mode: str) -> None:
+        b = self.tool_buttons.get(mode)
+        if b is not None and not b.isChecked():
+            b.setChecked(True)
+
+    def _on_size(self, value: int) -> None:
+        self.canvas.set_brush_size(value)
+        self.size_label.setText(f"size {value} px")
+
+    def _update_region_label(self, mask: np.ndarray) -> None:
+        area = int(np.count_nonzero(mask))
+        if not area:
+            self.region_label.setText("region: nothing painted")
+            return
+        touched = 0
+        if self.canvas.cells:
+            b = np.array([t.box for t in self.canvas.cells])
+            h, w = mask.shape
+            for x0, y0, x1, y1 in b:
+                xa, ya = max(0, int(np.floor(x0))), max(0, int(np.floor(y0)))
+                xb, yb = min(w, int(np.ceil(x1))), min(h, int(np.ceil(y1)))
+                if xb > xa and yb > ya and mask[ya:yb, xa:xb].any():
+                    touched += 1
+        self.region_label.setText(f"region: {area} px, touches {touched} of {len(self.canvas.cells)} patch tokens")
+
+    # ----- results -------------------------------------------------------
+
+    def set_result(self, result, edited_image=None) -> None:
+        """Show a region counterfactual: ``RegionCounterfactual`` or its ``to_dict()``
+        (DESIGN.md ``counterfactual`` JSON). ``edited_image`` ``(H, W, 3)`` uint8
+        (default: the result's ``edited_image`` when it has one)."""
+        if hasattr(result, "to_dict"):
+            if edited_image is None:
+                edited_image = getattr(result, "edited_image", None)
+            result = result.to_dict()
+        if not isinstance(result, Mapping):
+            raise TypeError(f"expected a counterfactual result dict, got {type(result).__name__}")
+        if edited_image is None:
+            edited_image = result.get("edited_image")
+        self.result = dict(result)
+        o, e, eff = result.get("original") or {}, result.get("edited") or {}, result.get("effect") or {}
+        answer, foil = o.get("answer"), o.get("foil")
+        self.tokens_label.setText(
+            f"answer {answer!r} vs foil {foil!r}" if foil is not None else f"answer {answer!r} (no foil: logit only)"
+        )
+        flipped = bool(eff.get("flipped"))
+        if flipped:
+            self.flip_label.setText(f"flipped: predicted {o.get('predicted')!r} → {e.get('predicted')!r}")
+            self.flip_label.setStyleSheet("color: #b00000;")
+        else:
+            self.flip_label.setText(f"not flipped: predicted {o.get('predicted')!r} both times")
+            self.flip_label.setStyleSheet("color: #1b6e1b;")
+        rows = [
+            (o.get("predicted"), e.get("predicted"), "flipped" if flipped else "same"),
+            (_fmt(o.get("prob")), _fmt(e.get("prob")), _fmt(eff.get("prob_change"), True)),
+            (_fmt(o.get("logit")), _fmt(e.get("logit")), _fmt(eff.get("logit_change"), True)),
+            (_fmt(o.get("logit_diff")), _fmt(e.get("logit_diff")), _fmt(eff.get("logit_diff_change"), True)),
+        ]
+        for r, row in enumerate(rows):
+            for c, text in enumerate(row):
+                item = QTableWidgetItem(str(text))
+                item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
+                self.answer_table.setItem(r, c, item)
+        params = result.get("fill_parameters") or {}
+        keys = {"constant": ("color",), "blur": ("sigma_px",), "noise": ("seed",), "paste": ("source",)}
+        shown = ", ".join(f"{k} {params[k]}" for k in keys.get(result.get("fill"), ()) if k in params)
+        self.fill_summary.setText(
+            f"fill: {result.get('fill')}{' (' + shown + ')' if shown else ''}  ·  "
+            f"region {result.get('mask_area_px')} px"
+        )
+        if edited_image is not None:
+            self.edited_view.set_image(np.asarray(edited_image), f"edited image ({result.get('fill')} fill)")
+        else:
+            self.edited_view.set_image(None, "edited image: not in the result")
+        self._show_routing()
+        self.show_message("")
+
+    def _show_routing(self) -> None:
+        routing = (self.result or {}).get("routing")
+        if not routing:
+            for label in (self.rollout_value, self.dla_value, self.mean_mass_value):
+                label.setText("—")
+            self.heads_title.setText(
+                "attention mass per head: not computed" if self.result else "attention mass per head"
+            )
+            self.heads_table.setRowCount(0)
+            return
+        rollout = routing.get("rollout_mass")
+        alpha = routing.get("rollout_alpha")
+        self.rollout_value.setText(
+            f"{rollout:.4f}" + (f"  (α = {alpha})" if alpha is not None else "")
+            if rollout is not None
+            else "— (prompt too long for full patterns)"
+        )
+        dla = routing.get("dla_through_region")
+        self.dla_value.setText(_fmt(dla, True) + "  (frozen-scale)" if dla is not None else "—")
+        heads = list(routing.get("attention_mass") or [])
+        masses = [float(h["mass"]) for h in heads]
+        self.mean_mass_value.setText(f"{np.mean(masses):.4f} over {len(masses)} heads" if masses else "—")
+        k = min(int(self.top_k.value()), len(heads))
+        top = sorted(heads, key=lambda h: -float(h["mass"]))[:k]
+        self.heads_title.setText(f"attention mass per head, top {k} of {len(heads)}")
+        self.heads_table.setRowCount(len(top))
+        for r, h in enumerate(top):
+            cells = (f"L{h.get('layer')}.H{h.get('head')}", str(h.get("block", "")), f"{float(h['mass']):.4f}")
+            for c, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
+                self.heads_table.setItem(r, c, item)
+
+    def clear_result(self) -> None:
+        self.result = None
+        self.edited_view.set_image(None, "edited image")
+        self._clear_numbers()
+
+    def _clear_numbers(self) -> None:
+        self.tokens_label.setText("no run yet: paint a region, choose a fill, press Run")
+        self.flip_label.setText("")
+        for r in range(self.answer_table.rowCount()):
+            for c in range(self.answer_table.columnCount()):
+                self.answer_table.setItem(r, c, QTableWidgetItem(""))
+        self.fill_summary.setText("")
+        self._show_routing()
+
+    # ----- occlusion sweep ------------------------------------------------
+
+    def set_sweep(self, sweep, grid=None, *, label: str | None = None) -> None:
+        """Show an occlusion-sweep map on the patch grid.
+
+        Args:
+            sweep: ``OcclusionMap``, its ``to_dict()``, or a ``(grid_rows,
+                grid_cols)`` array of effects.
+            grid: with an array: the cells (``[{"row", "col", "box"}]`` or a
+                dict with ``"cells"``); default: the panel's visual tokens
+                (k = 1).
+            label: what the values are (default from the sweep).
+        """
+        if hasattr(sweep, "to_dict"):
+            sweep = sweep.to_dict()
+        flipped = None
+        k = None
+        fill = None
+        if isinstance(sweep, Mapping):
+            s = sweep.get("sweep", sweep)
+            values = s.get("logit_diff_change")
+            name = "logit diff change"
+            if values is None:
+                values, name = s.get("logit_change"), "answer logit change"
+            cells = s.get("cells")
+            flipped = s.get("flipped")
+            k, fill = s.get("k"), s.get("fill")
+            self.sweep = dict(sweep)
+        else:
+            values, name = sweep, "effect"
+            cells = grid.get("cells") if isinstance(grid, Mapping) else grid
+            if isinstance(grid, Mapping):
+                k, fill = grid.get("k"), grid.get("fill")
+            self.sweep = {"values": values, "cells": cells}
+        grid_values = np.array(values, dtype=np.float64)
+        if grid_values.ndim != 2:
+            raise ValueError(f"the sweep map must be a (rows, cols) grid, got shape {grid_values.shape}")
+        if cells is None:
+            tokens = self.tokens
+            k = k or 1
+        else:
+            tokens = [
+                {"index": i, "image": 0, "row": c["row"], "col": c["col"], "box": c["box"]}
+                for i, c in enumerate(cells)
+                if c.get("box") is not None
+            ]
+        self.sweep_canvas.set_tokens(tokens, image=None)
+        self.sweep_canvas.set_heatmap(grid_values, label=label or name)
+        where = f"k = {k}" if k else ""
+        self.sweep_title.setText(
+            "occlusion sweep" + (f" ({where}, {fill} fill)" if fill else f" ({where})" if where else "")
+        )
+        finite = np.isfinite(grid_values)
+        parts = []
+        if finite.any():
+            worst = np.unravel_index(np.nanargmin(grid_values), grid_values.shape)
+            parts.append(f"largest drop {-float(np.nanmin(grid_values)):.3f} at cell [{worst[0]}, {worst[1]}]")
+        if flipped is not None:
+            parts.append(f"{int(np.sum(np.array(flipped, dtype=bool)))} cells flip the answer")
+        if not finite.all():
+            parts.append(f"{int((~finite).sum())} cells not run")
+        parts.append("patch-granular: each cell filled on its own")
+        self.sweep_summary.setText("; ".join(parts))
+        self.show_message("")
+
+    def clear_sweep(self) -> None:
+        self.sweep = None
+        self.sweep_canvas.clear_heatmap()
+        self.sweep_title.setText("occlusion sweep: not run")
+        self.sweep_summary.setText("")

@@ -1,0 +1,263 @@
+"""Lens panel: what the final head reads from each layer's residual.
+
+Three stacked curves over layers (x = the residual stream entering block l;
+the last point, "final", is after the last block): the answer's rank, the
+logit difference (or the answer logit when there is no foil) and the KL of
+the final distribution to the layer's read-out. The logit lens comes from the
+analyze dict; more readers (a tuned lens, its identity / mean / random
+baselines) are overlaid with :meth:`LensPanel.set_readers`. A table lists the
+top tokens of one reader per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QComboBox,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.panels.attention_panel import FOREGROUND, block_names, plain_label, set_title, style_plot
+
+LOGIT_LENS = "logit lens"
+READER_COLORS = ["#1f5fb4", "#e0701b", "#2a9d3a", "#c0392b", "#8e44ad", "#7f7f7f", "#b8860b", "#17becf"]
+PLOTS = ("rank", "logit", "kl")
+
+
+def _rank(row: dict) -> float | None:
+    v = row.get("answer_rank", row.get("answer_rank_mean"))
+    return None if v is None else float(v)
+
+
+def _kl(row: dict) -> float | None:
+    if row.get("kl_to_final") is not None:
+        return float(row["kl_to_final"])
+    if row.get("kl_bits") is not None:  # eval-lens rows are in bits
+        return float(row["kl_bits"]) * math.log(2)
+    return None
+
+
+class LensPanel(QWidget):
+    """Per-layer answer rank, logit difference and KL to final, for one or more readers.
+
+    Setters: :meth:`set_result` (analyze dict: its ``logit_lens`` rows),
+    :meth:`set_readers` (``{name: rows}`` overlaid on the logit lens; rows are
+    ``{layer, answer_rank, answer_logit, logit_diff, kl_to_final, top}`` like
+    ``logit_lens``, missing keys skipped; ``answer_rank_mean`` and ``kl_bits``
+    of ``eval-lens`` rows are accepted too).
+    """
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.result: dict | None = None
+        self.readers: dict[str, list[dict]] = {}
+        self.curves: dict[str, dict[str, pg.PlotDataItem]] = {p: {} for p in PLOTS}
+
+        self.title = plain_label("no analysis yet: press Run")
+        self.graphics = pg.GraphicsLayoutWidget()
+        self.graphics.setBackground("w")
+        self.plots: dict[str, pg.PlotItem] = {}
+        for i, key in enumerate(PLOTS):
+            plot = self.graphics.addPlot(row=i, col=0)
+            style_plot(plot)
+            plot.setMenuEnabled(False)
+            plot.hideButtons()
+            plot.showGrid(x=True, y=True, alpha=0.25)
+            plot.getAxis("left").setWidth(60)
+            if i:
+                plot.setXLink(self.plots[PLOTS[0]])
+            self.plots[key] = plot
+        set_title(self.plots["rank"], "answer rank (0 = top, log scale)")
+        self.plots["rank"].setLogMode(y=True)
+        self.plots["rank"].getViewBox().invertY(True)
+        set_title(self.plots["kl"], "KL(final || layer read-out), nats")
+        self.legend = self.plots["rank"].addLegend(offset=(-10, -10), labelTextColor=FOREGROUND)
+        self.legend.setBrush(pg.mkBrush(255, 255, 255, 220))
+
+        self.reader_combo = QComboBox()
+        self.reader_combo.currentTextChanged.connect(self._fill_table)
+        self.table = QTableWidget(0, 5)
+        self.table.setHorizontalHeaderLabels(["reads", "rank", "logit", "KL", "top tokens (probability)"])
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.verticalHeader().setVisible(False)
+        header = self.table.horizontalHeader()
+        for c in range(4):
+            header.setSectionResizeMode(c, QHeaderView.ResizeMode.ResizeToContents)
+        header.setSectionResizeMode(4, QHeaderView.ResizeMode.Stretch)
+        self.note = plain_label(
+            "x: the residual stream entering each block; 'final' is after the last block (what the model outputs). "
+            "Poor read-out at a layer can be a coordinate mismatch, not absence; good read-out does not prove use.",
+            wrap=True,
+        )
+
+        side = QWidget()
+        s = QVBoxLayout(side)
+        s.setContentsMargins(0, 0, 0, 0)
+        row = QHBoxLayout()
+        row.addWidget(QLabel("top tokens per layer of:"))
+        row.addWidget(self.reader_combo, 1)
+        s.addLayout(row)
+        s.addWidget(self.table, 1)
+        splitter = QSplitter(Qt.Orientation.Horizontal)
+        splitter.addWidget(self.graphics)
+        splitter.addWidget(side)
+        splitter.setSizes([720, 520])
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.title)
+        layout.addWidget(splitter, 1)
+        layout.addWidget(self.note)
+
+    # ---- data in ----------------------------------------------------------
+
+    def set_result(self, result: dict | None) -> None:
+        """Show an analyze result's logit lens (None clears). Extra readers are kept."""
+        self.result = result
+        if result:
+            t = result.get("target", {})
+            against = f" minus foil {t['foil']!r}" if t.get("foil") else ""
+            self.title.setText(
+                f"{result.get('model', {}).get('spec', '?')}: lens read-outs at the answer position {t.get('position')}"
+                f" for answer {t.get('answer')!r}{against}"
+            )
+        else:
+            self.title.setText("no analysis yet: press Run")
+        self._redraw()
+
+    def set_readers(self, readers: dict[str, Sequence[dict]] | None) -> None:
+        """Overlay more readers, ``{name: rows}`` (replaces earlier extra readers; the logit lens stays)."""
+        self.readers = {k: list(v) for k, v in (readers or {}).items() if k != LOGIT_LENS}
+        self._redraw()
+
+    def all_readers(self) -> dict[str, list[dict]]:
+        """``{name: rows}`` of every reader drawn, the logit lens first."""
+        out = {}
+        if self.result and self.result.get("logit_lens"):
+            out[LOGIT_LENS] = list(self.result["logit_lens"])
+        out.update(self.readers)
+        return out
+
+    def layer_labels(self, n_points: int) -> list[str]:
+        """Tick label of each lens row: the block the residual enters, then "final"."""
+        names = block_names(self.result or {})
+        return [names.get(i, f"L{i}") if i < n_points - 1 else "final" for i in range(n_points)]
+
+    # ---- drawing ----------------------------------------------------------
+
+    def _uses_diff(self) -> bool:
+        rows = [r for rows in self.all_readers().values() for r in rows]
+        return any(r.get("logit_diff") is not None for r in rows)
+
+    def _redraw(self) -> None:
+        readers = self.all_readers()
+        for key, plot in self.plots.items():
+            for item in self.curves[key].values():
+                plot.removeItem(item)
+            self.curves[key] = {}
+        self.legend.clear()
+        use_diff = self._uses_diff()
+        set_title(
+            self.plots["logit"],
+            "logit difference (answer - foil)" if use_diff else "answer logit (no foil given)",
+            size="10pt",
+        )
+        n_points = max((len(rows) for rows in readers.values()), default=0)
+        for i, (name, rows) in enumerate(readers.items()):
+            rows = sorted(rows, key=lambda r: r["layer"])
+            color = READER_COLORS[i % len(READER_COLORS)]
+            style = Qt.PenStyle.SolidLine if name == LOGIT_LENS else Qt.PenStyle.DashLine
+            series = {
+                "rank": [(r["layer"], _rank(r)) for r in rows],
+                "logit": [(r["layer"], r.get("logit_diff") if use_diff else r.get("answer_logit")) for r in rows],
+                "kl": [(r["layer"], _kl(r)) for r in rows],
+            }
+            for key, pts in series.items():
+                pts = [(x, y) for x, y in pts if y is not None]
+                if not pts:
+                    continue
+                xs = np.array([p[0] for p in pts], dtype=float)
+                ys = np.array([p[1] for p in pts], dtype=float)
+                if key == "rank":
+                    ys = ys + 1.0  # log scale: rank 0 -> 1
+                curve = pg.PlotDataItem(
+                    xs,
+                    ys,
+                    pen=pg.mkPen(color, width=2, style=style),
+                    symbol="o",
+                    symbolSize=7,
+                    symbolBrush=color,
+                    symbolPen=None,
+                    name=name,
+                )
+                self.plots[key].addItem(curve)
+                self.curves[key][name] = curve
+        labels = self.layer_labels(n_points)
+        step = max(1, math.ceil(n_points / 24))
+        ticks = [[(i, labels[i]) for i in range(0, n_points, step)]]
+        for key in PLOTS:
+            self.plots[key].getAxis("bottom").setTicks(ticks)
+            self.plots[key].enableAutoRange()
+        self.plots["kl"].setLabel("bottom", "residual stream entering block")
+        self._rank_ticks(readers)
+        self._fill_readers_combo(list(readers))
+
+    def _rank_ticks(self, readers: dict[str, list[dict]]) -> None:
+        """Rank axis (log of rank + 1) labelled with ranks: 0, 1, 10, 100, ..."""
+        ranks = [_rank(r) for rows in readers.values() for r in rows]
+        top = max([r for r in ranks if r is not None], default=1.0)
+        major, minor, decade = [(0.0, "0")], [], 1
+        while decade <= max(top, 1.0) * 10:
+            major.append((math.log10(decade + 1), f"{decade:g}"))
+            minor += [(math.log10(m * decade + 1), "") for m in (2, 5) if m * decade <= top * 10]
+            decade *= 10
+        if top >= 2:
+            minor.append((math.log10(2 + 1), ""))
+        self.plots["rank"].getAxis("left").setTicks([major, minor])
+
+    def _fill_readers_combo(self, names: list[str]) -> None:
+        current = self.reader_combo.currentText()
+        self.reader_combo.blockSignals(True)
+        self.reader_combo.clear()
+        self.reader_combo.addItems(names)
+        if current in names:
+            self.reader_combo.setCurrentText(current)
+        self.reader_combo.blockSignals(False)
+        self._fill_table()
+
+    def _fill_table(self, *_args) -> None:
+        rows = sorted(self.all_readers().get(self.reader_combo.currentText(), []), key=lambda r: r["layer"])
+        labels = self.layer_labels(len(rows))
+        use_diff = self._uses_diff()
+        self.table.setHorizontalHeaderLabels(
+            ["reads", "rank", "logit diff" if use_diff else "logit", "KL (nats)", "top tokens (probability)"]
+        )
+        self.table.setRowCount(len(rows))
+        for i, r in enumerate(rows):
+            rank, kl = _rank(r), _kl(r)
+            logit = r.get("logit_diff") if use_diff else r.get("answer_logit")
+            top = ", ".join(f"{tok} {p:.2f}" for tok, p in r.get("top") or [])
+            cells = [
+                labels[i] if i < len(labels) else str(r["layer"]),
+                "" if rank is None else f"{rank:g}",
+                "" if logit is None else f"{logit:+.3f}",
+                "" if kl is None else f"{kl:.3f}",
+                top,
+            ]
+            for c, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                if c in (1, 2, 3):
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                self.table.setItem(i, c, item)

@@ -1,0 +1,558 @@
+"""Exports of a session: the audit table as CSV, Markdown, self-contained HTML
+and JSON, and the runs' patch-grid figures as PNG.
+
+* :func:`audit_csv`, :func:`audit_markdown`: the rows of
+  :meth:`core.session.Session.audit_table` (columns
+  :data:`core.session.AUDIT_COLUMNS`: run id, kind, time, model, the chapter's
+  4.13 columns, the audit record's parameters and notes, the run's parameters
+  and its result summary). Lists are joined with ``"; "``, dicts written as
+  JSON with sorted keys.
+* :func:`audit_json`: ``{"schema_version": 1, "session": {...}, "columns",
+  "audit_table": [...], "runs": [...]}`` with every run's full result.
+* :func:`audit_html`: one file, no external resources: the table, then each
+  run's summary with its patch-grid pictures embedded as base64 PNG.
+* :func:`run_figures` / :func:`patch_grid_png`: the pictures, drawn with PIL
+  (no matplotlib): a run's rollout and most-visual heads' ``visual_patch_mass``
+  grids, an occlusion sweep's effect grid, a counterfactual's painted region.
+  Patch-granular (one flat cell per visual token, drawn on the token's box in
+  the original image when the session keeps the image); an upsampled map is
+  never drawn here, so nothing needs the "interpolated" flag.
+* :func:`export_session`: any of the above to a path, each file written
+  atomically (:mod:`core.atomic`: sibling temporary file, then rename).
+
+The command line: ``vlm-readout export --session FILE --format csv|md|html|json|png --out PATH``
+(``png``: ``PATH`` is a folder, one file per figure).
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from core.session import AUDIT_COLUMNS, METHOD_COLUMNS, Run, Session, SessionError, jsonable
+
+SCHEMA_VERSION = 1
+FORMATS = ("csv", "md", "html", "json", "png")
+SUFFIX = {"csv": ".csv", "md": ".md", "html": ".html", "json": ".json"}
+GRANULARITY = "patch-granular: one flat cell per visual token (not interpolated)"
+MAX_HEAD_FIGURES = 2  # per analyze run: rollout plus the heads with the most visual mass
+
+# ---------------------------------------------------------------- the table as text
+
+
+def _cell(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else ""
+    if isinstance(v, list) and all(isinstance(x, str) for x in v):
+        return "; ".join(v)
+    if isinstance(v, (dict, list)):
+        return json.dumps(jsonable(v), sort_keys=True)
+    return str(v)
+
+
+def audit_csv(rows: Sequence[dict], columns: Sequence[str] = AUDIT_COLUMNS) -> str:
+    """The audit table as CSV (header row, then one row per audit record)."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(columns)
+    for r in rows:
+        w.writerow([_cell(r.get(c)) for c in columns])
+    return buf.getvalue()
+
+
+def _md(v) -> str:
+    return _cell(v).replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+
+
+def audit_markdown(rows: Sequence[dict], columns: Sequence[str] = AUDIT_COLUMNS, *, title: str | None = None) -> str:
+    """The audit table as a GitHub-flavoured Markdown table (pipes escaped)."""
+    lines = [f"# {title}", ""] if title else []
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_md(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def session_header(session: Session) -> dict:
+    """What the exports say about the session itself."""
+    return {
+        "path": str(session.path),
+        "schema_version": session.schema_version,
+        "created": session.meta().get("created"),
+        "models": [{k: m[k] for k in ("spec", "fingerprint", "family")} for m in session.models()],
+        "n_runs": len(session.runs()),
+    }
+
+
+def audit_json(session: Session, *, kinds: Iterable[str] | None = None, results: bool = True) -> dict:
+    """The session as one JSON document (schema version 1): the audit table
+    and every run (with its full result unless ``results=False``)."""
+    kinds = list(kinds) if kinds is not None else None
+    runs = []
+    for info in session.runs():
+        if kinds is not None and info.kind not in kinds:
+            continue
+        r = session.run(info.id)
+        doc = {
+            "id": r.id,
+            "kind": r.kind,
+            "created": r.created,
+            "model": r.model["spec"] if r.model else None,
+            "image_sha256": r.image_sha256,
+            "mask_id": r.mask_id,
+            "parameters": r.parameters,
+            "summary": r.summary,
+            "audit": r.audits,
+        }
+        if results:
+            doc["result"] = r.result
+        runs.append(doc)
+    return jsonable(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "vlm-readout session export",
+            "session": session_header(session),
+            "columns": list(AUDIT_COLUMNS),
+            "audit_table": session.audit_table(kinds),
+            "runs": runs,
+        }
+    )
+
+
+# ---------------------------------------------------------------- pictures
+
+# viridis at 9 stops (sequential maps), and a blue-white-red diverging map.
+_VIRIDIS = [
+    (68, 1, 84),
+    (71, 44, 122),
+    (59, 81, 139),
+    (44, 113, 142),
+    (33, 144, 141),
+    (39, 173, 129),
+    (92, 200, 99),
+    (170, 220, 50),
+    (253, 231, 37),
+]
+_DIVERGING = [
+    (33, 102, 172),
+    (103, 169, 207),
+    (209, 229, 240),
+    (247, 247, 247),
+    (253, 219, 199),
+    (239, 138, 98),
+    (178, 24, 43),
+]
+_MISSING = (150, 150, 150)
+
+
+def _lerp(stops, t: float) -> tuple[int, int, int]:
+    t = min(1.0, max(0.0, t)) * (len(stops) - 1)
+    i = min(int(t), len(stops) - 2)
+    f = t - i
+    a, b = stops[i], stops[i + 1]
+    return tuple(round(a[k] + (b[k] - a[k]) * f) for k in range(3))
+
+
+@dataclass
+class Figure:
+    """One picture of a run: ``png`` bytes, a short ``name`` (file stem), a
+    ``title`` and a ``caption`` (value range, granularity)."""
+
+    run_id: int
+    name: str
+    title: str
+    caption: str
+    png: bytes = field(repr=False)
+
+    def data_uri(self) -> str:
+        return "data:image/png;base64," + base64.b64encode(self.png).decode("ascii")
+
+
+def _limits(values: list[float], diverging: bool) -> tuple[float, float]:
+    if not values:
+        return 0.0, 1.0
+    if diverging:
+        m = max(abs(v) for v in values) or 1.0
+        return -m, m
+    lo, hi = min(0.0, min(values)), max(values)
+    return lo, hi if hi > lo else lo + 1.0
+
+
+def patch_grid_png(
+    grid: Sequence[Sequence[float | None]],
+    *,
+    image=None,
+    boxes: Sequence[Sequence[float] | None] | None = None,
+    diverging: bool = False,
+    title: str | None = None,
+    size: int = 256,
+    alpha: float = 0.65,
+) -> bytes:
+    """Draw a patch grid as a PNG with a colour bar.
+
+    Args:
+        grid: ``(rows, cols)`` values; None is drawn grey (no value).
+        image: a PIL image the cells are drawn over (each cell on its box), or None.
+        boxes: per cell in row-major order, ``[x0, y0, x1, y1]`` in the
+            image's pixels (the visual tokens' boxes); default: the image cut
+            evenly into ``rows x cols``.
+        diverging: blue-white-red around 0 (signed effects), else viridis from
+            min(0, min) to max.
+        size: the longer side of the map in pixels (small grids are scaled up).
+    """
+    from PIL import Image, ImageDraw
+
+    rows = [list(r) for r in grid]
+    n_rows, n_cols = len(rows), max((len(r) for r in rows), default=0)
+    if n_rows == 0 or n_cols == 0:
+        raise SessionError("an empty grid has no picture")
+    values = [float(v) for r in rows for v in r if v is not None and math.isfinite(float(v))]
+    lo, hi = _limits(values, diverging)
+    stops = _DIVERGING if diverging else _VIRIDIS
+
+    def colour(v):
+        if v is None or not math.isfinite(float(v)):
+            return _MISSING
+        return _lerp(stops, (float(v) - lo) / (hi - lo))
+
+    if image is not None:
+        w0, h0 = image.size
+        scale = size / max(w0, h0)
+        w, h = max(1, round(w0 * scale)), max(1, round(h0 * scale))
+        resample = Image.NEAREST if scale >= 1 else Image.BILINEAR
+        base = image.convert("RGB").resize((w, h), resample)
+    else:
+        cell = max(4, size // max(n_rows, n_cols))
+        w0, h0 = n_cols * cell, n_rows * cell
+        scale, (w, h) = 1.0, (w0, h0)
+        base = Image.new("RGB", (w, h), (255, 255, 255))
+    if boxes is None or len(boxes) != n_rows * n_cols:
+        boxes = [
+            [c * w0 / n_cols, r * h0 / n_rows, (c + 1) * w0 / n_cols, (r + 1) * h0 / n_rows]
+            for r in range(n_rows)
+            for c in range(n_cols)
+        ]
+    overlay = Image.new("RGBA", (w, h), (0, 0, 0, 0))
+    draw = ImageDraw.Draw(overlay)
+    a = round(255 * (alpha if image is not None else 1.0))
+    lines = []
+    for r in range(n_rows):
+        for c in range(n_cols):
+            box = boxes[r * n_cols + c]
+            if box is None:
+                continue
+            x0, y0, x1, y1 = (round(v * scale) for v in box)
+            v = rows[r][c] if c < len(rows[r]) else None
+            draw.rectangle([x0, y0, x1 - 1, y1 - 1], fill=(*colour(v), a))
+            lines.append([x0, y0, x1 - 1, y1 - 1])
+    for b in lines:  # the patch grid, thin and light so the values stay readable
+        draw.rectangle(b, outline=(255, 255, 255, 110))
+    picture = Image.alpha_composite(base.convert("RGBA"), overlay).convert("RGB")
+
+    return _framed(picture, title, (stops, lo, hi))
+
+
+def _framed(picture, title: str | None, legend=None) -> bytes:
+    """``picture`` with a title line above and (``legend = (stops, lo, hi)``)
+    a colour bar with its end values below, as PNG bytes."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default(size=12)
+    w, h = picture.size
+    bar_h, pad, text_h = 10, 4, 14
+    top = text_h + pad if title else 0
+    bottom = pad + bar_h + text_h + pad if legend else 0
+    out = Image.new("RGB", (max(w, 160), top + h + bottom), (255, 255, 255))
+    d = ImageDraw.Draw(out)
+    if title:
+        d.text((2, 1), title, fill=(0, 0, 0), font=font)
+    out.paste(picture, (0, top))
+    if legend:
+        stops, lo, hi = legend
+        y = top + h + pad
+        bar_w = out.width - 4
+        for x in range(bar_w):
+            d.line([(2 + x, y), (2 + x, y + bar_h)], fill=_lerp(stops, x / max(1, bar_w - 1)))
+        d.text((2, y + bar_h + 1), f"{lo:.3g}", fill=(0, 0, 0), font=font)
+        hi_text = f"{hi:.3g}"
+        d.text((out.width - 2 - d.textlength(hi_text, font=font), y + bar_h + 1), hi_text, fill=(0, 0, 0), font=font)
+    buf = io.BytesIO()
+    out.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _grid_range(grid) -> str:
+    vals = [v for r in grid for v in r if v is not None]
+    return f"min {min(vals):.3g}, max {max(vals):.3g}" if vals else "no values"
+
+
+def _token_boxes(result: dict, grid, image_index) -> list | None:
+    """Visual-token boxes of one image in row-major grid order, from an analyze result."""
+    tokens = (result.get("input") or {}).get("visual_tokens") or []
+    n_rows, n_cols = len(grid), len(grid[0]) if grid else 0
+    boxes: list = [None] * (n_rows * n_cols)
+    found = 0
+    for t in tokens:
+        if image_index is not None and t.get("image") != image_index:
+            continue
+        r, c = t.get("row"), t.get("col")
+        if r is None or c is None or not (0 <= r < n_rows and 0 <= c < n_cols) or t.get("box") is None:
+            continue
+        boxes[r * n_cols + c] = t["box"]
+        found += 1
+    return boxes if found == n_rows * n_cols else None
+
+
+def run_figures(session: Session, run: Run | int) -> list[Figure]:
+    """The patch-grid pictures of one run (empty when it has none)."""
+    if isinstance(run, int):
+        run = session.run(run)
+    r = run.result if isinstance(run.result, dict) else {}
+    image = None
+    if run.image_sha256:
+        info = session.image(run.image_sha256)
+        image = info.pixels() if info is not None else None
+    figs: list[Figure] = []
+
+    def add(name: str, short: str, title: str, grid, *, boxes=None, diverging=False, note="", granularity=GRANULARITY):
+        try:
+            png = patch_grid_png(grid, image=image, boxes=boxes, diverging=diverging, title=f"run {run.id}: {short}")
+        except (SessionError, TypeError, ValueError):
+            return
+        caption = f"{title}; {_grid_range(grid)}; {granularity}" + (f"; {note}" if note else "")
+        figs.append(Figure(run.id, name, title, caption, png))
+
+    rollout = r.get("rollout")
+    if isinstance(rollout, dict) and rollout.get("visual_patch_mass"):
+        grid = rollout["visual_patch_mass"]
+        boxes = _token_boxes(r, grid, rollout.get("primary_image", 0))
+        add(
+            "rollout",
+            "rollout",
+            f"rollout mass on the visual tokens (alpha {rollout.get('alpha')})",
+            grid,
+            boxes=boxes,
+        )
+
+    # The head with the most visual mass and the visual-key head with the largest |frozen-scale DLA|:
+    # where the answer row looks, and which head that sees the image writes most directly to the answer.
+    def head_name(h: dict) -> str:  # the residual component's name: "L1.H2", "L0.xattn.H3", "T0.H1"
+        return f"{h['block']}.H{h['head']}" if h.get("block") else f"L{h['layer']}.H{h['head']}"
+
+    heads = {
+        head_name(h): h
+        for h in r.get("attention") or []
+        if isinstance(h, dict) and h.get("visual_patch_mass") and (h.get("visual_mass") or 0.0) > 0
+    }
+    dla = {
+        str(c.get("name")): c["dla_frozen"]
+        for c in (r.get("residual_decomposition") or {}).get("components") or []
+        if isinstance(c, dict) and c.get("dla_frozen") is not None
+    }
+    picked = sorted(heads, key=lambda k: -(heads[k].get("visual_mass") or 0.0))[:1]
+    by_dla = sorted((k for k in heads if k in dla), key=lambda k: -abs(dla[k]))
+    if by_dla and by_dla[0] not in picked:
+        picked.append(by_dla[0])
+    primary = rollout.get("primary_image", 0) if isinstance(rollout, dict) else 0
+    for name in picked[:MAX_HEAD_FIGURES]:
+        h = heads[name]
+        grid = h["visual_patch_mass"]
+        extra = f", frozen DLA {dla[name]:+.2f}" if name in dla else ""
+        add(
+            name.replace(".", "_"),
+            f"{name} attention",
+            f"{name} answer-row attention on the visual tokens (visual mass {h.get('visual_mass', 0):.2f}{extra})",
+            grid,
+            boxes=_token_boxes(r, grid, primary),
+        )
+    sweep = r.get("sweep")
+    if isinstance(sweep, dict):
+        key = "logit_diff_change" if sweep.get("logit_diff_change") is not None else "logit_change"
+        grid = sweep.get(key)
+        cells = sweep.get("cells") or []
+        boxes = None
+        if grid and len(cells) == len(grid) * len(grid[0]):
+            order = {(c["row"], c["col"]): c.get("box") for c in cells}
+            boxes = [order.get((i, j)) for i in range(len(grid)) for j in range(len(grid[0]))]
+            boxes = boxes if all(b is not None for b in boxes) else None
+        if grid:
+            add(
+                "sweep",
+                f"occlusion sweep, k={sweep.get('k')}",
+                f"occlusion sweep {key} (k={sweep.get('k')}, fill {sweep.get('fill')})",
+                grid,
+                boxes=boxes,
+                diverging=True,
+                note="blue: the answer loses",
+                granularity="patch-granular: one flat cell per k x k block of patches (not interpolated)",
+            )
+    if run.mask_id is not None:
+        mask = session.mask(run.mask_id)
+        if mask is not None:
+            figs.append(_mask_figure(run, mask, image))
+    return figs
+
+
+def _mask_figure(run: Run, mask, image, size: int = 256) -> Figure:
+    """The painted region on the image: tinted magenta, outlined in yellow."""
+    import numpy as np
+    from PIL import Image
+
+    h0, w0 = mask.shape
+    scale = size / max(w0, h0)
+    w, h = max(1, round(w0 * scale)), max(1, round(h0 * scale))
+    base = image.convert("RGB") if image is not None else Image.new("RGB", (w0, h0), (255, 255, 255))
+    base = base.resize((w, h), Image.NEAREST if scale >= 1 else Image.BILINEAR)
+    m = np.asarray(Image.fromarray(mask.astype(np.uint8) * 255).resize((w, h), Image.NEAREST)) >= 128
+    arr = np.asarray(base, dtype=np.float32).copy()
+    arr[m] = arr[m] * 0.5 + np.array([255.0, 0.0, 255.0]) * 0.5
+    inner = m.copy()  # the outline: region pixels with a 4-neighbour outside the region
+    inner[1:, :] &= m[:-1, :]
+    inner[:-1, :] &= m[1:, :]
+    inner[:, 1:] &= m[:, :-1]
+    inner[:, :-1] &= m[:, 1:]
+    arr[m & ~inner] = (255.0, 230.0, 0.0)
+    fill = run.result.get("fill") if isinstance(run.result, dict) else None
+    title = "painted region" + (f", fill {fill}" if fill else "")
+    png = _framed(Image.fromarray(arr.round().astype(np.uint8)), f"run {run.id}: {title}")
+    caption = f"{title}; {int(mask.sum())} px of {w0}x{h0}; tinted magenta, outlined yellow"
+    return Figure(run.id, "mask", title, caption, png)
+
+
+# ---------------------------------------------------------------- HTML
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:1.5em;color:#222}
+div.table{overflow-x:auto;max-width:100%}
+table{border-collapse:collapse;font-size:12px}
+th,td{border:1px solid #ccc;padding:3px 5px;vertical-align:top;text-align:left}
+th{background:#f0f0f0;position:sticky;top:0}
+tr:nth-child(even) td{background:#fafafa}
+td{max-width:24em;overflow-wrap:break-word}
+td.json{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:11px;min-width:14em;overflow-wrap:anywhere}
+td.c-created{white-space:nowrap}
+td.c-notes,td.c-controls,td.c-summary{min-width:16em}
+td.c-question,td.c-operation,td.c-supports,td.c-cannot_support{min-width:9em}
+section.run{margin:1.2em 0;padding-top:.6em;border-top:1px solid #ddd}
+figure{display:inline-block;margin:.4em 1em .4em 0;vertical-align:top;max-width:300px}
+figcaption{font-size:11px;color:#444}
+.meta{color:#555;font-size:13px}
+"""
+
+
+def audit_html(session: Session, *, kinds: Iterable[str] | None = None, title: str | None = None) -> str:
+    """One self-contained HTML page: the audit table (with the chapter's
+    column names), then each run's summary and pictures (base64 PNG)."""
+    kinds = list(kinds) if kinds is not None else None
+    head = session_header(session)
+    title = title or f"VLM Readout session {Path(head['path']).name}"
+    e = html.escape
+    models = ", ".join(
+        f"{m['spec']}" + (f" ({m['family']}, {m['fingerprint']})" if m["fingerprint"] else "") for m in head["models"]
+    )
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{e(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{e(title)}</h1>",
+        f'<p class="meta">file {e(head["path"])}; created {e(str(head["created"]))}; session schema '
+        f"{head['schema_version']}; {head['n_runs']} runs; models: {e(models or 'none recorded')}</p>",
+        "<h2>Audit table</h2>",
+        '<p class="meta">One row per audit record of each run. The method columns are the chapter\'s '
+        f"audit table (4.13): {', '.join(METHOD_COLUMNS)}; parameters and notes are this call's; "
+        "run_parameters and summary are the run's.</p>",
+        '<div class="table"><table><thead><tr>'
+        + "".join(f"<th>{e(c)}</th>" for c in AUDIT_COLUMNS)
+        + "</tr></thead><tbody>",
+    ]
+    for row in session.audit_table(kinds):
+        cells = []
+        for c in AUDIT_COLUMNS:
+            v = row.get(c)
+            if c == "created" and isinstance(v, str):  # 2026-01-02T03:04:05.678+00:00 -> 2026-01-02 03:04:05 UTC
+                v = v[:19].replace("T", " ") + (" UTC" if v.endswith("+00:00") else "")
+            cls = f"c-{c} json" if isinstance(v, dict) else f"c-{c}"
+            cells.append(f'<td class="{cls}">{e(_cell(v))}</td>')
+        parts.append("<tr>" + "".join(cells) + "</tr>")
+    parts.append("</tbody></table></div>")
+    parts.append("<h2>Runs</h2>")
+    for info in session.runs():
+        if kinds is not None and info.kind not in kinds:
+            continue
+        run = session.run(info.id)
+        parts.append(f'<section class="run" id="run-{run.id}">')
+        parts.append(f"<h3>Run {run.id}: {e(run.kind)}</h3>")
+        parts.append(
+            f'<p class="meta">{e(run.created)}; model {e(info.model or "unknown")}'
+            + (f"; image {e(run.image_sha256[:12])}" if run.image_sha256 else "")
+            + "</p>"
+        )
+        parts.append(f"<p>{e(run.summary)}</p>")
+        if run.parameters:
+            parts.append(f'<p class="meta">parameters: <code>{e(_cell(run.parameters))}</code></p>')
+        for fig in run_figures(session, run):
+            parts.append(
+                f'<figure><img src="{fig.data_uri()}" alt="{e(fig.title)}">'
+                f"<figcaption>{e(fig.caption)}</figcaption></figure>"
+            )
+        parts.append("</section>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+# ---------------------------------------------------------------- writing
+
+
+def export_session(
+    session: Session | str | Path, fmt: str, out: str | Path, *, kinds: Iterable[str] | None = None
+) -> list[Path]:
+    """Write one export of ``session`` (an open Session or a session file) to
+    ``out``, atomically; returns the files written. ``fmt``: ``csv``, ``md``,
+    ``html``, ``json`` (``out`` is the file) or ``png`` (``out`` is a folder:
+    ``run0003_rollout.png``, ...)."""
+    from core.atomic import write_bytes_atomic, write_text_atomic
+
+    if fmt not in FORMATS:
+        raise SessionError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    own = not isinstance(session, Session)
+    s = Session.open(session) if own else session
+    try:
+        kinds = list(kinds) if kinds is not None else None
+        out = Path(out)
+        if fmt == "png":
+            if out.exists() and not out.is_dir():
+                raise SessionError(f"{out}: --format png writes a folder of pictures; this is a file")
+            written = []
+            for info in s.runs():
+                if kinds is not None and info.kind not in kinds:
+                    continue
+                for fig in run_figures(s, info.id):
+                    path = out / f"run{fig.run_id:04d}_{fig.name}.png"
+                    write_bytes_atomic(path, fig.png)
+                    written.append(path)
+            return written
+        if out.is_dir():
+            raise SessionError(f"{out}: is a folder; give a file name ending in {SUFFIX[fmt]}")
+        if fmt == "csv":
+            text = audit_csv(s.audit_table(kinds))
+        elif fmt == "md":
+            text = audit_markdown(s.audit_table(kinds), title=f"Audit table of {Path(s.path).name}")
+        elif fmt == "json":
+            text = json.dumps(audit_json(s, kinds=kinds), indent=1, allow_nan=False) + "\n"
+        else:
+            text = audit_html(s, kinds=kinds)
+        write_text_atomic(out, text)
+        return [out]
+    finally:
+        if own:
+            s.close()

@@ -1,0 +1,94 @@
+"""The whole flow on the default model, offscreen: open a sample pair, read it
+out, select a head, paint over the target object, run the counterfactual, see
+the answer change, export the audit table, reopen the session."""
+
+import csv
+import time
+
+import numpy as np
+import pytest
+
+from app.samples import bundled_samples
+
+
+def _sample_with_target():
+    """The first bundled attribute sample (it has a target object and its mask)."""
+    import json
+
+    from core.models.loading import resources_dir
+
+    folder = resources_dir() / "samples"
+    for line in (folder / "pairs.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["kind"] == "attribute" and row["target"] is not None:
+            sample = next(s for s in bundled_samples() if s.image_path.name == row["image"])
+            mask = np.asarray(__import__("PIL.Image", fromlist=["Image"]).open(folder / row["masks"][row["target"]]))
+            return sample, row, mask > 0
+    pytest.skip("no attribute sample bundled")
+
+
+def test_open_read_out_paint_counterfactual_export_reopen(qtbot, window, tmp_path):
+    sample, row, target_mask = _sample_with_target()
+    assert window.load_sample(sample)
+
+    # read out: answer + every panel, recorded in the session (the model loads on the first run;
+    # the second run is what a user waits for after pressing Run again)
+    with qtbot.waitSignal(window.idle, timeout=60_000):
+        assert window.run_readout()
+    started = time.perf_counter()
+    with qtbot.waitSignal(window.idle, timeout=60_000):
+        assert window.run_readout()
+    elapsed = time.perf_counter() - started
+    assert window.last_answer is not None and window.last_answer.answer == row["answer"]
+    assert window.analysis is not None and window.analysis["target"]["answer"] == row["answer"]
+    assert len(window.canvas.cells) == 64  # the 8 x 8 patch grid is drawn
+    assert len(window.attention_panel.cells) == 16
+    assert window.session.runs("analyze")
+    print(f"read-out shown {elapsed:.2f} s after Run (model loaded)")
+
+    # select a head: its answer-row attention goes onto the canvas
+    with qtbot.waitSignal(window.attention_panel.head_selected):
+        window.attention_panel.select_head(3, 1)
+    head = window.attention_panel.head_row(3, 1)
+    shown = window.canvas.values[~np.isnan(window.canvas.values)]
+    assert np.allclose(np.sort(shown), np.sort(np.asarray(head["visual_patch_mass"]).ravel()), atol=1e-6)
+
+    # paint over the target object with the brush (one stroke per mask row band) and run the counterfactual
+    panel = window.counterfactual_panel
+    canvas = panel.canvas
+    canvas.set_brush_size(12)
+    ys, xs = np.nonzero(target_mask)
+    for y in range(int(ys.min()), int(ys.max()) + 1, 6):
+        canvas.begin_stroke(float(xs.min()), float(y))
+        canvas.stroke_to(float(xs.max()), float(y))
+        canvas.end_stroke()
+    painted = panel.mask()
+    assert (painted & target_mask).sum() >= 0.9 * target_mask.sum()
+    panel.set_fill("mean")
+    with qtbot.waitSignal(window.idle, timeout=60_000):
+        assert panel.request_run()
+    result = window.last_counterfactual
+    assert result is not None
+    assert result.original.predicted == row["answer"]
+    assert result.edited.logit < result.original.logit  # the answer lost support when its object went
+    assert window.session.runs("counterfactual")
+
+    # export the audit table and reopen the session in a fresh window
+    out = tmp_path / "audit.csv"
+    assert window.export_audit("csv", str(out))
+    rows = list(csv.DictReader(out.open()))
+    kinds = {r["kind"] for r in rows}
+    assert {"analyze", "counterfactual"} <= kinds
+    assert any(r["method"] == "region counterfactual" for r in rows)
+
+    session_file = window.session.path
+    from app.main_window import MainWindow
+
+    other = MainWindow(model_cache=window.model_cache, session_path=tmp_path / "other.vlmr")
+    qtbot.addWidget(other)
+    try:
+        assert other.open_session(session_file)
+        assert other.analysis is not None and other.analysis["target"]["answer"] == row["answer"]
+        assert len(other.audit_panel.rows()) == len(rows)
+    finally:
+        other.close()

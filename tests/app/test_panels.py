@@ -1,0 +1,347 @@
+"""The attention, DLA, lens and audit panels on real analyze results of both default models."""
+
+import math
+
+import numpy as np
+import pytest
+from PySide6.QtCore import Qt
+
+import core
+from app.panels.attention_panel import AttentionPanel, token_grid
+from app.panels.audit_panel import COLUMNS, AuditPanel
+from app.panels.dla_panel import CONVENTIONS, DLAPanel, component_kind, visual_token_values
+from app.panels.lens_panel import LOGIT_LENS, PLOTS, LensPanel
+from app.samples import bundled_samples
+from core.analyze import analyze
+
+SPECS = ("shapes-llava", "shapes-coca")
+
+
+@pytest.fixture(scope="module")
+def loaded(model_cache):
+    for spec in SPECS:
+        if spec not in model_cache:
+            model_cache[spec] = core.load_model(spec)
+    return model_cache
+
+
+@pytest.fixture(scope="module")
+def results(loaded):
+    sample = bundled_samples()[0]
+    return {spec: analyze(loaded[spec], sample.image_path, sample.question) for spec in SPECS}
+
+
+def blocks(result) -> list[tuple[int, str]]:
+    return sorted({(a["layer"], a["block"]) for a in result["attention"]})
+
+
+# ---- attention ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_attention_grids_show_visual_and_sink_mass_apart(qtbot, results, spec):
+    result = results[spec]
+    panel = AttentionPanel()
+    qtbot.addWidget(panel)
+    panel.set_result(result)
+    names = [name for _, name in blocks(result)]
+    n_heads = result["model"]["n_heads"]
+    assert panel.visual_grid.values.shape == panel.sink_grid.values.shape == (len(names), n_heads)
+    assert panel.visual_grid.row_labels == names
+    assert panel.visual_grid.col_labels == [f"H{h}" for h in range(n_heads)]
+    for a in result["attention"]:
+        r, c = names.index(a["block"]), a["head"]
+        assert panel.visual_grid.values[r, c] == pytest.approx(a["visual_mass"])
+        assert panel.sink_grid.values[r, c] == pytest.approx(a["bos_mass"])
+    assert spec in panel.title.text()
+
+
+@pytest.mark.parametrize("spec, row, col", [("shapes-llava", 2, 3), ("shapes-coca", 8, 1)])
+def test_clicking_a_cell_selects_that_head(qtbot, results, spec, row, col):
+    result = results[spec]
+    panel = AttentionPanel()
+    qtbot.addWidget(panel)
+    panel.resize(1280, 800)
+    panel.set_result(result)
+    panel.show()
+    qtbot.waitExposed(panel)
+    layer, block = blocks(result)[row]
+    with qtbot.waitSignal(panel.head_selected, timeout=2000) as blocker:
+        qtbot.mouseClick(
+            panel.visual_grid.viewport(), Qt.MouseButton.LeftButton, pos=panel.visual_grid.cell_center(row, col)
+        )
+    assert blocker.args == [layer, col]
+    head = panel.head_row(layer, col)
+    assert head["block"] == block and head["head"] == col
+    text = panel.details.text()
+    assert f"{block}.H{col}" in text
+    assert f"{head['entropy']:.3f} nats" in text and "argmax" in text
+    assert np.allclose(panel.patch_map.values, np.asarray(head["visual_patch_mass"]), equal_nan=True)
+    # the sink grid selects the same way
+    with qtbot.waitSignal(panel.head_selected, timeout=2000) as blocker:
+        qtbot.mouseClick(panel.sink_grid.viewport(), Qt.MouseButton.LeftButton, pos=panel.sink_grid.cell_center(0, 0))
+    assert blocker.args == [blocks(result)[0][0], 0]
+
+
+def test_attention_distribution_view(qtbot, loaded, results):
+    from core.methods.patterns import pattern_statistics
+
+    samples = [(s.image_path, s.question, None) for s in bundled_samples()[:2]]
+    stats = pattern_statistics(loaded["shapes-llava"], samples)
+    panel = AttentionPanel()
+    qtbot.addWidget(panel)
+    assert not panel.tabs.isTabEnabled(1)
+    panel.set_statistics({"n_samples": stats.n_samples, "heads": [h.to_dict() for h in stats.heads]})
+    assert panel.tabs.isTabEnabled(1)
+    n = len(stats.heads)
+    assert len(panel.box_plot.boxes.opts["x"]) == n
+    first = stats.heads[0].visual_mass.quantiles
+    assert panel.box_plot.boxes.opts["y0"][0] == pytest.approx(first["0.25"])
+    assert panel.box_plot.boxes.opts["height"][0] == pytest.approx(first["0.75"] - first["0.25"])
+    panel.metric_combo.setCurrentText("BOS / sink mass")
+    assert panel.box_plot.boxes.opts["y0"][0] == pytest.approx(stats.heads[0].sink_mass.quantiles["0.25"])
+    assert "2 samples" in panel.stats_note.text()
+    panel.set_statistics(stats)  # the dataclass itself
+    assert len(panel.statistics) == n
+
+
+# ---- DLA ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_dla_frozen_bars_sum_to_the_expected_logit(qtbot, results, spec):
+    rd = results[spec]["residual_decomposition"]
+    panel = DLAPanel()
+    qtbot.addWidget(panel)
+    panel.set_result(results[spec])
+    assert panel.convention() == "frozen scale"
+    panel.set_top_k(0)  # all
+    shown = panel.shown_values()
+    assert len(shown) == len(rd["components"])
+    assert sum(v for _, v in shown) == pytest.approx(rd["frozen_sum_expected"], abs=1e-3)
+    assert f"{rd['frozen_sum_expected']:+.4f}" in panel.sum_label.text()
+    assert f"{rd['reconstruction_max_abs_err']:.2e}" in panel.error_label.text()
+    assert "Additive" in panel.caveat_label.text()
+    mags = [abs(v) for _, v in shown]
+    assert mags == sorted(mags, reverse=True)
+    panel.set_top_k(5)
+    assert len(panel.shown_values()) == 5
+    assert "5 of" in panel.sum_label.text()
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_dla_convention_switch_reads_the_right_field(qtbot, results, spec):
+    comps = {c["name"]: c for c in results[spec]["residual_decomposition"]["components"]}
+    panel = DLAPanel()
+    qtbot.addWidget(panel)
+    panel.set_result(results[spec])
+    panel.set_top_k(0)
+    for conv in ("Jacobian", "projection", "norm", "frozen scale"):
+        panel.convention_combo.setCurrentText(conv)
+        field = CONVENTIONS[conv][0]
+        shown = dict(panel.shown_values())
+        assert shown == pytest.approx({n: c[field] for n, c in comps.items()})
+        assert panel.caveat_label.text() == CONVENTIONS[conv][2]
+    panel.set_convention("Jacobian")
+    assert "does NOT sum" in panel.caveat_label.text()
+    kinds = {component_kind(n) for n in comps}
+    expected = {"embedding", "attention head", "MLP"} | (
+        {"cross-attention head", "bias"} if spec == "shapes-coca" else set()
+    )
+    assert kinds == expected
+
+
+def test_dla_head_sources_round_trip(qtbot, loaded, results):
+    from core.methods.contributions import source_contributions
+
+    result = results["shapes-llava"]
+    panel = DLAPanel()
+    qtbot.addWidget(panel)
+    panel.resize(1280, 800)
+    panel.set_result(result)
+    panel.show()
+    qtbot.waitExposed(panel)
+    name = panel.shown_values()[0][0]
+    with qtbot.waitSignal(panel.component_selected, timeout=2000) as blocker:
+        qtbot.mouseClick(panel.plot_widget.viewport(), Qt.MouseButton.LeftButton, pos=panel.bar_center(name))
+    assert blocker.args == [name]
+    panel.select_head(3, 1)
+    assert panel.selected == "L3.H1" and panel.sources_button.isEnabled()
+    with qtbot.waitSignal(panel.sources_requested, timeout=2000) as blocker:
+        panel.sources_button.click()
+    assert blocker.args == [3, 1]
+
+    sample = bundled_samples()[0]
+    lm = loaded["shapes-llava"]
+    trace = core.capture(lm, core.load_image(sample.image_path), sample.question)
+    sc = source_contributions(lm.adapter, trace, result["target"]["answer_id"])
+    values = visual_token_values(result, 3, sc.dla_frozen[3][1].numpy())
+    assert values.shape == (len(result["input"]["visual_tokens"]),)
+    with qtbot.waitSignal(panel.sources_shown, timeout=2000) as blocker:
+        panel.set_sources(3, 1, values)
+    assert blocker.args[:2] == [3, 1]
+    assert panel.source_grid.values.shape == (8, 8)
+    assert np.allclose(panel.source_grid.values, token_grid(values, result["input"]["visual_tokens"]))
+    assert "L3.H1" in panel.source_label.text()
+
+
+def test_dla_rerun_rows(qtbot, loaded, results):
+    from core.methods.residual import compare_with_rerun
+
+    result = results["shapes-llava"]
+    sample = bundled_samples()[0]
+    lm = loaded["shapes-llava"]
+    image = core.load_image(sample.image_path)
+    inputs = lm.adapter.prepare([image], [sample.question])
+    trace = core.capture(lm, image, sample.question, inputs=inputs)
+    rows = compare_with_rerun(lm, trace, result["target"]["answer_id"], top=3, inputs=inputs).to_dict()["rows"]
+    panel = DLAPanel()
+    qtbot.addWidget(panel)
+    panel.set_result(result)
+    combo_items = panel.convention_combo.model()
+    rerun_index = panel.convention_combo.findText("re-run (total removal)")
+    assert not combo_items.item(rerun_index).isEnabled()
+    panel.set_rerun(rows)
+    assert combo_items.item(rerun_index).isEnabled()
+    panel.set_convention("re-run (total removal)")
+    assert dict(panel.shown_values()) == pytest.approx({r["name"]: r["total_removal"] for r in rows})
+    assert len(panel.ghost_bars.opts["x0"]) == len(rows)  # frozen-scale outlines next to the re-run bars
+    panel.set_convention("re-run (direct removal)")
+    assert dict(panel.shown_values()) == pytest.approx({r["name"]: r["direct_removal"] for r in rows})
+    panel.set_rerun(None)
+    assert panel.convention() == "frozen scale"
+
+
+# ---- lens -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_lens_curves_have_a_point_per_layer_plus_final(qtbot, results, spec):
+    result = results[spec]
+    n_points = len(blocks(result)) + 1  # residual entering each block, then the final residual
+    assert len(result["logit_lens"]) == n_points
+    panel = LensPanel()
+    qtbot.addWidget(panel)
+    panel.set_result(result)
+    for key in PLOTS:
+        xs, ys = panel.curves[key][LOGIT_LENS].getData()
+        assert len(xs) == n_points
+    _, ys = panel.curves["logit"][LOGIT_LENS].getData()
+    assert list(ys) == pytest.approx([r["answer_logit"] for r in result["logit_lens"]])  # no foil: the answer logit
+    assert "no foil" in panel.plots["logit"].titleLabel.text
+    ranks = panel.curves["rank"][LOGIT_LENS].yData  # the data, not its log-mapped view
+    assert list(ranks) == [r["answer_rank"] + 1 for r in result["logit_lens"]]  # drawn on a log axis
+    assert panel.layer_labels(n_points)[-1] == "final"
+    assert panel.table.rowCount() == n_points
+    top = result["logit_lens"][-1]["top"][0][0]
+    assert panel.table.item(n_points - 1, 4).text().startswith(top)
+
+
+def test_lens_overlays_more_readers_and_foil(qtbot, loaded, results):
+    sample = bundled_samples()[0]
+    result = analyze(loaded["shapes-llava"], sample.image_path, sample.question, foil="circle")
+    panel = LensPanel()
+    qtbot.addWidget(panel)
+    panel.set_result(result)
+    _, ys = panel.curves["logit"][LOGIT_LENS].getData()
+    assert list(ys) == pytest.approx([r["logit_diff"] for r in result["logit_lens"]])
+    tuned = [dict(r, kl_to_final=r["kl_to_final"] / 2) for r in result["logit_lens"]]
+    baseline = [{"layer": r["layer"], "answer_rank_mean": 3.0, "kl_bits": 1.0} for r in result["logit_lens"]]
+    panel.set_readers({"tuned": tuned, "mean baseline": baseline})
+    assert set(panel.curves["kl"]) == {LOGIT_LENS, "tuned", "mean baseline"}
+    _, kl = panel.curves["kl"]["mean baseline"].getData()
+    assert kl == pytest.approx([math.log(2)] * len(baseline))  # bits -> nats
+    assert "mean baseline" not in panel.curves["logit"]  # no logit in those rows: no curve
+    assert [panel.reader_combo.itemText(i) for i in range(panel.reader_combo.count())] == [
+        LOGIT_LENS,
+        "tuned",
+        "mean baseline",
+    ]
+    panel.reader_combo.setCurrentText("tuned")
+    assert panel.table.item(0, 3).text() == f"{tuned[0]['kl_to_final']:.3f}"
+    panel.set_readers(None)
+    assert set(panel.curves["kl"]) == {LOGIT_LENS}
+
+
+# ---- audit ----------------------------------------------------------------
+
+
+def audit_rows(results) -> list[dict]:
+    rows = []
+    for run, spec in enumerate(SPECS, start=1):
+        t = results[spec]["target"]
+        for a in results[spec]["audit"]:
+            rows.append(dict(a, run=run, kind=f"analyze {spec}", summary=f"answer {t['answer']!r} p={t['prob']:.3f}"))
+    return rows
+
+
+def test_audit_table_filter_narrows_rows(qtbot, results):
+    rows = audit_rows(results)
+    panel = AuditPanel()
+    qtbot.addWidget(panel)
+    panel.set_rows(rows)
+    assert panel.model.columnCount() == len(COLUMNS) == 10
+    assert panel.proxy.rowCount() == len(rows)
+    qtbot.keyClicks(panel.filter_edit, "LOGIT lens")  # any column, case-insensitive
+    assert 0 < panel.proxy.rowCount() < len(rows)
+    assert {r["method"] for r in panel.visible_rows()} == {"logit lens"}
+    assert panel.count_label.text() == f"{panel.proxy.rowCount()} of {len(rows)} rows"
+    panel.set_filter("shapes-coca")  # the kind column
+    assert {r["run"] for r in panel.visible_rows()} == {2}
+    panel.set_filter("n_components=")  # the parameters column
+    assert {r["method"] for r in panel.visible_rows()} == {"residual DLA"}
+    panel.set_filter("")
+    assert panel.proxy.rowCount() == len(rows)
+    panel.add_rows(rows[:1])
+    assert panel.proxy.rowCount() == len(rows) + 1 and len(panel.rows()) == len(rows) + 1
+
+
+@pytest.mark.parametrize(
+    "name, chosen, fmt",
+    [
+        ("audit.csv", "CSV (*.csv)", "csv"),
+        ("audit.md", "Markdown (*.md)", "md"),
+        ("audit.HTML", "HTML (*.html)", "html"),
+        ("audit.json", "CSV (*.csv)", "json"),  # the extension wins over the filter
+        ("audit", "HTML (*.html)", "html"),  # no extension: the chosen filter's
+    ],
+)
+def test_export_carries_the_format(qtbot, monkeypatch, tmp_path, results, name, chosen, fmt):
+    from PySide6.QtWidgets import QFileDialog
+
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *a, **k: (str(tmp_path / name), chosen))
+    panel = AuditPanel()
+    qtbot.addWidget(panel)
+    panel.set_rows(audit_rows(results))
+    with qtbot.waitSignal(panel.export_requested, timeout=2000) as blocker:
+        qtbot.mouseClick(panel.export_button, Qt.MouseButton.LeftButton)
+    assert blocker.args[0] == fmt
+    assert blocker.args[1].startswith(str(tmp_path / name))
+
+
+def test_export_refuses_unknown_extension_and_cancel(qtbot, monkeypatch, tmp_path):
+    from PySide6.QtWidgets import QFileDialog
+
+    panel = AuditPanel()
+    qtbot.addWidget(panel)
+    with qtbot.assertNotEmitted(panel.export_requested):
+        assert not panel.request_export(tmp_path / "audit.xlsx")
+        monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *a, **k: ("", ""))
+        assert not panel.choose_export()
+    assert "xlsx" in panel.message.text()
+
+
+def test_panels_start_empty_and_clear(qtbot, results):
+    panels = [AttentionPanel(), DLAPanel(), LensPanel(), AuditPanel()]
+    for panel in panels:
+        qtbot.addWidget(panel)
+    attention, dla, lens, audit = panels
+    for panel in (attention, dla, lens):
+        panel.set_result(results["shapes-llava"])
+        panel.set_result(None)
+        assert "no analysis yet" in (panel.title if hasattr(panel, "title") else panel.target_label).text()
+    assert attention.visual_grid.values.shape == (0, 0) and not attention.select_head(0, 0)
+    assert dla.shown_values() == [] and not dla.request_sources()
+    assert all(not curves for curves in lens.curves.values()) and lens.table.rowCount() == 0
+    audit.set_rows([])
+    assert audit.count_label.text() == "0 rows"
