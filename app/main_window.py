@@ -317,6 +317,7 @@ class MainWindow(QMainWindow):
             (self.audit_panel, "Audit"),
         ):
             self.tabs.addTab(widget, title)
+        self.tabs.currentChanged.connect(self._on_tab_changed)
 
         splitter = QSplitter(Qt.Orientation.Horizontal)
         splitter.addWidget(self.canvas)
@@ -755,6 +756,10 @@ class MainWindow(QMainWindow):
         target = analysis["target"]
         if not self.target_edit.text().strip():
             self.target_edit.setPlaceholderText(f"answer token (now: {target['answer']}, the model's top token)")
+
+    def _on_tab_changed(self, index: int) -> None:
+        # the painter has its own canvas: give it the whole width instead of showing the image twice
+        self.canvas.setVisible(self.tabs.widget(index) is not self.counterfactual_panel)
 
     def show_head_map(self, layer: int, head: int) -> None:
         """Put one head's answer-row attention on the canvas (patch-granular)."""

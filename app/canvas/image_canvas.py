@@ -30,6 +30,7 @@ from PySide6.QtWidgets import (
     QGraphicsRectItem,
     QHBoxLayout,
     QLabel,
+    QSizePolicy,
     QVBoxLayout,
     QWidget,
 )
@@ -297,6 +298,9 @@ class ImageCanvas(QWidget):
         self.interpolated_check.toggled.connect(self.set_interpolated)
         self.heatmap_title = _plain_label()
         self.heatmap_title.setStyleSheet("font-weight: bold;")
+        # long titles wrap instead of widening the window (1280 px must hold every panel)
+        self.heatmap_title.setWordWrap(True)
+        self.heatmap_title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         top = QHBoxLayout()
         top.setContentsMargins(0, 0, 0, 0)
         top.addWidget(self.grid_check)
@@ -381,6 +385,8 @@ class ImageCanvas(QWidget):
 
         self.hover_label = _plain_label("hover over the image for a token")
         self.hover_label.setStyleSheet("color: #333;")
+        self.hover_label.setWordWrap(True)
+        self.hover_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.hover_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
         layout = QVBoxLayout(self)
