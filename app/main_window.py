@@ -43,7 +43,7 @@ from PySide6.QtWidgets import (
 )
 
 import core
-from app.canvas import ImageCanvas
+from app.canvas import ImageCanvas, describe_token_layout
 from app.panels.attention_panel import AttentionPanel
 from app.panels.audit_panel import AuditPanel
 from app.panels.counterfactual_panel import CounterfactualPanel
@@ -270,6 +270,12 @@ class MainWindow(QMainWindow):
         self.model_picker.setCurrentText(model_spec)
         self.model_picker.setMinimumWidth(260)
         self.model_picker.setToolTip("a built-in name, a model folder, a cached repo id or open_clip name:checkpoint")
+        for spec in self._recent_models():
+            if self.model_picker.findText(spec) < 0:
+                self.model_picker.addItem(spec)
+        self.model_folder_button = QPushButton("Folder…")
+        self.model_folder_button.setToolTip("choose a local model folder (Hugging Face or open_clip)")
+        self.model_folder_button.clicked.connect(self.choose_model_folder)
 
         self.canvas = ImageCanvas()  # view mode: pan, zoom, hover a token
         self.image_plot = self.canvas.plot
@@ -355,6 +361,7 @@ class MainWindow(QMainWindow):
         controls.addWidget(_plain_label("Model"), 0, 0)
         model_row = QHBoxLayout()
         model_row.addWidget(self.model_picker)
+        model_row.addWidget(self.model_folder_button)
         model_row.addStretch(1)
         controls.addLayout(model_row, 0, 1, 1, 2)
         controls.addWidget(_plain_label("Question"), 1, 0)
@@ -482,6 +489,29 @@ class MainWindow(QMainWindow):
 
     def model_spec(self) -> str:
         return self.model_picker.currentText().strip()
+
+    @staticmethod
+    def _recent_models() -> list[str]:
+        from PySide6.QtCore import QSettings
+
+        value = QSettings("VLM Readout", "vlm-readout").value("recent_models", [])
+        return [str(v) for v in (value if isinstance(value, list) else [value]) if v]
+
+    def _remember_model(self, spec: str) -> None:
+        """Keep the last few model specs that loaded, for the picker."""
+        from PySide6.QtCore import QSettings
+
+        if spec in BUILTIN_MODELS:
+            return
+        recent = [spec] + [s for s in self._recent_models() if s != spec]
+        QSettings("VLM Readout", "vlm-readout").setValue("recent_models", recent[:8])
+        if self.model_picker.findText(spec) < 0:
+            self.model_picker.addItem(spec)
+
+    def choose_model_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Model folder")
+        if path:
+            self.model_picker.setCurrentText(path)
 
     def is_busy(self) -> bool:
         return self._job is not None
@@ -693,6 +723,7 @@ class MainWindow(QMainWindow):
     def _set_busy(self, busy: bool) -> None:
         self.answer_button.setEnabled(not busy)
         self.readout_button.setEnabled(not busy)
+        self.model_folder_button.setEnabled(not busy)
         self.model_picker.setEnabled(not busy)
         self.cancel_button.setEnabled(busy)
         self.progress_bar.setRange(0, 0 if busy else 1)
@@ -714,6 +745,7 @@ class MainWindow(QMainWindow):
 
     def _show_answer(self, result: core.Answer, caption: str) -> None:
         self.last_answer = result
+        self._remember_model(self.model_spec())
         self.answer_label.setText(f"answer: {result.answer}  (p = {result.prob:.3f})")
         self.answer_caption.setText(caption)
         self.table_title.setText("top alternatives")
@@ -746,7 +778,10 @@ class MainWindow(QMainWindow):
             return
         tokens = analysis["input"]["visual_tokens"]
         self.canvas.set_tokens(tokens)
+        note = describe_token_layout(tokens, analysis["model"].get("family"))
+        self.canvas.set_token_note(note)
         self.counterfactual_panel.set_tokens(tokens)
+        self.counterfactual_panel.set_token_note(note)
         rollout = analysis.get("rollout")
         if rollout:
             self.canvas.set_heatmap(

@@ -92,3 +92,23 @@ def test_open_read_out_paint_counterfactual_export_reopen(qtbot, window, tmp_pat
         assert len(other.audit_panel.rows()) == len(rows)
     finally:
         other.close()
+
+
+def test_tiled_model_readout_says_its_tokens_are_not_one_grid(qtbot, window):
+    """A tiny random LLaVA-NeXT (base image + tiles + newline tokens) through the
+    window: the canvas draws the whole-image grid and says the tokens are tiles."""
+    import torch
+
+    from tests.core.test_llava_next import IMAGE_SIZE, QUESTION, noise_image, tiny_llava_next_float64
+
+    torch.manual_seed(0)
+    window.model_cache["tiny-llava-next"] = tiny_llava_next_float64()
+    window.model_picker.setCurrentText("tiny-llava-next")
+    assert window.set_image(noise_image(IMAGE_SIZE), name="noise")
+    window.set_question(QUESTION)
+    with qtbot.waitSignal(window.idle, timeout=60_000):
+        assert window.run_readout()
+    assert window.analysis is not None, window.error_label.text()
+    assert "views of the image" in window.canvas.note_label.text()
+    primary = window.analysis["rollout"]["primary_image"]
+    assert all(c.image == primary for c in window.canvas.cells) and window.canvas.cells
