@@ -194,6 +194,64 @@ def sweep_job(
     )
 
 
+def ablation_job(
+    model_cache: dict,
+    spec: str,
+    image,
+    question: str,
+    block: int,
+    head: int,
+    answer: str,
+    foil: str,
+    *,
+    progress,
+    cancel,
+):
+    """Worker job: zero the head's write at the answer position and re-run."""
+    from core.methods.counterfactual import resolve_tokens
+    from core.methods.interventions import run_interventions, zero_ablation
+
+    loaded = _cached_model(model_cache, spec, progress)
+    inputs = loaded.adapter.prepare([image], [question])
+    base = core.capture(loaded, None, "", pattern_layers=[], inputs=inputs)
+    pos = int(base.answer_positions[0])
+    answer_id, foil_id = resolve_tokens(loaded.adapter, answer or None, foil or None, base.logits[0, pos])
+    label = f"{base.block_names[block]}.H{head} zeroed at the answer position"
+    return run_interventions(
+        loaded, inputs, {label: [zero_ablation(block, head, positions=[pos])]}, answer_id, foil_id, base=base
+    )
+
+
+def patch_job(
+    model_cache: dict, spec: str, image, question: str, source, mask, answer: str, foil: str, *, progress, cancel
+):
+    """Worker job: patch the painted region's visual tokens from another image,
+    at the earliest visual site the family has (forward and reverse)."""
+    from core.geometry import region_tokens
+    from core.methods.interventions import patch_visual_features
+
+    loaded = _cached_model(model_cache, spec, progress)
+    sites = loaded.adapter.edit_sites
+    site = next((s for s in ("projector_out", "kv_source", "resid") if s in sites), None)
+    if site is None:
+        raise core.ReadoutError(f"{loaded.adapter.family}: no visual-feature site to patch")
+    tokens = loaded.adapter.visual_tokens(image.size)
+    region = region_tokens(tokens, mask, min_cover=1e-6)
+    if not region:
+        raise core.ReadoutError("the painted region covers no visual token")
+    return patch_visual_features(
+        loaded,
+        image,
+        question,
+        source,
+        site=site,
+        layer=0 if site == "resid" else None,
+        token_sets={"painted region": region},
+        answer=answer or None,
+        foil=foil or None,
+    )
+
+
 def default_session_path() -> Path:
     """A new session file under the user's data folder (one per window)."""
     import time
@@ -242,6 +300,7 @@ class MainWindow(QMainWindow):
         self.analysis: dict | None = None  # the last analyze result shown in the panels
         self.analysis_inputs: tuple | None = None  # (spec, image, question) it was computed on
         self.last_counterfactual = None
+        self.last_intervention = None
         self.workers = WorkerPool(self)
         self.image: Image.Image | None = None
         self.image_name = ""
@@ -313,13 +372,34 @@ class MainWindow(QMainWindow):
         self.counterfactual_panel.sweep_requested.connect(self.run_sweep)
         self.audit_panel = AuditPanel()
         self.audit_panel.export_requested.connect(self.export_audit)
+        self.ablate_button = QPushButton("Ablate selected head")
+        self.ablate_button.setToolTip(
+            "zero the write of the head selected in the Attention tab at the answer position and re-run"
+        )
+        self.ablate_button.clicked.connect(self.ablate_selected_head)
+        self.patch_button = QPushButton("Patch region from image…")
+        self.patch_button.setToolTip(
+            "copy the painted region's visual-token features from another image into this run (and back)"
+        )
+        self.patch_button.clicked.connect(self.patch_region_dialog)
+        self.intervention_label = _plain_label("interventions: select a head (Attention tab) or paint a region")
+        self.intervention_label.setWordWrap(True)
+        strip = QHBoxLayout()
+        strip.addWidget(self.ablate_button)
+        strip.addWidget(self.patch_button)
+        strip.addWidget(self.intervention_label, stretch=1)
+        counterfactual_tab = QWidget()
+        counterfactual_layout = QVBoxLayout(counterfactual_tab)
+        counterfactual_layout.setContentsMargins(0, 0, 0, 0)
+        counterfactual_layout.addWidget(self.counterfactual_panel, stretch=1)
+        counterfactual_layout.addLayout(strip)
         self.tabs = QTabWidget()
         for widget, title in (
             (answer_panel, "Answer"),
             (self.attention_panel, "Attention"),
             (self.dla_panel, "DLA"),
             (self.lens_panel, "Lens"),
-            (self.counterfactual_panel, "Counterfactual"),
+            (counterfactual_tab, "Counterfactual"),
             (self.audit_panel, "Audit"),
         ):
             self.tabs.addTab(widget, title)
@@ -675,6 +755,91 @@ class MainWindow(QMainWindow):
         )
         return True
 
+    def ablate_selected_head(self) -> bool:
+        """Zero the write of the head selected in the Attention tab (answer position) and show the effect."""
+        if self.is_busy() or self.image is None:
+            return False
+        selected = self.attention_panel.selected
+        if not selected:
+            self.show_error("select a head in the Attention tab first (Read out, then click a cell)")
+            return False
+        block, head = selected
+        question = self.question_edit.text().strip()
+        answer, foil = self._targets()
+
+        def show(result) -> None:
+            self.last_intervention = result
+            self._show_intervention(result.rows[0].label, result.rows[0].effect, result.rows[0])
+            self._record("intervention", result.to_dict(), audits=[result.audit.to_dict()])
+
+        self._start(
+            show,
+            ablation_job,
+            self.model_cache,
+            self.model_spec(),
+            self.image,
+            question,
+            block,
+            head,
+            answer,
+            foil,
+            clear=False,
+        )
+        return True
+
+    def patch_region(self, source) -> bool:
+        """Patch the painted region's visual tokens from ``source`` (an image) into this run."""
+        if self.is_busy() or self.image is None:
+            return False
+        mask = self.counterfactual_panel.mask()
+        if not mask.any():
+            self.show_error("paint a region in the Counterfactual tab first")
+            return False
+        try:
+            source_image = core.load_image(source)
+        except core.ImageLoadError as e:
+            self.show_error(str(e))
+            return False
+        question = self.question_edit.text().strip()
+        answer, foil = self._targets()
+
+        def show(result) -> None:
+            self.last_intervention = result
+            row = result.rows[0]
+            self._show_intervention(f"{row.name} patched at {result.site}", row.forward.effect, row.forward)
+            self._record("intervention", result.to_dict(), audits=[result.audit.to_dict()], mask=mask)
+
+        self._start(
+            show,
+            patch_job,
+            self.model_cache,
+            self.model_spec(),
+            self.image,
+            question,
+            source_image,
+            mask,
+            answer,
+            foil,
+            clear=False,
+        )
+        return True
+
+    def patch_region_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Patch from image", "", IMAGE_FILTER)
+        if path:
+            self.patch_region(path)
+
+    def _show_intervention(self, label: str, effect: dict, row) -> None:
+        before, after = row.original, row.edited
+        text = (
+            f"{label}: predicted {before.predicted!r} -> {after.predicted!r}; "
+            f"answer logit {before.logit:.3f} -> {after.logit:.3f} ({effect['logit_change']:+.3f}), "
+            f"p {before.prob:.3f} -> {after.prob:.3f}"
+        )
+        if effect.get("logit_diff_change") is not None:
+            text += f", logit diff {effect['logit_diff_change']:+.3f}"
+        self.intervention_label.setText(text + (" — flipped" if effect.get("flipped") else ""))
+
     def cancel(self) -> None:
         """Ask the running job to stop; the window goes idle when it has."""
         if self._job is not None:
@@ -724,6 +889,8 @@ class MainWindow(QMainWindow):
         self.answer_button.setEnabled(not busy)
         self.readout_button.setEnabled(not busy)
         self.model_folder_button.setEnabled(not busy)
+        self.ablate_button.setEnabled(not busy)
+        self.patch_button.setEnabled(not busy)
         self.model_picker.setEnabled(not busy)
         self.cancel_button.setEnabled(busy)
         self.progress_bar.setRange(0, 0 if busy else 1)
@@ -794,7 +961,7 @@ class MainWindow(QMainWindow):
 
     def _on_tab_changed(self, index: int) -> None:
         # the painter has its own canvas: give it the whole width instead of showing the image twice
-        self.canvas.setVisible(self.tabs.widget(index) is not self.counterfactual_panel)
+        self.canvas.setVisible(self.tabs.tabText(index) != "Counterfactual")
 
     def show_head_map(self, layer: int, head: int) -> None:
         """Put one head's answer-row attention on the canvas (patch-granular)."""

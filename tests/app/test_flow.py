@@ -11,6 +11,12 @@ import pytest
 from app.samples import bundled_samples
 
 
+def sample_image(sample):
+    from PIL import Image
+
+    return Image.open(sample.image_path).convert("RGB")
+
+
 def _sample_with_target():
     """The first bundled attribute sample (it has a target object and its mask)."""
     import json
@@ -112,3 +118,36 @@ def test_tiled_model_readout_says_its_tokens_are_not_one_grid(qtbot, window):
     assert "views of the image" in window.canvas.note_label.text()
     primary = window.analysis["rollout"]["primary_image"]
     assert all(c.image == primary for c in window.canvas.cells) and window.canvas.cells
+
+
+def test_head_ablation_and_region_patching_from_the_counterfactual_tab(qtbot, window):
+    """The interventions strip: zero the selected head, then patch the painted
+    target's visual tokens from the same scene with the target's shape changed."""
+    from core.zoo import scenes
+
+    sample, row, target_mask = _sample_with_target()
+    assert window.load_sample(sample)
+    with qtbot.waitSignal(window.idle, timeout=60_000):
+        assert window.run_readout()
+    window.attention_panel.select_head(1, 1)
+    with qtbot.waitSignal(window.idle, timeout=60_000):
+        assert window.ablate_selected_head()
+    ablation = window.last_intervention
+    assert ablation.method == "ablation" and ablation.rows[0].label.startswith("L1.H1")
+    assert "L1.H1" in window.intervention_label.text()
+
+    window.counterfactual_panel.canvas.set_mask(target_mask)
+    from core.zoo.samples import KINDS
+
+    scene = scenes.make_sample("sample", row["index"], kind=KINDS[row["index"] % len(KINDS)])
+    assert np.array_equal(scene.image, np.asarray(sample_image(sample)))  # the bundled pair, re-generated
+    new_shape = next(s for s in scenes.SHAPES if s != scene.objects[scene.target].shape)
+    source = scenes.counterfactual_sample(scene, shape=new_shape)
+    with qtbot.waitSignal(window.idle, timeout=60_000):
+        assert window.patch_region(source.image)
+    patch = window.last_intervention
+    forward = patch.rows[0].forward
+    assert (
+        forward.effect["logit_change"] < 0
+    )  # the original shape lost support once its tokens came from the other scene
+    assert {r.kind for r in window.session.runs()} >= {"analyze", "intervention"}
