@@ -252,6 +252,14 @@ def patch_job(
     )
 
 
+def statistics_job(model_cache: dict, spec: str, items: list, *, progress, cancel):
+    """Worker job: answer-row attention of every head over many samples (distributions)."""
+    from core.methods.patterns import pattern_statistics
+
+    loaded = _cached_model(model_cache, spec, progress)
+    return pattern_statistics(loaded, items, progress=progress, cancel=cancel.is_set)
+
+
 def default_session_path() -> Path:
     """A new session file under the user's data folder (one per window)."""
     import time
@@ -499,6 +507,9 @@ class MainWindow(QMainWindow):
         all_samples_action = QAction("Answer &all samples", self)
         all_samples_action.triggered.connect(self.answer_all_samples)
         run_menu.addAction(all_samples_action)
+        stats_action = QAction("Attention &statistics over the samples", self)
+        stats_action.triggered.connect(self.attention_statistics_of_samples)
+        run_menu.addAction(stats_action)
         readout_action = QAction("&Read out", self, shortcut=QKeySequence("Ctrl+R"))
         readout_action.triggered.connect(self.run_readout)
         run_menu.addAction(readout_action)
@@ -754,6 +765,32 @@ class MainWindow(QMainWindow):
             clear=False,
         )
         return True
+
+    def attention_statistics(self, items: list) -> bool:
+        """Distributions of every head's answer-row attention over ``items``
+        (``(image, question, target mask or None)``), shown in the Attention tab."""
+        if self.is_busy():
+            return False
+
+        def show(stats) -> None:
+            self.attention_panel.set_statistics(stats)
+            self._record(
+                "statistics",
+                {"n_samples": stats.n_samples, "heads": [h.to_dict() for h in stats.heads]},
+                audits=[stats.audit.to_dict()],
+            )
+
+        self._start(show, statistics_job, self.model_cache, self.model_spec(), list(items), clear=False)
+        return True
+
+    def attention_statistics_of_samples(self) -> bool:
+        """The bundled samples, with each one's target mask where it has one."""
+        items = []
+        for sample in bundled_samples():
+            mask_path = sample.target_mask_path
+            mask = np.asarray(Image.open(mask_path)) > 0 if mask_path else None
+            items.append((sample.image_path, sample.question, mask))
+        return self.attention_statistics(items)
 
     def ablate_selected_head(self) -> bool:
         """Zero the write of the head selected in the Attention tab (answer position) and show the effect."""

@@ -11,11 +11,14 @@ from core.models.loading import resources_dir
 
 @dataclass(frozen=True)
 class Sample:
-    """One bundled pair; ``expected`` is the scene's ground-truth answer."""
+    """One bundled pair; ``expected`` is the scene's ground-truth answer and
+    ``target_mask_path`` the mask of the object the question is about (None
+    for questions about the whole scene)."""
 
     image_path: Path
     question: str
     expected: str | None = None
+    target_mask_path: Path | None = None
 
 
 def bundled_samples() -> list[Sample]:
@@ -27,5 +30,8 @@ def bundled_samples() -> list[Sample]:
     for line in pairs_file.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            samples.append(Sample(pairs_file.parent / row["image"], row["question"], row.get("answer")))
+            target = row.get("target")
+            masks = row.get("masks") or []
+            mask = pairs_file.parent / masks[target] if target is not None and target < len(masks) else None
+            samples.append(Sample(pairs_file.parent / row["image"], row["question"], row.get("answer"), mask))
     return samples

@@ -151,3 +151,11 @@ def test_head_ablation_and_region_patching_from_the_counterfactual_tab(qtbot, wi
         forward.effect["logit_change"] < 0
     )  # the original shape lost support once its tokens came from the other scene
     assert {r.kind for r in window.session.runs()} >= {"analyze", "intervention"}
+
+
+def test_attention_statistics_over_the_samples_fill_the_distribution_view(qtbot, window):
+    with qtbot.waitSignal(window.idle, timeout=60_000):
+        assert window.attention_statistics_of_samples()
+    assert window.error_label.text() == ""
+    assert len(window.attention_panel.statistics) == 16 and window.attention_panel.n_samples == 8
+    assert window.session.runs("statistics")
