@@ -34,6 +34,7 @@ from PySide6.QtWidgets import (
     QMainWindow,
     QProgressBar,
     QPushButton,
+    QScrollArea,
     QSplitter,
     QTableWidget,
     QTableWidgetItem,
@@ -401,13 +402,19 @@ class MainWindow(QMainWindow):
         counterfactual_layout.setContentsMargins(0, 0, 0, 0)
         counterfactual_layout.addWidget(self.counterfactual_panel, stretch=1)
         counterfactual_layout.addLayout(strip)
+        # A scroll area keeps the painter's width from setting the tab widget's minimum (which
+        # would squeeze the image canvas in every other tab); its own tab hides the canvas.
+        counterfactual_scroll = QScrollArea()
+        counterfactual_scroll.setWidgetResizable(True)
+        counterfactual_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        counterfactual_scroll.setWidget(counterfactual_tab)
         self.tabs = QTabWidget()
         for widget, title in (
             (answer_panel, "Answer"),
             (self.attention_panel, "Attention"),
             (self.dla_panel, "DLA"),
             (self.lens_panel, "Lens"),
-            (counterfactual_tab, "Counterfactual"),
+            (counterfactual_scroll, "Counterfactual"),
             (self.audit_panel, "Audit"),
         ):
             self.tabs.addTab(widget, title)
@@ -418,7 +425,7 @@ class MainWindow(QMainWindow):
         splitter.addWidget(self.tabs)
         splitter.setStretchFactor(0, 2)
         splitter.setStretchFactor(1, 3)
-        splitter.setSizes([500, 780])
+        splitter.setSizes([560, 720])
 
         self.question_edit = QLineEdit()
         self.question_edit.setPlaceholderText("ask a question about the image")
