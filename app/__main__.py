@@ -26,8 +26,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# What Qt's xcb platform plugin (Linux, X11) loads from the system; PySide6 ships the rest.
+# library -> its Debian/Ubuntu package
+XCB_LIBRARIES = {
+    "xcb-cursor": "libxcb-cursor0",
+    "xcb-icccm": "libxcb-icccm4",
+    "xcb-keysyms": "libxcb-keysyms1",
+    "xcb-image": "libxcb-image0",
+    "xcb-render-util": "libxcb-render-util0",
+    "xkbcommon-x11": "libxkbcommon-x11-0",
+}
+
+
+def missing_display_libraries() -> list[str]:
+    """System libraries Qt needs to open a window on X11 that are not installed
+    (empty elsewhere, or when another platform plugin was chosen)."""
+    import ctypes.util
+    import os
+
+    if not sys.platform.startswith("linux") or os.environ.get("QT_QPA_PLATFORM", "xcb") != "xcb":
+        return []
+    if not os.environ.get("DISPLAY") and os.environ.get("WAYLAND_DISPLAY"):
+        return []
+    return [name for name in XCB_LIBRARIES if ctypes.util.find_library(name) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    missing = missing_display_libraries()
+    if missing:
+        packages = " ".join(XCB_LIBRARIES[name] for name in missing)
+        print(
+            f"error: Qt needs system libraries to open a window on X11 that are missing: {', '.join(missing)} "
+            f"(Debian/Ubuntu: apt-get install {packages}; or run with QT_QPA_PLATFORM=offscreen)",
+            file=sys.stderr,
+        )
+        return 2
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 

@@ -266,6 +266,7 @@ def default_session_path() -> Path:
     import time
 
     folder = Path.home() / ".local" / "share" / "vlm-readout" / "sessions"
+    folder.mkdir(parents=True, exist_ok=True)
     return folder / time.strftime("session-%Y%m%d-%H%M%S.vlmr")
 
 

@@ -191,3 +191,21 @@ def test_main_screenshot(qtbot, tmp_path, image_arg):
     assert main(argv) == 0
     image = QImage(str(shot))
     assert not image.isNull() and image.width() > 400
+
+
+def test_missing_x11_libraries_give_one_clear_line(monkeypatch, capsys):
+    """Without the system libraries Qt's xcb plugin loads, the app says which
+    and how to install them, instead of Qt's abort."""
+    import ctypes.util
+
+    import app.__main__ as entry
+
+    monkeypatch.setattr(entry.sys, "platform", "linux")
+    monkeypatch.setenv("QT_QPA_PLATFORM", "xcb")
+    monkeypatch.setenv("DISPLAY", ":99")
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None if name == "xcb-cursor" else f"lib{name}.so")
+    assert entry.main(["--model", "shapes-coca"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "libxcb-cursor0" in err[0]
+    monkeypatch.setenv("QT_QPA_PLATFORM", "offscreen")
+    assert entry.missing_display_libraries() == []
