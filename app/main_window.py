@@ -118,9 +118,24 @@ def readout_job(
         question,
         answer=answer or None,
         foil=foil or None,
+        tuned=_model_lens(loaded),
         progress=lambda done, total, message: progress(done + 1, total + 1, message),
     )
     return result, analysis
+
+
+def _model_lens(loaded):
+    """The tuned lens saved beside the model's weights (``tuned-lens/``), if it
+    was trained for these weights; else None (the Lens tab shows the logit lens only)."""
+    from core.methods.tuned_lens import load_lens
+
+    folder = getattr(loaded, "path", None)
+    if folder is None or not (folder / "tuned-lens").is_dir():
+        return None
+    try:
+        return load_lens(folder / "tuned-lens", loaded)
+    except core.ReadoutError:
+        return None
 
 
 def head_sources_job(
@@ -985,6 +1000,7 @@ class MainWindow(QMainWindow):
         self.attention_panel.set_result(analysis)
         self.dla_panel.set_result(analysis)
         self.lens_panel.set_result(analysis)
+        self.lens_panel.set_readers((analysis or {}).get("tuned_lens") or {})
         if analysis is None:
             self.canvas.clear_heatmap()
             return

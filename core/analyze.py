@@ -24,10 +24,13 @@ def analyze(
     answer: str | None = None,
     foil: str | None = None,
     rollout_alpha: float = 0.5,
+    tuned=None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> dict:
     """Run the model once and read it out. ``answer`` defaults to the model's
-    own top token; ``foil`` is optional (then ``u`` is the answer's column)."""
+    own top token; ``foil`` is optional (then ``u`` is the answer's column).
+    ``tuned``: a :class:`core.methods.tuned_lens.TunedLens` of this model; its
+    reader and baselines are added as ``tuned_lens`` beside the logit lens."""
     step = progress or (lambda done, total, msg: None)
     adapter = loaded.adapter
     img = load_image(image)
@@ -53,6 +56,13 @@ def analyze(
     heads = summarize_heads(adapter, trace, tokens, query_index=q_index)
     primary = primary_image(tokens)
     audits = [residual.audit, lens.audit, heads.audit]
+    tuned_json = None
+    if tuned is not None:
+        from core.methods.tuned_lens import lens_audit, tuned_lens_readers
+
+        tuned.check_model(loaded)
+        tuned_json = tuned_lens_readers(tuned, adapter, trace, answer_id, foil_id)
+        audits.append(lens_audit(tuned, positions="answer"))
     rollout_json = None
     if full:
         step(3, 4, "rollout")
@@ -97,6 +107,7 @@ def analyze(
             "components": [c.to_dict() for c in residual.components],
         },
         "logit_lens": [r.to_dict() for r in lens.rows],
+        "tuned_lens": tuned_json,
         "attention": [h.to_dict() for h in heads.heads],
         "rollout": rollout_json,
         "audit": [a.to_dict() for a in audits],
@@ -110,7 +121,7 @@ def summary(result: dict) -> str:
     dla = sorted(result["residual_decomposition"]["components"], key=lambda c: -abs(c["dla_frozen"]))[:3]
     lines = [
         f"answer {t['answer']!r} p={t['prob']:.3f} (predicted {t['predicted']!r})",
-        "most visual attention: " + ", ".join(f"L{h['layer']}.H{h['head']} {h['visual_mass']:.2f}" for h in top_heads),
+        "most visual attention: " + ", ".join(f"{h['block']}.H{h['head']} {h['visual_mass']:.2f}" for h in top_heads),
         "largest frozen-scale DLA: " + ", ".join(f"{c['name']} {c['dla_frozen']:+.2f}" for c in dla),
         f"reconstruction error {result['residual_decomposition']['reconstruction_max_abs_err']:.2e}",
     ]

@@ -122,6 +122,11 @@ def cmd_analyze(args) -> int:
         from core.session import check_session_file, record_into
 
         check_session_file(args.session)  # fail fast, before the model loads
+    tuned = None
+    if args.lens:
+        from core.methods.tuned_lens import load_lens
+
+        tuned = load_lens(args.lens)
     loaded = _load(args)
     from tqdm import tqdm
 
@@ -131,7 +136,7 @@ def cmd_analyze(args) -> int:
         bar.set_description(message)
         bar.update(done - bar.n)
 
-    result = analyze(loaded, image, args.question, answer=args.answer, foil=args.foil, progress=progress)
+    result = analyze(loaded, image, args.question, answer=args.answer, foil=args.foil, tuned=tuned, progress=progress)
     bar.close()
     write_text_atomic(Path(args.json), json.dumps(result) + "\n")
     if args.session:
@@ -148,7 +153,7 @@ def cmd_evaluate(args) -> int:
 
 # Modules that add their own subcommand: each defines
 # ``add_command(subparsers, add_model_args, load)`` and sets ``func`` on its parser.
-_COMMANDS: tuple[str, ...] = ("core.dataset_audit", "core.counterfactual_cli", "core.session_cli")
+_COMMANDS: tuple[str, ...] = ("core.dataset_audit", "core.counterfactual_cli", "core.session_cli", "core.lens_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--json", required=True, help="output file")
     an.add_argument("--session", help="also record the run into this session file (created if missing)")
     an.add_argument("--quiet", action="store_true")
+    an.add_argument("--lens", help="tuned-lens folder: its reader and baselines beside the logit lens")
     an.set_defaults(func=cmd_analyze)
 
     e = sub.add_parser("evaluate-zoo", help="accuracy of a default model on held-out synthetic scenes")

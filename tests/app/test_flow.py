@@ -159,3 +159,13 @@ def test_attention_statistics_over_the_samples_fill_the_distribution_view(qtbot,
     assert window.error_label.text() == ""
     assert len(window.attention_panel.statistics) == 16 and window.attention_panel.n_samples == 8
     assert window.session.runs("statistics")
+
+
+def test_the_lens_tab_overlays_the_committed_tuned_lens(qtbot, window):
+    assert window.load_sample(bundled_samples()[0])
+    with qtbot.waitSignal(window.idle, timeout=60_000):
+        assert window.run_readout()
+    readers = window.analysis["tuned_lens"]
+    assert readers and any(name.startswith("tuned lens") for name in readers)
+    assert set(readers) <= set(window.lens_panel.all_readers())
+    assert any(a["method"] == "tuned lens" for a in window.analysis["audit"])
