@@ -3,6 +3,8 @@
 import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before any Qt import
+# The app remembers recent models in QSettings: keep the tests' out of the user's config.
+os.environ["XDG_CONFIG_HOME"] = __import__("tempfile").mkdtemp(prefix="vlm-readout-test-config-")
 
 import pytest  # noqa: E402
 from PySide6.QtCore import QThreadPool  # noqa: E402

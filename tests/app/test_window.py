@@ -209,3 +209,21 @@ def test_missing_x11_libraries_give_one_clear_line(monkeypatch, capsys):
     assert len(err) == 1 and "libxcb-cursor0" in err[0]
     monkeypatch.setenv("QT_QPA_PLATFORM", "offscreen")
     assert entry.missing_display_libraries() == []
+
+
+def test_none_survives_many_windows(qtbot, model_cache, tmp_path):
+    """Building and closing windows must not be able to free None (see app._pin_none)."""
+    import gc
+    import sys
+
+    from app.main_window import MainWindow
+
+    before = sys.getrefcount(None)
+    for i in range(3):
+        w = MainWindow(model_cache=model_cache, session_path=tmp_path / f"s{i}.vlmr")
+        w.close()
+        w.deleteLater()
+    gc.collect()
+    if sys.version_info < (3, 12):
+        assert sys.getrefcount(None) > 1 << 39  # pinned: PySide6's extra releases cannot reach zero
+    assert sys.getrefcount(None) > before - 1_000_000
