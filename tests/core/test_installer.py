@@ -1,4 +1,5 @@
-"""The PyInstaller spec bundles every file under resources/."""
+"""The PyInstaller spec bundles every file under resources/ and every
+transformers model family an adapter serves."""
 
 import sys
 import types
@@ -7,11 +8,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_spec_data_list_covers_resources(monkeypatch):
+def _run_spec(monkeypatch) -> dict:
+    """Execute the spec with PyInstaller stubbed out; returns Analysis' keyword
+    arguments (``collect_submodules(name)`` stands for ``[name]``)."""
     captured = {}
     hooks = types.ModuleType("PyInstaller.utils.hooks")
     hooks.collect_data_files = lambda *a, **k: []
-    hooks.collect_submodules = lambda *a, **k: []
+    hooks.collect_submodules = lambda name, *a, **k: [name]
     for name in ("PyInstaller", "PyInstaller.utils"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "PyInstaller.utils.hooks", hooks)
@@ -25,8 +28,24 @@ def test_spec_data_list_covers_resources(monkeypatch):
         "COLLECT": lambda *a, **k: None,
     }
     exec(compile((ROOT / "installer" / "vlm_readout.spec").read_text(), "vlm_readout.spec", "exec"), namespace)
+    return captured
+
+
+def test_spec_data_list_covers_resources(monkeypatch):
+    captured = _run_spec(monkeypatch)
     bundled = {(Path(dest) / Path(src).name).as_posix() for src, dest in captured["datas"]}
     expected = {f.relative_to(ROOT).as_posix() for f in (ROOT / "resources").rglob("*") if f.is_file()}
     assert expected and expected <= bundled
-    assert any(p.endswith("shapes-llava/model.safetensors") for p in bundled)
-    assert any(p.endswith("shapes-coca/open_clip_model.safetensors") for p in bundled)
+
+
+def test_spec_names_every_transformers_family_an_adapter_serves(monkeypatch):
+    """transformers imports model families lazily; the bundle must carry each one
+    an adapter is registered for, or it cannot even read that model's config."""
+    import transformers
+
+    from core.models import registry
+
+    captured = _run_spec(monkeypatch)
+    registry.supported()  # imports every family module
+    families = {getattr(transformers, arch).__module__.split(".")[2] for arch in registry._HF}
+    assert families and {f"transformers.models.{f}" for f in families} <= set(captured["hiddenimports"])
