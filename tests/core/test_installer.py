@@ -14,6 +14,7 @@ def _run_spec(monkeypatch) -> dict:
     captured = {}
     hooks = types.ModuleType("PyInstaller.utils.hooks")
     hooks.collect_data_files = lambda *a, **k: []
+    hooks.collect_dynamic_libs = lambda *a, **k: []
     hooks.collect_submodules = lambda name, *a, **k: [name]
     for name in ("PyInstaller", "PyInstaller.utils"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
