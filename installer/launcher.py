@@ -9,6 +9,16 @@ if getattr(sys, "frozen", False):
     os.environ.setdefault("VLM_READOUT_RESOURCES", str(Path(sys._MEIPASS) / "resources"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+if getattr(sys, "frozen", False):
+    # Load torchvision's compiled ops eagerly and say why when they are missing: transformers
+    # otherwise hides the failure behind "Could not import module 'LlamaConfig'".
+    try:
+        import torch  # noqa: F401
+        import torchvision  # noqa: F401
+        from torchvision import _C  # noqa: F401
+    except Exception as e:  # a broken bundle: report it in one line, the app still opens
+        print(f"warning: torchvision's compiled ops did not load in this bundle ({e})", file=sys.stderr)
+
 from app.__main__ import main  # noqa: E402
 
 if __name__ == "__main__":
