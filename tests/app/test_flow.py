@@ -105,7 +105,8 @@ def test_tiled_model_readout_says_its_tokens_are_not_one_grid(qtbot, window):
     window: the canvas draws the whole-image grid and says the tokens are tiles."""
     import torch
 
-    from tests.core.test_llava_next import IMAGE_SIZE, QUESTION, noise_image, tiny_llava_next_float64
+    from tests.core.exactness import noise_image
+    from tests.core.test_llava_next import IMAGE_SIZE, QUESTION, tiny_llava_next_float64
 
     torch.manual_seed(0)
     window.model_cache["tiny-llava-next"] = tiny_llava_next_float64()

@@ -1,8 +1,10 @@
 """Exactness checks shared by every family's tests: each compares what a
 capture recorded with an independent computation."""
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from core.methods.residual import component_stack, decompose, target_direction
 
@@ -33,3 +35,14 @@ def assert_jacobian_dla_is_autograd(adapter, trace, answer_id, foil_id, abs_tol,
         _, d = torch.autograd.functional.jvp(lambda x: norm_f(x) @ u, x_L, C[i].detach())
         assert r.components[i].dla_jacobian == pytest.approx(float(d), abs=max(abs_tol, rel_tol * abs(float(d))))
     return r, names
+
+
+def noise_image(size: tuple[int, int], seed: int = 0) -> Image.Image:
+    """A random RGB image of ``size = (width, height)``."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def module_hook_counts(model) -> list[tuple[int, int]]:
+    """(forward hooks, forward pre-hooks) of every module: equal before and after a capture."""
+    return [(len(mod._forward_hooks), len(mod._forward_pre_hooks)) for mod in model.modules()]

@@ -18,7 +18,12 @@ from core.methods import contributions, residual
 from core.methods.logit_lens import logit_lens
 from core.methods.residual import decompose, target_direction
 from core.models.loading import LoadedModel
-from tests.core.exactness import assert_heads_sum_to_attention_output, assert_jacobian_dla_is_autograd
+from tests.core.exactness import (
+    assert_heads_sum_to_attention_output,
+    assert_jacobian_dla_is_autograd,
+    module_hook_counts,
+    noise_image,
+)
 
 SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEC]")
 WORDS = "a picture of photo an the red blue circle square cat dog on is there with yes no"
@@ -101,11 +106,6 @@ def tiny_blip_float64() -> LoadedModel:
     processor = BlipProcessor(image_processor=BlipImageProcessor(size={"height": 32, "width": 32}), tokenizer=tok)
     adapter = registry.adapter_for_hf("BlipForConditionalGeneration")(model, processor, processor.tokenizer)
     return LoadedModel("tiny-blip", adapter.family, model, processor, processor.tokenizer, adapter)
-
-
-def noise_image(size: tuple[int, int], seed: int = 0) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -515,18 +515,15 @@ def test_hooks_are_removed_and_attention_restored(traced):
     m, _ = traced
     before = m.model.config._attn_implementation
 
-    def hook_counts():
-        return [(len(mod._forward_hooks), len(mod._forward_pre_hooks)) for mod in m.model.modules()]
-
     image = noise_image(IMAGE_SIZE)
-    counts = hook_counts()
+    counts = module_hook_counts(m.model)
     assert all(c == (0, 0) for c in counts)
     capture(m, image, PREFIX)
     assert m.model.config._attn_implementation == before
-    assert hook_counts() == counts
+    assert module_hook_counts(m.model) == counts
     with pytest.raises(IndexError):
         capture(m, image, PREFIX, query_positions=[10_000])
-    assert hook_counts() == counts
+    assert module_hook_counts(m.model) == counts
 
 
 def test_saved_folder_loads_with_this_adapter(tmp_path):

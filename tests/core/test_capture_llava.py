@@ -11,7 +11,11 @@ from core import load_model
 from core.capture import capture
 from core.models.loading import LoadedModel
 from core.zoo import build, scenes
-from tests.core.exactness import assert_heads_sum_to_attention_output, assert_reconstruction_and_lens_at_last_layer
+from tests.core.exactness import (
+    assert_heads_sum_to_attention_output,
+    assert_reconstruction_and_lens_at_last_layer,
+    module_hook_counts,
+)
 
 
 def tiny_llava_float64() -> LoadedModel:
@@ -85,18 +89,15 @@ def test_hooks_are_removed_and_attention_restored():
     m = load_model("shapes-llava")
     before = m.model.config._attn_implementation
 
-    def hook_counts():
-        return [(len(mod._forward_hooks), len(mod._forward_pre_hooks)) for mod in m.model.modules()]
-
     s = scenes.make_sample("heldout", 2)
     capture(m, s.image, s.question)  # transformers installs its own hooks lazily on a first run
-    counts = hook_counts()
+    counts = module_hook_counts(m.model)
     capture(m, s.image, s.question)
     assert m.model.config._attn_implementation == before
-    assert hook_counts() == counts
+    assert module_hook_counts(m.model) == counts
     with pytest.raises(IndexError):  # a failing run removes its hooks too
         capture(m, s.image, s.question, query_positions=[10_000])
-    assert hook_counts() == counts
+    assert module_hook_counts(m.model) == counts
 
 
 def test_rollout_is_the_product_of_mixed_patterns():

@@ -8,16 +8,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from core.analyze import analyze
 from core.capture import capture
 from core.methods.qk_ov import model_scores, realized_scores
-
-
-def _image(size, seed=0):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+from tests.core.exactness import noise_image
 
 
 def _case(name):
@@ -25,27 +20,27 @@ def _case(name):
     if name == "llava_next":
         from tests.core import test_llava_next as t
 
-        return t.tiny_llava_next_float64(), _image(t.IMAGE_SIZE), t.QUESTION
+        return t.tiny_llava_next_float64(), noise_image(t.IMAGE_SIZE), t.QUESTION
     if name == "paligemma":
         from tests.core import test_paligemma as t
 
-        return t.tiny_paligemma_float64(), _image(t.IMAGE_SIZE), t.QUESTION
+        return t.tiny_paligemma_float64(), noise_image(t.IMAGE_SIZE), t.QUESTION
     if name in ("idefics3", "smolvlm"):
         from tests.core import test_idefics3 as t
 
-        return t.tiny_model_float64(name), _image(t.IMAGE_SIZE), t.QUESTION
+        return t.tiny_model_float64(name), noise_image(t.IMAGE_SIZE), t.QUESTION
     if name == "mllama":
         from tests.core import test_mllama as t
 
-        return t.tiny_mllama_float64(), _image(t.IMAGE_SIZE), t.QUESTION
+        return t.tiny_mllama_float64(), noise_image(t.IMAGE_SIZE), t.QUESTION
     if name == "blip":
         from tests.core import test_blip as t
 
-        return t.tiny_blip_float64(), _image(t.IMAGE_SIZE), t.PREFIX
+        return t.tiny_blip_float64(), noise_image(t.IMAGE_SIZE), t.PREFIX
     if name.startswith("qwen"):
         from tests.core import test_qwen2_vl as t
 
-        return t.tiny_qwen_float64(name, name == "qwen2_5_vl"), _image(t.IMAGE_SIZE), t.QUESTION
+        return t.tiny_qwen_float64(name, name == "qwen2_5_vl"), noise_image(t.IMAGE_SIZE), t.QUESTION
     raise KeyError(name)
 
 

@@ -20,6 +20,8 @@ from tests.core.exactness import (
     assert_heads_sum_to_attention_output,
     assert_jacobian_dla_is_autograd,
     assert_reconstruction_and_lens_at_last_layer,
+    module_hook_counts,
+    noise_image,
 )
 
 SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>", "<image>")
@@ -126,12 +128,6 @@ def tiny_paligemma_float64() -> LoadedModel:
         lm.norm.weight.normal_(0, 0.3)
     adapter = registry.adapter_for_hf("PaliGemmaForConditionalGeneration")(model, processor, processor.tokenizer)
     return LoadedModel("tiny-paligemma", adapter.family, model, processor, processor.tokenizer, adapter)
-
-
-def noise_image(size: tuple[int, int], seed: int = 0) -> Image.Image:
-    """A random RGB image of ``size = (width, height)``."""
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -542,18 +538,15 @@ def test_hooks_are_removed_and_attention_restored(model):
     m = model
     before = m.model.config._attn_implementation
 
-    def hook_counts():
-        return [(len(mod._forward_hooks), len(mod._forward_pre_hooks)) for mod in m.model.modules()]
-
     image = noise_image(IMAGE_SIZE)
     capture(m, image, QUESTION)
-    counts = hook_counts()
+    counts = module_hook_counts(m.model)
     capture(m, image, QUESTION)
     assert m.model.config._attn_implementation == before
-    assert hook_counts() == counts
+    assert module_hook_counts(m.model) == counts
     with pytest.raises(IndexError):
         capture(m, image, QUESTION, query_positions=[10_000])
-    assert hook_counts() == counts
+    assert module_hook_counts(m.model) == counts
     assert m.model.config._attn_implementation == before
 
 

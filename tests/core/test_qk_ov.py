@@ -10,9 +10,10 @@ from core import load_model
 from core.capture import capture
 from core.methods.qk_ov import copying_score, model_scores, ov_circuit, qk_circuit, realized_scores
 from core.zoo import scenes
+from tests.core.exactness import noise_image
 from tests.core.test_capture_coca import tiny_coca_float64
 from tests.core.test_capture_llava import tiny_llava_float64
-from tests.core.test_qwen2_vl import IMAGE_SIZE, QUESTION, noise_image, tiny_qwen_float64
+from tests.core.test_qwen2_vl import IMAGE_SIZE, QUESTION, tiny_qwen_float64
 
 CASES = ["tiny-llava", "shapes-llava", "tiny-qwen2_vl", "tiny-qwen2_5_vl", "tiny-coca", "shapes-coca"]
 

@@ -18,6 +18,8 @@ from tests.core.exactness import (
     assert_heads_sum_to_attention_output,
     assert_jacobian_dla_is_autograd,
     assert_reconstruction_and_lens_at_last_layer,
+    module_hook_counts,
+    noise_image,
 )
 
 SPECIAL = (
@@ -151,12 +153,6 @@ def tiny_qwen_float64(kind: str = "qwen2_vl", tie: bool = False) -> LoadedModel:
     processor = tiny_processor(kind)
     adapter = registry.adapter_for_hf(cls.__name__)(model, processor, processor.tokenizer)
     return LoadedModel(f"tiny-{kind}", adapter.family, model, processor, processor.tokenizer, adapter)
-
-
-def noise_image(size: tuple[int, int], seed: int = 0) -> Image.Image:
-    """A random RGB image of ``size = (width, height)``."""
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
 
 
 IMAGE_SIZE = (200, 150)  # non-square: 6 x 8 patches after the resize, 3 x 4 visual tokens
@@ -424,18 +420,15 @@ def test_hooks_are_removed_and_attention_restored(traced):
     m, _, _ = traced
     before = m.model.config._attn_implementation
 
-    def hook_counts():
-        return [(len(mod._forward_hooks), len(mod._forward_pre_hooks)) for mod in m.model.modules()]
-
     image = noise_image(IMAGE_SIZE)
     capture(m, image, QUESTION)
-    counts = hook_counts()
+    counts = module_hook_counts(m.model)
     capture(m, image, QUESTION)
     assert m.model.config._attn_implementation == before
-    assert hook_counts() == counts
+    assert module_hook_counts(m.model) == counts
     with pytest.raises(IndexError):
         capture(m, image, QUESTION, query_positions=[10_000])
-    assert hook_counts() == counts
+    assert module_hook_counts(m.model) == counts
 
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
