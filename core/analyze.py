@@ -9,11 +9,21 @@ from core.capture import capture
 from core.errors import QuestionError
 from core.images import image_sha256, load_image
 from core.methods.logit_lens import logit_lens
-from core.methods.patterns import primary_image, rollout_audit, rollout_visual_mass, summarize_heads
+from core.methods.patterns import (
+    primary_image,
+    rollout_audit,
+    rollout_visual_mass,
+    summarize_heads,
+    text_patterns,
+    text_positions,
+)
 from core.methods.residual import decompose
 
 SCHEMA_VERSION = 1
-FULL_PATTERN_LIMIT = 1024  # longer prompts keep only the answer row (no rollout)
+FULL_PATTERN_LIMIT = 1024  # longer prompts keep only the answer and text rows (no rollout)
+# Text tokens in the text-text patterns (those nearest the answer): bounds the JSON,
+# which holds blocks x heads x TEXT_PATTERN_LIMIT^2 weights at most.
+TEXT_PATTERN_LIMIT = 48
 
 
 def analyze(
@@ -30,7 +40,14 @@ def analyze(
     """Run the model once and read it out. ``answer`` defaults to the model's
     own top token; ``foil`` is optional (then ``u`` is the answer's column).
     ``tuned``: a :class:`core.methods.tuned_lens.TunedLens` of this model; its
-    reader and baselines are added as ``tuned_lens`` beside the logit lens."""
+    reader and baselines are added as ``tuned_lens`` beside the logit lens.
+
+    Besides the keys of DESIGN.md (schema version 1), ``text_patterns`` holds
+    :meth:`core.methods.patterns.TextPatterns.to_dict`: every self-attention
+    block's pattern among the prompt's text tokens (at most
+    :data:`TEXT_PATTERN_LIMIT`, those nearest the answer), ``patterns``
+    ``(blocks, heads, queries, keys)``, with each row's mass on the keys not
+    shown (``other_mass``, by role) and the cross-attention blocks skipped."""
     step = progress or (lambda done, total, msg: None)
     adapter = loaded.adapter
     img = load_image(image)
@@ -38,7 +55,8 @@ def analyze(
     inputs = adapter.prepare([img], [question])
     n_tokens = inputs.input_ids.shape[1]
     full = n_tokens <= FULL_PATTERN_LIMIT
-    trace = capture(loaded, img, question, query_positions=range(n_tokens) if full else None, inputs=inputs)
+    query_positions = range(n_tokens) if full else _non_visual_rows(adapter, inputs)
+    trace = capture(loaded, img, question, query_positions=query_positions, inputs=inputs)
     pos = int(trace.answer_positions[0])
     logits = trace.logits[0, pos].float()
     probs = logits.softmax(-1)
@@ -52,9 +70,13 @@ def analyze(
     lens = logit_lens(adapter, trace, answer_id, foil_id)
     step(2, 4, "summarising attention")
     tokens = adapter.visual_tokens(img.size, trace.visual_positions[0].tolist())
-    q_index = pos if full else 0
-    heads = summarize_heads(adapter, trace, tokens, query_index=q_index)
+    heads = summarize_heads(adapter, trace, tokens, query_index=trace.query_positions.tolist().index(pos))
     primary = primary_image(tokens)
+    ids = trace.input_ids[0].tolist()
+    token_strings = [adapter.tokenizer.convert_ids_to_tokens(i) for i in ids]
+    kept = set(trace.query_positions.tolist())
+    n_text_rows = sum(p in kept for p in text_positions(adapter, trace))
+    text = text_patterns(adapter, trace, token_strings, max_tokens=min(TEXT_PATTERN_LIMIT, n_text_rows))
     audits = [residual.audit, lens.audit, heads.audit]
     tuned_json = None
     if tuned is not None:
@@ -75,7 +97,7 @@ def analyze(
         if len(grids) > 1:
             rollout_json["visual_patch_mass_by_image"] = [{"image": im, "grid": g.tolist()} for im, g in grids]
         audits.append(rollout_audit(rollout_alpha, "mean"))
-    ids = trace.input_ids[0].tolist()
+    audits.append(text.audit)
     step(4, 4, "done")
     return {
         "schema_version": SCHEMA_VERSION,
@@ -84,7 +106,7 @@ def analyze(
             "question": question,
             "prompt": adapter.prompt(question),
             "input_ids": ids,
-            "tokens": [adapter.tokenizer.convert_ids_to_tokens(i) for i in ids],
+            "tokens": token_strings,
             "image_sha256": image_sha256(img),
             "image_size": list(img.size),
             "visual_tokens": [t.to_dict() for t in tokens],
@@ -110,8 +132,19 @@ def analyze(
         "tuned_lens": tuned_json,
         "attention": [h.to_dict() for h in heads.heads],
         "rollout": rollout_json,
+        "text_patterns": text.to_dict(),
         "audit": [a.to_dict() for a in audits],
     }
+
+
+def _non_visual_rows(adapter, inputs) -> list[int]:
+    """The pattern rows a long prompt keeps: the last :data:`TEXT_PATTERN_LIMIT`
+    non-visual positions up to the answer (the answer row among them), a superset
+    of the text rows the text-text patterns read (token roles need a trace)."""
+    answer = int(inputs.answer_positions[0])
+    visual = set(adapter.visual_positions(inputs)[0].tolist())
+    rows = [p for p in range(answer + 1) if p not in visual]
+    return rows[-TEXT_PATTERN_LIMIT:]
 
 
 def summary(result: dict) -> str:

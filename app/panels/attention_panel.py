@@ -5,9 +5,12 @@ visual tokens and, separately, the mass on BOS / the sink (never folded into
 the visual mass). Clicking a cell selects that head: :attr:`AttentionPanel.head_selected`
 fires with ``(layer, head)`` (``layer`` is the block index of the analyze JSON)
 and the panel shows the head's entropy, argmax source, other mass and its
-patch map (patch-granular, not interpolated). A second tab shows per-head
-distributions over a dataset run (:func:`core.methods.patterns.pattern_statistics`)
-as box plots.
+patch map (patch-granular, not interpolated). Under the grids, the selected
+head's text-side pattern: question token x question token (queries as rows,
+keys as columns, from the analyze JSON's ``text_patterns``), with the mass each
+row put on image / BOS / special keys stated beside it, since those keys are not
+drawn. A second tab shows per-head distributions over a dataset run
+(:func:`core.methods.patterns.pattern_statistics`) as box plots.
 
 The helpers :class:`HeatGrid`, :func:`style_plot` and :func:`token_grid` are
 shared with the other panels.
@@ -21,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPoint, QPointF, QRectF, Qt, Signal
-from PySide6.QtGui import QColor, QFontDatabase, QPen
+from PySide6.QtGui import QColor, QFontDatabase, QFontMetricsF, QPen
 from PySide6.QtWidgets import (
     QComboBox,
     QGraphicsRectItem,
@@ -57,6 +60,43 @@ def style_plot(plot: pg.PlotItem) -> None:
         axis.setPen(pg.mkPen(FOREGROUND))
         axis.setTextPen(pg.mkPen(FOREGROUND))
     plot.titleLabel.setAttr("color", FOREGROUND)
+
+
+NO_TEXT_HEAD = "click a head to see its text-side pattern (question tokens x question tokens)"
+ROLE_NAMES = {
+    "sink": "BOS",
+    "visual": "image",
+    "visual_delimiter": "image delimiters",
+    "visual_global": "image CLS",
+    "special": "special",
+    "text": "earlier text",
+}
+
+
+def display_token(token: str) -> str:
+    """A token as an axis label: whitespace made visible, long ones cut."""
+    shown = token.replace("\n", "\\n").replace("\t", "\\t")
+    shown = shown if shown.strip() else "␣" * max(1, len(shown))
+    return shown if len(shown) <= 12 else shown[:11] + "…"
+
+
+def describe_hidden_mass(labels: Sequence[str], other: dict[str, np.ndarray], n_text_dropped: int = 0) -> str:
+    """One line: the mass each query row put on keys the text-side heatmap does
+    not show (image, BOS, special tokens), so rows that do not sum to 1 are explained."""
+    if not other:
+        return "every key is shown: each row sums to 1"
+    total = sum(other.values())
+    per_role = ", ".join(f"{ROLE_NAMES.get(r, r)} {float(v.mean()):.2f}" for r, v in sorted(other.items()))
+    # a no-break space keeps each token with its value when the line wraps
+    rows = "  ".join(f"{label}\u00a0{float(m):.2f}" for label, m in zip(labels, total, strict=True))
+    kinds = " / ".join(ROLE_NAMES.get(r, r) for r in sorted(other))
+    line = (
+        f"not shown: mass on {kinds} keys, per query row: {rows}  "
+        f"(row mean {float(total.mean()):.2f}: {per_role}); with it every row sums to 1"
+    )
+    if n_text_dropped:
+        line += f"; {n_text_dropped} earlier text tokens are left out (their mass counts as earlier text)"
+    return line
 
 
 def block_names(result: dict) -> dict[int, str]:
@@ -292,6 +332,44 @@ class HeatGrid(pg.PlotWidget):
         self.setToolTip(f"{self.row_labels[r]}  {self.col_labels[c]}: {shown}")
 
 
+class TokenGrid(HeatGrid):
+    """A :class:`HeatGrid` with token strings on both axes. A column label that
+    would overlap its neighbour moves to a second line; a label is left out only
+    when neither line has room (the hover tooltip still names every cell).
+    Refitted on resize."""
+
+    def __init__(self, title: str = "", **kwargs):
+        super().__init__(title, **kwargs)
+        self.plot_item.getViewBox().sigResized.connect(self._fit_labels)
+
+    def _set_ticks(self, rows: int, cols: int) -> None:
+        self._fit_labels()
+
+    def _fit_labels(self, *_args) -> None:
+        rows, cols = self.values.shape
+        rect = self.plot_item.getViewBox().sceneBoundingRect()
+        metrics = QFontMetricsF(self.font())
+        if rect.width() <= 0 or rect.height() <= 0:  # not laid out yet: every label, refitted on resize
+            bottom = [(c + 0.5, self.col_labels[c]) for c in range(cols)]
+            left = [(r + 0.5, self.row_labels[r]) for r in range(rows)]
+        else:
+            cell_width, cell_height = rect.width() / max(cols, 1), rect.height() / max(rows, 1)
+            right_edge = [-math.inf, -math.inf]  # where the last label on each line ends, in pixels
+            bottom = []
+            for c in range(cols):
+                half = metrics.horizontalAdvance(self.col_labels[c]) / 2 + 3
+                centre = (c + 0.5) * cell_width
+                line = next((i for i in (0, 1) if centre - half >= right_edge[i]), None)
+                if line is None:
+                    continue
+                right_edge[line] = centre + half
+                bottom.append((c + 0.5, "\n" * line + self.col_labels[c]))
+            row_step = max(1, math.ceil(0.85 * metrics.height() / cell_height))  # pyqtgraph packs rows at 0.8 height
+            left = [(r + 0.5, self.row_labels[r]) for r in range(0, rows, row_step)]
+        self.plot_item.getAxis("bottom").setTicks([bottom])
+        self.plot_item.getAxis("left").setTicks([left])
+
+
 class BoxPlot(pg.PlotWidget):
     """Quantile boxes: a box from q25 to q75, whiskers to q05 and q95, a median line."""
 
@@ -395,16 +473,31 @@ class AttentionPanel(QWidget):
         self.sink_grid.cell_clicked.connect(self._on_cell)
 
         self.details.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
+        self.text_grid = TokenGrid("selected head: text-side pattern")
+        self.text_grid.setMinimumSize(240, 200)
+        self.text_note = plain_label(NO_TEXT_HEAD, wrap=True)
+        self.text_note.setStyleSheet("color: #404040;")
         side = QWidget()
         s = QVBoxLayout(side)
         s.setContentsMargins(0, 0, 0, 0)
         s.addWidget(self.patch_map, 3)
         s.addWidget(self.details, 2)
+        head_grids = QSplitter(Qt.Orientation.Horizontal)
+        head_grids.addWidget(self.visual_grid)
+        head_grids.addWidget(self.sink_grid)
+        text_side = QWidget()
+        t = QVBoxLayout(text_side)
+        t.setContentsMargins(0, 0, 0, 0)
+        t.addWidget(self.text_grid, 1)
+        t.addWidget(self.text_note)
+        grids = QSplitter(Qt.Orientation.Vertical)
+        grids.addWidget(head_grids)
+        grids.addWidget(text_side)
+        grids.setSizes([340, 420])
         this_input = QSplitter(Qt.Orientation.Horizontal)
-        this_input.addWidget(self.visual_grid)
-        this_input.addWidget(self.sink_grid)
+        this_input.addWidget(grids)
         this_input.addWidget(side)
-        this_input.setSizes([380, 380, 420])
+        this_input.setSizes([760, 420])
 
         self.metric_combo = QComboBox()
         self.metric_combo.addItems(list(STAT_METRICS))
@@ -468,6 +561,7 @@ class AttentionPanel(QWidget):
         else:
             self.details.setText("click a cell to select a head")
             self.patch_map.set_grid(np.zeros((0, 0)))
+            self._show_text_pattern(None)
 
     def set_statistics(self, statistics) -> None:
         """Per-head distributions over a dataset run.
@@ -509,6 +603,7 @@ class AttentionPanel(QWidget):
         self.patch_map.set_grid(grid, levels=(0.0, max(float(np.nanmax(grid)) if grid.size else 0.0, 1e-6)))
         self.patch_map.plot_item.setLabel("left", "patch row")
         self.patch_map.plot_item.setLabel("bottom", "patch col")
+        self._show_text_pattern(a)
         if emit:
             self.head_selected.emit(int(layer), int(head))
         return True
@@ -516,6 +611,56 @@ class AttentionPanel(QWidget):
     def head_row(self, layer: int, head: int) -> dict | None:
         """The analyze attention row of one head (its ``visual_patch_mass`` is the canvas map)."""
         return self.cells.get((int(layer), int(head)))
+
+    def text_pattern(self, layer: int, head: int) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+        """One head's text-side pattern from the result's ``text_patterns``:
+        ``(queries, keys)`` weights and ``{role: (queries,)}`` the mass each
+        query row put on keys that are not shown; None for a block without one
+        (cross-attention) or a result recorded without text patterns."""
+        text = (self.result or {}).get("text_patterns")
+        if not text or int(layer) not in text["blocks"]:
+            return None
+        i = text["blocks"].index(int(layer))
+        weights = np.asarray(text["patterns"][i][int(head)], dtype=float)
+        other = {role: np.asarray(v[int(head)], dtype=float) for role, v in text["other_mass"][i].items()}
+        return weights, other
+
+    def _show_text_pattern(self, a: dict | None) -> None:
+        """Draw the selected head's question-token x question-token pattern (None clears)."""
+        text = (self.result or {}).get("text_patterns")
+        pattern = self.text_pattern(a["layer"], a["head"]) if a is not None else None
+        if pattern is None:
+            self.text_grid.set_grid(np.zeros((0, 0)))
+            set_title(self.text_grid.plot_item, "selected head: text-side pattern", "9pt")
+            if a is None:
+                self.text_note.setText(NO_TEXT_HEAD)
+            elif not text:
+                self.text_note.setText(
+                    "this read-out has no text-side patterns (recorded before they existed): run it again"
+                )
+            else:
+                self.text_note.setText(
+                    f"{a.get('block')} is a cross-attention block: its keys are image tokens only, "
+                    "so it has no text-side pattern"
+                )
+            return
+        weights, other = pattern
+        i = text["blocks"].index(int(a["layer"]))
+        allowed = np.asarray(text["allowed"][i], dtype=bool)
+        shown = np.where(allowed, weights, np.nan)  # keys a query may not attend (causal mask) stay blank
+        labels = [display_token(t) for t in text["tokens"]]
+        finite = shown[np.isfinite(shown)]
+        self.text_grid.set_grid(
+            shown, labels, labels, levels=(0.0, max(float(finite.max()) if finite.size else 0, 1e-6))
+        )
+        set_title(
+            self.text_grid.plot_item,
+            f"{a.get('block')}.H{a['head']}: text-side attention (rows: queries, columns: keys)",
+            "9pt",
+        )
+        self.text_grid.plot_item.setLabel("left", "query token")
+        self.text_grid.plot_item.setLabel("bottom", "key token")
+        self.text_note.setText(describe_hidden_mass(labels, other, text.get("n_text_dropped", 0)))
 
     def _on_cell(self, row: int, col: int) -> None:
         self.select_head(self.layers[row], self.heads[col])

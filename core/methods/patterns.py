@@ -6,6 +6,7 @@ folded into the visual or entity averages; padding never counts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -189,6 +190,191 @@ def role_mass(adapter, trace, query_index: int = 0, batch: int = 0) -> dict[int,
             r: mass(pat, torch.tensor([i for i, x in enumerate(roles) if x == r], dtype=torch.long)) for r in ROLES
         }
     return out
+
+
+@dataclass
+class TextPatterns:
+    """Attention among the prompt's text tokens, per self-attention block and head.
+
+    The queries and the keys are the same positions: the prompt's text tokens
+    (role "text" in :meth:`Adapter.token_roles`) and the answer position. The
+    rest of each query row is not dropped silently: ``other_mass`` says how
+    much went to keys outside the shown set, by role (sink / BOS, visual,
+    delimiter, special; "text" only for text tokens left out by
+    ``max_tokens``), so ``patterns.sum(-1) + sum(other_mass.values())`` is 1
+    for every row.
+
+    Attributes:
+        positions: ``(n_text,)`` sequence positions of the shown tokens, ascending;
+            the query rows and the key columns.
+        tokens: the token string at each of ``positions``.
+        answer_position: the answer position (always shown: the last row).
+        blocks: the self-attention blocks used (block indices, ascending).
+        block_names: their names (``Trace.block_names``), aligned with ``blocks``.
+        skipped_blocks: names of the cross-attention blocks left out: their keys
+            are image tokens only, so they have no text-text pattern.
+        patterns: ``{block: (heads, queries, keys)}`` attention weights among the shown positions.
+        other_mass: ``{block: {role: (heads, queries)}}`` mass each query row puts on
+            keys outside ``positions``.
+        allowed: ``{block: (queries, keys)}`` bool, which keys each query may attend
+            (causal, or the prefix-LM mask); weights where it is False are 0.
+        n_text_dropped: text tokens left out by ``max_tokens`` (the earliest ones).
+    """
+
+    positions: list[int]
+    tokens: list[str]
+    answer_position: int
+    blocks: list[int]
+    block_names: list[str]
+    skipped_blocks: list[str]
+    patterns: dict[int, torch.Tensor]
+    other_mass: dict[int, dict[str, torch.Tensor]]
+    allowed: dict[int, torch.Tensor]
+    n_text_dropped: int = 0
+    audit: AuditRecord = field(repr=False, default=None)
+
+    def head(self, block: int, head: int) -> torch.Tensor:
+        """``(queries, keys)``: one head's text-text pattern."""
+        return self.patterns[block][head]
+
+    def to_dict(self) -> dict:
+        """JSON-ready, without the audit row: per-block lists aligned with
+        ``blocks`` (JSON object keys would turn block indices into strings)."""
+        return {
+            "positions": list(self.positions),
+            "tokens": list(self.tokens),
+            "answer_position": self.answer_position,
+            "blocks": list(self.blocks),
+            "block_names": list(self.block_names),
+            "skipped_blocks": list(self.skipped_blocks),
+            "patterns": [self.patterns[b].tolist() for b in self.blocks],  # (blocks, heads, queries, keys)
+            "other_mass": [{r: v.tolist() for r, v in self.other_mass[b].items()} for b in self.blocks],
+            "allowed": [self.allowed[b].tolist() for b in self.blocks],
+            "n_text_dropped": self.n_text_dropped,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TextPatterns:
+        """The inverse of :meth:`to_dict` (the audit row travels apart, in the analyze JSON's ``audit``)."""
+        blocks = [int(b) for b in d["blocks"]]
+        return cls(
+            [int(p) for p in d["positions"]],
+            list(d["tokens"]),
+            int(d["answer_position"]),
+            blocks,
+            list(d["block_names"]),
+            list(d.get("skipped_blocks", [])),
+            {b: torch.tensor(p, dtype=torch.float32) for b, p in zip(blocks, d["patterns"], strict=True)},
+            {
+                b: {r: torch.tensor(v, dtype=torch.float32) for r, v in m.items()}
+                for b, m in zip(blocks, d["other_mass"], strict=True)
+            },
+            {b: torch.tensor(a, dtype=torch.bool) for b, a in zip(blocks, d["allowed"], strict=True)},
+            int(d.get("n_text_dropped", 0)),
+        )
+
+
+def text_positions(adapter, trace, batch: int = 0) -> list[int]:
+    """The prompt's text positions (role "text") and the answer position, ascending."""
+    answer = int(trace.answer_positions[batch])
+    roles = adapter.token_roles(trace, batch)
+    return [p for p, role in enumerate(roles) if role == "text" or p == answer]
+
+
+def text_patterns(
+    adapter,
+    trace,
+    token_strings: Sequence[str] | None = None,
+    batch: int = 0,
+    max_tokens: int | None = None,
+) -> TextPatterns:
+    """The attention pattern among the prompt's text tokens for every kept
+    self-attention block and head (see :class:`TextPatterns`).
+
+    Args:
+        trace: a capture whose ``query_positions`` include every text position
+            (:func:`text_positions`); ``capture(..., query_positions=range(seq_len))`` does.
+        token_strings: one string per sequence position (the analyze JSON's
+            ``input.tokens``); default: the tokenizer's tokens.
+        max_tokens: keep at most this many text positions, the ones nearest the
+            answer; the mass on the earlier ones is reported as "text" in ``other_mass``.
+
+    Raises:
+        ValueError: the trace kept no pattern row for some text position.
+    """
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1 (the answer row), got {max_tokens}")
+    roles = adapter.token_roles(trace, batch)
+    positions = text_positions(adapter, trace, batch)
+    n_dropped = max(0, len(positions) - max_tokens) if max_tokens is not None else 0
+    positions = positions[n_dropped:]
+    kept = trace.query_positions.tolist() if trace.query_positions is not None else []
+    missing = [p for p in positions if p not in kept]
+    if missing:
+        raise ValueError(
+            f"the trace kept no pattern row for text positions {missing}: "
+            "capture with query_positions that include them (e.g. range(seq_len))"
+        )
+    if token_strings is None:
+        token_strings = _token_strings(adapter, trace.input_ids[batch].tolist())
+    rows = torch.tensor([kept.index(p) for p in positions], dtype=torch.long)
+    shown = set(positions)
+    outside = {}
+    for role in (*ROLES, "padding"):
+        idx = [k for k, r in enumerate(roles) if r == role and k not in shown]
+        if idx:
+            outside[role] = torch.tensor(idx, dtype=torch.long)
+    pad = outside.pop("padding", None)
+    columns = torch.tensor(positions, dtype=torch.long)
+    blocks = [b for b in sorted(trace.patterns) if trace.block_kinds[b] == "self"]
+    patterns, other, allowed = {}, {}, {}
+    for block in blocks:
+        pat = trace.patterns[block][batch][:, rows.to(trace.patterns[block].device)].cpu()  # (heads, queries, keys)
+        pat = pat.to(torch.promote_types(pat.dtype, torch.float32))  # half to float32; float64 stays exact
+        if pad is not None and float(pat[..., pad].abs().max()) > 1e-6:
+            raise RuntimeError(f"block {block}: attention reached padding positions")
+        patterns[block] = pat[..., columns]
+        other[block] = {role: pat[..., idx].sum(-1) for role, idx in outside.items()}
+        allowed[block] = adapter.allowed_keys(trace, block, batch).cpu().bool()[columns][:, columns]
+    skipped = [trace.block_names[b] for b in sorted(trace.patterns) if trace.block_kinds[b] != "self"]
+    audit = AuditRecord.for_method(
+        "pattern analysis",
+        controls=[
+            "text queries and text keys only; mass on sink / visual / delimiter / special keys reported per row",
+            "padding excluded (checked)",
+            "cross-attention blocks skipped (image keys only)" if skipped else "every kept block is self-attention",
+        ],
+        parameters={
+            "positions": positions,
+            "blocks": [trace.block_names[b] for b in blocks],
+            "n_text_dropped": n_dropped,
+        },
+        notes=[
+            "a text-text weight shows routing between question tokens only; what the value carries and "
+            "whether the answer depends on it need source contributions or interventions"
+        ],
+    )
+    return TextPatterns(
+        positions,
+        [str(token_strings[p]) for p in positions],
+        int(trace.answer_positions[batch]),
+        blocks,
+        [trace.block_names[b] for b in blocks],
+        skipped,
+        patterns,
+        other,
+        allowed,
+        n_dropped,
+        audit,
+    )
+
+
+def _token_strings(adapter, ids: list[int]) -> list[str]:
+    """The tokenizer's token per id (as the analyze JSON's ``input.tokens``), else the decoded text."""
+    convert = getattr(adapter.tokenizer, "convert_ids_to_tokens", None)
+    if convert is not None:
+        return [str(convert(i)) for i in ids]
+    return [adapter.token_str(i) for i in ids]
 
 
 @dataclass
