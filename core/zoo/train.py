@@ -56,6 +56,7 @@ class Batches:
     def get(self, phase: int, step: int, max_objects: int) -> dict:
         base = (self.seed * 1000 + phase) * 10_000_000 + step * self.n_scenes
         images, colors, shapes, centres, questions, answers, kinds = [], [], [], [], [], [], []
+        pair_xy, signed = [], []
         for i in range(self.n_scenes):
             image, objects, samples = scenes.make_scene_questions(
                 "train", base + i, self.k, max_objects=max_objects, kind_weights=self.kind_weights
@@ -67,6 +68,8 @@ class Batches:
                 questions.append(smp.question)
                 answers.append(smp.answer)
                 kinds.append(smp.kind)
+                pair_xy.append(_pair_centres(smp))
+                signed.append(_signed_offset(smp))
         return {
             "pixels": normalize_pixels(np.stack(images)),
             "color": torch.from_numpy(np.stack(colors)),
@@ -75,7 +78,95 @@ class Batches:
             "questions": questions,
             "answer_ids": torch.tensor([self.tok.token_to_id(a) for a in answers]),
             "kinds": kinds,
+            "pair_xy": torch.tensor(pair_xy, dtype=torch.float32),
+            "signed_offset": torch.tensor(signed, dtype=torch.float32),
         }
+
+
+def _pair_centres(sample) -> list[list[float]]:
+    """(2, 2): the centres (x, y) in [-1, 1] of a relation question's two
+    objects, in the order the question names them; NaN for other questions."""
+    if sample.kind != "relation":
+        return [[math.nan, math.nan], [math.nan, math.nan]]
+    size = sample.image.shape[0]
+    return [[c / size * 2 - 1 for c in sample.objects[i].center] for i in (sample.target, sample.reference)]
+
+
+def relation_positions(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For relation questions' token ids (questions, pos), right-padded with 0:
+    the positions of the first and second shape word (the two objects, in the
+    order named) and of the last real token (the answer position), each (questions,)."""
+    is_shape = torch.isin(ids, SHAPE_IDS)
+    pos = torch.arange(ids.shape[1]).expand_as(is_shape)
+    first = torch.where(is_shape, pos, ids.shape[1]).min(1).values
+    second = torch.where(is_shape, pos, -1).max(1).values
+    return first, second, (ids != 0).sum(1) - 1
+
+
+def _signed_offset(sample) -> float:
+    """A relation question's offset along its direction, in [-2, 2] (positive:
+    the relation holds; ``scenes`` asks only when it exceeds the margin); NaN
+    for other questions."""
+    if sample.kind != "relation":
+        return math.nan
+    a, b = sample.objects[sample.target].center, sample.objects[sample.reference].center
+    dx, dy = (a[0] - b[0]) / sample.image.shape[1] * 2, (a[1] - b[1]) / sample.image.shape[0] * 2
+    relation = next(r for r in scenes.RELATIONS if f" {r} " in sample.question)
+    return {"left of": -dx, "right of": dx, "above": -dy, "below": dy}[relation]
+
+
+class RelationProbe(torch.nn.Module):
+    """Training-only auxiliary read-outs for relation questions, on the
+    language residual (normalised first: its scale differs by family):
+
+    * after layer ``layer``, at each of the question's two shape words, a
+      linear map predicts that object's centre (x, y);
+    * after layer ``final_layer``, at the answer position, a linear map
+      predicts the offset between them (x_a - x_b, y_a - y_b);
+    * after the last layer, at the answer position, a linear map predicts the
+      offset along the asked relation's direction (e.g. x_b - x_a for "left
+      of"), whose sign is the answer.
+
+    Without them both default models stayed at chance on relation questions
+    (see CARD.md): the gradient through the yes/no answer alone found neither
+    hop (bind each named object to its patches; bring both to the answer)."""
+
+    def __init__(self, width: int, layer: int, final_layer: int):
+        super().__init__()
+        self.layer, self.final_layer = layer, final_layer
+        self.proj = torch.nn.Linear(width, 2)
+        self.offset = torch.nn.Linear(width, 2)
+        self.signed = torch.nn.Linear(width, 1)
+
+    def loss(
+        self, hidden: list[torch.Tensor], ids: torch.Tensor, pair_xy: torch.Tensor, signed: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden[l]: (questions, pos, width), the residual after layer l at the
+        question's tokens ``ids`` (questions, pos), right-padded with 0;
+        pair_xy: (questions, 2, 2), NaN for questions that are not relations;
+        signed: (questions,), the offset along the asked relation's direction
+        (positive when it holds)."""
+        rows = torch.nonzero(~torch.isnan(pair_xy[:, 0, 0])).flatten()
+        if len(rows) == 0:
+            return hidden[0].sum() * 0.0
+        ids, pair_xy, signed = ids[rows], pair_xy[rows], signed[rows]
+        first, second, answer = relation_positions(ids)
+        h = hidden[self.layer][rows]
+        picked = F.layer_norm(
+            torch.stack([h[torch.arange(len(rows)), first], h[torch.arange(len(rows)), second]], 1), (h.shape[-1],)
+        )
+        h = hidden[self.final_layer][rows]
+        at_answer = F.layer_norm(h[torch.arange(len(rows)), answer], (h.shape[-1],))
+        h = hidden[-1][rows]
+        last = F.layer_norm(h[torch.arange(len(rows)), answer], (h.shape[-1],))
+        return (
+            F.mse_loss(self.proj(picked), pair_xy)
+            + F.mse_loss(self.offset(at_answer), pair_xy[:, 0] - pair_xy[:, 1])
+            + F.mse_loss(self.signed(last).squeeze(-1), signed)
+        )
+
+
+SHAPE_IDS = torch.tensor([vocab.build_tokenizer().token_to_id(s) for s in scenes.SHAPES])
 
 
 def _patch_xy() -> torch.Tensor:
@@ -127,13 +218,25 @@ class LlavaTrainer:
         self.prefix_ids = self.tok.encode(head).ids
         self.tail = tail
         self.head = DenseHead(self.model.config.vision_config.hidden_size)
+        self.text_width = self.model.config.text_config.hidden_size
+
+    def load_weights(self, model_dir: Path) -> None:
+        from transformers import LlavaForConditionalGeneration
+
+        self.model.load_state_dict(LlavaForConditionalGeneration.from_pretrained(model_dir).state_dict())
 
     def patch_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) -> (B, patches, vision width), the vision tower's last layer."""
         return self.model.model.vision_tower(pixel_values=pixels).last_hidden_state[:, 1:]
 
-    def answer_logits(self, pixels, questions, k, patches=None):
-        """Logits at the answer position, (B*k, vocab), with a shared image prefix."""
+    def project(self, patches: torch.Tensor) -> torch.Tensor:
+        """(B, patches, vision width) -> (B, patches, text width): what the language model reads."""
+        return self.model.model.multi_modal_projector(patches)
+
+    def answer_logits(self, pixels, questions, k, patches=None, hidden=False):
+        """Logits at the answer position, (B*k, vocab), with a shared image prefix.
+        With ``hidden`` also the residual after each language layer at the
+        question's tokens, a list of (B*k, pos, width), and those tokens' ids (B*k, pos)."""
         m = self.model.model
         if patches is None:
             patches = self.patch_tokens(pixels)
@@ -145,9 +248,12 @@ class LlavaTrainer:
         cache.batch_repeat_interleave(k)
         suffix = [self.tok.encode(self.tail.format(question=q), add_special_tokens=False).ids for q in questions]
         ids, last = _pad(suffix)
-        out2 = m.language_model(input_ids=ids, cache=cache, use_cache=True)
+        out2 = m.language_model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=hidden)
         h = out2.last_hidden_state[torch.arange(len(last)), last]
-        return self.model.lm_head(h)
+        logits = self.model.lm_head(h)
+        if not hidden:
+            return logits
+        return logits, list(out2.hidden_states[1:]), ids
 
     def save(self, out_dir: Path) -> None:
         build.save_llava(self.model, out_dir)
@@ -160,18 +266,41 @@ class CocaTrainer:
         self.model = build.build_coca(seed)
         self.tok = vocab.build_tokenizer()
         self.head = DenseHead(self.model.visual.transformer.width)
+        self.text_width = self.model.text_decoder.width
+
+    def load_weights(self, model_dir: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.model.load_state_dict(load_file(str(Path(model_dir) / "open_clip_model.safetensors")))
 
     def patch_tokens(self, pixels):
         return self.model.visual(pixels)[1]
 
-    def answer_logits(self, pixels, questions, k, patches=None):
+    def project(self, patches: torch.Tensor) -> torch.Tensor:
+        """The decoder cross-attends to the vision tokens themselves."""
+        return patches
+
+    def answer_logits(self, pixels, questions, k, patches=None, hidden=False):
         if patches is None:
             patches = self.patch_tokens(pixels)
         image_embs = patches.repeat_interleave(k, 0)
         ids, last = _pad([self.tok.encode(vocab.COCA_PROMPT.format(question=q)).ids for q in questions])
         _, token_embs = self.model.text(ids)
-        logits = self.model.text_decoder(image_embs, token_embs)
-        return logits[torch.arange(len(last)), last]
+        captured = []
+        # The residual after decoder layer l is the output of its cross-attention block.
+        blocks = self.model.text_decoder.cross_attn if hidden else []
+        handles = [b.register_forward_hook(lambda _m, _i, out: captured.append(out)) for b in blocks]
+        try:
+            logits = self.model.text_decoder(image_embs, token_embs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        logits = logits[torch.arange(len(last)), last]
+        if not hidden:
+            return logits
+        if not self.model.text_decoder.batch_first:
+            captured = [h.transpose(0, 1) for h in captured]
+        return logits, captured, ids
 
     def save(self, out_dir: Path) -> None:
         build.save_coca(self.model, out_dir)
@@ -216,7 +345,17 @@ def train(args) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = TRAINERS[args.family](args.seed)
     trainer.head.shape_weight = args.shape_weight
+    probe = (
+        RelationProbe(trainer.text_width, args.relation_layer, args.relation_final_layer)
+        if args.relation_aux > 0
+        else None
+    )
+    # LLaVA's projector learned to drop patch position (only relations need it): a second dense
+    # read-out on the projected tokens keeps position linearly readable where the LM reads it.
+    projected_head = DenseHead(trainer.text_width, args.shape_weight) if args.projected_dense > 0 else None
     params = list(trainer.model.parameters()) + list(trainer.head.parameters())
+    params += list(projected_head.parameters()) if projected_head is not None else []
+    params += list(probe.parameters()) if probe is not None else []
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     state = {"phase": 1, "step": 0, "elapsed_s": 0.0}
     ckpt = run_dir / "checkpoint.pt"
@@ -224,9 +363,18 @@ def train(args) -> None:
         saved = torch.load(ckpt, map_location="cpu", weights_only=True)
         trainer.model.load_state_dict(saved["model"])
         trainer.head.load_state_dict(saved["head"])
+        if probe is not None:
+            probe.load_state_dict(saved["probe"])
+        if projected_head is not None:
+            projected_head.load_state_dict(saved["projected_head"])
         opt.load_state_dict(saved["optimizer"])
         state = saved["state"]
         print(f"resumed from {ckpt}: phase {state['phase']} step {state['step']}", flush=True)
+    elif args.init_from:
+        # Fine-tuning a trained model: its vision tower is already pre-trained.
+        trainer.load_weights(Path(args.init_from))
+        state["phase"] = 2
+        print(f"initialised from {args.init_from}; dense pre-training skipped", flush=True)
     log = open(run_dir / "log.jsonl", "a")
     weights = dict(zip(scenes.QUESTION_KINDS, args.kind_weights)) if args.kind_weights else None
     batches = Batches(args.scenes_per_step, args.questions_per_image, args.seed, weights)
@@ -239,6 +387,8 @@ def train(args) -> None:
             {
                 "model": trainer.model.state_dict(),
                 "head": trainer.head.state_dict(),
+                "probe": probe.state_dict() if probe is not None else {},
+                "projected_head": projected_head.state_dict() if projected_head is not None else {},
                 "optimizer": opt.state_dict(),
                 "state": state,
                 "args": vars(args),
@@ -263,7 +413,7 @@ def train(args) -> None:
                 for g in opt.param_groups:
                     g["lr"] = lr
                 loss = trainer.head.loss(trainer.patch_tokens(batch["pixels"]), batch)
-                qa_loss = torch.tensor(0.0)
+                qa_loss = relation_loss = torch.tensor(0.0)
             else:
                 # Curriculum: fewer objects early on.
                 max_obj = 2 if step < 0.1 * total else 3 if step < 0.2 * total else scenes.MAX_OBJECTS
@@ -272,9 +422,19 @@ def train(args) -> None:
                 for g in opt.param_groups:
                     g["lr"] = lr
                 patches = trainer.patch_tokens(batch["pixels"])
-                logits = trainer.answer_logits(None, batch["questions"], args.questions_per_image, patches)
+                if probe is None:
+                    logits = trainer.answer_logits(None, batch["questions"], args.questions_per_image, patches)
+                    relation_loss = torch.tensor(0.0)
+                else:
+                    logits, hidden, ids = trainer.answer_logits(
+                        None, batch["questions"], args.questions_per_image, patches, hidden=True
+                    )
+                    relation_loss = probe.loss(hidden, ids, batch["pair_xy"], batch["signed_offset"])
                 qa_loss = F.cross_entropy(logits, batch["answer_ids"])
                 loss = qa_loss + args.dense_weight * trainer.head.loss(patches, batch)
+                loss = loss + args.relation_aux * relation_loss
+                if projected_head is not None:
+                    loss = loss + args.projected_dense * projected_head.loss(trainer.project(patches), batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -288,6 +448,7 @@ def train(args) -> None:
                 "step": state["step"],
                 "loss": loss.item(),
                 "qa_loss": qa_loss.item(),
+                "relation_loss": relation_loss.item(),
                 "lr": lr,
                 "elapsed_s": round(state["elapsed_s"], 1),
             }
@@ -305,7 +466,18 @@ def train(args) -> None:
     out = Path(args.out or f"resources/models/shapes-{args.family}")
     trainer.model.eval()
     trainer.save(out)
-    (out / "training.json").write_text(json.dumps({"args": vars(args), "state": state}, indent=2))
+    record = {"args": vars(args), "state": state}
+    if args.init_from:
+        # A fine-tune: keep how the model it started from was trained, and its curves.
+        base = Path(args.init_from)
+        record["base"] = json.loads((base / "training.json").read_text())
+        for name, kept in (
+            ("learning_curve.jsonl", "learning_curve_base.jsonl"),
+            ("eval_heldout.json", "eval_heldout_base.json"),
+        ):
+            if (base / name).is_file() and base.resolve() != out.resolve():
+                (out / kept).write_text((base / name).read_text())
+    (out / "training.json").write_text(json.dumps(record, indent=2))
     export_curve(run_dir / "log.jsonl", out / "learning_curve.jsonl")
     print(f"saved {out}", flush=True)
 
@@ -341,6 +513,23 @@ def main(argv=None) -> None:
     )
     p.add_argument("--dense-weight", type=float, default=0.3)
     p.add_argument("--shape-weight", type=float, default=3.0, help="weight of the per-patch shape loss")
+    p.add_argument(
+        "--relation-aux",
+        type=float,
+        default=0.0,
+        help="weight of the relation probe loss (objects' centres read at the question's shape words)",
+    )
+    p.add_argument("--relation-layer", type=int, default=1, help="language layer the relation probe reads after")
+    p.add_argument(
+        "--relation-final-layer", type=int, default=2, help="layer whose answer position the offset probe reads"
+    )
+    p.add_argument(
+        "--projected-dense",
+        type=float,
+        default=0.0,
+        help="weight of a second dense read-out on the tokens the language model reads (after LLaVA's projector)",
+    )
+    p.add_argument("--init-from", default=None, help="start from a trained model folder (skips dense pre-training)")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--threads", type=int, default=1)

@@ -101,3 +101,49 @@ def test_prefix_shared_training_forward_is_exact():
         inputs = m.adapter.prepare([s.image for s in samples], qs)
         plain = m.adapter.next_token_logits(inputs)
     assert torch.allclose(shared[::2], plain, atol=1e-4)
+
+
+def test_relation_probe_targets_follow_the_question():
+    """The relation fine-tune's probe targets: the two objects' centres in the
+    order the question names them, and an offset whose sign is the answer."""
+    from core.zoo.train import _pair_centres, _signed_offset
+
+    relations = [s for s in (scenes.make_sample("val", i) for i in range(300)) if s.kind == "relation"]
+    assert len(relations) > 30
+    for s in relations:
+        (xa, ya), (xb, yb) = _pair_centres(s)
+        a, b = s.objects[s.target], s.objects[s.reference]
+        assert f"{a.color} {a.shape}" in s.question.split(" the ")[1] and s.question.endswith(f"{b.color} {b.shape}?")
+        assert (xa, ya) == pytest.approx((a.center[0] / 64 - 1, a.center[1] / 64 - 1))
+        assert (xb, yb) == pytest.approx((b.center[0] / 64 - 1, b.center[1] / 64 - 1))
+        assert (_signed_offset(s) > 0) == (s.answer == "yes")
+        assert abs(_signed_offset(s)) >= 2 * scenes.RELATION_MARGIN
+    other = next(s for s in (scenes.make_sample("val", i) for i in range(50)) if s.kind != "relation")
+    assert np.isnan(_signed_offset(other)) and np.isnan(_pair_centres(other)).all()
+
+
+@pytest.mark.parametrize("family", ["llava", "coca"])
+def test_relation_probe_reads_the_named_shapes_and_the_answer_position(family):
+    from core.zoo.train import TRAINERS, normalize_pixels, relation_positions
+
+    trainer = TRAINERS[family](seed=0)
+    trainer.model.eval()
+    q = ["is the red circle left of the blue square?", "is the green triangle above the red square?"]
+    pixels = normalize_pixels(np.stack([scenes.make_sample("val", i).image for i in range(2)]))
+    with torch.no_grad():
+        logits, hidden, ids = trainer.answer_logits(pixels, q, 1, hidden=True)
+    first, second, answer = relation_positions(ids)
+    tok = trainer.tok
+    assert [tok.id_to_token(int(ids[i, first[i]])) for i in range(2)] == ["circle", "triangle"]
+    assert [tok.id_to_token(int(ids[i, second[i]])) for i in range(2)] == ["square", "square"]
+    assert [tok.id_to_token(int(ids[i, answer[i]])) for i in range(2)] == [":", ":"]
+    n_layers = (
+        trainer.model.config.text_config.num_hidden_layers
+        if family == "llava"
+        else len(trainer.model.text_decoder.resblocks)
+    )
+    assert len(hidden) == n_layers and all(h.shape[:2] == ids.shape for h in hidden)
+    if family == "coca":  # the last residual gives the logits through the decoder's own head
+        decoder = trainer.model.text_decoder
+        last = hidden[-1][torch.arange(2), answer]
+        assert torch.allclose(decoder.ln_final(last) @ decoder.text_projection, logits, atol=1e-5)
