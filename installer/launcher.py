@@ -14,10 +14,12 @@ if getattr(sys, "frozen", False):
     # otherwise hides the failure behind "Could not import module 'LlamaConfig'".
     try:
         import torch  # noqa: F401
-        import torchvision  # noqa: F401
-        from torchvision import _C  # noqa: F401
+        from torchvision import extension
+
+        extension._assert_has_ops()
     except Exception as e:  # a broken bundle: report it in one line, the app still opens
-        print(f"warning: torchvision's compiled ops did not load in this bundle ({e})", file=sys.stderr)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"warning: torchvision's compiled ops did not load in this bundle ({reason})", file=sys.stderr)
 
 from app.__main__ import main  # noqa: E402
 

@@ -14,7 +14,6 @@ def _run_spec(monkeypatch) -> dict:
     captured = {}
     hooks = types.ModuleType("PyInstaller.utils.hooks")
     hooks.collect_data_files = lambda *a, **k: []
-    hooks.collect_dynamic_libs = lambda *a, **k: []
     hooks.collect_submodules = lambda name, *a, **k: [name]
     for name in ("PyInstaller", "PyInstaller.utils"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
@@ -50,3 +49,16 @@ def test_spec_names_every_transformers_family_an_adapter_serves(monkeypatch):
     registry.supported()  # imports every family module
     families = {getattr(transformers, arch).__module__.split(".")[2] for arch in registry._HF}
     assert families and {f"transformers.models.{f}" for f in families} <= set(captured["hiddenimports"])
+
+
+def test_spec_bundles_torchvisions_compiled_ops_beside_its_sources(monkeypatch):
+    """torchvision opens its compiled ops from its own folder with torch.ops.load_library;
+    PyInstaller's analysis cannot see them, so the spec must list each one."""
+    import torchvision
+
+    captured = _run_spec(monkeypatch)
+    package = Path(torchvision.__file__).parent
+    compiled = {f.name for f in package.glob("*.so")} | {f.name for f in package.glob("*.pyd")}
+    bundled = {Path(src).name for src, dest in captured["binaries"] if dest == "torchvision"}
+    assert compiled and compiled <= bundled
+    assert captured["module_collection_mode"]["torchvision"] == "py"
