@@ -48,9 +48,17 @@ def normalize_pixels(images: np.ndarray) -> torch.Tensor:
 class Batches:
     """Deterministic training batches: batch ``step`` of phase ``phase``."""
 
-    def __init__(self, n_scenes: int, k: int, seed: int, kind_weights: dict[str, float] | None = None):
+    def __init__(
+        self,
+        n_scenes: int,
+        k: int,
+        seed: int,
+        kind_weights: dict[str, float] | None = None,
+        absent_share: float = 0.0,
+    ):
         self.n_scenes, self.k, self.seed = n_scenes, k, seed
         self.kind_weights = kind_weights
+        self.absent_share = absent_share
         self.tok = vocab.build_tokenizer()
 
     def get(self, phase: int, step: int, max_objects: int) -> dict:
@@ -64,7 +72,15 @@ class Batches:
             images.append(image)
             c, s, m = scenes.patch_labels(objects)
             colors.append(c), shapes.append(s), centres.append(m)
+            rng = np.random.default_rng([self.seed, phase, step, i])
             for smp in samples:
+                if smp.kind == "relation" and rng.random() < self.absent_share:
+                    questions.append(_absent_relation_question(smp, rng))
+                    answers.append(smp.answer)
+                    kinds.append("relation_absent")
+                    pair_xy.append([[math.nan, math.nan], [math.nan, math.nan]])
+                    signed.append(math.nan)
+                    continue
                 questions.append(smp.question)
                 answers.append(smp.answer)
                 kinds.append(smp.kind)
@@ -81,6 +97,37 @@ class Batches:
             "pair_xy": torch.tensor(pair_xy, dtype=torch.float32),
             "signed_offset": torch.tensor(signed, dtype=torch.float32),
         }
+
+
+def _absent_relation_question(sample, rng: np.random.Generator) -> str:
+    """The relation question with one of its two objects (either, at random)
+    renamed to a (colour, shape) pair absent from the scene that shares its
+    colour or its shape with the object it replaces (so a partial match is
+    present). Trained towards equal probability on yes and no: the question
+    presupposes an object the image does not hold."""
+    a, b = sample.objects[sample.target], sample.objects[sample.reference]
+    present = {(o.color, o.shape) for o in sample.objects}
+    which = int(rng.integers(2))
+    named = (a, b)[which]
+    options = [(c, named.shape) for c in scenes.COLORS] + [(named.color, sh) for sh in scenes.SHAPES]
+    options = [o for o in options if o not in present]
+    color, shape = options[int(rng.integers(len(options)))]
+    relation = next(r for r in scenes.RELATIONS if f" {r} " in sample.question)
+    fields = dict(color=a.color, shape=a.shape, relation=relation, color2=b.color, shape2=b.shape)
+    fields.update(dict(color=color, shape=shape) if which == 0 else dict(color2=color, shape2=shape))
+    return scenes.TEMPLATES["relation"]["text"].format(**fields)
+
+
+def answer_loss(logits: torch.Tensor, answer_ids: torch.Tensor, kinds: list[str], tok) -> torch.Tensor:
+    """Cross-entropy on the answer token; a relation question about an absent
+    object is trained towards yes and no equally (its presupposition fails)."""
+    logp = logits.log_softmax(-1)
+    loss = -logp[torch.arange(len(answer_ids)), answer_ids]
+    absent = torch.tensor([k == "relation_absent" for k in kinds])
+    if absent.any():
+        yes, no = tok.token_to_id("yes"), tok.token_to_id("no")
+        loss = torch.where(absent, -0.5 * (logp[:, yes] + logp[:, no]), loss)
+    return loss.mean()
 
 
 def _pair_centres(sample) -> list[list[float]]:
@@ -377,7 +424,7 @@ def train(args) -> None:
         print(f"initialised from {args.init_from}; dense pre-training skipped", flush=True)
     log = open(run_dir / "log.jsonl", "a")
     weights = dict(zip(scenes.QUESTION_KINDS, args.kind_weights)) if args.kind_weights else None
-    batches = Batches(args.scenes_per_step, args.questions_per_image, args.seed, weights)
+    batches = Batches(args.scenes_per_step, args.questions_per_image, args.seed, weights, args.absent_share)
     dense_batches = Batches(args.dense_batch, 1, args.seed)
     from tqdm import tqdm
 
@@ -430,7 +477,7 @@ def train(args) -> None:
                         None, batch["questions"], args.questions_per_image, patches, hidden=True
                     )
                     relation_loss = probe.loss(hidden, ids, batch["pair_xy"], batch["signed_offset"])
-                qa_loss = F.cross_entropy(logits, batch["answer_ids"])
+                qa_loss = answer_loss(logits, batch["answer_ids"], batch["kinds"], trainer.tok)
                 loss = qa_loss + args.dense_weight * trainer.head.loss(patches, batch)
                 loss = loss + args.relation_aux * relation_loss
                 if projected_head is not None:
@@ -528,6 +575,12 @@ def main(argv=None) -> None:
         type=float,
         default=0.0,
         help="weight of a second dense read-out on the tokens the language model reads (after LLaVA's projector)",
+    )
+    p.add_argument(
+        "--absent-share",
+        type=float,
+        default=0.0,
+        help="share of relation questions asked about an absent object (trained towards yes = no)",
     )
     p.add_argument("--init-from", default=None, help="start from a trained model folder (skips dense pre-training)")
     p.add_argument("--eval-every", type=int, default=250)

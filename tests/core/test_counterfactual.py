@@ -362,16 +362,15 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
 
 
 def test_target_fill_hurts_the_answer_more_than_a_distractor_fill_on_shapes_coca():
-    """Issue 4 bar #1 at 40 scenes (bench/counterfactual_bars.py runs 500).
-    Relation questions are excluded from the share here: shapes-coca answers
-    them at chance (CARD: relation accuracy 0.52), so a fill cannot move them."""
+    """Issue 4 bar #1 at 40 scenes (bench/counterfactual_bars.py runs 500 and
+    measures 0.986 for shapes-coca), relation questions included."""
     m = load_model("shapes-coca")
     res = object_fill_effects(m, scenes_with_distractor("heldout", 40), "mean")
     s = res.summary()
     assert s["n"] == 40
     assert s["median_target_drop"] > 0 and s["median_target_drop"] >= 3 * s["median_distractor_drop"]
     assert s["median_abs_target_change"] >= 3 * s["median_abs_distractor_change"]
-    answered = res.summary([r for r in res.rows if r["kind"] != "relation"])
-    assert answered["share_target_fill_lowers_logit_diff"] >= 0.9
-    assert s["share_target_fill_lowers_logit_diff"] >= 0.7
+    relations = res.summary([r for r in res.rows if r["kind"] == "relation"])
+    assert relations["n"] >= 5 and relations["share_target_fill_lowers_logit_diff"] >= 0.9
+    assert s["share_target_fill_lowers_logit_diff"] >= 0.95
     json.dumps(res.to_dict(), allow_nan=False)

@@ -147,3 +147,31 @@ def test_relation_probe_reads_the_named_shapes_and_the_answer_position(family):
         decoder = trainer.model.text_decoder
         last = hidden[-1][torch.arange(2), answer]
         assert torch.allclose(decoder.ln_final(last) @ decoder.text_projection, logits, atol=1e-5)
+
+
+def test_absent_object_relation_questions_and_their_loss():
+    """Relation questions about an absent object name a pair the scene lacks
+    (sharing colour or shape with the object replaced) and train yes = no."""
+    from core.zoo.train import _absent_relation_question, answer_loss
+
+    rng = np.random.default_rng(0)
+    tok = vocab.build_tokenizer()
+    relations = [s for s in (scenes.make_sample("val", i) for i in range(200)) if s.kind == "relation"]
+    for s in relations:
+        q = _absent_relation_question(s, rng)
+        words = q.rstrip("?").split(" ")
+        first = (words[2], words[3])
+        second = (words[-2], words[-1])
+        present = {(o.color, o.shape) for o in s.objects}
+        a, b = s.objects[s.target], s.objects[s.reference]
+        assert (first in present) != (second in present)
+        absent, replaced = (first, a) if second in present else (second, b)
+        assert absent[0] == replaced.color or absent[1] == replaced.shape
+        assert tok.token_to_id(vocab.UNK) is not None and tok.token_to_id(vocab.UNK) not in tok.encode(q).ids
+    logits = torch.randn(3, tok.get_vocab_size())
+    ids = torch.tensor([tok.token_to_id("yes"), tok.token_to_id("no"), tok.token_to_id("red")])
+    logp = logits.log_softmax(-1)
+    yes, no = tok.token_to_id("yes"), tok.token_to_id("no")
+    want = (-logp[0, yes] - 0.5 * (logp[1, yes] + logp[1, no]) - logp[2, ids[2]]) / 3
+    got = answer_loss(logits, ids, ["relation", "relation_absent", "attribute"], tok)
+    assert torch.allclose(got, want)
