@@ -44,6 +44,16 @@ SIGNED_MAP = "CET-D1"  # blue - white - red, for signed values
 MAX_ANNOTATED_CELLS = 256  # cells get their value written in them up to this many
 
 
+def stacked(*items: tuple[QWidget, int]) -> QWidget:
+    """A widget holding ``(widget, stretch)`` pairs top to bottom, without margins."""
+    holder = QWidget()
+    layout = QVBoxLayout(holder)
+    layout.setContentsMargins(0, 0, 0, 0)
+    for widget, stretch in items:
+        layout.addWidget(widget, stretch)
+    return holder
+
+
 def plain_label(text: str = "", *, wrap: bool = False) -> QLabel:
     """A label that never interprets its text as HTML (tokens like ``<image>``)."""
     label = QLabel(text)
@@ -477,19 +487,11 @@ class AttentionPanel(QWidget):
         self.text_grid.setMinimumSize(240, 200)
         self.text_note = plain_label(NO_TEXT_HEAD, wrap=True)
         self.text_note.setStyleSheet("color: #404040;")
-        side = QWidget()
-        s = QVBoxLayout(side)
-        s.setContentsMargins(0, 0, 0, 0)
-        s.addWidget(self.patch_map, 3)
-        s.addWidget(self.details, 2)
+        side = stacked((self.patch_map, 3), (self.details, 2))
         head_grids = QSplitter(Qt.Orientation.Horizontal)
         head_grids.addWidget(self.visual_grid)
         head_grids.addWidget(self.sink_grid)
-        text_side = QWidget()
-        t = QVBoxLayout(text_side)
-        t.setContentsMargins(0, 0, 0, 0)
-        t.addWidget(self.text_grid, 1)
-        t.addWidget(self.text_note)
+        text_side = stacked((self.text_grid, 1), (self.text_note, 0))
         grids = QSplitter(Qt.Orientation.Vertical)
         grids.addWidget(head_grids)
         grids.addWidget(text_side)

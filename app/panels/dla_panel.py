@@ -44,6 +44,7 @@ from app.panels.attention_panel import (
     is_cross_block,
     plain_label,
     set_title,
+    stacked,
     style_plot,
     token_grid,
 )
@@ -217,11 +218,7 @@ class DLAPanel(QWidget):
 
         self.source_grid = HeatGrid("per-source contribution", color_map=SIGNED_MAP, annotate=False)
         self.source_label = plain_label("select a head's bar, then ask for its sources", wrap=True)
-        side = QWidget()
-        s = QVBoxLayout(side)
-        s.setContentsMargins(0, 0, 0, 0)
-        s.addWidget(self.source_grid, 1)
-        s.addWidget(self.source_label)
+        side = stacked((self.source_grid, 1), (self.source_label, 0))
         splitter = QSplitter(Qt.Orientation.Horizontal)
         splitter.addWidget(self.plot_widget)
         splitter.addWidget(side)
