@@ -12,6 +12,10 @@ resumed run sees exactly the batches it would have seen):
    prefix of the sequence is run once and its key/value cache shared by
    those questions (exact under causal attention, and 4-5x cheaper).
 
+The shipped default models add a second stage, a relation fine-tune of the
+first stage's model (``--init-from``; see :class:`RelationProbe`,
+``--absent-share`` and ``--projected-dense``); each CARD.md gives both commands.
+
 Checkpoints go to ``--run-dir`` every ``--checkpoint-every`` steps and a
 stopped run resumes from the latest one. The finished model is saved as the
 shipped format (Hugging Face directory or open_clip config + safetensors).
@@ -354,10 +358,10 @@ class CocaTrainer:
 
 
 TRAINERS = {"llava": LlavaTrainer, "coca": CocaTrainer}
-# The shipped recipes: `python -m core.zoo.train --family F` with no other flag reproduces
-# resources/models/shapes-F (the exact command is also in each CARD.md). For LLaVA an earlier
-# run at CoCa's 1.5e-3 with a 400-step dense phase oscillated and reached attribute 0.69; the
-# shipped recipe changes both (half the rate, CoCa's 1500-step dense phase with shape weight 3),
+# The stage-1 recipes: `python -m core.zoo.train --family F` with no other flag reproduces the
+# model that the shipped resources/models/shapes-F was fine-tuned from (both commands are in each
+# CARD.md). For LLaVA an earlier run at CoCa's 1.5e-3 with a 400-step dense phase oscillated and
+# reached attribute 0.69; the recipe changes both (half the rate, CoCa's 1500-step dense phase with shape weight 3),
 # so which change mattered is not isolated.
 RECIPES = {"llava": {"qa_steps": 3000, "lr": 7e-4}, "coca": {"qa_steps": 1500, "lr": 1.5e-3}}
 
