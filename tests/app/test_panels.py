@@ -232,6 +232,11 @@ def test_lens_curves_have_a_point_per_layer_plus_final(qtbot, results, spec):
     ranks = panel.curves["rank"][LOGIT_LENS].yData  # the data, not its log-mapped view
     assert list(ranks) == [r["answer_rank"] + 1 for r in result["logit_lens"]]  # drawn on a log axis
     assert panel.layer_labels(n_points)[-1] == "final"
+    # axis ticks: one per point, cross-attention blocks shortened so they do not overlap
+    ticks = [text for _, text in panel.plots["kl"].getAxis("bottom")._tickLevels[0]]
+    assert len(ticks) == n_points and max(len(t) for t in ticks) <= 5 and not any(".xattn" in t for t in ticks)
+    cross = any(".xattn" in name for name in panel.layer_labels(n_points))
+    assert ("cross-attention block of layer n" in panel.note.text()) == cross
     assert panel.table.rowCount() == n_points
     top = result["logit_lens"][-1]["top"][0][0]
     assert panel.table.item(n_points - 1, 4).text().startswith(top)
