@@ -24,12 +24,12 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
+from timing import interleaved_times  # bench/timing.py (the script's folder is on sys.path)
 
 from core import load_model
 from core.capture import capture
@@ -99,17 +99,8 @@ def big_llava() -> LoadedModel:
 
 
 def _interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each function, run in turn (A B C A B C ...) so load
-    drifts hit all of them alike."""
-    for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median seconds of each function, timed interleaved."""
+    return {k: statistics.median(v) for k, v in interleaved_times(fns, repeats).items()}
 
 
 def _largest_allocation(fn) -> int:

@@ -24,28 +24,15 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from datetime import date
 from pathlib import Path
 
 import numpy as np
 import torch
+from timing import interleaved_times  # bench/timing.py (the script's folder is on sys.path)
 
 from core import load_model
 from core.methods.counterfactual import as_fill, occlusion_sweep, sweep_cells
-
-
-def _interleaved_times(fns: dict, repeats: int) -> dict[str, list[float]]:
-    """Seconds of each run of each function, run in turn (A B A B ...) after one warm-up each."""
-    for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return times
 
 
 @torch.no_grad()
@@ -67,7 +54,7 @@ def bench(loaded, sample, k: int, fill: str, batch_size: int, repeats: int) -> d
             chunk = edited[start : start + batch_size]
             a.next_token_logits(a.prepare(chunk, [question] * len(chunk)))
 
-    times = _interleaved_times({"sweep": sweep, "plain": plain}, repeats)
+    times = interleaved_times({"sweep": sweep, "plain": plain}, repeats)
     t = {k: statistics.median(v) for k, v in times.items()}
     fastest = {k: min(v) for k, v in times.items()}
     return {

@@ -1296,6 +1296,19 @@ def _fmt(x) -> str:
     return "" if x is None else f"{x:.4g}"
 
 
+def _median_table(
+    title: str, column: str, top: list[dict], names: list[str], by_group: dict[str, dict[str, dict]], key: str
+) -> list[str]:
+    """Markdown lines: one row per entry of ``top``, one column per group, each
+    cell the median of that entry's ``key`` distribution in the group (blank
+    when the group lacks the entry)."""
+    lines = [title, "", f"| {column} | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for item in top:
+        cells = [_median(by_group[n][item["name"]][key]) if item["name"] in by_group[n] else "" for n in names]
+        lines.append(f"| {item['name']} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _median(d: dict | None) -> str:
     return _fmt(d["quantiles"]["0.5"]) if d else ""
 
@@ -1332,27 +1345,15 @@ def summary_markdown(summary: dict, run_params: dict) -> str:
     if "attention" in g["all"] and g["all"]["attention"]["heads"]:
         heads = {h["name"]: h for h in g["all"]["attention"]["heads"]}
         top = sorted(heads.values(), key=lambda h: -(h["visual_mass"] or {"mean": 0})["mean"])[:5]
-        lines += ["Heads with the most answer-row visual mass (median by group)", ""]
-        lines += ["| head | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-        for h in top:
-            cells = []
-            for n in names:
-                gh = {x["name"]: x for x in g[n]["attention"]["heads"]}.get(h["name"])
-                cells.append(_median(gh["visual_mass"]) if gh else "")
-            lines.append(f"| {h['name']} | " + " | ".join(cells) + " |")
-        lines.append("")
+        by_group = {n: {x["name"]: x for x in g[n]["attention"]["heads"]} for n in names}
+        title = "Heads with the most answer-row visual mass (median by group)"
+        lines += _median_table(title, "head", top, names, by_group, "visual_mass")
     if "dla" in g["all"] and g["all"]["dla"]["components"]:
         comps = [c for c in g["all"]["dla"]["components"] if c["dla_frozen"]]
         top = sorted(comps, key=lambda c: -abs(c["dla_frozen"]["quantiles"]["0.5"]))[:5]
-        lines += ["Components with the largest median frozen-scale DLA", ""]
-        lines += ["| component | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-        for c in top:
-            cells = []
-            for n in names:
-                gc = {x["name"]: x for x in g[n]["dla"]["components"]}.get(c["name"])
-                cells.append(_median(gc["dla_frozen"]) if gc else "")
-            lines.append(f"| {c['name']} | " + " | ".join(cells) + " |")
-        lines.append("")
+        by_group = {n: {x["name"]: x for x in g[n]["dla"]["components"]} for n in names}
+        title = "Components with the largest median frozen-scale DLA"
+        lines += _median_table(title, "component", top, names, by_group, "dla_frozen")
     rve = s.get("routing_vs_effect")
     if rve:
         lines += ["Does routing onto the target region rank the causal drop? (Spearman across samples)", ""]

@@ -254,9 +254,17 @@ def _place_objects(rng: np.random.Generator, n: int, image_size: int) -> list[tu
 
 
 def render_scene(
-    rng: np.random.Generator, n_objects: int, image_size: int = IMAGE_SIZE
+    rng: np.random.Generator,
+    n_objects: int,
+    image_size: int = IMAGE_SIZE,
+    override: tuple[int, str, str] | None = None,
 ) -> tuple[np.ndarray, list[SceneObject]]:
-    """Draw a scene: background, objects composited by coverage, then noise."""
+    """Draw a scene: background, objects composited by coverage, then noise.
+
+    ``override``: object ``override[0]`` is drawn in colour ``override[1]`` and
+    shape ``override[2]``; every random draw (background, placement, rotation,
+    colour jitter, noise) is made exactly as without it, so everything else in
+    the picture is identical (the counterfactual scenes)."""
     level = rng.uniform(*BACKGROUND_RANGE)
     tint = rng.uniform(-BACKGROUND_TINT, BACKGROUND_TINT, size=3)
     yy, xx = np.mgrid[0:image_size, 0:image_size].astype(np.float32) / image_size - 0.5
@@ -264,7 +272,9 @@ def render_scene(
     img = (level + tint)[None, None, :] + (gx * xx + gy * yy)[:, :, None]
     supersample = int(rng.choice([1, 2, 4, 4]))
     objects = []
-    for color, shape, cx, cy, size, rot in _place_objects(rng, n_objects, image_size):
+    for k, (color, shape, cx, cy, size, rot) in enumerate(_place_objects(rng, n_objects, image_size)):
+        if override is not None and k == override[0]:
+            color, shape = override[1], override[2]
         cov = render_coverage(shape, cx, cy, size, rot, image_size, supersample)
         rgb = np.clip(np.array(COLORS[color]) + rng.integers(-COLOR_JITTER, COLOR_JITTER + 1, 3), 0, 255)
         img = img * (1 - cov[:, :, None]) + rgb[None, None, :] * cov[:, :, None]
@@ -488,35 +498,6 @@ def patch_labels(objects: list[SceneObject], image_size: int = IMAGE_SIZE, grid:
 # ---------------------------------------------------------------- counterfactual scenes
 
 
-def _render_scene_edited(
-    rng: np.random.Generator, n_objects: int, image_size: int, override: tuple[int, str, str] | None
-) -> tuple[np.ndarray, list[SceneObject]]:
-    """:func:`render_scene` with object ``override[0]`` drawn in colour
-    ``override[1]`` and shape ``override[2]``: every random draw (background,
-    placement, rotation, colour jitter, noise) is made exactly as in
-    :func:`render_scene`, so everything else in the picture is identical."""
-    level = rng.uniform(*BACKGROUND_RANGE)
-    tint = rng.uniform(-BACKGROUND_TINT, BACKGROUND_TINT, size=3)
-    yy, xx = np.mgrid[0:image_size, 0:image_size].astype(np.float32) / image_size - 0.5
-    gx, gy = rng.uniform(-12, 12, size=2)
-    img = (level + tint)[None, None, :] + (gx * xx + gy * yy)[:, :, None]
-    supersample = int(rng.choice([1, 2, 4, 4]))
-    objects = []
-    for k, (color, shape, cx, cy, size, rot) in enumerate(_place_objects(rng, n_objects, image_size)):
-        if override is not None and k == override[0]:
-            color, shape = override[1], override[2]
-        cov = render_coverage(shape, cx, cy, size, rot, image_size, supersample)
-        rgb = np.clip(np.array(COLORS[color]) + rng.integers(-COLOR_JITTER, COLOR_JITTER + 1, 3), 0, 255)
-        img = img * (1 - cov[:, :, None]) + rgb[None, None, :] * cov[:, :, None]
-        mask = cov > 0
-        ys, xs = np.nonzero(mask)
-        box = [int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1]
-        objects.append(SceneObject(color, shape, (cx, cy), size, rot, box, mask, cov))
-    sigma = rng.uniform(*NOISE_SIGMA_RANGE)
-    img = img + rng.normal(0, sigma, size=img.shape)
-    return np.clip(np.rint(img), 0, 255).astype(np.uint8), objects
-
-
 def _replay_scene(sample: Sample, override: tuple[int, str, str] | None):
     """Re-draw ``sample``'s scene from its (split, index) seed, with ``override``
     applied to the scene the sample was asked about. The way the sample was made
@@ -536,27 +517,27 @@ def _replay_scene(sample: Sample, override: tuple[int, str, str] | None):
         for _ in range(100):
             n = n_arg or int(rng.integers(2 if kind == "relation" else 1, MAX_OBJECTS + 1))
             state = rng.bit_generator.state
-            image, objects = _render_scene_edited(rng, n, size, None)
+            image, objects = render_scene(rng, n, size)
             if _ask(rng, kind, objects, size) is not None:
                 if not np.array_equal(image, sample.image):
                     return None
                 if edit is None:
                     return image, objects
                 rng.bit_generator.state = state  # the same draws again, with the edit
-                return _render_scene_edited(rng, n, size, edit)
+                return render_scene(rng, n, size, edit)
         return None
 
     def by_scene_questions(max_objects, edit):
         rng = np.random.default_rng([seed, 1_000_003, sample.index])
         n = int(rng.integers(1, max_objects + 1))
         state = rng.bit_generator.state
-        image, objects = _render_scene_edited(rng, n, size, None)
+        image, objects = render_scene(rng, n, size)
         if not np.array_equal(image, sample.image):
             return None
         if edit is None:
             return image, objects
         rng.bit_generator.state = state
-        return _render_scene_edited(rng, n, size, edit)
+        return render_scene(rng, n, size, edit)
 
     n_objects = len(sample.objects)
     tries = [lambda e, k=k, n=n: by_make_sample(k, n, e) for k in (None, sample.kind) for n in (None, n_objects)]

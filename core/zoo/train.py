@@ -103,6 +103,11 @@ class Batches:
         }
 
 
+def _asked_relation(sample) -> str:
+    """The relation a relation question asks about (one of ``scenes.RELATIONS``)."""
+    return next(r for r in scenes.RELATIONS if f" {r} " in sample.question)
+
+
 def _absent_relation_question(sample, rng: np.random.Generator) -> str:
     """The relation question with one of its two objects (either, at random)
     renamed to a (colour, shape) pair absent from the scene that shares its
@@ -116,7 +121,7 @@ def _absent_relation_question(sample, rng: np.random.Generator) -> str:
     options = [(c, named.shape) for c in scenes.COLORS] + [(named.color, sh) for sh in scenes.SHAPES]
     options = [o for o in options if o not in present]
     color, shape = options[int(rng.integers(len(options)))]
-    relation = next(r for r in scenes.RELATIONS if f" {r} " in sample.question)
+    relation = _asked_relation(sample)
     fields = dict(color=a.color, shape=a.shape, relation=relation, color2=b.color, shape2=b.shape)
     fields.update(dict(color=color, shape=shape) if which == 0 else dict(color2=color, shape2=shape))
     return scenes.TEMPLATES["relation"]["text"].format(**fields)
@@ -162,8 +167,7 @@ def _signed_offset(sample) -> float:
         return math.nan
     a, b = sample.objects[sample.target].center, sample.objects[sample.reference].center
     dx, dy = (a[0] - b[0]) / sample.image.shape[1] * 2, (a[1] - b[1]) / sample.image.shape[0] * 2
-    relation = next(r for r in scenes.RELATIONS if f" {r} " in sample.question)
-    return {"left of": -dx, "right of": dx, "above": -dy, "below": dy}[relation]
+    return {"left of": -dx, "right of": dx, "above": -dy, "below": dy}[_asked_relation(sample)]
 
 
 class RelationProbe(torch.nn.Module):
