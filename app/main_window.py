@@ -999,8 +999,7 @@ class MainWindow(QMainWindow):
         self.analysis = analysis
         self.attention_panel.set_result(analysis)
         self.dla_panel.set_result(analysis)
-        self.lens_panel.set_result(analysis)
-        self.lens_panel.set_readers((analysis or {}).get("tuned_lens") or {})
+        self.lens_panel.set_result(analysis, readers=(analysis or {}).get("tuned_lens") or {})
         if analysis is None:
             self.canvas.clear_heatmap()
             return

@@ -135,6 +135,7 @@ def bench(loaded: LoadedModel, image, question: str, repeats: int) -> dict:
     naive_bytes = n_blocks * heads * n_pos * d_model * trace.final_resid.element_size()
     return {
         "model": loaded.spec,
+        "fingerprint": loaded.fingerprint,
         "sequence_length": n_pos,
         "visual_tokens": int(trace.visual_positions.shape[1]),
         "layers": n_blocks,

@@ -59,6 +59,7 @@ def bench(loaded, sample, k: int, fill: str, batch_size: int, repeats: int) -> d
     fastest = {k: min(v) for k, v in times.items()}
     return {
         "model": loaded.spec,
+        "fingerprint": loaded.fingerprint,
         "k": k,
         "fill": fill,
         "cells": len(cells),

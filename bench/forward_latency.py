@@ -13,24 +13,13 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
+from timing import interleaved_times  # bench/timing.py (the script's folder is on sys.path)
 
 from core import answer, load_model
 from core.zoo import scenes
-
-
-def _median_ms(fn, repeats: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
 
 
 @torch.no_grad()
@@ -38,10 +27,17 @@ def bench(name: str, repeats: int) -> dict:
     loaded = load_model(name)
     s = scenes.make_sample("heldout", 0)
     inputs = loaded.adapter.prepare([s.image], [s.question])
-    plain = _median_ms(lambda: loaded.adapter.forward_logits(inputs), repeats)
-    full = _median_ms(lambda: answer(loaded, s.image, s.question), repeats)
+    times = interleaved_times(
+        {
+            "plain": lambda: loaded.adapter.forward_logits(inputs),
+            "full": lambda: answer(loaded, s.image, s.question),
+        },
+        repeats,
+    )
+    plain, full = (1000 * statistics.median(times[k]) for k in ("plain", "full"))
     return {
         "model": name,
+        "fingerprint": loaded.fingerprint,
         "parameters": sum(p.numel() for p in loaded.model.parameters()),
         "forward_ms": round(plain, 2),
         "answer_path_ms": round(full, 2),

@@ -13,7 +13,9 @@ and JSON, and the runs' patch-grid figures as PNG.
   run's summary with its patch-grid pictures embedded as base64 PNG.
 * :func:`run_figures` / :func:`patch_grid_png`: the pictures, drawn with PIL
   (no matplotlib): a run's rollout and most-visual heads' ``visual_patch_mass``
-  grids, an occlusion sweep's effect grid, a counterfactual's painted region.
+  grids (and those heads' attention among the prompt's text tokens, drawn by
+  :func:`token_matrix_png`), an occlusion sweep's effect grid, a
+  counterfactual's painted region.
   Patch-granular (one flat cell per visual token, drawn on the token's box in
   the original image when the session keeps the image); an upsampled map is
   never drawn here, so nothing needs the "interpolated" flag.
@@ -262,6 +264,84 @@ def patch_grid_png(
     return _framed(picture, title, (stops, lo, hi))
 
 
+def _label_font():
+    from PIL import ImageFont
+
+    return ImageFont.load_default(size=11)
+
+
+def _short_token(label: str) -> str:
+    """A visible form of a token: leading/trailing spaces and line breaks shown escaped, long ones cut."""
+    label = str(label)
+    text = repr(label)[1:-1] if label.strip() != label or not label else label
+    return text if len(text) <= 14 else text[:13] + "\u2026"
+
+
+def _matrix_origin(row_labels: Sequence[str], col_labels: Sequence[str]) -> tuple[int, int]:
+    """``(left, top)``: where :func:`token_matrix_png` puts the matrix's first cell
+    (below the title, if any), after the widest row label and the longest column label."""
+    from PIL import Image, ImageDraw
+
+    font, probe = _label_font(), ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    widest = max((probe.textlength(_short_token(t), font=font) for t in row_labels), default=0.0)
+    longest = max((probe.textlength(_short_token(t), font=font) for t in col_labels), default=0.0)
+    return int(math.ceil(4 + widest)), int(math.ceil(4 + longest))
+
+
+def token_matrix_png(
+    matrix: Sequence[Sequence[float]],
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    *,
+    allowed: Sequence[Sequence[bool]] | None = None,
+    title: str | None = None,
+    cell: int = 18,
+) -> bytes:
+    """Draw a token x token matrix (a text-side attention pattern) as a PNG:
+    row labels on the left, column labels written upwards above (the first
+    cell at :func:`_matrix_origin`), viridis from min(0, min) to the largest
+    value, a colour bar below.
+
+    Args:
+        matrix: ``(queries, keys)`` values.
+        row_labels, col_labels: one token string per row / column.
+        allowed: ``(queries, keys)``; False cells (a key the query may not
+            attend: causal or prefix-LM mask) are drawn grey, not as a 0.
+        cell: the side of one cell in pixels.
+    """
+    from PIL import Image, ImageDraw
+
+    rows = [[float(v) for v in r] for r in matrix]
+    n_rows, n_cols = len(rows), max((len(r) for r in rows), default=0)
+    if n_rows == 0 or n_cols == 0:
+        raise SessionError("an empty matrix has no picture")
+    if len(row_labels) != n_rows or len(col_labels) != n_cols:
+        raise SessionError(f"{n_rows} x {n_cols} matrix with {len(row_labels)} row and {len(col_labels)} column labels")
+    font = _label_font()
+    left, top = _matrix_origin(row_labels, col_labels)
+    values = [v for r in rows for v in r if math.isfinite(v)]
+    lo, hi = _limits(values, diverging=False)
+    picture = Image.new("RGB", (left + n_cols * cell + 2, top + n_rows * cell + 2), (255, 255, 255))
+    draw = ImageDraw.Draw(picture)
+    for i, label in enumerate(row_labels):
+        text = _short_token(label)
+        x = left - 3 - draw.textlength(text, font=font)
+        draw.text((x, top + i * cell + (cell - 12) / 2), text, fill=(0, 0, 0), font=font)
+    for j, label in enumerate(col_labels):  # written on a strip, turned upwards
+        strip = Image.new("RGB", (top, cell), (255, 255, 255))
+        ImageDraw.Draw(strip).text((2, (cell - 12) / 2), _short_token(label), fill=(0, 0, 0), font=font)
+        strip = strip.rotate(90, expand=True)
+        picture.paste(strip, (left + j * cell, top - strip.height))
+    for i in range(n_rows):
+        for j in range(n_cols):
+            v = rows[i][j] if j < len(rows[i]) else float("nan")
+            masked = allowed is not None and not allowed[i][j]
+            colour = _MISSING if masked or not math.isfinite(v) else _lerp(_VIRIDIS, (v - lo) / (hi - lo))
+            x0, y0 = left + j * cell, top + i * cell
+            draw.rectangle([x0, y0, x0 + cell - 1, y0 + cell - 1], fill=colour, outline=(255, 255, 255))
+    return _framed(picture, title, (_VIRIDIS, lo, hi))
+
+
 def _framed(picture, title: str | None, legend=None) -> bytes:
     """``picture`` with a title line above and (``legend = (stops, lo, hi)``)
     a colour bar with its end values below, as PNG bytes."""
@@ -311,6 +391,32 @@ def _token_boxes(result: dict, grid, image_index) -> list | None:
         boxes[r * n_cols + c] = t["box"]
         found += 1
     return boxes if found == n_rows * n_cols else None
+
+
+def _text_pattern(text: dict | None, head: dict):
+    """One head's text-side pattern from an analyze result's ``text_patterns``:
+    ``(matrix, token labels, allowed, largest row mass outside the shown keys)``,
+    or None (no text patterns, or the head's block is a cross-attention block)."""
+    if not isinstance(text, dict) or not text.get("patterns"):
+        return None
+    names, blocks = text.get("block_names") or [], text.get("blocks") or []
+    if head.get("block") in names:
+        b = names.index(head["block"])
+    elif head.get("layer") in blocks:
+        b = blocks.index(head["layer"])
+    else:
+        return None
+    try:
+        matrix = text["patterns"][b][int(head["head"])]
+        allowed = (text.get("allowed") or [None] * len(blocks))[b]
+        other_roles = (text.get("other_mass") or [{}] * len(blocks))[b]
+        other = [sum(float(v[int(head["head"])][q]) for v in other_roles.values()) for q in range(len(matrix))]
+    except (IndexError, KeyError, TypeError, ValueError):
+        return None
+    labels = list(text.get("tokens") or [])
+    if labels and text.get("positions") and text.get("answer_position") == text["positions"][-1]:
+        labels[-1] = f"[answer] {labels[-1]}"
+    return matrix, labels, allowed, max(other, default=0.0)
 
 
 def run_figures(session: Session, run: Run | int) -> list[Figure]:
@@ -375,6 +481,24 @@ def run_figures(session: Session, run: Run | int) -> list[Figure]:
             grid,
             boxes=_token_boxes(r, grid, primary),
         )
+        text = _text_pattern(r.get("text_patterns"), h)
+        if text is not None:
+            matrix, labels, allowed, other = text
+            try:
+                png = token_matrix_png(matrix, labels, labels, allowed=allowed, title=f"run {run.id}: {name} text")
+            except SessionError:
+                continue
+            figs.append(
+                Figure(
+                    run.id,
+                    name.replace(".", "_") + "_text",
+                    f"{name} attention among the prompt's text tokens",
+                    f"{name} attention among the prompt's text tokens (rows: queries, the answer position last; "
+                    f"columns: keys; grey: masked); each row's mass on keys not shown (BOS, image, special) is "
+                    f"up to {other:.2f}, so a row sums to 1 only with it; routing only, not a cause",
+                    png,
+                )
+            )
     sweep = r.get("sweep")
     if isinstance(sweep, dict):
         key = "logit_diff_change" if sweep.get("logit_diff_change") is not None else "logit_change"

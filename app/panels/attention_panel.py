@@ -269,24 +269,26 @@ class HeatGrid(pg.PlotWidget):
         self.plot_item.getAxis("bottom").setTicks(ticks(self.col_labels, cols))
 
     def _write_values(self, levels: tuple[float, float]) -> None:
-        for t in self._texts:
-            self.plot_item.getViewBox().removeItem(t)
-        self._texts = []
+        cells = []
         rows, cols = self.values.shape
-        if not self.annotate or rows * cols > MAX_ANNOTATED_CELLS:
-            return
+        if self.annotate and rows * cols <= MAX_ANNOTATED_CELLS:
+            cells = [(r, c) for r in range(rows) for c in range(cols) if np.isfinite(self.values[r, c])]
+        # The text items are reused from one grid to the next: adding items to a view box
+        # is what made a re-run slow (every panel's grids are rewritten on each read-out).
+        view = self.plot_item.getViewBox()
+        while len(self._texts) > len(cells):
+            view.removeItem(self._texts.pop())
+        while len(self._texts) < len(cells):
+            text = pg.TextItem("", anchor=(0.5, 0.5))
+            view.addItem(text)
+            self._texts.append(text)
         lo, hi = levels
-        for r in range(rows):
-            for c in range(cols):
-                v = self.values[r, c]
-                if not np.isfinite(v):
-                    continue
-                rgba = self.color_map.map((v - lo) / (hi - lo) if hi > lo else 0.5, mode="float")
-                light = 0.299 * rgba[0] + 0.587 * rgba[1] + 0.114 * rgba[2]
-                text = pg.TextItem(self.value_format.format(v), color="k" if light > 0.55 else "w", anchor=(0.5, 0.5))
-                text.setPos(c + 0.5, r + 0.5)
-                self.plot_item.getViewBox().addItem(text)
-                self._texts.append(text)
+        for text, (r, c) in zip(self._texts, cells, strict=True):
+            v = self.values[r, c]
+            rgba = self.color_map.map((v - lo) / (hi - lo) if hi > lo else 0.5, mode="float")
+            light = 0.299 * rgba[0] + 0.587 * rgba[1] + 0.114 * rgba[2]
+            text.setText(self.value_format.format(v), color="k" if light > 0.55 else "w")
+            text.setPos(c + 0.5, r + 0.5)
         self._fit_texts()
 
     def _fit_texts(self, *_args) -> None:

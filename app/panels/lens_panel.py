@@ -123,9 +123,13 @@ class LensPanel(QWidget):
 
     # ---- data in ----------------------------------------------------------
 
-    def set_result(self, result: dict | None) -> None:
-        """Show an analyze result's logit lens (None clears). Extra readers are kept."""
+    def set_result(self, result: dict | None, readers: dict[str, Sequence[dict]] | None = None) -> None:
+        """Show an analyze result's logit lens (None clears), with ``readers``
+        overlaid as in :meth:`set_readers` if given (one redraw for both);
+        without ``readers`` the earlier extra readers are kept."""
         self.result = result
+        if readers is not None:
+            self.readers = self._extra_readers(readers)
         if result:
             t = result.get("target", {})
             against = f" minus foil {t['foil']!r}" if t.get("foil") else ""
@@ -139,8 +143,12 @@ class LensPanel(QWidget):
 
     def set_readers(self, readers: dict[str, Sequence[dict]] | None) -> None:
         """Overlay more readers, ``{name: rows}`` (replaces earlier extra readers; the logit lens stays)."""
-        self.readers = {k: list(v) for k, v in (readers or {}).items() if k != LOGIT_LENS}
+        self.readers = self._extra_readers(readers)
         self._redraw()
+
+    @staticmethod
+    def _extra_readers(readers: dict[str, Sequence[dict]] | None) -> dict[str, list[dict]]:
+        return {k: list(v) for k, v in (readers or {}).items() if k != LOGIT_LENS}
 
     def all_readers(self) -> dict[str, list[dict]]:
         """``{name: rows}`` of every reader drawn, the logit lens first."""
@@ -163,11 +171,6 @@ class LensPanel(QWidget):
 
     def _redraw(self) -> None:
         readers = self.all_readers()
-        for key, plot in self.plots.items():
-            for item in self.curves[key].values():
-                plot.removeItem(item)
-            self.curves[key] = {}
-        self.legend.clear()
         use_diff = self._uses_diff()
         set_title(
             self.plots["logit"],
@@ -175,10 +178,9 @@ class LensPanel(QWidget):
             size="10pt",
         )
         n_points = max((len(rows) for rows in readers.values()), default=0)
-        for i, (name, rows) in enumerate(readers.items()):
+        drawn = {key: {} for key in PLOTS}  # {plot: {reader: (xs, ys)}}, readers in order
+        for name, rows in readers.items():
             rows = sorted(rows, key=lambda r: r["layer"])
-            color = READER_COLORS[i % len(READER_COLORS)]
-            style = Qt.PenStyle.SolidLine if name == LOGIT_LENS else Qt.PenStyle.DashLine
             series = {
                 "rank": [(r["layer"], _rank(r)) for r in rows],
                 "logit": [(r["layer"], r.get("logit_diff") if use_diff else r.get("answer_logit")) for r in rows],
@@ -190,20 +192,36 @@ class LensPanel(QWidget):
                     continue
                 xs = np.array([p[0] for p in pts], dtype=float)
                 ys = np.array([p[1] for p in pts], dtype=float)
-                if key == "rank":
-                    ys = ys + 1.0  # log scale: rank 0 -> 1
-                curve = pg.PlotDataItem(
-                    xs,
-                    ys,
-                    pen=pg.mkPen(color, width=2, style=style),
-                    symbol="o",
-                    symbolSize=7,
-                    symbolBrush=color,
-                    symbolPen=None,
-                    name=name,
-                )
-                self.plots[key].addItem(curve)
-                self.curves[key][name] = curve
+                drawn[key][name] = (xs, ys + 1.0 if key == "rank" else ys)  # log scale: rank 0 -> 1
+        if all(list(drawn[key]) == list(self.curves[key]) for key in PLOTS):
+            # the same readers as before (a re-run): new data into the same curves, which is
+            # several times faster than building them again
+            for key in PLOTS:
+                for name, (xs, ys) in drawn[key].items():
+                    self.curves[key][name].setData(xs, ys)
+        else:
+            for key, plot in self.plots.items():
+                for item in self.curves[key].values():
+                    plot.removeItem(item)
+                self.curves[key] = {}
+            self.legend.clear()
+            for i, name in enumerate(readers):
+                color = READER_COLORS[i % len(READER_COLORS)]
+                style = Qt.PenStyle.SolidLine if name == LOGIT_LENS else Qt.PenStyle.DashLine
+                for key in PLOTS:
+                    if name not in drawn[key]:
+                        continue
+                    curve = pg.PlotDataItem(
+                        *drawn[key][name],
+                        pen=pg.mkPen(color, width=2, style=style),
+                        symbol="o",
+                        symbolSize=7,
+                        symbolBrush=color,
+                        symbolPen=None,
+                        name=name,
+                    )
+                    self.plots[key].addItem(curve)
+                    self.curves[key][name] = curve
         # Axis ticks use a short form of cross-attention blocks ("L0.xattn" -> "L0x"): the full
         # names overlapped at 1280 x 800 for CoCa's 10 points; the table beside keeps them whole.
         names = self.layer_labels(n_points)

@@ -266,6 +266,11 @@ def test_lens_overlays_more_readers_and_foil(qtbot, loaded, results):
     assert panel.table.item(0, 3).text() == f"{tuned[0]['kl_to_final']:.3f}"
     panel.set_readers(None)
     assert set(panel.curves["kl"]) == {LOGIT_LENS}
+    # the window's path: the result and its readers in one call (one redraw)
+    panel.set_result(result, readers={"tuned": tuned})
+    assert set(panel.curves["kl"]) == {LOGIT_LENS, "tuned"}
+    panel.set_result(result)  # without readers the overlay stays
+    assert set(panel.curves["kl"]) == {LOGIT_LENS, "tuned"}
 
 
 # ---- audit ----------------------------------------------------------------

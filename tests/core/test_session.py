@@ -188,7 +188,8 @@ def test_every_export_format(tmp_path, session, analyzed, llava):
     assert doc["session"]["models"][0]["fingerprint"] == llava.fingerprint
 
     names = [f.name for f in run_figures(session, 1)]
-    assert names[0] == "rollout" and len(names) == 3
+    assert names[0] == "rollout" and len(names) == 5  # rollout, two heads, and each head's text-side pattern
+    assert [n for n in names if n.endswith("_text")] == [n + "_text" for n in names[1:] if not n.endswith("_text")]
     for fmt in ("csv", "md", "html", "json"):
         (out,) = export_session(session, fmt, tmp_path / f"out.{fmt}")
         assert out.stat().st_size > 0
@@ -197,6 +198,40 @@ def test_every_export_format(tmp_path, session, analyzed, llava):
     assert {p.name for p in figs} >= {"run0001_rollout.png", "run0001_L1_H1.png", "run0002_mask.png"}
     assert not [p for p in tmp_path.rglob("*.tmp")]  # atomic writes leave no temporary files
     assert json.loads((tmp_path / "out.json").read_text())["schema_version"] == 1
+
+
+def test_text_pattern_figure_draws_the_heads_own_matrix(analyzed):
+    """The exported text-side picture of a head is that head's row of
+    ``text_patterns``: each cell's colour is its value on the colour bar, masked
+    cells are grey, and the tokens label the rows (the answer position last)."""
+    from core.export import _MISSING, _VIRIDIS, _lerp, _matrix_origin, _text_pattern, token_matrix_png
+
+    text = analyzed["text_patterns"]
+    block, head = text["blocks"][-1], 1
+    found = _text_pattern(text, {"block": text["block_names"][-1], "layer": block, "head": head})
+    assert found is not None
+    matrix, labels, allowed, other = found
+    assert matrix == text["patterns"][-1][head] and labels[-1].startswith("[answer]")
+    outside = [sum(v[head][q] for v in text["other_mass"][-1].values()) for q in range(len(matrix))]
+    sums = np.asarray(matrix).sum(1) + np.asarray(outside)
+    assert np.allclose(sums, 1.0, atol=1e-5) and 0 <= other <= 1 + 1e-6
+
+    cell = 18
+    picture = Image.open(io.BytesIO(token_matrix_png(matrix, labels, labels, allowed=allowed, cell=cell)))
+    arr = np.asarray(picture.convert("RGB"))
+    left, top = _matrix_origin(labels, labels)  # no title: the matrix starts there
+    hi = max(max(r) for r in matrix)
+    for i in range(len(matrix)):
+        for j in range(len(matrix)):
+            got = tuple(int(v) for v in arr[top + i * cell + cell // 2, left + j * cell + cell // 2])
+            want = _lerp(_VIRIDIS, matrix[i][j] / hi) if allowed[i][j] else _MISSING
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1, (i, j, got, want)
+    assert not all(allowed[0])  # causal: the first query sees only itself, so grey cells were checked
+
+    with pytest.raises(SessionError, match="labels"):
+        token_matrix_png(matrix, labels[:-1], labels)
+    assert _text_pattern(None, {"block": "L0", "head": 0}) is None
+    assert _text_pattern(text, {"block": "L0.xattn", "layer": 99, "head": 0}) is None  # not a self-attention block
 
 
 # ---------------------------------------------------------------- schema versions and bad files
