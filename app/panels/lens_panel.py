@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.panels.attention_panel import FOREGROUND, block_names, plain_label, set_title, style_plot
+from app.panels.attention_panel import block_names, plain_label, set_title, style_plot
 
 LOGIT_LENS = "logit lens"
 READER_COLORS = ["#1f5fb4", "#e0701b", "#2a9d3a", "#c0392b", "#8e44ad", "#7f7f7f", "#b8860b", "#17becf"]
@@ -54,6 +54,19 @@ def _kl(row: dict) -> float | None:
     return None
 
 
+def legend_html(names: Sequence[str]) -> str:
+    """The plots' legend: each reader's name after a line sample in its colour
+    (solid for the logit lens, dashed for the others, as drawn)."""
+    import html
+
+    parts = []
+    for i, name in enumerate(names):
+        color = READER_COLORS[i % len(READER_COLORS)]
+        line = "\u2501\u25cf\u2501" if name == LOGIT_LENS else "\u254d\u25cf\u254d"
+        parts.append(f'<span style="color:{color}"><b>{line}</b></span>&nbsp;{html.escape(name)}')
+    return "&nbsp;&nbsp; ".join(parts)
+
+
 class LensPanel(QWidget):
     """Per-layer answer rank, logit difference and KL to final, for one or more readers.
 
@@ -74,6 +87,12 @@ class LensPanel(QWidget):
         self.graphics = pg.GraphicsLayoutWidget()
         self.graphics.setBackground("w")
         self.plots: dict[str, pg.PlotItem] = {}
+        # The legend is a wrapped line of text above the plots: inside a plot it covered the curves
+        # (rank 0 sits at the top of the inverted rank axis, the logit curves rise to the right), and
+        # as a row of the plot layout it widened the plots past the panel.
+        self.legend = QLabel()
+        self.legend.setTextFormat(Qt.TextFormat.RichText)
+        self.legend.setWordWrap(True)
         for i, key in enumerate(PLOTS):
             plot = self.graphics.addPlot(row=i, col=0)
             style_plot(plot)
@@ -88,8 +107,6 @@ class LensPanel(QWidget):
         self.plots["rank"].setLogMode(y=True)
         self.plots["rank"].getViewBox().invertY(True)
         set_title(self.plots["kl"], "KL(final || layer read-out), nats")
-        self.legend = self.plots["rank"].addLegend(offset=(-10, -10), labelTextColor=FOREGROUND)
-        self.legend.setBrush(pg.mkBrush(255, 255, 255, 220))
 
         self.reader_combo = QComboBox()
         self.reader_combo.currentTextChanged.connect(self._fill_table)
@@ -113,7 +130,12 @@ class LensPanel(QWidget):
         s.addLayout(row)
         s.addWidget(self.table, 1)
         splitter = QSplitter(Qt.Orientation.Horizontal)
-        splitter.addWidget(self.graphics)
+        plots = QWidget()
+        p = QVBoxLayout(plots)
+        p.setContentsMargins(0, 0, 0, 0)
+        p.addWidget(self.legend)
+        p.addWidget(self.graphics, 1)
+        splitter.addWidget(plots)
         splitter.addWidget(side)
         splitter.setSizes([720, 520])
         layout = QVBoxLayout(self)
@@ -204,7 +226,6 @@ class LensPanel(QWidget):
                 for item in self.curves[key].values():
                     plot.removeItem(item)
                 self.curves[key] = {}
-            self.legend.clear()
             for i, name in enumerate(readers):
                 color = READER_COLORS[i % len(READER_COLORS)]
                 style = Qt.PenStyle.SolidLine if name == LOGIT_LENS else Qt.PenStyle.DashLine
@@ -222,6 +243,7 @@ class LensPanel(QWidget):
                     )
                     self.plots[key].addItem(curve)
                     self.curves[key][name] = curve
+        self.legend.setText(legend_html(list(readers)))
         # Axis ticks use a short form of cross-attention blocks ("L0.xattn" -> "L0x"): the full
         # names overlapped at 1280 x 800 for CoCa's 10 points; the table beside keeps them whole.
         names = self.layer_labels(n_points)

@@ -254,6 +254,8 @@ def test_lens_overlays_more_readers_and_foil(qtbot, loaded, results):
     baseline = [{"layer": r["layer"], "answer_rank_mean": 3.0, "kl_bits": 1.0} for r in result["logit_lens"]]
     panel.set_readers({"tuned": tuned, "mean baseline": baseline})
     assert set(panel.curves["kl"]) == {LOGIT_LENS, "tuned", "mean baseline"}
+    legend = panel.legend.text()  # above the plots, in drawing order and colour
+    assert legend.index(LOGIT_LENS) < legend.index("tuned") < legend.index("mean baseline")
     _, kl = panel.curves["kl"]["mean baseline"].getData()
     assert kl == pytest.approx([math.log(2)] * len(baseline))  # bits -> nats
     assert "mean baseline" not in panel.curves["logit"]  # no logit in those rows: no curve
@@ -266,6 +268,7 @@ def test_lens_overlays_more_readers_and_foil(qtbot, loaded, results):
     assert panel.table.item(0, 3).text() == f"{tuned[0]['kl_to_final']:.3f}"
     panel.set_readers(None)
     assert set(panel.curves["kl"]) == {LOGIT_LENS}
+    assert "tuned" not in panel.legend.text()
     # the window's path: the result and its readers in one call (one redraw)
     panel.set_result(result, readers={"tuned": tuned})
     assert set(panel.curves["kl"]) == {LOGIT_LENS, "tuned"}
@@ -355,3 +358,25 @@ def test_panels_start_empty_and_clear(qtbot, results):
     assert all(not curves for curves in lens.curves.values()) and lens.table.rowCount() == 0
     audit.set_rows([])
     assert audit.count_label.text() == "0 rows"
+
+
+def test_heat_grid_cell_values_follow_each_new_grid(qtbot):
+    """Cell-value labels are reused from one grid to the next: each shown grid
+    has exactly one label per finite cell, with that cell's value, at its centre."""
+    from app.panels.attention_panel import HeatGrid
+
+    grid = HeatGrid(annotate=True)
+    qtbot.addWidget(grid)
+    grid.resize(400, 300)
+    for values in (
+        np.arange(12.0).reshape(3, 4) / 10,
+        np.array([[0.5, np.nan], [0.25, 1.0]]),
+        np.arange(30.0).reshape(5, 6) / 100,
+    ):
+        grid.set_grid(values)
+        cells = [(r, c) for r in range(values.shape[0]) for c in range(values.shape[1]) if np.isfinite(values[r, c])]
+        assert len(grid._texts) == len(cells)
+        for text, (r, c) in zip(grid._texts, cells, strict=True):
+            assert text.toPlainText() == f"{values[r, c]:.2f}"
+            assert (text.pos().x(), text.pos().y()) == (c + 0.5, r + 0.5)
+        assert all(t.scene() is grid.scene() for t in grid._texts)
