@@ -3,7 +3,8 @@
 For each model: find the heads that move the asked attribute (colour or
 shape) from the target object to the answer position on the ``val`` scenes
 (attribute questions with at least one distractor), then run the seven
-steps on the top candidates on the ``heldout`` scenes, and write
+steps on the top candidates on the ``heldout`` scenes — and on routes: the
+candidates of one block together, and that whole block — and write
 ``bench/results/validation_chain_<model>.json``.
 
     python bench/validation_chain.py --threads 1
@@ -52,6 +53,9 @@ def run_model(spec: str, args) -> dict:
     )
     found = L.find_candidates(ctx, args.k)
     chains = [L.run_chain(ctx, head, search) for head, search in found]
+    # when candidates share a block, the function may be the block's: test those heads together
+    # and the whole block as routes (their baselines are routes too; see labels.BaselinePlan)
+    chains += [L.run_chain(ctx, route, search) for route, search in L.find_routes(ctx, found)]
     seconds = time.perf_counter() - t0
     base = ctx.base("eval")
     return {

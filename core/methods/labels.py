@@ -27,6 +27,12 @@ is the answer-minus-foil logit difference at the answer position; DLA is the
 frozen-final-norm-scale DLA of :mod:`core.methods.contributions`; ablations
 edit the head's ``z`` at the answer position only (the write the claim is
 about), through :class:`core.edits.Edit`.
+
+A subject is a head (:class:`HeadRef`) or a route (:class:`RouteRef`: several
+heads of one block taken together, for a function the heads of a block share):
+every step runs on either; :func:`find_routes` proposes the routes worth
+testing, and a route's baselines are routes of the same size
+(:class:`BaselinePlan`).
 """
 
 from __future__ import annotations
@@ -602,6 +608,43 @@ class HeadRef:
     name: str
 
 
+@dataclass(frozen=True)
+class RouteRef:
+    """Several heads of one block taken together (4.11's "route"): the chain
+    asks whether they, as a group, move the attribute.
+
+    How a route is read: its answer-row attention is the mean of its heads'
+    rows (a distribution, so hit rate, mass and entropy are defined as for a
+    head); its DLA is the sum of theirs (their joint write); ablating it
+    ablates every head in it, each with its own mean-ablation value; its
+    entropy is the mean of its heads' entropies (what baselines are matched on).
+    """
+
+    block: int
+    heads: tuple[int, ...]
+    block_name: str
+
+    def __post_init__(self):
+        if len(self.heads) < 2 or len(set(self.heads)) != len(self.heads):
+            raise LabelError(f"a route needs two or more distinct heads, got {self.heads}")
+        object.__setattr__(self, "heads", tuple(sorted(self.heads)))
+
+    @property
+    def name(self) -> str:
+        return f"{self.block_name}." + "+".join(f"H{h}" for h in self.heads)
+
+    @property
+    def members(self) -> tuple[HeadRef, ...]:
+        return tuple(HeadRef(self.block, h, f"{self.block_name}.H{h}") for h in self.heads)
+
+
+Subject = HeadRef | RouteRef
+
+
+def _members(subject: Subject) -> tuple[HeadRef, ...]:
+    return subject.members if isinstance(subject, RouteRef) else (subject,)
+
+
 def visual_heads(loaded) -> list[HeadRef]:
     """Every head whose keys include the visual tokens: the heads of the
     cross-attention blocks, or every self-attention head when the visual
@@ -719,6 +762,7 @@ class HeadObservations:
         z: ``(n, heads, d_head)`` the head's z at the answer position.
         logit_diff, correct: ``(n,)`` S and whether the top token is the answer.
         target, distractors, background, patches: per sample, visual-token index lists.
+        routes: the :class:`RouteRef` columns after the heads' (added by :meth:`col` on first use).
     """
 
     split: str
@@ -734,13 +778,26 @@ class HeadObservations:
     distractors: list[list[list[int]]]
     background: list[list[int]]
     patches: list[list[int]]
+    routes: list[RouteRef] = field(default_factory=list)
 
     @property
     def n(self) -> int:
         return len(self.target)
 
-    def col(self, head: HeadRef) -> int:
-        return self.heads.index(head)
+    def col(self, subject: Subject) -> int:
+        """The column of a head, or of a route (derived from its heads' columns on first use)."""
+        if isinstance(subject, HeadRef):
+            return self.heads.index(subject)
+        if subject not in self.routes:
+            cols = [self.heads.index(m) for m in subject.members]
+            self.vis_attn = np.concatenate([self.vis_attn, self.vis_attn[:, cols].mean(1, keepdims=True)], 1)
+            self.dla_vis = np.concatenate([self.dla_vis, self.dla_vis[:, cols].sum(1, keepdims=True)], 1)
+            self.head_dla = np.concatenate([self.head_dla, self.head_dla[:, cols].sum(1, keepdims=True)], 1)
+            self.entropy = np.concatenate([self.entropy, self.entropy[:, cols].mean(1, keepdims=True)], 1)
+            # a route has no single z: its ablation uses each head's own (ChainContext.ablated)
+            self.z = torch.cat([self.z, torch.full_like(self.z[:, :1], float("nan"))], 1)
+            self.routes.append(subject)
+        return len(self.heads) + self.routes.index(subject)
 
     def hits(self) -> np.ndarray:
         """``(n, heads)`` 1 where the argmax over patch tokens is a target token."""
@@ -1056,6 +1113,20 @@ class SwapObservations:
     swap_logit_diff: np.ndarray
     swap_correct: np.ndarray
     n_tried: int
+    heads: list[HeadRef] = field(default_factory=list)
+    routes: list[RouteRef] = field(default_factory=list)
+
+    def col(self, subject: Subject) -> int:
+        """The column of a head, or of a route (its heads' mean mass, added on first use)."""
+        if isinstance(subject, HeadRef):
+            return self.heads.index(subject)
+        if subject not in self.routes:
+            cols = [self.heads.index(m) for m in subject.members]
+            for key in ("mass_a_orig", "mass_b_orig", "mass_a_swap", "mass_b_swap"):
+                v = getattr(self, key)
+                setattr(self, key, np.concatenate([v, v[:, cols].mean(1, keepdims=True)], 1))
+            self.routes.append(subject)
+        return len(self.heads) + self.routes.index(subject)
 
     def shift(self) -> np.ndarray:
         """``(m, heads)``: mass gained at b plus mass lost at a, halved."""
@@ -1116,7 +1187,15 @@ def observe_swaps(loaded, samples, heads: list[HeadRef], *, seed: int = 0, cance
         return np.stack(out[k]) if out[k] else np.zeros((0, h))
 
     return SwapObservations(
-        out["rows"], arr("ao"), arr("bo"), arr("as"), arr("bs"), np.array(out["ld"]), np.array(out["ok"]), len(samples)
+        out["rows"],
+        arr("ao"),
+        arr("bo"),
+        arr("as"),
+        arr("bs"),
+        np.array(out["ld"]),
+        np.array(out["ok"]),
+        len(samples),
+        list(heads),
     )
 
 
@@ -1134,19 +1213,29 @@ class BaselinePlan:
             on the search split is closest to the candidate's.
         fixed_patch: the visual token the candidate picks most often on the search
             split (a head that always attends there is the position baseline).
+
+    For a :class:`RouteRef` of k heads the head baselines are routes of k heads
+    too: a seeded random other k-subset of the same block, the rest of the block
+    as one route (a single head when one is left), and the k-subsets of other
+    blocks closest in mean entropy. A route of a whole block has no same-block
+    baseline; every other visual block, whole, is an entropy-matched baseline,
+    each compared apart (``each_matched``: a block as strong as the candidate
+    is not hidden in a mean over weaker ones).
     """
 
-    random_head: HeadRef | None
-    layer_heads: list[HeadRef]
-    entropy_matched: list[HeadRef]
+    random_head: Subject | None
+    layer_heads: list[Subject]
+    entropy_matched: list[Subject]
     fixed_patch: int
     seed: int
+    each_matched: bool = False  # compare with each entropy-matched subject apart (a whole block: each other block)
 
     def to_dict(self) -> dict:
         return {
             "random_head": self.random_head.name if self.random_head else None,
             "layer_heads": [h.name for h in self.layer_heads],
             "entropy_matched": [h.name for h in self.entropy_matched],
+            "each_matched": self.each_matched,
             "fixed_patch": self.fixed_patch,
             "seed": self.seed,
         }
@@ -1195,10 +1284,15 @@ class ChainContext:
         self.cancel = cancel
         self.pool = visual_heads(loaded)
         self._cache: dict = {}
+        self._routes: list[RouteRef] = []  # routes planned so far: every observation gets their columns
 
     def _get(self, key, make):
         if key not in self._cache:
-            self._cache[key] = make()
+            value = make()
+            if key in ("eval_obs", "swap_obs"):
+                for route in self._routes:
+                    value.col(route)
+            self._cache[key] = value
         return self._cache[key]
 
     def _report(self, message: str):
@@ -1263,6 +1357,8 @@ class ChainContext:
         return self._get("pattern_stats", make)
 
     def mean_z(self, head: HeadRef, kind: str = "attribute") -> torch.Tensor:
+        if not isinstance(head, HeadRef):
+            raise LabelError(f"{head.name}: a route has no single z; ablate its heads")
         """``(d_head,)`` the mean-ablation value: mean z at the answer position over the search-split reference set."""
         if kind == "attribute":
             return self.search_obs.z[:, self.search_obs.col(head)].mean(0)
@@ -1282,12 +1378,12 @@ class ChainContext:
             ),
         )
 
-    def ablated(self, heads: Sequence[HeadRef], mode: str, which: str = "eval") -> RunNumbers:
-        """The run with every head in ``heads`` zeroed (``mode="zero"``) or set
-        to its mean z (``"mean"``) at the answer position."""
+    def ablated(self, heads: Sequence[Subject], mode: str, which: str = "eval") -> RunNumbers:
+        """The run with every head in ``heads`` (a route: each of its heads)
+        zeroed (``mode="zero"``) or set to its mean z (``"mean"``) at the answer position."""
         if mode not in ("zero", "mean"):
             raise ValueError("mode is 'zero' or 'mean'")
-        heads = tuple(heads)
+        heads = tuple(sorted({m for h in heads for m in _members(h)}, key=lambda h: (h.block, h.head)))
         kind = "attribute" if which == "eval" else which
 
         def make():
@@ -1302,33 +1398,75 @@ class ChainContext:
 
         return self._get(("ablated", heads, mode, which), make)
 
-    def drop(self, heads: Sequence[HeadRef], mode: str, which: str = "eval") -> np.ndarray:
+    def drop(self, heads: Sequence[Subject], mode: str, which: str = "eval") -> np.ndarray:
         """``(n,)`` S(model) - S(ablated): positive when the ablation lowers the answer's margin."""
         return self.base(which).logit_diff - self.ablated(heads, mode, which).logit_diff
 
-    def plan(self, cand: HeadRef) -> BaselinePlan:
-        def make():
-            layer = [h for h in self.pool if h.block == cand.block and h != cand]
-            rng = np.random.default_rng([self.seed, zlib.crc32(cand.name.encode())])
-            random_head = layer[int(rng.integers(len(layer)))] if layer else None
-            obs = self.search_obs
-            ent = obs.entropy.mean(0)
-            mine = ent[obs.col(cand)]
-            others = sorted((h for h in self.pool if h.block != cand.block), key=lambda h: abs(ent[obs.col(h)] - mine))
-            counts = np.bincount(obs.argmax_patch()[:, obs.col(cand)], minlength=obs.vis_attn.shape[2])
-            return BaselinePlan(random_head, layer, others[:2], int(counts.argmax()), self.seed)
+    def plan(self, cand: Subject) -> BaselinePlan:
+        """The candidate's baselines (:class:`BaselinePlan`). A route and the
+        routes of its plan get their columns in the observations here, before
+        any step builds its per-column arrays."""
 
-        return self._get(("plan", cand), make)
+        def make():
+            if isinstance(cand, RouteRef):
+                same, layer, others = self._route_baselines(cand)
+            else:
+                same = layer = [h for h in self.pool if h.block == cand.block and h != cand]
+                others = [h for h in self.pool if h.block != cand.block]
+            rng = np.random.default_rng([self.seed, zlib.crc32(cand.name.encode())])
+            random_head = same[int(rng.integers(len(same)))] if same else None
+            obs = self.search_obs
+            cols = {h: obs.col(h) for h in [cand, *others]}  # (adds route columns first)
+            ent = obs.entropy.mean(0)
+            mine = ent[cols[cand]]
+            others = sorted(others, key=lambda h: abs(ent[cols[h]] - mine))
+            # a whole block is compared with every other block: there are few, and entropy
+            # matching alone would leave out a block that matters (LLaVA's L0, say)
+            whole_block = isinstance(cand, RouteRef) and not layer
+            counts = np.bincount(obs.argmax_patch()[:, cols[cand]], minlength=obs.vis_attn.shape[2])
+            matched = others if whole_block else others[:2]
+            return BaselinePlan(random_head, layer, matched, int(counts.argmax()), self.seed, whole_block)
+
+        plan = self._get(("plan", cand), make)
+        for subject in [cand, plan.random_head, *plan.layer_heads, *plan.entropy_matched]:
+            if isinstance(subject, RouteRef) and subject not in self._routes:
+                self._routes.append(subject)
+                for key in ("eval_obs", "swap_obs"):  # already observed: add the column now
+                    if key in self._cache:
+                        self._cache[key].col(subject)
+        return plan
+
+    def _route_baselines(self, route: RouteRef) -> tuple[list, list, list]:
+        """``(same-block routes of the same size, [the rest of the block], same-size routes of other blocks)``."""
+        from itertools import combinations
+
+        blocks: dict[int, list[HeadRef]] = {}
+        for h in self.pool:
+            blocks.setdefault(h.block, []).append(h)
+
+        def as_subject(heads) -> Subject:
+            heads = list(heads)
+            if len(heads) == 1:
+                return heads[0]
+            return RouteRef(heads[0].block, tuple(h.head for h in heads), heads[0].name.rsplit(".H", 1)[0])
+
+        k = len(route.heads)
+        same = [r for c in combinations(blocks[route.block], k) if (r := as_subject(c)) != route]
+        rest = [h for h in blocks[route.block] if h.head not in route.heads]
+        others = [as_subject(c) for b, hs in blocks.items() if b != route.block for c in combinations(hs, k)]
+        return same, [as_subject(rest)] if rest else [], others
 
 
 def _group_values(ctx: ChainContext, plan: BaselinePlan, per_head: Callable[[HeadRef], np.ndarray]) -> list[tuple]:
     """``(kind, heads, per-sample values, {head: mean})`` of the three head
-    baselines (a group's per-sample value is the mean over its heads)."""
+    baselines (a group's per-sample value is the mean over its heads; with
+    ``plan.each_matched`` each entropy-matched subject is a group of its own)."""
     out = []
+    matched = [[h] for h in plan.entropy_matched] if plan.each_matched else [plan.entropy_matched]
     for kind, heads in (
         ("matched random head", [plan.random_head] if plan.random_head is not None else []),
         ("other heads of the layer", plan.layer_heads),
-        ("entropy-matched heads", plan.entropy_matched),
+        *(("entropy-matched heads", group) for group in matched),
     ):
         if heads:
             values = [per_head(h) for h in heads]
@@ -1344,7 +1482,11 @@ def _baselines(groups: list[tuple], n: int) -> list[Baseline]:
     for kind, heads, values, *per in groups:
         st = _stats(values)
         detail = {"stats": st, "per_head": per[0] if per else {}}
-        out.append(Baseline(kind, [h.name if isinstance(h, HeadRef) else str(h) for h in heads], st["mean"], n, detail))
+        out.append(
+            Baseline(
+                kind, [h.name if isinstance(h, (HeadRef, RouteRef)) else str(h) for h in heads], st["mean"], n, detail
+            )
+        )
     return out
 
 
@@ -1386,8 +1528,11 @@ def step1_pattern(ctx: ChainContext, cand: HeadRef) -> ChainStep:
         "search_split": ctx.search_condition.split,
     }
     notes = ["a hit rate above chance is a routing regularity on this distribution, not evidence the head is used"]
-    stats = ctx.pattern_stats
-    if isinstance(stats, str):
+    stats = None if isinstance(cand, RouteRef) else ctx.pattern_stats
+    if stats is None:
+        numbers["pattern_statistics_hit_rate"] = None
+        notes.append("a route's pattern is its heads' mean answer row; pattern_statistics checks single heads only")
+    elif isinstance(stats, str):
         numbers["pattern_statistics_hit_rate"] = None
         notes.append(f"pattern_statistics could not run on this model ({stats}); the estimator above is its definition")
     else:
@@ -1547,12 +1692,12 @@ def step4_swap(ctx: ChainContext, cand: HeadRef) -> ChainStep:
     m = len(sw.rows)
     if m == 0:
         return ChainStep(4, CRITERIA[4], "not-run", notes=["no evaluation sample admitted a swap"])
-    c = ctx.pool.index(cand)
+    c = sw.col(cand)
     shift, follows = sw.shift(), sw.follows()
     st = _stats(shift[:, c])
     rate = float(follows[:, c].mean())
     passed = _lower(st) > 0 and rate >= FOLLOW_RATE_MIN
-    groups = _group_values(ctx, plan, lambda h: shift[:, ctx.pool.index(h)])
+    groups = _group_values(ctx, plan, lambda h: shift[:, sw.col(h)])
     groups.append(("position: fixed patch", [f"visual token {plan.fixed_patch}"], np.zeros(m)))
     audit = _audit(
         "pattern analysis",
@@ -1666,7 +1811,7 @@ def step6_baselines(ctx: ChainContext, cand: HeadRef, chain: ValidationChain | N
         sw = ctx.swap_obs
         metrics[4] = (
             "mass shift",
-            lambda h: sw.shift()[:, ctx.pool.index(h)],
+            lambda h: sw.shift()[:, sw.col(h)],
             {"position: fixed patch": np.zeros(len(sw.rows))},
         )
     comparisons, worst = [], None
@@ -1682,7 +1827,7 @@ def step6_baselines(ctx: ChainContext, cand: HeadRef, chain: ValidationChain | N
                 "step": k,
                 "metric": name,
                 "baseline": kind,
-                "subjects": [h.name if isinstance(h, HeadRef) else str(h) for h in heads],
+                "subjects": [h.name if isinstance(h, (HeadRef, RouteRef)) else str(h) for h in heads],
                 "candidate": _stats(mine)["mean"],
                 "baseline_value": _stats(values)["mean"],
                 "paired_difference": st,
@@ -1773,7 +1918,7 @@ def step7_side_effects(ctx: ChainContext, cand: HeadRef) -> ChainStep:
             "accuracy": float(base.correct.mean()),
             "accuracy_mean_ablated": float(ctx.ablated([cand], "mean", kind).correct.mean()),
         }
-    others = [h for h in ctx.pool if h != cand]
+    others = [h for h in ctx.pool if h not in _members(cand)]
     drops = {h: float(ctx.drop([h], "mean").mean()) for h in others}
     alt = max(others, key=lambda h: drops[h]) if others else None
     route = {}
@@ -1851,9 +1996,10 @@ def find_candidates(ctx: ChainContext, k: int = 3, *, add_attention_top: bool = 
     them (an attention-picked candidate, for contrast). Returns ``(head, search
     numbers)`` with the search table of every head under ``"table"``."""
     obs = ctx.search_obs
-    target_dla = obs.region_sum(obs.dla_vis, obs.target).mean(0)
-    hits = obs.hits().mean(0)
-    mass = obs.region_sum(obs.vis_attn, obs.target).mean(0)
+    nh = len(obs.heads)  # the heads' columns (routes planned so far come after them)
+    target_dla = obs.region_sum(obs.dla_vis, obs.target).mean(0)[:nh]
+    hits = obs.hits().mean(0)[:nh]
+    mass = obs.region_sum(obs.vis_attn, obs.target).mean(0)[:nh]
     chance = float(obs.chance().mean())
     table = [
         {
@@ -1893,15 +2039,61 @@ def find_candidates(ctx: ChainContext, k: int = 3, *, add_attention_top: bool = 
     return out
 
 
+def find_routes(ctx: ChainContext, found: Sequence[tuple[HeadRef, dict]]) -> list[tuple[RouteRef, dict]]:
+    """Routes to test when a function may be shared by the heads of a block
+    (4.5: "one function can be spread over heads"): for each block holding two
+    or more of the ``found`` candidates (:func:`find_candidates`), those
+    candidates together, and the whole block if it has more heads. Returns
+    ``(route, search numbers)`` measured on the search split like a head's."""
+    by_block: dict[int, list[HeadRef]] = {}
+    for head, _ in found:
+        by_block.setdefault(head.block, []).append(head)
+    obs = ctx.search_obs
+    out = []
+    for block, heads in by_block.items():
+        if len(heads) < 2:
+            continue
+        block_name = heads[0].name.rsplit(".H", 1)[0]
+        whole = [h.head for h in ctx.pool if h.block == block]
+        routes = [
+            (RouteRef(block, tuple(h.head for h in heads), block_name), "the candidate heads of one block, together")
+        ]
+        if len(whole) > len(heads):
+            routes.append(
+                (RouteRef(block, tuple(whole), block_name), "every head of a block with two or more candidates")
+            )
+        for route, why in routes:
+            c = obs.col(route)
+            out.append(
+                (
+                    route,
+                    {
+                        "split": ctx.search_condition.split,
+                        "n": obs.n,
+                        "picked_by": why,
+                        "members": [m.name for m in route.members],
+                        "target_dla": float(obs.region_sum(obs.dla_vis, obs.target)[:, c].mean()),
+                        "hit_rate": float(obs.hits()[:, c].mean()),
+                        "chance_hit_rate": float(obs.chance().mean()),
+                        "target_mass": float(obs.region_sum(obs.vis_attn, obs.target)[:, c].mean()),
+                        "condition": ctx.search_condition.to_dict(),
+                    },
+                )
+            )
+    return out
+
+
 def run_chain(
-    ctx: ChainContext, cand: HeadRef, search: dict | None = None, *, steps: Sequence[int] = tuple(range(1, 8))
+    ctx: ChainContext, cand: Subject, search: dict | None = None, *, steps: Sequence[int] = tuple(range(1, 8))
 ) -> ValidationChain:
-    """Run the steps on one candidate; a cancelled run keeps what was done (the rest stays not-run)."""
+    """Run the steps on one candidate head or route; a cancelled run keeps what
+    was done (the rest stays not-run)."""
     chain = ValidationChain(
         cand.name,
         RELATION,
         ctx.loaded.spec,
         ctx.eval_condition,
+        subject_kind="route" if isinstance(cand, RouteRef) else "head",
         search={k: v for k, v in (search or {"split": ctx.search_condition.split}).items() if k != "table"},
         criteria=dict(CRITERIA),
     )

@@ -239,3 +239,96 @@ def test_cancel_leaves_the_remaining_steps_not_run(coca, ctx):
     assert chain.status().status == "not a candidate"
     with pytest.raises(L.ChainCancelled):
         L.find_candidates(stopped)
+
+
+# ---------------------------------------------------------------- routes: several heads of one block
+
+
+def test_a_route_is_two_or_more_heads_of_one_block():
+    route = L.RouteRef(1, (3, 1), "L1.xattn")
+    assert route.heads == (1, 3) and route.name == "L1.xattn.H1+H3"
+    assert [m.name for m in route.members] == ["L1.xattn.H1", "L1.xattn.H3"]
+    for bad in ((2,), (2, 2)):
+        with pytest.raises(LabelError, match="two or more distinct heads"):
+            L.RouteRef(1, bad, "L1")
+
+
+def test_route_columns_are_the_heads_mean_pattern_and_summed_write(coca, ctx):
+    """A route's attention is its heads' mean answer row, its DLA their summed
+    write (checked against the residual decomposition's components), its
+    ablation theirs (checked against a run with the edits written out)."""
+    from core.methods.residual import decompose
+
+    block = ctx.pool[4].block  # L1.xattn
+    route = L.RouteRef(block, (1, 2), ctx.pool[4].name.rsplit(".H", 1)[0])
+    obs = ctx.eval_obs
+    c, members = obs.col(route), [obs.col(m) for m in route.members]
+    assert c == len(obs.heads) + obs.routes.index(route) and obs.col(route) == c  # added once
+    np.testing.assert_allclose(obs.vis_attn[:, c], obs.vis_attn[:, members].mean(1))
+    np.testing.assert_allclose(obs.dla_vis[:, c], obs.dla_vis[:, members].sum(1))
+    assert torch.isnan(obs.z[:, c]).all()  # no single z: ablation goes through the heads
+
+    s = ctx.eval_samples[2]
+    a = coca.adapter
+    tr = capture(coca, Image.fromarray(s.image), s.question)
+    comps = {x.name: x for x in decompose(a, tr, a.token_id(s.answer), a.token_id(s.foil)).components}
+    assert obs.head_dla[2, c] == pytest.approx(sum(comps[m.name].dla_frozen for m in route.members), abs=1e-4)
+
+    by_hand = L.run_edited(
+        coca, ctx.eval_samples, lambda pos: [L.head_edit(m, pos, ctx.mean_z(m)) for m in route.members]
+    )
+    np.testing.assert_allclose(ctx.ablated([route], "mean").logit_diff, by_hand.logit_diff, atol=1e-6)
+    with pytest.raises(LabelError, match="no single z"):
+        ctx.mean_z(route)
+
+    sw = ctx.swap_obs
+    sc = sw.col(route)
+    np.testing.assert_allclose(sw.mass_a_orig[:, sc], sw.mass_a_orig[:, [sw.col(m) for m in route.members]].mean(1))
+
+
+def test_route_baselines_are_routes_of_the_same_size(ctx):
+    block_name = ctx.pool[4].name.rsplit(".H", 1)[0]
+    route = L.RouteRef(ctx.pool[4].block, (1, 2, 3), block_name)
+    plan = ctx.plan(route)
+    assert isinstance(plan.random_head, L.RouteRef) and plan.random_head.block == route.block
+    assert plan.random_head != route and len(plan.random_head.heads) == 3
+    assert [h.name for h in plan.layer_heads] == [f"{block_name}.H0"]  # the rest of the block
+    assert len(plan.entropy_matched) == 2 and not plan.each_matched
+    assert all(isinstance(r, L.RouteRef) and r.block != route.block and len(r.heads) == 3 for r in plan.entropy_matched)
+
+    whole = L.RouteRef(route.block, (0, 1, 2, 3), block_name)
+    wplan = ctx.plan(whole)
+    other_blocks = {h.block for h in ctx.pool} - {route.block}
+    assert wplan.random_head is None and wplan.layer_heads == [] and wplan.each_matched
+    assert {r.block for r in wplan.entropy_matched} == other_blocks  # every other block, whole
+    step = L.step5_ablation(ctx, whole)
+    matched = [b for b in step.baselines if b.kind == "entropy-matched heads"]
+    assert len(matched) == len(other_blocks) and all(len(b.subjects) == 1 for b in matched)  # each apart
+
+    head_plan = ctx.plan(ctx.pool[4])  # heads keep the head plan
+    assert not head_plan.each_matched and all(isinstance(h, L.HeadRef) for h in head_plan.entropy_matched)
+
+
+def test_find_routes_and_a_chain_on_a_route(ctx, cand):
+    head, search = cand
+    partner = next(h for h in ctx.pool if h.block == head.block and h != head)
+    block_name = head.name.rsplit(".H", 1)[0]
+    routes = L.find_routes(ctx, [(head, search), (partner, search)])
+    assert [r for r, _ in routes] == [
+        L.RouteRef(head.block, (head.head, partner.head), block_name),  # the two candidates together
+        L.RouteRef(head.block, tuple(h.head for h in ctx.pool if h.block == head.block), block_name),  # the block
+    ]
+    assert L.find_routes(ctx, [(head, search)]) == []  # one candidate in a block: no route
+    route, info = routes[0]
+    assert info["members"] == sorted([head.name, partner.name]) and info["split"] == "val"
+    chain = L.run_chain(ctx, route, info)
+    assert chain.subject == route.name and chain.subject_kind == "route"
+    assert all(s.status != "not-run" for s in chain.steps.values())
+    assert chain.steps[7].numbers["alternative_route"]["alternative"] not in info["members"]
+    names = {x for r in chain.steps[6].numbers["comparisons"] for x in r["subjects"]}
+    assert names >= {chain.steps[6].numbers["plan"]["random_head"]}  # routes by name, not repr
+    assert not any("RouteRef" in x for x in names)
+    back = ValidationChain.from_dict(json.loads(json.dumps(chain.to_dict())))
+    assert back.subject_kind == "route" and back.status() == chain.status()
+    # the search table still lists heads only, whatever routes were planned before
+    assert all(".H" in row["head"] and "+" not in row["head"] for row in L.find_candidates(ctx, 1)[0][1]["table"])
