@@ -1,7 +1,6 @@
 """The image canvas (grid, heatmap, hover, interpolated view, painting) and the
 counterfactual panel (tools, fills, run / sweep requests, result display)."""
 
-import time
 
 import numpy as np
 import pytest
@@ -374,11 +373,11 @@ def test_pan_mode_does_not_paint(canvas):
     assert not canvas.mask().any() and canvas.undo_stack.count() == 0
 
 
-def test_a_brush_move_on_1024_repaints_only_its_dirty_rectangle(canvas, record_property, capsys):
+def test_a_brush_move_on_1024_repaints_only_its_dirty_rectangle(canvas):
     """A brush move on a 1024 x 1024 image repaints only its dirty rectangle
-    (what keeps painting smooth at any image size). The per-event cost is
-    printed; it is measured against the frame budget in bench/app_latency.py,
-    not asserted here (a shared machine's load would make that flaky)."""
+    (what keeps painting smooth at any image size). Its cost against the frame
+    budget is measured in bench/app_latency.py, not here (timed asserts on a
+    shared machine are flaky)."""
     canvas.set_image(np.random.default_rng(0).integers(0, 255, (1024, 1024, 3), dtype=np.uint8))
     canvas.set_tokens(grid_tokens(1024, 1024, 32, extra=False))
     canvas.set_heatmap(np.random.default_rng(1).random(1024))
@@ -395,26 +394,15 @@ def test_a_brush_move_on_1024_repaints_only_its_dirty_rectangle(canvas, record_p
 
     spy = PaintSpy()
     canvas.view.viewport().installEventFilter(spy)
-    handler, with_repaint = [], []
     canvas.begin_stroke(40, 40)
     for i in range(1, 120):
-        t0 = time.perf_counter()
         canvas.stroke_to(40 + 7 * i, 40 + 5 * i)  # a brisk drag: 8.6 image px per event
-        t1 = time.perf_counter()
         QApplication.processEvents()  # the dirty-rect repaint
-        t2 = time.perf_counter()
-        handler.append(t1 - t0)
-        with_repaint.append(t2 - t0)
     canvas.end_stroke()
     canvas.view.viewport().removeEventFilter(spy)
     viewport_area = canvas.view.viewport().width() * canvas.view.viewport().height()
     assert len(painted) >= 100  # each move repainted ...
     assert np.median([r.width() * r.height() for r in painted]) < 0.05 * viewport_area  # ... only its dirty rectangle
-    h_ms, r_ms = 1000 * np.median(handler), 1000 * np.median(with_repaint)
-    record_property("paint_handler_ms_median", h_ms)
-    record_property("paint_with_repaint_ms_median", r_ms)
-    with capsys.disabled():
-        print(f"\n1024x1024 brush move: handler {h_ms:.2f} ms, with repaint {r_ms:.2f} ms (medians of 119 events)")
     assert canvas.mask().sum() > 0
 
 
