@@ -1357,9 +1357,9 @@ class ChainContext:
         return self._get("pattern_stats", make)
 
     def mean_z(self, head: HeadRef, kind: str = "attribute") -> torch.Tensor:
+        """``(d_head,)`` the mean-ablation value: mean z at the answer position over the search-split reference set."""
         if not isinstance(head, HeadRef):
             raise LabelError(f"{head.name}: a route has no single z; ablate its heads")
-        """``(d_head,)`` the mean-ablation value: mean z at the answer position over the search-split reference set."""
         if kind == "attribute":
             return self.search_obs.z[:, self.search_obs.col(head)].mean(0)
         return self._get(
@@ -1457,7 +1457,7 @@ class ChainContext:
         return same, [as_subject(rest)] if rest else [], others
 
 
-def _group_values(ctx: ChainContext, plan: BaselinePlan, per_head: Callable[[HeadRef], np.ndarray]) -> list[tuple]:
+def _group_values(ctx: ChainContext, plan: BaselinePlan, per_head: Callable[[Subject], np.ndarray]) -> list[tuple]:
     """``(kind, heads, per-sample values, {head: mean})`` of the three head
     baselines (a group's per-sample value is the mean over its heads; with
     ``plan.each_matched`` each entropy-matched subject is a group of its own)."""
@@ -1497,7 +1497,7 @@ def _audit(method: str, controls: list[str], parameters: dict, notes: list[str] 
 # ---------------------------------------------------------------- the steps
 
 
-def step1_pattern(ctx: ChainContext, cand: HeadRef) -> ChainStep:
+def step1_pattern(ctx: ChainContext, cand: Subject) -> ChainStep:
     """Answer-row argmax over the patch tokens on the target's tokens, against
     chance, on the evaluation split (the estimator of
     :func:`core.methods.patterns.pattern_statistics`, which is run beside it as a check)."""
@@ -1569,7 +1569,7 @@ def step1_pattern(ctx: ChainContext, cand: HeadRef) -> ChainStep:
     )
 
 
-def step2_content(ctx: ChainContext, cand: HeadRef) -> ChainStep:
+def step2_content(ctx: ChainContext, cand: Subject) -> ChainStep:
     """Frozen-scale DLA (answer minus foil) from the target's tokens versus distractor regions."""
     obs, plan = ctx.eval_obs, ctx.plan(cand)
     target = obs.region_sum(obs.dla_vis, obs.target)
@@ -1628,7 +1628,7 @@ def step2_content(ctx: ChainContext, cand: HeadRef) -> ChainStep:
     )
 
 
-def step3_prediction(ctx: ChainContext, cand: HeadRef) -> ChainStep:
+def step3_prediction(ctx: ChainContext, cand: Subject) -> ChainStep:
     """Does the head's DLA predict the re-run effect of zeroing it (per sample)?"""
     obs, plan = ctx.eval_obs, ctx.plan(cand)
     c = obs.col(cand)
@@ -1686,7 +1686,7 @@ def step3_prediction(ctx: ChainContext, cand: HeadRef) -> ChainStep:
     )
 
 
-def step4_swap(ctx: ChainContext, cand: HeadRef) -> ChainStep:
+def step4_swap(ctx: ChainContext, cand: Subject) -> ChainStep:
     """Swap the asked attribute onto another object; does the attention follow?"""
     sw, plan = ctx.swap_obs, ctx.plan(cand)
     m = len(sw.rows)
@@ -1736,7 +1736,7 @@ def step4_swap(ctx: ChainContext, cand: HeadRef) -> ChainStep:
     )
 
 
-def step5_ablation(ctx: ChainContext, cand: HeadRef) -> ChainStep:
+def step5_ablation(ctx: ChainContext, cand: Subject) -> ChainStep:
     """Zero and mean ablation of the head at the answer position."""
     plan = ctx.plan(cand)
     base = ctx.base("eval")
@@ -1783,7 +1783,7 @@ def step5_ablation(ctx: ChainContext, cand: HeadRef) -> ChainStep:
     )
 
 
-def step6_baselines(ctx: ChainContext, cand: HeadRef, chain: ValidationChain | None = None) -> ChainStep:
+def step6_baselines(ctx: ChainContext, cand: Subject, chain: ValidationChain | None = None) -> ChainStep:
     """Paired comparisons of the candidate with every baseline on the step 1, 2, 4, 5 metrics."""
     obs, plan = ctx.eval_obs, ctx.plan(cand)
     hits = obs.hits()
@@ -1904,7 +1904,7 @@ def step6_baselines(ctx: ChainContext, cand: HeadRef, chain: ValidationChain | N
     )
 
 
-def step7_side_effects(ctx: ChainContext, cand: HeadRef) -> ChainStep:
+def step7_side_effects(ctx: ChainContext, cand: Subject) -> ChainStep:
     """Effect of the ablation on other question kinds, and the strongest alternative route."""
     side = {}
     for kind in ctx.side_samples:
