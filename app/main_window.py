@@ -124,18 +124,29 @@ def readout_job(
     return result, analysis
 
 
+_LENSES: dict[tuple, object] = {}  # (lens folder, weights fingerprint, file times) -> TunedLens or None
+
+
 def _model_lens(loaded):
     """The tuned lens saved beside the model's weights (``tuned-lens/``), if it
-    was trained for these weights; else None (the Lens tab shows the logit lens only)."""
-    from core.methods.tuned_lens import load_lens
+    was trained for these weights; else None (the Lens tab shows the logit lens only).
+    Read once and kept (a large model's lens is gigabytes), again only when its files change."""
+    from core.methods.tuned_lens import LENS_CONFIG, LENS_TENSORS, load_lens
 
     folder = getattr(loaded, "path", None)
     if folder is None or not (folder / "tuned-lens").is_dir():
         return None
-    try:
-        return load_lens(folder / "tuned-lens", loaded)
-    except core.ReadoutError:
-        return None
+    lens_dir = folder / "tuned-lens"
+    times = tuple(
+        (lens_dir / f).stat().st_mtime_ns if (lens_dir / f).is_file() else None for f in (LENS_CONFIG, LENS_TENSORS)
+    )
+    key = (str(lens_dir), loaded.fingerprint, times)
+    if key not in _LENSES:
+        try:
+            _LENSES[key] = load_lens(lens_dir, loaded)
+        except core.ReadoutError:
+            _LENSES[key] = None
+    return _LENSES[key]
 
 
 def head_sources_job(

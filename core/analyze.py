@@ -16,6 +16,7 @@ from core.methods.patterns import (
     summarize_heads,
     text_patterns,
     text_positions,
+    tokens_of_ids,
 )
 from core.methods.residual import decompose
 
@@ -73,10 +74,10 @@ def analyze(
     heads = summarize_heads(adapter, trace, tokens, query_index=trace.query_positions.tolist().index(pos))
     primary = primary_image(tokens)
     ids = trace.input_ids[0].tolist()
-    token_strings = [adapter.tokenizer.convert_ids_to_tokens(i) for i in ids]
+    strings = tokens_of_ids(adapter, ids)
     kept = set(trace.query_positions.tolist())
     n_text_rows = sum(p in kept for p in text_positions(adapter, trace))
-    text = text_patterns(adapter, trace, token_strings, max_tokens=min(TEXT_PATTERN_LIMIT, n_text_rows))
+    text = text_patterns(adapter, trace, strings, max_tokens=min(TEXT_PATTERN_LIMIT, n_text_rows))
     audits = [residual.audit, lens.audit, heads.audit]
     tuned_json = None
     if tuned is not None:
@@ -106,7 +107,7 @@ def analyze(
             "question": question,
             "prompt": adapter.prompt(question),
             "input_ids": ids,
-            "tokens": token_strings,
+            "tokens": strings,
             "image_sha256": image_sha256(img),
             "image_size": list(img.size),
             "visual_tokens": [t.to_dict() for t in tokens],

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.methods.patterns import display_token, head_text_pattern
 from core.session import AUDIT_COLUMNS, METHOD_COLUMNS, Run, Session, SessionError, jsonable
 
 SCHEMA_VERSION = 1
@@ -270,21 +271,14 @@ def _label_font():
     return ImageFont.load_default(size=11)
 
 
-def _short_token(label: str) -> str:
-    """A visible form of a token: leading/trailing spaces and line breaks shown escaped, long ones cut."""
-    label = str(label)
-    text = repr(label)[1:-1] if label.strip() != label or not label else label
-    return text if len(text) <= 14 else text[:13] + "\u2026"
-
-
 def _matrix_origin(row_labels: Sequence[str], col_labels: Sequence[str]) -> tuple[int, int]:
     """``(left, top)``: where :func:`token_matrix_png` puts the matrix's first cell
     (below the title, if any), after the widest row label and the longest column label."""
     from PIL import Image, ImageDraw
 
     font, probe = _label_font(), ImageDraw.Draw(Image.new("RGB", (1, 1)))
-    widest = max((probe.textlength(_short_token(t), font=font) for t in row_labels), default=0.0)
-    longest = max((probe.textlength(_short_token(t), font=font) for t in col_labels), default=0.0)
+    widest = max((probe.textlength(display_token(t), font=font) for t in row_labels), default=0.0)
+    longest = max((probe.textlength(display_token(t), font=font) for t in col_labels), default=0.0)
     return int(math.ceil(4 + widest)), int(math.ceil(4 + longest))
 
 
@@ -324,12 +318,12 @@ def token_matrix_png(
     picture = Image.new("RGB", (left + n_cols * cell + 2, top + n_rows * cell + 2), (255, 255, 255))
     draw = ImageDraw.Draw(picture)
     for i, label in enumerate(row_labels):
-        text = _short_token(label)
+        text = display_token(label)
         x = left - 3 - draw.textlength(text, font=font)
         draw.text((x, top + i * cell + (cell - 12) / 2), text, fill=(0, 0, 0), font=font)
     for j, label in enumerate(col_labels):  # written on a strip, turned upwards
         strip = Image.new("RGB", (top, cell), (255, 255, 255))
-        ImageDraw.Draw(strip).text((2, (cell - 12) / 2), _short_token(label), fill=(0, 0, 0), font=font)
+        ImageDraw.Draw(strip).text((2, (cell - 12) / 2), display_token(label), fill=(0, 0, 0), font=font)
         strip = strip.rotate(90, expand=True)
         picture.paste(strip, (left + j * cell, top - strip.height))
     for i in range(n_rows):
@@ -394,29 +388,17 @@ def _token_boxes(result: dict, grid, image_index) -> list | None:
 
 
 def _text_pattern(text: dict | None, head: dict):
-    """One head's text-side pattern from an analyze result's ``text_patterns``:
-    ``(matrix, token labels, allowed, largest row mass outside the shown keys)``,
-    or None (no text patterns, or the head's block is a cross-attention block)."""
-    if not isinstance(text, dict) or not text.get("patterns"):
+    """One analyze attention row's head, its text-side pattern: ``(matrix, token
+    labels, allowed, largest row mass outside the shown keys)``, or None (no
+    text patterns, or a cross-attention block)."""
+    found = head_text_pattern(text, head["layer"], head["head"]) if head.get("layer") is not None else None
+    if found is None:
         return None
-    names, blocks = text.get("block_names") or [], text.get("blocks") or []
-    if head.get("block") in names:
-        b = names.index(head["block"])
-    elif head.get("layer") in blocks:
-        b = blocks.index(head["layer"])
-    else:
-        return None
-    try:
-        matrix = text["patterns"][b][int(head["head"])]
-        allowed = (text.get("allowed") or [None] * len(blocks))[b]
-        other_roles = (text.get("other_mass") or [{}] * len(blocks))[b]
-        other = [sum(float(v[int(head["head"])][q]) for v in other_roles.values()) for q in range(len(matrix))]
-    except (IndexError, KeyError, TypeError, ValueError):
-        return None
-    labels = list(text.get("tokens") or [])
-    if labels and text.get("positions") and text.get("answer_position") == text["positions"][-1]:
+    outside = [sum(q) for q in zip(*found["other_mass"].values(), strict=True)] if found["other_mass"] else [0.0]
+    labels = list(text["tokens"])
+    if labels and text["answer_position"] == text["positions"][-1]:
         labels[-1] = f"[answer] {labels[-1]}"
-    return matrix, labels, allowed, max(other, default=0.0)
+    return found["weights"], labels, found["allowed"], max(outside)
 
 
 def run_figures(session: Session, run: Run | int) -> list[Figure]:

@@ -37,6 +37,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from core.methods.patterns import display_token, head_text_pattern
+
 FOREGROUND = "#202020"
 MASS_MAP = "viridis"
 SINK_MAP = "CET-L12"  # light to dark blue: the sink grid never looks like the visual grid
@@ -81,13 +83,6 @@ ROLE_NAMES = {
     "special": "special",
     "text": "earlier text",
 }
-
-
-def display_token(token: str) -> str:
-    """A token as an axis label: whitespace made visible, long ones cut."""
-    shown = token.replace("\n", "\\n").replace("\t", "\\t")
-    shown = shown if shown.strip() else "␣" * max(1, len(shown))
-    return shown if len(shown) <= 12 else shown[:11] + "…"
 
 
 def describe_hidden_mass(labels: Sequence[str], other: dict[str, np.ndarray], n_text_dropped: int = 0) -> str:
@@ -621,13 +616,11 @@ class AttentionPanel(QWidget):
         ``(queries, keys)`` weights and ``{role: (queries,)}`` the mass each
         query row put on keys that are not shown; None for a block without one
         (cross-attention) or a result recorded without text patterns."""
-        text = (self.result or {}).get("text_patterns")
-        if not text or int(layer) not in text["blocks"]:
+        found = head_text_pattern((self.result or {}).get("text_patterns"), layer, head)
+        if found is None:
             return None
-        i = text["blocks"].index(int(layer))
-        weights = np.asarray(text["patterns"][i][int(head)], dtype=float)
-        other = {role: np.asarray(v[int(head)], dtype=float) for role, v in text["other_mass"][i].items()}
-        return weights, other
+        other = {role: np.asarray(v, dtype=float) for role, v in found["other_mass"].items()}
+        return np.asarray(found["weights"], dtype=float), other
 
     def _show_text_pattern(self, a: dict | None) -> None:
         """Draw the selected head's question-token x question-token pattern (None clears)."""
@@ -649,8 +642,7 @@ class AttentionPanel(QWidget):
                 )
             return
         weights, other = pattern
-        i = text["blocks"].index(int(a["layer"]))
-        allowed = np.asarray(text["allowed"][i], dtype=bool)
+        allowed = np.asarray(head_text_pattern(text, a["layer"], a["head"])["allowed"], dtype=bool)
         shown = np.where(allowed, weights, np.nan)  # keys a query may not attend (causal mask) stay blank
         labels = [display_token(t) for t in text["tokens"]]
         finite = shown[np.isfinite(shown)]

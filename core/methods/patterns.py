@@ -274,6 +274,30 @@ class TextPatterns:
         )
 
 
+def head_text_pattern(text: dict | None, block: int, head: int) -> dict | None:
+    """One head's text-side pattern from the JSON form (:meth:`TextPatterns.to_dict`,
+    the analyze JSON's ``text_patterns``): ``{"weights": (queries, keys),
+    "allowed": (queries, keys), "other_mass": {role: (queries,)}}`` as lists;
+    None when there are no text patterns or ``block`` is not one of their
+    (self-attention) blocks."""
+    if not text or int(block) not in text.get("blocks", []):
+        return None
+    i = text["blocks"].index(int(block))
+    return {
+        "weights": text["patterns"][i][int(head)],
+        "allowed": text["allowed"][i],
+        "other_mass": {role: v[int(head)] for role, v in text["other_mass"][i].items()},
+    }
+
+
+def display_token(token: str, limit: int = 12) -> str:
+    """A token as a label: line breaks and tabs escaped, a whitespace-only
+    token shown as middle dots (a glyph every font has), a long one cut to ``limit`` characters."""
+    shown = str(token).replace("\n", "\\n").replace("\t", "\\t")
+    shown = shown if shown.strip() else "\u00b7" * max(1, len(shown))
+    return shown if len(shown) <= limit else shown[: limit - 1] + "\u2026"
+
+
 def text_positions(adapter, trace, batch: int = 0) -> list[int]:
     """The prompt's text positions (role "text") and the answer position, ascending."""
     answer = int(trace.answer_positions[batch])
@@ -316,7 +340,7 @@ def text_patterns(
             "capture with query_positions that include them (e.g. range(seq_len))"
         )
     if token_strings is None:
-        token_strings = _token_strings(adapter, trace.input_ids[batch].tolist())
+        token_strings = tokens_of_ids(adapter, trace.input_ids[batch].tolist())
     rows = torch.tensor([kept.index(p) for p in positions], dtype=torch.long)
     shown = set(positions)
     outside = {}
@@ -369,7 +393,7 @@ def text_patterns(
     )
 
 
-def _token_strings(adapter, ids: list[int]) -> list[str]:
+def tokens_of_ids(adapter, ids: list[int]) -> list[str]:
     """The tokenizer's token per id (as the analyze JSON's ``input.tokens``), else the decoded text."""
     convert = getattr(adapter.tokenizer, "convert_ids_to_tokens", None)
     if convert is not None:

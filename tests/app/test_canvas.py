@@ -1,7 +1,6 @@
 """The image canvas (grid, heatmap, hover, interpolated view, painting) and the
 counterfactual panel (tools, fills, run / sweep requests, result display)."""
 
-
 import numpy as np
 import pytest
 from PIL import Image

@@ -10,7 +10,7 @@ from PIL import Image
 
 from core import load_model
 from core.capture import capture, eager_attention
-from core.methods.patterns import TextPatterns, text_patterns, text_positions
+from core.methods.patterns import TextPatterns, display_token, head_text_pattern, text_patterns, text_positions
 from core.zoo import scenes
 from tests.core.test_capture_coca import tiny_coca_float64
 from tests.core.test_capture_llava import tiny_llava_float64
@@ -130,3 +130,22 @@ def test_text_positions_are_text_tokens_and_the_answer():
     roles = llava.adapter.token_roles(trace)
     positions = text_positions(llava.adapter, trace)
     assert all(roles[p] == "text" for p in positions) and positions[-1] == int(trace.answer_positions[0])
+
+
+def test_one_heads_pattern_from_the_json_and_its_token_labels():
+    """What the Attention panel and the export read: one head's weights, mask and
+    hidden mass from the JSON form, and tokens as labels."""
+    loaded = load_model("shapes-llava")
+    s = scenes.make_sample("heldout", 1)
+    _, trace = full_capture(loaded, Image.fromarray(s.image), s.question)
+    text = text_patterns(loaded.adapter, trace)
+    d = json.loads(json.dumps(text.to_dict()))
+    block = text.blocks[-1]
+    found = head_text_pattern(d, block, 2)
+    torch.testing.assert_close(torch.tensor(found["weights"]), text.head(block, 2).float(), rtol=0, atol=1e-7)
+    assert found["allowed"] == text.allowed[block].tolist()
+    assert set(found["other_mass"]) == set(text.other_mass[block])
+    assert head_text_pattern(d, 99, 0) is None and head_text_pattern(None, block, 0) is None
+
+    assert display_token("a\nb\t") == "a\\nb\\t" and display_token("  ") == "\u00b7\u00b7"
+    assert display_token("x" * 20) == "x" * 11 + "\u2026" and display_token("what") == "what"
