@@ -84,6 +84,7 @@ def analyze(
         from core.methods.tuned_lens import lens_audit, tuned_lens_readers
 
         tuned.check_model(loaded)
+        tuned.to(adapter.device)  # a lens read from disk is on the CPU; the model may not be
         tuned_json = tuned_lens_readers(tuned, adapter, trace, answer_id, foil_id)
         audits.append(lens_audit(tuned, positions="answer"))
     rollout_json = None

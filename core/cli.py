@@ -40,7 +40,7 @@ def _load(args):
 
 
 def read_pairs(path: Path) -> list[dict]:
-    """JSONL of {"image": path, "question": text}; image paths are relative to the file."""
+    """JSONL of {"image": path, "question": text[, "answer": token]}; image paths are relative to the file."""
     if not path.is_file():
         raise ReadoutError(f"{path}: no such pairs file")
     pairs = []
@@ -55,7 +55,9 @@ def read_pairs(path: Path) -> list[dict]:
         image_path = Path(image)
         if not image_path.is_absolute():
             image_path = path.parent / image_path
-        pairs.append({"image": str(image), "image_path": image_path, "question": question})
+        pairs.append(
+            {"image": str(image), "image_path": image_path, "question": question, "answer": item.get("answer")}
+        )
     if not pairs:
         raise ReadoutError(f"{path}: no pairs")
     return pairs

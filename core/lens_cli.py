@@ -188,7 +188,7 @@ def run_eval(args, load) -> int:
     lens = load_lens(Path(args.lens))  # fail fast, before the model loads
     if args.pairs:
         corpus, n = PairsCorpus(read_pairs(Path(args.pairs)), source=str(args.pairs)), None
-        corpus.take(None)  # every image readable before the model loads
+        corpus.take(None)  # every image readable before the model loads (kept: evaluated as loaded)
     else:
         from core.zoo.scenes import SPLIT_SEEDS
 

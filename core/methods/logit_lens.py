@@ -48,6 +48,24 @@ def lens_logits(adapter, x: torch.Tensor) -> torch.Tensor:
     return adapter.final_norm_layer()(x) @ adapter.W_U.to(x.dtype) + adapter.b_U.to(x.dtype)
 
 
+def lens_row(
+    adapter, layer: int, logits: torch.Tensor, final_logp: torch.Tensor, answer_id: int, foil_id: int | None, top_k: int
+) -> LensRow:
+    """One row of a lens read-out from a reader's ``logits (vocab,)`` at one
+    layer and the model's own final log-probabilities: the answer's rank and
+    logit, the logit difference to the foil, KL(final || reader) in nats, the top tokens."""
+    logp = logits.log_softmax(-1)
+    probs, ids = logp.exp().topk(min(top_k, logp.shape[-1]))
+    return LensRow(
+        layer,
+        int((logits > logits[answer_id]).sum()),
+        float(logits[answer_id]),
+        float(logits[answer_id] - logits[foil_id]) if foil_id is not None else None,
+        float((final_logp.exp() * (final_logp - logp)).sum()),
+        [(adapter.token_str(int(i)), float(p)) for p, i in zip(probs, ids)],
+    )
+
+
 @torch.no_grad()
 def logit_lens(
     adapter,
@@ -62,23 +80,8 @@ def logit_lens(
     pos = int(trace.answer_positions[batch]) if position is None else int(position)
     states = [r[batch, pos] for r in trace.resid_pre] + [trace.final_resid[batch, pos]]
     logits = lens_logits(adapter, torch.stack(states)).float()  # (n_layers + 1, vocab)
-    logp = logits.log_softmax(-1)
-    final = logp[-1]
-    rows = []
-    for layer, (lg, lp) in enumerate(zip(logits, logp)):
-        kl = float((final.exp() * (final - lp)).sum())
-        rank = int((lg > lg[answer_id]).sum())
-        probs, ids = lp.exp().topk(top_k)
-        rows.append(
-            LensRow(
-                layer,
-                rank,
-                float(lg[answer_id]),
-                float(lg[answer_id] - lg[foil_id]) if foil_id is not None else None,
-                kl,
-                [(adapter.token_str(int(i)), float(p)) for p, i in zip(probs, ids)],
-            )
-        )
+    final = logits[-1].log_softmax(-1)
+    rows = [lens_row(adapter, layer, lg, final, answer_id, foil_id, top_k) for layer, lg in enumerate(logits)]
     audit = AuditRecord.for_method(
         "logit lens",
         controls=["final norm recomputed on each layer's residual"],

@@ -59,7 +59,8 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +68,11 @@ import torch
 
 from core.audit import AuditRecord
 from core.errors import ReadoutError, oom_guard
+from core.methods.logit_lens import lens_logits, lens_row
 
 SCHEMA_VERSION = 1
 FORMS = ("identity", "affine", "lowrank", "mlp")
 POSITION_SETS = ("all", "text", "visual", "answer")
-READERS = ("identity", "mean", "random", "trained")
 LENS_CONFIG = "lens.json"
 LENS_TENSORS = "lens.safetensors"
 LENS_REPORT = "REPORT.md"
@@ -232,33 +233,27 @@ class TunedLens(torch.nn.Module):
         (x_L) and the identity form return ``x`` itself."""
         if self.form == "identity" or layer >= self.n_blocks:
             return x
-        dt = x.dtype
-        if self.form == "lowrank":
-            y = x + (x @ self.V[layer].to(dt)) @ self.U[layer].to(dt).T + self.b[layer].to(dt)
-        else:
-            y = x + x @ self.A[layer].to(dt).T + self.b[layer].to(dt)
-        if self.form == "mlp":
-            r = _rms(x)
-            hid = torch.nn.functional.gelu((x / r) @ self.W1[layer].to(dt) + self.c1[layer].to(dt))
-            y = y + r * (hid @ self.W2[layer].to(dt))
-        return y
+        return self.translate_all(x.reshape(1, -1, x.shape[-1]), first=layer).reshape(x.shape)
 
-    def translate_all(self, xs: torch.Tensor) -> torch.Tensor:
-        """Every layer at once: ``xs (n_blocks, n_tok, d_model) -> (n_blocks, n_tok, d_model)``."""
+    def translate_all(self, xs: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Several layers at once: ``xs (k, n_tok, d_model) -> (k, n_tok, d_model)``,
+        row ``i`` through the translator of layer ``first + i`` (default: every layer)."""
         if self.form == "identity":
             return xs
-        dt = xs.dtype
+        dt, sl = xs.dtype, slice(first, first + xs.shape[0])
         if self.form == "lowrank":
-            y = xs + torch.einsum("lnr,ldr->lnd", torch.einsum("lnd,ldr->lnr", xs, self.V.to(dt)), self.U.to(dt))
+            y = xs + torch.einsum(
+                "lnr,ldr->lnd", torch.einsum("lnd,ldr->lnr", xs, self.V[sl].to(dt)), self.U[sl].to(dt)
+            )
         else:
-            y = xs + torch.einsum("lnd,led->lne", xs, self.A.to(dt))
-        y = y + self.b.to(dt)[:, None]
+            y = xs + torch.einsum("lnd,led->lne", xs, self.A[sl].to(dt))
+        y = y + self.b[sl].to(dt)[:, None]
         if self.form == "mlp":
             r = _rms(xs)
             hid = torch.nn.functional.gelu(
-                torch.einsum("lnd,ldh->lnh", xs / r, self.W1.to(dt)) + self.c1.to(dt)[:, None]
+                torch.einsum("lnd,ldh->lnh", xs / r, self.W1[sl].to(dt)) + self.c1[sl].to(dt)[:, None]
             )
-            y = y + r * torch.einsum("lnh,lhd->lnd", hid, self.W2.to(dt))
+            y = y + r * torch.einsum("lnh,lhd->lnd", hid, self.W2[sl].to(dt))
         return y
 
     # ---- the baselines that share this lens's form and norm
@@ -269,12 +264,12 @@ class TunedLens(torch.nn.Module):
         seed = self.seed + 1 if seed is None else seed
         other = TunedLens(
             self.n_blocks, self.d_model, self.form, rank=self.rank, hidden=self.hidden, seed=seed, dtype=self.mean.dtype
-        )
+        ).to(self.mean.device)
         other.meta = dict(self.meta)
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator().manual_seed(seed)  # on the CPU: the same draws on every device
         for p, q in zip(self.parameters(), other.parameters()):
             for layer in range(self.n_blocks):
-                target = p[layer].double().norm()
+                target = p[layer].double().norm().cpu()
                 r = torch.randn(p[layer].shape, generator=g, dtype=torch.float64)
                 q[layer] = (r * (target / r.norm().clamp_min(1e-30))).to(q.dtype)
         if self.form == "lowrank":  # match the norm of the product U V^T, not of each factor
@@ -292,8 +287,9 @@ class TunedLens(torch.nn.Module):
         if self.form not in ("affine", "lowrank"):
             return None
         other = TunedLens(self.n_blocks, self.d_model, "affine", seed=self.seed, dtype=self.mean.dtype)
+        other = other.to(self.mean.device)
         other.meta = dict(self.meta)
-        eye = torch.eye(self.d_model, dtype=torch.float64)
+        eye = torch.eye(self.d_model, dtype=torch.float64, device=self.mean.device)
         for layer in range(self.n_blocks):
             m = eye + self.delta(layer).double()
             u, s, vh = torch.linalg.svd(m)
@@ -404,25 +400,6 @@ _EQUATIONS = {
 }
 
 
-class FrozenHead:
-    """The model's final norm and unembedding with every weight detached:
-    ``(..., d_model) -> (..., vocab)``, the same operations as
-    :func:`core.methods.logit_lens.lens_logits` (so gradients reach only the translator)."""
-
-    def __init__(self, adapter):
-        norm = adapter.final_norm_layer()
-        self.norm = replace(
-            norm,
-            weight=norm.weight.detach() if norm.weight is not None else None,
-            bias=norm.bias.detach() if norm.bias is not None else None,
-        )
-        self.W_U = adapter.W_U.detach()
-        self.b_U = adapter.b_U.detach()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x) @ self.W_U.to(x.dtype) + self.b_U.to(x.dtype)
-
-
 # ---------------------------------------------------------------- positions
 
 
@@ -514,6 +491,7 @@ class PairsCorpus:
         if not pairs:
             raise LensError("the corpus has no pairs")
         self.pairs, self.seed, self.source = list(pairs), seed, source
+        self._taken: dict[int, Batch] = {}  # take() loads each image once (a CLI checks them before the model loads)
 
     def _order(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
@@ -523,10 +501,12 @@ class PairsCorpus:
         from core.images import load_image
 
         n = len(self.pairs)
-        out = []
+        out, orders = [], {}
         for k in range(step * batch_size, (step + 1) * batch_size):
             epoch, i = divmod(k, n)
-            out.append(self.pairs[self._order(epoch)[i]])
+            if epoch not in orders:  # one shuffle per epoch the batch touches, not one per item
+                orders[epoch] = self._order(epoch)
+            out.append(self.pairs[orders[epoch][i]])
         return Batch(
             [load_image(p["image_path"]) for p in out], [p["question"] for p in out], [p.get("answer") for p in out]
         )
@@ -535,9 +515,11 @@ class PairsCorpus:
         from core.images import load_image
 
         ps = self.pairs[:n] if n else self.pairs
-        return Batch(
-            [load_image(p["image_path"]) for p in ps], [p["question"] for p in ps], [p.get("answer") for p in ps]
-        )
+        if len(ps) not in self._taken:
+            self._taken[len(ps)] = Batch(
+                [load_image(p["image_path"]) for p in ps], [p["question"] for p in ps], [p.get("answer") for p in ps]
+            )
+        return self._taken[len(ps)]
 
     def describe(self) -> dict:
         return {"source": self.source or "image-question pairs", "n_pairs": len(self.pairs), "order": "seeded shuffle"}
@@ -558,11 +540,7 @@ def read_pairs(path: Path) -> list[dict]:
         files = [path]
     pairs = []
     for f in files:
-        got = read_jsonl(f)
-        answers = [json.loads(line).get("answer") for line in f.read_text().splitlines() if line.strip()]
-        for p, a in zip(got, answers):
-            p["answer"] = a
-        pairs += got
+        pairs += read_jsonl(f)
     return pairs
 
 
@@ -673,7 +651,6 @@ def train_lens(
     lens.to(adapter.device)
     lens.meta = _model_meta(loaded)
     opt, sched = _make_optimizer(lens, cfg)
-    head = FrozenHead(adapter)
     mean_sum = torch.zeros(n + 1, d, dtype=torch.float64)
     norm_sum = torch.zeros(n + 1, dtype=torch.float64)
     n_tok = 0
@@ -718,51 +695,52 @@ def train_lens(
     step = start_step
     cancelled = False
     t0 = time.perf_counter()
-    try:
-        while step < end:
-            if cancel is not None and cancel():
-                cancelled = True
-                break
-            batch = corpus.batch(step, cfg.batch_size)
-            with oom_guard(f"training the lens on a batch of {cfg.batch_size} (try a smaller --batch-size)"):
-                trace = _captured(loaded, batch)
-                mask = position_mask(adapter, trace, cfg.positions).to(trace.final_resid.device)
-                xs = _work(torch.stack([r[mask] for r in trace.resid_pre]))  # (n, n_tok, d)
-                x_final = _work(trace.final_resid[mask])  # (n_tok, d)
-                target = _work(trace.logits[mask]).log_softmax(-1)  # (n_tok, vocab)
-                k = int(mask.sum())
-                if not k:
-                    raise LensError(
-                        f"no {cfg.positions} tokens in the batch of step {step}"
-                        + (
-                            ": this model has no visual tokens in the text stream (cross-attention)"
-                            if cfg.positions == "visual"
-                            else ""
+    with _frozen(loaded.model):  # the model's own weights get no gradients: only the translators train
+        try:
+            while step < end:
+                if cancel is not None and cancel():
+                    cancelled = True
+                    break
+                batch = corpus.batch(step, cfg.batch_size)
+                with oom_guard(f"training the lens on a batch of {cfg.batch_size} (try a smaller --batch-size)"):
+                    trace = _captured(loaded, batch)
+                    mask = position_mask(adapter, trace, cfg.positions).to(trace.final_resid.device)
+                    xs = _work(torch.stack([r[mask] for r in trace.resid_pre]))  # (n, n_tok, d)
+                    x_final = _work(trace.final_resid[mask])  # (n_tok, d)
+                    target = _work(trace.logits[mask]).log_softmax(-1)  # (n_tok, vocab)
+                    k = int(mask.sum())
+                    if not k:
+                        raise LensError(
+                            f"no {cfg.positions} tokens in the batch of step {step}"
+                            + (
+                                ": this model has no visual tokens in the text stream (cross-attention)"
+                                if cfg.positions == "visual"
+                                else ""
+                            )
                         )
-                    )
-                states = torch.cat([xs, x_final[None]]).double()  # (n + 1, n_tok, d)
-                mean_sum += states.sum(1).cpu()
-                norm_sum += states.norm(dim=-1).sum(1).cpu()
-                n_tok += k
-                n_samples += len(batch.questions)
-                if opt is not None:  # every layer's translator, one step on this batch
-                    lens_logp = head(lens.translate_all(xs)).log_softmax(-1)  # (n, n_tok, vocab)
-                    loss = _kl_nats(target[None], lens_logp).mean(-1).sum()
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
-                    sched.step()
-                    losses.append(float(loss.detach()) / n)
-            step += 1
-            if progress is not None:
-                progress(step, cfg.steps, "training lens")
-            if checkpoint is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < end:
-                elapsed_now = elapsed + time.perf_counter() - t0
-                s = state(step)
-                s["seconds"] = elapsed_now
-                _save_checkpoint(Path(checkpoint), s)
-    finally:
-        elapsed += time.perf_counter() - t0
+                    states = torch.cat([xs, x_final[None]]).double()  # (n + 1, n_tok, d)
+                    mean_sum += states.sum(1).cpu()
+                    norm_sum += states.norm(dim=-1).sum(1).cpu()
+                    n_tok += k
+                    n_samples += len(batch.questions)
+                    if opt is not None:  # every layer's translator, one step on this batch
+                        lens_logp = lens_logits(adapter, lens.translate_all(xs)).log_softmax(-1)  # (n, n_tok, vocab)
+                        loss = _kl_nats(target[None], lens_logp).mean(-1).sum()
+                        opt.zero_grad(set_to_none=True)
+                        loss.backward()
+                        opt.step()
+                        sched.step()
+                        losses.append(float(loss.detach()) / n)
+                step += 1
+                if progress is not None:
+                    progress(step, cfg.steps, "training lens")
+                if checkpoint is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < end:
+                    elapsed_now = elapsed + time.perf_counter() - t0
+                    s = state(step)
+                    s["seconds"] = elapsed_now
+                    _save_checkpoint(Path(checkpoint), s)
+        finally:
+            elapsed += time.perf_counter() - t0
     if checkpoint is not None:
         _save_checkpoint(Path(checkpoint), state(step))
     with torch.no_grad():
@@ -922,12 +900,22 @@ class LensEvaluation:
 
 
 def _readers(lens: TunedLens, extra: bool = True) -> dict[str, TunedLens | str]:
-    out: dict[str, TunedLens | str] = {"identity": "identity", "mean": "mean", "random": lens.random_like()}
+    """The readers compared on the same tokens. The random (and orthogonal)
+    translators are built once per state of the lens's weights and kept on the
+    lens: an app re-reading a large model's lens would otherwise redraw
+    gigabytes of Gaussians on every Run."""
+    state = tuple((t.data_ptr(), t._version) for t in (*lens.parameters(), lens.mean))
+    cached = getattr(lens, "_baseline_readers", None)
+    if cached is None or cached[0] != state:
+        cached = (state, {"random": lens.random_like()})
+        lens._baseline_readers = cached
+    out: dict[str, TunedLens | str] = {"identity": "identity", "mean": "mean", "random": cached[1]["random"]}
     out["trained"] = lens
     if extra:
-        orth = lens.orthogonal_like()
-        if orth is not None:
-            out["orthogonal"] = orth
+        if "orthogonal" not in cached[1]:
+            cached[1]["orthogonal"] = lens.orthogonal_like()
+        if cached[1]["orthogonal"] is not None:
+            out["orthogonal"] = cached[1]["orthogonal"]
     return out
 
 
@@ -961,7 +949,6 @@ def evaluate_lens(
     for g in groups:
         if g not in POSITION_SETS:
             raise LensError(f"unknown positions {g!r}; expected one of {', '.join(POSITION_SETS)}")
-    head = FrozenHead(adapter)
     readers = _readers(lens, extra_readers)
     nb = lens.n_blocks
     acc = {g: [{r: _Acc() for r in readers} for _ in range(nb + 1)] for g in groups}
@@ -996,7 +983,7 @@ def evaluate_lens(
                 for name, reader in readers.items():
                     if layer == nb and name not in ("identity", "mean", "trained"):
                         continue  # no translator at x_L: the random/orthogonal readers are undefined there
-                    logits = _reader_logits(head, lens, name, reader, layer, x).float()  # (b, pos, vocab)
+                    logits = _reader_logits(adapter, lens, name, reader, layer, x).float()  # (b, pos, vocab)
                     logp = logits.log_softmax(-1)
                     kl = _kl_nats(final_logp_all, logp)  # (b, pos)
                     ce = -logp.gather(-1, greedy[..., None])[..., 0]
@@ -1043,13 +1030,27 @@ def evaluate_lens(
     return LensEvaluation(lens.summary(), data_d, primary, layers, lens_audit(lens, data_d, primary))
 
 
-def _reader_logits(head: FrozenHead, lens: TunedLens, name: str, reader, layer: int, x: torch.Tensor) -> torch.Tensor:
-    """``(..., d_model) -> (..., vocab)`` for one reader at one layer."""
+def _reader_logits(adapter, lens: TunedLens, name: str, reader, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """``(..., d_model) -> (..., vocab)`` for one reader at one layer, through
+    the model's final norm and unembedding as the logit lens applies them."""
     if name == "identity":
-        return head(x)
+        return lens_logits(adapter, x)
     if name == "mean":
-        return head(lens.mean[layer].to(x.dtype).expand_as(x))
-    return head(reader.translate(layer, x))
+        return lens_logits(adapter, lens.mean[layer].to(x.dtype).expand_as(x))
+    return lens_logits(adapter, reader.translate(layer, x))
+
+
+@contextmanager
+def _frozen(model):
+    """The model's parameters without gradients for the duration (restored after)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p_ in trainable:
+        p_.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p_ in trainable:
+            p_.requires_grad_(True)
 
 
 def lens_audit(lens: TunedLens, data: dict | None = None, positions: str | None = None) -> AuditRecord:
@@ -1109,6 +1110,7 @@ def tuned_lens_rows(
     position: int | None = None,
     top_k: int = 5,
     batch: int = 0,
+    readers: dict | None = None,
 ) -> list[dict]:
     """Rows like :class:`core.methods.logit_lens.LensRow` dicts for one position
     (default the answer position), one per block plus x_L:
@@ -1118,16 +1120,16 @@ def tuned_lens_rows(
     Args:
         reader: "trained" (default), "identity", "mean" or "random"; the
             random and orthogonal readers have no row for x_L.
+        readers: :func:`_readers` of this lens, when the caller already built them.
     """
     if lens.n_blocks != trace.n_blocks or lens.d_model != trace.final_resid.shape[-1]:
         raise LensMismatchError(
             f"the lens has {lens.n_blocks} blocks of width {lens.d_model}; the trace has {trace.n_blocks} of "
             f"width {trace.final_resid.shape[-1]}"
         )
-    readers = _readers(lens, extra=reader == "orthogonal")
+    readers = readers if readers is not None else _readers(lens, extra=reader == "orthogonal")
     if reader not in readers:
         raise LensError(f"unknown reader {reader!r}; expected one of {', '.join(readers)}")
-    head = FrozenHead(adapter)
     pos = int(trace.answer_positions[batch]) if position is None else int(position)
     states = [r[batch, pos] for r in trace.resid_pre] + [trace.final_resid[batch, pos]]
     final = trace.logits[batch, pos].float().log_softmax(-1)
@@ -1136,20 +1138,8 @@ def tuned_lens_rows(
         x = _work(x)
         if layer == lens.n_blocks and reader in ("random", "orthogonal"):
             continue
-        lg = _reader_logits(head, lens, reader, readers[reader], layer, x).float()
-        lp = lg.log_softmax(-1)
-        probs, ids = lp.exp().topk(min(top_k, lp.shape[-1]))
-        rows.append(
-            {
-                "layer": layer,
-                "answer_rank": int((lg > lg[answer_id]).sum()),
-                "answer_logit": float(lg[answer_id]),
-                "logit_diff": float(lg[answer_id] - lg[foil_id]) if foil_id is not None else None,
-                "kl_to_final": float(_kl_nats(final, lp)),
-                "top": [[adapter.token_str(int(i)), float(p)] for p, i in zip(probs, ids)],
-                "reader": reader,
-            }
-        )
+        lg = _reader_logits(adapter, lens, reader, readers[reader], layer, x).float()
+        rows.append({**lens_row(adapter, layer, lg, final, answer_id, foil_id, top_k).to_dict(), "reader": reader})
     return rows
 
 
@@ -1159,25 +1149,15 @@ def tuned_lens_readers(
     """``{"tuned lens": rows, "tuned lens: mean baseline": rows, "tuned lens:
     random baseline": rows}`` (:func:`tuned_lens_rows` for each reader): what
     ``LensPanel.set_readers`` overlays beside the logit lens of the same analysis."""
+    readers = _readers(lens, extra=False)  # built once for the three
     return {
-        "tuned lens": tuned_lens_rows(lens, adapter, trace, answer_id, foil_id, reader="trained", **kw),
-        "tuned lens: mean baseline": tuned_lens_rows(lens, adapter, trace, answer_id, foil_id, reader="mean", **kw),
-        "tuned lens: random baseline": tuned_lens_rows(lens, adapter, trace, answer_id, foil_id, reader="random", **kw),
+        name: tuned_lens_rows(lens, adapter, trace, answer_id, foil_id, reader=reader, readers=readers, **kw)
+        for name, reader in (
+            ("tuned lens", "trained"),
+            ("tuned lens: mean baseline", "mean"),
+            ("tuned lens: random baseline", "random"),
+        )
     }
-
-
-def lens_overlay(loaded, lens: TunedLens, image, question: str, answer_id: int, foil_id: int | None = None) -> dict:
-    """For an ``analyze`` result: one capture of (image, question) and the
-    tuned-lens readers at its answer position, ``{"readers": {name: rows},
-    "audit": {...}}``; ``answer_id``/``foil_id`` as in the analysis's ``target``.
-    Refuses a lens trained for other weights."""
-    from core.capture import capture
-    from core.images import load_image
-
-    lens.check_model(loaded)
-    trace = capture(loaded, load_image(image), question, pattern_layers=[])
-    readers = tuned_lens_readers(lens, loaded.adapter, trace, answer_id, foil_id)
-    return {"readers": readers, "audit": lens_audit(lens, positions="answer").to_dict()}
 
 
 # ---------------------------------------------------------------- persistence
@@ -1388,9 +1368,9 @@ def build_lens(
     ``eval_sets`` (``{name: (corpus, n)}``), store the KL tables and the
     capacity report in the lens, and save it to ``out`` (when given).
 
-    The report keeps, for the first evaluation set, ``kl_table_bits``: the
-    per-layer KL of the identity, mean, random and trained readers (and the
-    orthogonal one) on the lens's training positions.
+    The report keeps each evaluation set's per-layer KL of the identity, mean,
+    random and trained readers (and the orthogonal one) by token group
+    (:func:`attach_evaluation`).
     """
     result = train_lens(loaded, corpus, config, checkpoint=checkpoint, resume=resume, progress=progress, cancel=cancel)
     lens = result.lens
@@ -1402,13 +1382,6 @@ def build_lens(
             ev.data["seconds"] = round(time.perf_counter() - t0, 2)
             evaluations[name] = ev
             attach_evaluation(lens, name, ev)
-        if evaluations:
-            first = next(iter(evaluations))
-            lens.report["kl_table_bits"] = {
-                "evaluation": first,
-                "positions": evaluations[first].primary,
-                **evaluations[first].kl_table(),
-            }
     lens.report["audit"] = lens_audit(lens).to_dict()
     if out is not None:
         save_lens(lens, out)

@@ -52,7 +52,6 @@ def tiny_trace(tiny):
 def test_identity_and_fresh_affine_reproduce_the_logit_lens_exactly(tiny, tiny_trace):
     a, tr = tiny.adapter, tiny_trace
     n, d = tr.n_blocks, a.d_model
-    head = tl.FrozenHead(a)
     pos = int(tr.answer_positions[0])
     answer = int(tr.logits[0, pos].argmax())
     foil = int(tr.logits[0, pos].argsort()[-2])
@@ -61,7 +60,7 @@ def test_identity_and_fresh_affine_reproduce_the_logit_lens_exactly(tiny, tiny_t
         lens = tl.TunedLens(n, d, form, rank=4, dtype=torch.float64)
         for layer in range(n + 1):
             x = (tr.resid_pre + [tr.final_resid])[layer]
-            assert torch.equal(head(lens.translate(layer, x)), lens_logits(a, x)), (form, layer)
+            assert torch.equal(lens_logits(a, lens.translate(layer, x)), lens_logits(a, x)), (form, layer)
         rows = tl.tuned_lens_rows(lens, a, tr, answer, foil, top_k=3)
         assert len(rows) == len(reference.rows) == n + 1
         for r, ref in zip(rows, reference.rows):
@@ -245,8 +244,9 @@ def _assert_bars(t: dict, rel: float, gap: float) -> None:
 def test_committed_lens_meets_the_bars_on_held_out_scenes(committed):
     spec, loaded, lens = committed
     # the report's table: 1000 held-out scenes, all four readers, every layer
-    table = lens.report["kl_table_bits"]
-    assert table["evaluation"] == "heldout" and {"identity", "mean", "random", "trained"} <= set(table)
+    heldout = lens.report["evaluations"]["heldout"]
+    table = heldout["kl_tables"][heldout["positions"]]
+    assert {"identity", "mean", "random", "trained"} <= set(table)
     assert lens.report["evaluations"]["heldout"]["data"]["n_samples"] == 1000
     assert {"shifted_more_objects", "alt_renderer"} <= set(lens.report["evaluations"])
     # Issue 6's bar is "below each baseline"; the margin asked here is stricter. 0.6x, not 0.5x:
@@ -295,18 +295,73 @@ def test_eval_lens_cli_json_and_wrong_model(tmp_path, capsys):
     assert err.startswith("error: ") and "fingerprint" in err and "\n" not in err
 
 
-def test_lens_overlay_for_an_analysis(committed):
+def test_analyze_overlays_the_tuned_lens_in_its_own_capture(committed):
+    """analyze(tuned=lens): the readers' rows come from the one capture of the
+    analysis; a middle row is the lens's translator read through the final norm
+    and unembedding, recomputed here from a separate capture."""
     spec, loaded, lens = committed
     from core.analyze import analyze
 
     s = scenes.make_sample("heldout", 7)
-    result = analyze(loaded, s.image, s.question, foil=s.foil)
+    result = analyze(loaded, s.image, s.question, foil=s.foil, tuned=lens)
     t = result["target"]
-    overlay = tl.lens_overlay(loaded, lens, s.image, s.question, t["answer_id"], t["foil_id"])
-    rows = overlay["readers"]["tuned lens"]
+    rows = result["tuned_lens"]["tuned lens"]
     assert [r["layer"] for r in rows] == [r["layer"] for r in result["logit_lens"]]
     # the last row reads x_L with the identity: the same numbers as the logit lens
     assert rows[-1]["answer_logit"] == pytest.approx(result["logit_lens"][-1]["answer_logit"], abs=1e-4)
     assert rows[-1]["kl_to_final"] == pytest.approx(0.0, abs=1e-6)
-    assert len(overlay["readers"]["tuned lens: random baseline"]) == len(rows) - 1
-    assert overlay["audit"]["method"] == "tuned lens"
+    trace = capture(loaded, Image.fromarray(s.image), s.question, pattern_layers=[])
+    pos = int(trace.answer_positions[0])
+    with torch.no_grad():
+        x = trace.resid_pre[1][0, pos].to(lens.mean.dtype)
+        want = lens_logits(loaded.adapter, lens.translate(1, x)).float()
+    assert rows[1]["answer_logit"] == pytest.approx(float(want[t["answer_id"]]), abs=1e-3)
+    assert rows[1]["answer_logit"] != pytest.approx(result["logit_lens"][1]["answer_logit"], abs=1e-3)
+    assert len(result["tuned_lens"]["tuned lens: random baseline"]) == len(rows) - 1
+    assert any(a["method"] == "tuned lens" for a in result["audit"])
+
+
+def test_the_lens_reads_through_a_post_ln_head(tmp_path):
+    """BLIP's final norm is the LM head's own transform (not a norm dataclass):
+    a fresh lens on it reads exactly what the logit lens reads, and trains."""
+    from tests.core.exactness import noise_image
+    from tests.core.test_blip import IMAGE_SIZE, PREFIX, tiny_blip_float64
+
+    class NoiseCorpus:  # the tiny BLIP's vocabulary has no scene questions: its own prefix on noise
+        def batch(self, step, batch_size):
+            return tl.Batch(
+                [noise_image(IMAGE_SIZE, seed=step * 10 + i) for i in range(batch_size)],
+                [PREFIX] * batch_size,
+                [None] * batch_size,
+            )
+
+        def describe(self):
+            return {"source": "noise images"}
+
+    m = tiny_blip_float64()
+    m.fingerprint = "tiny-blip-test"
+    tr = capture(m, noise_image(IMAGE_SIZE), PREFIX)
+    pos = int(tr.answer_positions[0])
+    answer = int(tr.logits[0, pos].argmax())
+    lens = tl.TunedLens(tr.n_blocks, m.adapter.d_model, "affine", dtype=torch.float64)
+    reference = logit_lens(m.adapter, tr, answer)
+    rows = tl.tuned_lens_rows(lens, m.adapter, tr, answer)
+    assert [r["answer_logit"] for r in rows] == pytest.approx([r.answer_logit for r in reference.rows], abs=1e-12)
+    trained = tl.train_lens(m, NoiseCorpus(), tl.LensConfig(steps=2, batch_size=2, lr=0.1))
+    assert trained.steps_done == 2 and all(p.requires_grad for p in m.model.parameters())
+
+
+@pytest.mark.parametrize("form", ["affine", "lowrank", "mlp"])
+def test_one_layer_and_all_layers_translate_alike(form):
+    """translate(l, x) is row l of translate_all, for any shape of x."""
+    lens = tl.TunedLens(3, 8, form, rank=2, hidden=4, dtype=torch.float64)
+    with torch.no_grad():
+        for p in lens.parameters():
+            p.normal_(generator=torch.Generator().manual_seed(p.numel()))
+    xs = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    every = lens.translate_all(xs)
+    for layer in range(3):
+        torch.testing.assert_close(lens.translate(layer, xs[layer]), every[layer], rtol=0, atol=1e-12)
+        torch.testing.assert_close(lens.translate(layer, xs[layer, 0]), every[layer, 0], rtol=0, atol=1e-12)
+    assert not torch.allclose(every, xs)  # the translators did something
+    assert torch.equal(lens.translate(3, xs[0]), xs[0])  # x_L is read as it is
