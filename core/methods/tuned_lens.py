@@ -110,8 +110,9 @@ class LensConfig:
             parameter, i.e. towards the identity translator. The default lr is
             0.3, not the tuned-lens 1.0: on shapes-llava lr 1.0 (batch 16, 100
             steps) overshot (the last layer's held-out KL rose above the
-            identity's); 0.1-0.3 with SGD and Adam at 3e-3 ended within a few
-            percent of each other (bench/README.md, "Tuned lens").
+            identity's); 0.1-0.3 with SGD and Adam at 3e-3 ended within ~10% of
+            each other except at the first block, where Adam was better
+            (bench/README.md, "Tuned lens", which gives the commands).
         warmup: share of the steps with a linear warm-up (then linear decay to 0).
         seed: initialisation, random baseline and corpus order.
         checkpoint_every: steps between checkpoints (when a checkpoint path is given).

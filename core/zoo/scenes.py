@@ -290,11 +290,15 @@ def render_scene(
 # ---------------------------------------------------------------- questions
 
 
+def relation_offset(dx: float, dy: float, relation: str) -> float:
+    """How far "a <relation> b" holds, from a's centre minus b's ``(dx, dy)``
+    (image axes: y grows downwards): positive when it holds."""
+    return {"left of": -dx, "right of": dx, "above": -dy, "below": dy}[relation]
+
+
 def _relation_holds(a: SceneObject, b: SceneObject, relation: str, margin: float) -> bool | None:
     """True/False when the relation is unambiguous, None when too close to call."""
-    dx = a.center[0] - b.center[0]
-    dy = a.center[1] - b.center[1]
-    d = {"left of": -dx, "right of": dx, "above": -dy, "below": dy}[relation]
+    d = relation_offset(a.center[0] - b.center[0], a.center[1] - b.center[1], relation)
     if abs(d) < margin:
         return None
     return d > 0
@@ -548,7 +552,8 @@ def _replay_scene(sample: Sample, override: tuple[int, str, str] | None):
     raise ValueError(f"cannot re-draw sample {sample.split}/{sample.index}: no generator call reproduces its image")
 
 
-def _question_fields(template: str, question: str) -> dict[str, str]:
+def question_fields(template: str, question: str) -> dict[str, str]:
+    """The values a question filled into its template's placeholders (``{"relation": "left of", ...}``)."""
     import re
 
     text = TEMPLATES[template]["text"]
@@ -572,7 +577,7 @@ def answer_question(template: str, question: str, objects: list[SceneObject], im
     """The ground-truth answer of ``question`` (made from ``template``) for
     ``objects``; ValueError when the question no longer applies (the object it
     names is missing or not unique, a relation too close to call)."""
-    f = _question_fields(template, question)
+    f = question_fields(template, question)
     if template == "color_of_shape":
         return _find_one(objects, shape=f["shape"]).color
     if template == "shape_of_color":

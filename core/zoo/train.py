@@ -105,7 +105,7 @@ class Batches:
 
 def _asked_relation(sample) -> str:
     """The relation a relation question asks about (one of ``scenes.RELATIONS``)."""
-    return next(r for r in scenes.RELATIONS if f" {r} " in sample.question)
+    return scenes.question_fields("relation", sample.question)["relation"]
 
 
 def _absent_relation_question(sample, rng: np.random.Generator) -> str:
@@ -167,7 +167,7 @@ def _signed_offset(sample) -> float:
         return math.nan
     a, b = sample.objects[sample.target].center, sample.objects[sample.reference].center
     dx, dy = (a[0] - b[0]) / sample.image.shape[1] * 2, (a[1] - b[1]) / sample.image.shape[0] * 2
-    return {"left of": -dx, "right of": dx, "above": -dy, "below": dy}[_asked_relation(sample)]
+    return scenes.relation_offset(dx, dy, _asked_relation(sample))
 
 
 class RelationProbe(torch.nn.Module):
@@ -288,14 +288,15 @@ class LlavaTrainer:
         """(B, patches, vision width) -> (B, patches, text width): what the language model reads."""
         return self.model.model.multi_modal_projector(patches)
 
-    def answer_logits(self, pixels, questions, k, patches=None, hidden=False):
+    def answer_logits(self, pixels, questions, k, patches=None, hidden=False, projected=None):
         """Logits at the answer position, (B*k, vocab), with a shared image prefix.
         With ``hidden`` also the residual after each language layer at the
-        question's tokens, a list of (B*k, pos, width), and those tokens' ids (B*k, pos)."""
+        question's tokens, a list of (B*k, pos, width), and those tokens' ids (B*k, pos).
+        ``projected``: :meth:`project` of ``patches`` when the caller already has it."""
         m = self.model.model
-        if patches is None:
-            patches = self.patch_tokens(pixels)
-        feats = m.multi_modal_projector(patches)
+        if projected is None:
+            projected = self.project(patches if patches is not None else self.patch_tokens(pixels))
+        feats = projected
         b = feats.shape[0]
         pre = m.language_model.embed_tokens(torch.tensor(self.prefix_ids)).unsqueeze(0).expand(b, -1, -1)
         out = m.language_model(inputs_embeds=torch.cat([pre, feats], 1), use_cache=True)
@@ -335,7 +336,9 @@ class CocaTrainer:
         """The decoder cross-attends to the vision tokens themselves."""
         return patches
 
-    def answer_logits(self, pixels, questions, k, patches=None, hidden=False):
+    def answer_logits(self, pixels, questions, k, patches=None, hidden=False, projected=None):
+        if projected is not None:  # project() is the identity here
+            patches = projected
         if patches is None:
             patches = self.patch_tokens(pixels)
         image_embs = patches.repeat_interleave(k, 0)
@@ -477,19 +480,23 @@ def train(args) -> None:
                 for g in opt.param_groups:
                     g["lr"] = lr
                 patches = trainer.patch_tokens(batch["pixels"])
+                # the projector's output, once, when its own read-out needs it too (LLaVA only)
+                shared = {} if projected_head is None else {"projected": trainer.project(patches)}
                 if probe is None:
-                    logits = trainer.answer_logits(None, batch["questions"], args.questions_per_image, patches)
+                    logits = trainer.answer_logits(
+                        None, batch["questions"], args.questions_per_image, patches, **shared
+                    )
                     relation_loss = torch.tensor(0.0)
                 else:
                     logits, hidden, ids = trainer.answer_logits(
-                        None, batch["questions"], args.questions_per_image, patches, hidden=True
+                        None, batch["questions"], args.questions_per_image, patches, hidden=True, **shared
                     )
                     relation_loss = probe.loss(hidden, ids, batch["pair_xy"], batch["signed_offset"])
                 qa_loss = answer_loss(logits, batch["answer_ids"], batch["kinds"], trainer.tok)
                 loss = qa_loss + args.dense_weight * trainer.head.loss(patches, batch)
                 loss = loss + args.relation_aux * relation_loss
                 if projected_head is not None:
-                    loss = loss + args.projected_dense * projected_head.loss(trainer.project(patches), batch)
+                    loss = loss + args.projected_dense * projected_head.loss(shared["projected"], batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

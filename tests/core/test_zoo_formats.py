@@ -2,6 +2,7 @@
 and VLM Readout's path gives the same numbers."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,3 +176,21 @@ def test_absent_object_relation_questions_and_their_loss():
     want = (-logp[0, yes] - 0.5 * (logp[1, yes] + logp[1, no]) - logp[2, ids[2]]) / 3
     got = answer_loss(logits, ids, ["relation", "relation_absent", "attribute"], tok)
     assert torch.allclose(got, want)
+
+
+@pytest.mark.parametrize("name", ["shapes-llava", "shapes-coca"])
+def test_the_cards_stage_2_section_is_rebuilt_from_the_models_own_files(name, monkeypatch):
+    """The committed card's stage-2 text is what core.zoo.card writes from the
+    model's training record, and a number measured on one model is not in the other's."""
+    from core.zoo import card
+
+    d = MODELS / name
+    training = json.loads((d / "training.json").read_text())
+    # the card names the folder as `python -m core.zoo.card` is run from the repository root
+    monkeypatch.chdir(MODELS.parents[1])
+    section = card._finetune_section(
+        training, card._read_curve(d / "learning_curve.jsonl"), Path("resources/models", name)
+    )
+    assert section and section in (d / "CARD.md").read_text()
+    assert ("answered all 180 relation questions" in section) == (name == "shapes-llava")
+    assert ("--projected-dense" in section) == (name == "shapes-llava")
