@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from core.errors import oom_guard
+from core.errors import QuestionError, oom_guard
+from core.models.adapter import check_pairs
 
 
 @dataclass
@@ -48,30 +49,49 @@ def answer_batch(
     batch_size: int = 16,
     progress: Callable[[int, int], None] | None = None,
     cancel: Callable[[], bool] | None = None,
+    raw_prompt: bool = False,
 ) -> list[Answer]:
     """Answer each (image, question) pair, ``batch_size`` at a time.
 
     Args:
-        images: paths, bytes, PIL images or uint8 arrays.
+        images: paths, bytes, PIL images or uint8 arrays, one per question.
         progress: called with (done, total) after each batch.
         cancel: polled between batches; returning True stops early with
             the answers so far.
+        raw_prompt: let questions hold the model's special tokens (``</s>``,
+            ``<|im_end|>``, ...), which the model then reads as markup; off,
+            such a question is refused. Image placeholders are refused either way.
+
+    Raises:
+        QuestionError: a question the model cannot be run on (checked before
+            any batch runs, so nothing is half done).
     """
+    check_pairs(images, questions)
+    for name, value in (("top_k", top_k), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise QuestionError(f"{name} must be a positive integer, got {value!r}")
     adapter = loaded.adapter
-    out: list[Answer] = []
     total = len(questions)
+    for i, q in enumerate(questions):  # every question, before the first batch runs
+        try:
+            adapter.check_question(q, raw_prompt=raw_prompt)
+        except QuestionError as e:
+            if total == 1:
+                raise
+            raise QuestionError(f"question {i + 1} of {total}: {e}") from None
+    out: list[Answer] = []
     for start in range(0, total, batch_size):
         if cancel is not None and cancel():
             break
         imgs = list(images[start : start + batch_size])
         with oom_guard(f"answering a batch of {len(imgs)}"):
-            inputs = adapter.prepare(imgs, list(questions[start : start + batch_size]))
+            inputs = adapter.prepare(imgs, list(questions[start : start + batch_size]), raw_prompt=raw_prompt)
             out += _to_answers(adapter, adapter.next_token_logits(inputs), top_k)
         if progress is not None:
             progress(len(out), total)
     return out
 
 
-def answer(loaded, image, question: str, *, top_k: int = 5) -> Answer:
-    """Answer one question about one image."""
-    return answer_batch(loaded, [image], [question], top_k=top_k)[0]
+def answer(loaded, image, question: str, *, top_k: int = 5, raw_prompt: bool = False) -> Answer:
+    """Answer one question about one image (``raw_prompt``: see :func:`answer_batch`)."""
+    return answer_batch(loaded, [image], [question], top_k=top_k, raw_prompt=raw_prompt)[0]

@@ -26,10 +26,13 @@ class Generation:
 
 
 @torch.no_grad()
-def greedy_generate(loaded, image, question: str, *, max_new_tokens: int = 8) -> Generation:
-    """Greedy decoding of up to ``max_new_tokens`` tokens, stopping at EOS or padding."""
+def greedy_generate(
+    loaded, image, question: str, *, max_new_tokens: int = 8, raw_prompt: bool = False
+) -> Generation:
+    """Greedy decoding of up to ``max_new_tokens`` tokens, stopping at EOS or
+    padding (``raw_prompt``: see :func:`core.answer.answer_batch`)."""
     adapter = loaded.adapter
-    inputs = adapter.prepare([image], [question])
+    inputs = adapter.prepare([image], [question], raw_prompt=raw_prompt)
     stop = {
         t
         for t in (getattr(adapter.tokenizer, "eos_token_id", None), getattr(adapter.tokenizer, "pad_token_id", None))

@@ -8,12 +8,123 @@ and registers itself in :mod:`core.models.registry`.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
 from PIL import Image
+
+from core.errors import ModelLoadError, QuestionError, ReadoutError
+
+# The question every adapter renders once when it is built: the prompt must
+# render, hold it verbatim and hold one image placeholder (where the processor
+# has one), so a broken template fails at load time, not on every question.
+PROBE_QUESTION = "what is in the image?"
+
+
+def check_text(text, what: str = "question") -> str:
+    """``text`` if it is a ``str`` that UTF-8 can encode; QuestionError otherwise
+    (tokenizers raise a TypeError on lone surrogates such as ``"\\udcff"``)."""
+    if not isinstance(text, str):
+        raise QuestionError(f"the {what} is not valid text (got {type(text).__name__}, expected a string)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise QuestionError(
+            f"the {what} is not valid text (character {e.start} is {text[e.start]!r}, "
+            "a lone surrogate that UTF-8 cannot encode)"
+        ) from None
+    return text
+
+
+def check_pairs(images, questions) -> None:
+    """QuestionError unless there is one image per question (``questions`` a
+    sequence of questions, not one string)."""
+    if isinstance(questions, str):
+        raise QuestionError("expected a list of questions, got one string")
+    if len(images) != len(questions):
+        raise QuestionError(f"{len(images)} images for {len(questions)} questions (one image per question)")
+
+
+def is_markup(token: str) -> bool:
+    """Whether a special token's string can only be markup: it holds a letter
+    or digit AND a symbol (``</s>``, ``[SEP]``, ``<|im_end|>``). A special
+    token that is a plain word (an unk or pad token spelled ``unk``) or a lone
+    symbol (CLIP's pad ``!``) is ordinary text too, and must not refuse
+    ordinary questions."""
+    return (
+        isinstance(token, str)
+        and any(c.isalnum() for c in token)
+        and any(not c.isalnum() and not c.isspace() for c in token)
+    )
+
+
+def config_value(config, path: str):
+    """The value at the dotted ``path`` of a config object or dict; None if absent."""
+    value = config
+    for part in path.split("."):
+        if value is None:
+            return None
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+    return value
+
+
+def config_key(config, path: str) -> str:
+    """``path`` as config.json spells it (``image_token_id`` is ``image_token_index``
+    in LLaVA's, PaliGemma's and Mllama's configs)."""
+    *parents, name = path.split(".")
+    owner = config_value(config, ".".join(parents)) if parents else config
+    name = getattr(type(owner), "attribute_map", {}).get(name, name)
+    return ".".join([*parents, name])
+
+
+def config_int(config, path: str, *, minimum: int = 0, required: bool = False) -> int | None:
+    """The integer at ``path`` (None if absent and not ``required``); a one-line
+    ModelLoadError naming the config.json field when it is missing, not an
+    integer (bools and fractional numbers included) or below ``minimum``."""
+    value = config_value(config, path)
+    key = config_key(config, path)
+    if value is None:
+        if required:
+            raise ModelLoadError(f"config.json {key}: missing (expected an integer >= {minimum})")
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ModelLoadError(f"config.json {key}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _first_named(text: str, tokens: list[str]) -> str:
+    """The token of ``tokens`` that occurs first in ``text`` (the longest at a
+    tie); tokens found only in the encoding (not as substrings) come last."""
+
+    def key(token: str) -> tuple[int, int]:
+        at = text.find(token)
+        return (at if at >= 0 else len(text), -len(token))
+
+    return min(tokens, key=key)
+
+
+@dataclass(frozen=True)
+class PromptMarkup:
+    """The strings of one model that a question may not hold.
+
+    Attributes:
+        placeholders: ``{string: kind}`` the processor expands into visual
+            tokens ("image", "video"): refused even in raw prompts (one image
+            per question; the processor or the model would fail on a second).
+        special: every other special / control token string (sorted).
+        ids: ``{token id: string}`` of all of them, for text the tokenizer
+            normalises into a special token (matched on the encoded ids).
+    """
+
+    placeholders: dict[str, str]
+    special: tuple[str, ...]
+    ids: dict[int, str]
 
 
 @dataclass
@@ -51,18 +162,102 @@ class Adapter(ABC):
     attention_kind: ClassVar[str]
     position_scheme: ClassVar[str]
 
+    # Config token ids the adapter (or the model, through the adapter's inputs)
+    # reads: (attribute path, required). Checked as integers before the weights
+    # load, and against the embedding table and the processor after.
+    token_id_fields: ClassVar[tuple[tuple[str, bool], ...]] = (("image_token_id", False), ("video_token_id", False))
+
     def __init__(self, model: torch.nn.Module, processor: Any, tokenizer: Any, config: dict | None = None):
+        """Raises ModelLoadError (one line, naming the field) for a model
+        config, processor or prompt template the read-outs cannot run on."""
+        if config is not None and not isinstance(config, dict):
+            raise ModelLoadError(f"adapter config (vlm_readout): expected an object, got {type(config).__name__}")
         self.model = model
         self.processor = processor
         self.tokenizer = tokenizer
         self.config = config or {}
+        model_config = getattr(model, "config", None)
+        if model_config is not None:
+            self.check_config(model_config)
+            self._check_token_ids(model_config)
+        self._check_prompt_renders()
 
     @classmethod
     def check_config(cls, config) -> None:
-        """Raise :class:`core.errors.UnsupportedArchitectureError` for a model
-        config this adapter cannot read out exactly; called before the weights
-        load (default: every config of the architecture is fine)."""
-        return None
+        """Raise a :class:`core.errors.ModelLoadError` (or its subclass
+        :class:`core.errors.UnsupportedArchitectureError`) for a model config
+        this adapter cannot read out exactly or whose fields it reads are
+        malformed; called before the weights load and again when the adapter
+        is built. Families extend it with the fields they read (call super)."""
+        for path, required in cls.token_id_fields:
+            config_int(config, path, required=required)
+
+    def _check_token_ids(self, config) -> None:
+        """Each token id of :attr:`token_id_fields` must index the embedding
+        table, and an image / video token id must be the one the processor
+        writes (else the model looks for the image where there is none)."""
+        try:
+            rows = int(self.input_embeddings().shape[0])
+        except (AttributeError, NotImplementedError, TypeError):
+            rows = None
+        for path, _ in self.token_id_fields:
+            value = config_value(config, path)
+            if value is None:
+                continue
+            key = config_key(config, path)
+            if rows is not None and not 0 <= int(value) < rows:
+                raise ModelLoadError(f"config.json {key}: {value} is outside the model's {rows}-token embedding table")
+            kind = path.rsplit(".", 1)[-1].removesuffix("_token_id")
+            written = getattr(self.processor, f"{kind}_token", None)
+            if kind not in ("image", "video") or not isinstance(written, str):
+                continue
+            written_id = self._vocab_id(written)
+            if written_id is None:
+                raise ModelLoadError(
+                    f"the processor's {kind} token {written!r} is not in the tokenizer's vocabulary "
+                    f"(config.json {key} is {value})"
+                )
+            if written_id != int(value):
+                raise ModelLoadError(
+                    f"config.json {key} is {value}, but the processor writes its {kind} token {written!r} as id "
+                    f"{written_id}: the model would not find the {kind}"
+                )
+
+    def _vocab_id(self, token: str) -> int | None:
+        """The id of a whole token string; None if the tokenizer has no such token."""
+        convert = getattr(self.tokenizer, "convert_tokens_to_ids", None)
+        if convert is not None:
+            i = convert(token)
+            unk = getattr(self.tokenizer, "unk_token_id", None)
+            if i is None or (i == unk and token != getattr(self.tokenizer, "unk_token", None)):
+                return None
+            return int(i)
+        encoder = getattr(self.tokenizer, "encoder", None)  # open_clip's SimpleTokenizer
+        return encoder.get(token) if isinstance(encoder, dict) else None
+
+    def _check_prompt_renders(self) -> None:
+        """Render :data:`PROBE_QUESTION` once: the prompt must render, hold the
+        question verbatim and, where the processor expands an image
+        placeholder, hold exactly one."""
+        field = self.prompt_field
+        try:
+            rendered = self.prompt(PROBE_QUESTION)
+        except ReadoutError as e:
+            raise ModelLoadError(str(e)) from None
+        except Exception as e:  # a family's own rendering code: still one line, at load time
+            raise ModelLoadError(f"{field}: cannot render the prompt ({type(e).__name__}: {e})") from None
+        if not isinstance(rendered, str):
+            raise ModelLoadError(f"{field}: renders {type(rendered).__name__}, not text")
+        if PROBE_QUESTION not in rendered:
+            raise ModelLoadError(
+                f"{field}: the rendered prompt does not hold the question (rendered {rendered[:120]!r})"
+            )
+        image = getattr(self.processor, "image_token", None)
+        if isinstance(image, str) and rendered.count(image) != 1:
+            raise ModelLoadError(
+                f"{field}: the rendered prompt holds {rendered.count(image)} image placeholders {image!r} "
+                "for the one image of a question (expected 1)"
+            )
 
     # ---- sizes
     @property
@@ -82,31 +277,195 @@ class Adapter(ABC):
         return next(self.model.parameters()).device
 
     # ---- text
-    @abstractmethod
-    def prompt(self, question: str) -> str:
-        """The text the model is run on for ``question``."""
+    @property
+    def prompt_field(self) -> str:
+        """The name of what :meth:`prompt` renders from, for error messages."""
+        return "vlm_readout.prompt"
 
-    @abstractmethod
-    def check_question(self, question: str) -> None:
-        """Raise :class:`core.errors.QuestionError` if the question cannot fit."""
+    def prompt(self, question: str) -> str:
+        """The text the model is run on for ``question``; default: the adapter
+        config's ``prompt`` template (``"{question}"`` when it has none).
+        QuestionError naming :attr:`prompt_field` if it does not render."""
+        template = self.config.get("prompt", "{question}")
+        if not isinstance(template, str):
+            raise QuestionError(f"{self.prompt_field}: expected a string, got {type(template).__name__}")
+        try:
+            return template.format(question=question)
+        except (KeyError, IndexError, ValueError, AttributeError) as e:
+            raise QuestionError(
+                f"{self.prompt_field}: cannot render {template!r} ({type(e).__name__}: {e}); "
+                "the only field is {question}"
+            ) from None
+
+    def text_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` alone (no BOS / EOS added)."""
+        tok = self.tokenizer
+        if hasattr(tok, "get_vocab"):  # a Hugging Face tokenizer
+            return [int(i) for i in tok.encode(text, add_special_tokens=False)]
+        return [int(i) for i in tok.encode(text)]  # open_clip's SimpleTokenizer adds nothing
+
+    @cached_property
+    def markup(self) -> PromptMarkup:
+        """This model's :class:`PromptMarkup`, derived from its tokenizer,
+        processor, config and rendered prompt (no hard-coded list): the
+        tokenizer's special tokens (bos, eos, pad, unk, sep, cls, mask, the
+        additional ones) and every added token it marks special; the
+        processor's ``*_token`` / ``*_tag`` strings (image, video, tile and
+        turn markers); every added token the rendered prompt holds (chat
+        markup); the config's image / video tokens; and :meth:`extra_markup`.
+        Strings that are not markup-shaped (:func:`is_markup`) are left out."""
+        tok = self.tokenizer
+        strings = set(getattr(tok, "all_special_tokens", None) or [])
+        added = getattr(tok, "added_tokens_decoder", None) or {}
+        strings.update(str(t) for t in added.values() if getattr(t, "special", False))
+        decoder = getattr(tok, "decoder", None)
+        if isinstance(decoder, dict):  # open_clip's SimpleTokenizer: <start_of_text>, <end_of_text>
+            strings.update(decoder[i] for i in getattr(tok, "all_special_ids", []) if i in decoder)
+        placeholders: dict[str, str] = {}
+        for name, value in getattr(self.processor, "__dict__", {}).items():
+            if isinstance(value, str) and name.endswith(("_token", "_tag")):
+                kind = name.removesuffix("_token")
+                if kind in ("image", "video", "audio"):
+                    placeholders[value] = kind
+                else:
+                    strings.add(value)
+        model_config = getattr(self.model, "config", None)
+        for kind in ("image", "video"):
+            i = getattr(model_config, f"{kind}_token_id", None) if model_config is not None else None
+            if isinstance(i, int) and hasattr(tok, "convert_ids_to_tokens"):
+                token = tok.convert_ids_to_tokens(i)
+                if isinstance(token, str):
+                    placeholders.setdefault(token, kind)
+        try:  # chat markup: the added tokens the prompt around a question is made of
+            strings.update(str(added[i]) for i in self.text_ids(self.prompt(PROBE_QUESTION)) if i in added)
+        except ReadoutError:
+            pass  # a prompt that does not render was refused when the adapter was built
+        strings.update(self.extra_markup())
+        placeholders = {s: k for s, k in placeholders.items() if is_markup(s)}
+        special = tuple(sorted(s for s in strings if is_markup(s) and s not in placeholders))
+        unk = getattr(tok, "unk_token_id", None)
+        ids = {}
+        for s in (*special, *placeholders):
+            i = self._vocab_id(s)
+            if i is not None and i != unk:
+                ids[i] = s
+        return PromptMarkup(placeholders, special, ids)
+
+    def extra_markup(self) -> list[str]:
+        """Family-specific control strings the generic derivation cannot see (default none)."""
+        return []
+
+    def check_question(self, question: str, *, raw_prompt: bool = False) -> None:
+        """Raise :class:`core.errors.QuestionError` (one line) for a question the
+        model cannot be run on as asked. One check for every family:
+
+        * not a ``str``, or not encodable as UTF-8 (lone surrogates);
+        * empty;
+        * an image / video placeholder the processor would expand (always);
+        * any other special or control token of this model (see :attr:`markup`):
+          the tokenizer splits it out of the text and the model reads it as
+          markup; allowed only with ``raw_prompt=True``;
+        * words the vocabulary does not have (the tokenizer's unk token);
+        * then :meth:`check_fits` (the family's length limit).
+
+        Special tokens are found as substrings of the question (tokenizers
+        match them before any other splitting) and as ids in its encoding
+        (text a normaliser turns into one)."""
+        check_text(question)
+        if not question.strip():
+            raise QuestionError("the question is empty")
+        ids = self.text_ids(question)
+        self.check_markup(question, ids, raw_prompt=raw_prompt)
+        self._check_known_words(question, ids, raw_prompt)
+        self.check_fits(question, ids)
+
+    def check_markup(self, question: str, ids: list[int] | None = None, *, raw_prompt: bool = False) -> None:
+        """QuestionError naming the first image / video placeholder (always) or
+        other special token (unless ``raw_prompt``) of :attr:`markup` that
+        ``question`` holds, as a substring or, in ``ids`` (its encoding,
+        computed if None), as a token id."""
+        markup = self.markup
+        ids = self.text_ids(question) if ids is None else ids
+        found = [s for s in markup.placeholders if s in question]
+        found += [markup.ids[i] for i in ids if markup.ids.get(i) in markup.placeholders]
+        if found:
+            token = _first_named(question, found)
+            kind = markup.placeholders[token]
+            raise QuestionError(
+                f"the question may not contain the {kind} placeholder {token!r} ({kind} markup: the processor "
+                f"would expand it into {kind} tokens, and a question comes with one image; refused in raw "
+                "prompts too)"
+            )
+        if raw_prompt:
+            return
+        found = [s for s in markup.special if s in question] + [markup.ids[i] for i in ids if i in markup.ids]
+        if found:
+            raise QuestionError(
+                f"the question contains the special token {_first_named(question, found)!r} (the model would "
+                "read it as markup); pass raw prompts explicitly (raw_prompt=True, --raw-prompt) to allow it"
+            )
+
+    def _check_known_words(self, question: str, ids: list[int], raw_prompt: bool) -> None:
+        """QuestionError naming the words the tokenizer maps to its unk token.
+        The unk token's own string is no unknown word where the question may
+        hold it: typed on purpose in a raw prompt, or a plain word (an unk
+        token spelled ``unk``), which that tokenizer always reads so."""
+        tok = self.tokenizer
+        unk = getattr(tok, "unk_token_id", None)
+        if unk is None or unk not in ids or not hasattr(tok, "get_vocab"):
+            return
+        unk_token = getattr(tok, "unk_token", None)
+        text = question
+        if isinstance(unk_token, str) and unk_token and (raw_prompt or not is_markup(unk_token)):
+            typed = re.compile(rf"(?<!\w){re.escape(unk_token)}(?!\w)")
+            if ids.count(unk) <= len(typed.findall(question)):
+                return
+            text = typed.sub(" ", question)
+        from core.zoo.vocab import unknown_words
+
+        words = [w if w.isprintable() else repr(w) for w in unknown_words(tok, text)]  # control characters shown escaped
+        raise QuestionError(f"the question uses words this model's vocabulary does not have: {', '.join(words) or '?'}")
+
+    def check_fits(self, question: str, ids: list[int]) -> None:
+        """Raise QuestionError if the prompt for ``question`` (``ids``: its own
+        tokens) cannot fit the model; default: no limit."""
+        return None
+
+    def checked_batch(self, images, questions, raw_prompt: bool = False) -> tuple[list[Image.Image], list[str]]:
+        """``(images as RGB PIL images, rendered prompts)`` for a batch, after
+        :meth:`check_question` on every question; what each family's
+        :meth:`prepare` starts from."""
+        from core.images import load_image
+
+        images, questions = list(images), list(questions)
+        check_pairs(images, questions)
+        if not questions:
+            raise QuestionError("no questions given")
+        for q in questions:
+            self.check_question(q, raw_prompt=raw_prompt)
+        return [load_image(im) for im in images], [self.prompt(q) for q in questions]
 
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)]).strip()
 
     def token_id(self, token: str) -> int:
-        """Id of a one-token answer string; QuestionError if it is not one token."""
-        from core.errors import QuestionError
-
-        ids = self.tokenizer.encode(token, add_special_tokens=False)
+        """Id of a one-token answer string; QuestionError if it is not valid
+        text, not one token, or a word the vocabulary does not have."""
+        check_text(token, "answer token")
+        ids = self.text_ids(token)
         if len(ids) != 1:
             raise QuestionError(f"{token!r} is not a single token for this model ({len(ids)} tokens)")
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        if ids[0] == unk and token.strip() != getattr(self.tokenizer, "unk_token", None):
+            raise QuestionError(f"{token!r} is not in this model's vocabulary (it would read as the unknown token)")
         return int(ids[0])
 
     # ---- running
     @abstractmethod
-    def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
+    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
         """Process images (PIL images, paths or uint8 arrays) and questions
-        into one right-padded batch."""
+        into one right-padded batch; every question goes through
+        :meth:`check_question` (``raw_prompt``: allow special tokens)."""
 
     @abstractmethod
     def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from core.errors import QuestionError
+from core.models.adapter import ModelInputs, config_int
+
 
 class LlamaStyleWeights:
     """Per-head W_Q/W_K/W_V/W_O (grouped K/V expanded), norms, unembedding
@@ -31,23 +34,45 @@ class LlamaStyleWeights:
     # ---- prompts and batches through the model's own Hugging Face processor
     fallback_prompt: str = "{question}"  # used when the processor has no chat template
 
+    @classmethod
+    def check_config(cls, config) -> None:
+        """The image token id (the model finds its image by it) and the length
+        limit the adapter reads must be integers."""
+        super().check_config(config)
+        config_int(config, "image_token_id", required=True)
+        text = "text_config." if getattr(config, "text_config", None) is not None else ""
+        config_int(config, f"{text}max_position_embeddings", minimum=1)
+
+    def _max_positions(self) -> int:
+        """The decoder's position limit (10**9 when the config sets none)."""
+        return int(getattr(self.text_config, "max_position_embeddings", None) or 10**9)
+
+    @property
+    def prompt_field(self) -> str:
+        return "chat_template" if getattr(self.processor, "chat_template", None) else f"{self.family} fallback prompt"
+
     def prompt(self, question: str) -> str:
+        """The processor's chat template rendered for one user turn holding the
+        image then the question, with the generation prompt; the family's
+        :attr:`fallback_prompt` when the processor has no template.
+        QuestionError naming ``chat_template`` if the template does not render."""
         conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
         if getattr(self.processor, "chat_template", None):
-            return self.processor.apply_chat_template(conversation, add_generation_prompt=True)
+            try:
+                return self.processor.apply_chat_template(conversation, add_generation_prompt=True)
+            except Exception as e:  # the template is data from the model folder: any Jinja error or raise
+                first = (str(e).splitlines() or [""])[0][:300]
+                raise QuestionError(f"chat_template: cannot render the prompt ({type(e).__name__}: {first})") from None
         return self.fallback_prompt.format(question=question)
 
-    def _processed_batch(self, images: list, questions: list[str]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    def _processed_batch(
+        self, images: list, questions: list[str], raw_prompt: bool = False
+    ) -> tuple[dict[str, torch.Tensor], list[str]]:
         """Check the questions, render the prompts and run the processor with
         right padding (so each row's answer position is its last real token);
         tensors on the model's device, pixels in its dtype. Images may be
         paths, arrays or PIL images."""
-        from core.images import load_image
-
-        images = [load_image(im) for im in images]
-        for q in questions:
-            self.check_question(q)
-        prompts = [self.prompt(q) for q in questions]
+        images, prompts = self.checked_batch(images, questions, raw_prompt)
         tok = self.processor.tokenizer
         old_side = tok.padding_side
         tok.padding_side = "right"
@@ -59,6 +84,18 @@ class LlamaStyleWeights:
         if "pixel_values" in tensors:
             tensors["pixel_values"] = tensors["pixel_values"].to(next(self.model.parameters()).dtype)
         return tensors, prompts
+
+    def _batch_inputs(self, tensors: dict[str, torch.Tensor], prompts: list[str]) -> ModelInputs:
+        """The :class:`ModelInputs` of a right-padded processed batch (answer
+        position: each row's last real token), after checking that its longest
+        row fits the decoder (visual token counts may follow the image size)."""
+        mask = tensors["attention_mask"]
+        longest = int(mask.sum(dim=1).max())
+        if longest > self._max_positions():
+            raise QuestionError(
+                f"the question is too long: {longest} tokens with the image, the model takes {self._max_positions()}"
+            )
+        return ModelInputs(tensors, mask.sum(dim=1) - 1, tensors["input_ids"], prompts)
 
     @property
     def language_model(self):

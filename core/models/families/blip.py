@@ -50,8 +50,7 @@ import torch
 from PIL import Image
 
 from core.errors import QuestionError
-from core.models.adapter import Adapter, ModelInputs
-from core.models.families.llava import _unknown_token_check
+from core.models.adapter import Adapter, ModelInputs, config_int
 from core.models.norms import IdentityNorm, Norm
 from core.models.registry import register
 
@@ -204,37 +203,37 @@ class BlipAdapter(Adapter):
     def describe(self) -> dict:
         return {**super().describe(), "final_transform": "dense+gelu+layernorm", "norm_placement": "post"}
 
-    # ---- text
-    def prompt(self, question: str) -> str:
-        return self.config.get("prompt", "{question}").format(question=question)
+    # ---- text (the prompt: the adapter config's template, see Adapter.prompt)
+    token_id_fields = (
+        ("text_config.bos_token_id", True),
+        ("text_config.pad_token_id", False),
+        ("text_config.sep_token_id", False),
+    )
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """The decoder's BOS / pad / [SEP] ids and length limit, which :meth:`prepare` reads."""
+        super().check_config(config)
+        config_int(config, "text_config.max_position_embeddings", minimum=1, required=True)
 
     @property
     def _sep_id(self) -> int | None:
         sep = getattr(self.tokenizer, "sep_token_id", None)
         return sep if sep is not None else self.text_config.sep_token_id
 
-    def check_question(self, question: str) -> None:
-        if not question.strip():
-            raise QuestionError("the question (caption prefix) is empty")
-        ids = self.tokenizer.encode(question, add_special_tokens=False)
-        _unknown_token_check(self.tokenizer, question, ids)
-        ids = self.tokenizer.encode(self.prompt(question))
-        n = len(ids) - (1 if ids and ids[-1] == self._sep_id else 0)
+    def check_fits(self, question: str, ids: list[int]) -> None:
+        prompt_ids = self.tokenizer.encode(self.prompt(question))  # [CLS] ... [SEP]; [CLS] becomes BOS
+        n = len(prompt_ids) - (1 if prompt_ids and prompt_ids[-1] == self._sep_id else 0)
         limit = int(self.text_config.max_position_embeddings)
         if n > limit:
             raise QuestionError(f"the question is too long: {n} tokens, the model takes {limit}")
 
     # ---- running
-    def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
+    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
         """One right-padded batch: ``pixel_values (batch, 3, H, W)``,
         ``input_ids`` / ``attention_mask (batch, pos)`` as ``generate`` feeds
         the decoder (BOS first, no [SEP])."""
-        from core.images import load_image
-
-        images = [load_image(im) for im in images]
-        for q in questions:
-            self.check_question(q)
-        prompts = [self.prompt(q) for q in questions]
+        images, prompts = self.checked_batch(images, questions, raw_prompt)
         tok = self.processor.tokenizer
         old_side = tok.padding_side
         tok.padding_side = "right"

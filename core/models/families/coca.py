@@ -8,7 +8,6 @@ from PIL import Image
 
 from core.errors import QuestionError
 from core.models.adapter import Adapter, ModelInputs
-from core.models.families.llava import _unknown_token_check
 from core.models.registry import register
 
 
@@ -45,9 +44,6 @@ class CocaAdapter(Adapter):
     def context_length(self) -> int:
         return int(self.model.text.positional_embedding.shape[0])
 
-    def prompt(self, question: str) -> str:
-        return self.config.get("prompt", "{question}").format(question=question)
-
     def _encode(self, text: str) -> list[int]:
         if hasattr(self.tokenizer, "encode") and hasattr(self.tokenizer, "get_vocab"):
             return list(self.tokenizer.encode(text))  # Hugging Face tokenizer, <s> included
@@ -56,11 +52,7 @@ class CocaAdapter(Adapter):
         eot = getattr(self.tokenizer, "eot_token_id", None)
         return ids[: ids.index(eot)] if eot in ids else [i for i in ids if i != 0]
 
-    def check_question(self, question: str) -> None:
-        if not question.strip():
-            raise QuestionError("the question is empty")
-        if hasattr(self.tokenizer, "get_vocab"):
-            _unknown_token_check(self.tokenizer, question, self.tokenizer.encode(question, add_special_tokens=False))
+    def check_fits(self, question: str, ids: list[int]) -> None:
         # The text tower appends a CLS token, so one position is reserved.
         n = len(self._encode(self.prompt(question)))
         if n + 1 > self.context_length:
@@ -71,13 +63,8 @@ class CocaAdapter(Adapter):
             return self.tokenizer.decode([int(token_id)]).strip()
         return str(token_id)
 
-    def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
-        from core.images import load_image
-
-        images = [load_image(im) for im in images]  # paths and arrays too; RGB, EXIF applied
-        for q in questions:
-            self.check_question(q)
-        prompts = [self.prompt(q) for q in questions]
+    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
+        images, prompts = self.checked_batch(images, questions, raw_prompt)  # RGB PIL images, EXIF applied
         encoded = [self._encode(p) for p in prompts]
         longest = max(len(e) for e in encoded)
         pad = getattr(self.model, "pad_id", 0)

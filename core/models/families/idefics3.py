@@ -54,8 +54,8 @@ import torch
 from PIL import Image
 
 from core.errors import QuestionError
-from core.models.adapter import ModelInputs
-from core.models.families.llava import LlavaAdapter, _unknown_token_check
+from core.models.adapter import ModelInputs, config_int
+from core.models.families.llava import LlavaAdapter
 from core.models.registry import register
 
 # transformers' image_processing_idefics3.MAX_IMAGE_SIZE: no resized edge exceeds it.
@@ -146,40 +146,32 @@ class Idefics3Adapter(LlavaAdapter):
         return self.model.model.text_model
 
     # ---- text
-    def _max_positions(self) -> int:
-        return int(getattr(self.text_config, "max_position_embeddings", None) or 10**9)
+    @classmethod
+    def check_config(cls, config) -> None:
+        super().check_config(config)
+        config_int(config, "scale_factor", minimum=1, required=True)
+        config_int(config, "vision_config.patch_size", minimum=1, required=True)
 
-    def _markup_tokens(self) -> list[str]:
-        """The strings the processor expands or writes around images."""
-        p = self.processor
-        names = ("image_token", "fake_image_token", "global_image_tag", "global_image_token", "video_token")
-        return [t for t in (getattr(p, n, None) for n in names) if isinstance(t, str)]
+    def extra_markup(self) -> list[str]:
+        """The tile markers ``<row_r_col_c>`` the processor writes, whether or not
+        the tokenizer marks them special."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        return [str(t) for t in added.values() if _ROW_COL.match(str(t))]
 
-    def check_question(self, question: str) -> None:
-        if not question.strip():
-            raise QuestionError("the question is empty")
-        for markup in self._markup_tokens():
-            if markup in question:
-                # the processor would expand it as a second image (or refuse the count)
-                raise QuestionError(f"the question contains the image markup {markup!r}")
-        ids = self.tokenizer.encode(question, add_special_tokens=False)
-        _unknown_token_check(self.tokenizer, question, ids)
+    def check_fits(self, question: str, ids: list[int]) -> None:
         # The image's token count follows its size; prepare() checks the real total.
         total = len(self.tokenizer.encode(self.prompt(question), add_special_tokens=False))
         if total > self._max_positions():
             raise QuestionError(f"the question is too long: {total} tokens, the model takes {self._max_positions()}")
 
     # ---- running
-    def _processed_batch(self, images: list, questions: list[str]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    def _processed_batch(
+        self, images: list, questions: list[str], raw_prompt: bool = False
+    ) -> tuple[dict[str, torch.Tensor], list[str]]:
         """As :meth:`LlamaStyleWeights._processed_batch`, but the images go to the
         processor nested one list per prompt: SmolVLM's processor reads a flat
         list as one sample holding every image."""
-        from core.images import load_image
-
-        images = [load_image(im) for im in images]
-        for q in questions:
-            self.check_question(q)
-        prompts = [self.prompt(q) for q in questions]
+        images, prompts = self.checked_batch(images, questions, raw_prompt)
         tok = self.processor.tokenizer
         old_side = tok.padding_side
         tok.padding_side = "right"
@@ -191,7 +183,7 @@ class Idefics3Adapter(LlavaAdapter):
         tensors["pixel_values"] = tensors["pixel_values"].to(next(self.model.parameters()).dtype)
         return tensors, prompts
 
-    def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
+    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
         """One right-padded batch (one image per question).
 
         ``tensors`` holds ``input_ids`` and ``attention_mask`` ``(batch, pos)``,
@@ -199,15 +191,7 @@ class Idefics3Adapter(LlavaAdapter):
         (all-zero frames pad rows with fewer tiles) and ``pixel_attention_mask``
         ``(batch, max_frames, M, M)``.
         """
-        tensors, prompts = self._processed_batch(images, questions)
-        mask = tensors["attention_mask"]
-        longest = int(mask.sum(dim=1).max())
-        if longest > self._max_positions():
-            raise QuestionError(
-                f"the question is too long: {longest} tokens with the image, the model takes {self._max_positions()}"
-            )
-        last = mask.sum(dim=1) - 1
-        return ModelInputs(tensors, last, tensors["input_ids"], prompts)
+        return self._batch_inputs(*self._processed_batch(images, questions, raw_prompt))
 
     def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
         return self.model(**inputs.tensors, use_cache=False).logits

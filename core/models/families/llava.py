@@ -7,18 +7,9 @@ import torch
 from PIL import Image
 
 from core.errors import QuestionError
-from core.models.adapter import Adapter, ModelInputs
+from core.models.adapter import Adapter, ModelInputs, config_int
 from core.models.families._decoder import LlamaStyleWeights
 from core.models.registry import register
-
-
-def _unknown_token_check(tokenizer, question: str, ids: list[int]) -> None:
-    unk = getattr(tokenizer, "unk_token_id", None)
-    if unk is not None and unk in ids:
-        from core.zoo.vocab import unknown_words
-
-        words = unknown_words(tokenizer, question)
-        raise QuestionError(f"the question uses words this model's vocabulary does not have: {', '.join(words) or '?'}")
 
 
 @register(hf=("LlavaForConditionalGeneration",))
@@ -31,21 +22,20 @@ class LlavaAdapter(LlamaStyleWeights, Adapter):
     fallback_prompt = "USER: <image>\n{question} ASSISTANT:"
     edit_sites = ("z", "mlp", "resid", "knockout", "vision_out", "projector_out")
 
-    def check_question(self, question: str) -> None:
-        if not question.strip():
-            raise QuestionError("the question is empty")
-        ids = self.tokenizer.encode(question, add_special_tokens=False)
-        _unknown_token_check(self.tokenizer, question, ids)
+    @classmethod
+    def check_config(cls, config) -> None:
+        super().check_config(config)
+        config_int(config, "image_seq_length")
+
+    def check_fits(self, question: str, ids: list[int]) -> None:
         n_image = int(getattr(self.model.config, "image_seq_length", 0) or 0)
         total = len(self.tokenizer.encode(self.prompt(question))) + n_image
-        limit = int(getattr(self.text_config, "max_position_embeddings", 10**9))
+        limit = self._max_positions()
         if total > limit:
             raise QuestionError(f"the question is too long: {total} tokens with the image, the model takes {limit}")
 
-    def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
-        tensors, prompts = self._processed_batch(images, questions)
-        last = tensors["attention_mask"].sum(dim=1) - 1
-        return ModelInputs(tensors, last, tensors["input_ids"], prompts)
+    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
+        return self._batch_inputs(*self._processed_batch(images, questions, raw_prompt))
 
     def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
         return self.model(**inputs.tensors).logits

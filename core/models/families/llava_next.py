@@ -53,10 +53,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from core.errors import QuestionError
+from core.errors import ModelLoadError, QuestionError
 from core.geometry import VisualToken
-from core.models.adapter import ModelInputs
-from core.models.families.llava import LlavaAdapter, _unknown_token_check
+from core.models.adapter import ModelInputs, config_int
+from core.models.families.llava import LlavaAdapter
 from core.models.registry import register
 
 
@@ -264,17 +264,28 @@ class LlavaNextAdapter(LlavaAdapter):
         ]
 
     # ---- text
-    def _max_positions(self) -> int:
-        return int(getattr(self.text_config, "max_position_embeddings", None) or 10**9)
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Also the fields the any-resolution layout reads: ``image_grid_pinpoints``
+        (``[height, width]`` pairs of positive integers) and the tower's sizes."""
+        super().check_config(config)
+        pinpoints = getattr(config, "image_grid_pinpoints", None)
+        ok = isinstance(pinpoints, (list, tuple)) and len(pinpoints) > 0
+        for p in pinpoints if ok else ():
+            ok = ok and isinstance(p, (list, tuple)) and len(p) == 2
+            ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in p)
+        if not ok:
+            raise ModelLoadError(
+                f"config.json image_grid_pinpoints: expected a list of [height, width] pairs of positive "
+                f"integers, got {pinpoints!r}"[:300]
+            )
+        for field in ("vision_config.image_size", "vision_config.patch_size"):
+            config_int(config, field, minimum=1, required=True)
 
-    def check_question(self, question: str) -> None:
-        """QuestionError for an empty question, unknown words, or a prompt that
-        cannot fit even with the fewest visual tokens (the base image's); the
-        real total, which follows the image size, is checked by :meth:`prepare`."""
-        if not question.strip():
-            raise QuestionError("the question is empty")
-        ids = self.tokenizer.encode(question, add_special_tokens=False)
-        _unknown_token_check(self.tokenizer, question, ids)
+    def check_fits(self, question: str, ids: list[int]) -> None:
+        """QuestionError for a prompt that cannot fit even with the fewest visual
+        tokens (the base image's); the real total, which follows the image
+        size, is checked by :meth:`prepare`."""
         tile, patch, _ = self._model_grid()
         # the prompt's one <image> placeholder becomes at least the base image's tokens
         total = len(self.tokenizer.encode(self.prompt(question))) - 1 + (tile // patch) ** 2
@@ -285,22 +296,14 @@ class LlavaNextAdapter(LlavaAdapter):
             )
 
     # ---- running
-    def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
+    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
         """One right-padded batch (one image per question).
 
         ``tensors`` holds ``input_ids``, ``attention_mask`` ``(batch, pos)``,
         ``pixel_values`` ``(batch, 1 + max_tiles, C, tile, tile)`` in the
         model's dtype (rows with fewer tiles zero-padded) and ``image_sizes``
         ``(batch, 2)`` as (height, width) of the original images."""
-        tensors, prompts = self._processed_batch(images, questions)
-        mask = tensors["attention_mask"]
-        longest = int(mask.sum(dim=1).max())
-        if longest > self._max_positions():
-            raise QuestionError(
-                f"the question is too long: {longest} tokens with the image, the model takes {self._max_positions()}"
-            )
-        last = mask.sum(dim=1) - 1
-        return ModelInputs(tensors, last, tensors["input_ids"], prompts)
+        return self._batch_inputs(*self._processed_batch(images, questions, raw_prompt))
 
     def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
         return self.model(**inputs.tensors, use_cache=False).logits

@@ -73,10 +73,9 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from core.errors import QuestionError
-from core.models.adapter import Adapter, ModelInputs
+from core.errors import ModelLoadError, QuestionError
+from core.models.adapter import Adapter, ModelInputs, config_int, config_value
 from core.models.families._decoder import LlamaStyleWeights
-from core.models.families.llava import _unknown_token_check
 from core.models.norms import IdentityNorm, Norm
 from core.models.registry import register
 
@@ -158,29 +157,33 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
         return int(self.vision_model.num_patches)
 
     # ---- text
-    def check_question(self, question: str) -> None:
-        if not question.strip():
-            raise QuestionError("the question is empty")
-        image_token = getattr(self.processor, "image_token", "<|image|>")
-        if image_token in question:
-            raise QuestionError(f"the question may not contain the image token {image_token}")
-        ids = self.tokenizer.encode(question, add_special_tokens=False)
-        _unknown_token_check(self.tokenizer, question, ids)
-        total = len(self.tokenizer.encode(self.prompt(question), add_special_tokens=False))
-        limit = int(getattr(self.text_config, "max_position_embeddings", None) or 10**9)
-        if total > limit:
-            raise QuestionError(f"the question is too long: {total} tokens, the model takes {limit}")
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Also ``text_config.cross_attention_layers``: distinct layer indices of the decoder."""
+        super().check_config(config)
+        n = config_int(config, "text_config.num_hidden_layers", minimum=1, required=True)
+        layers = config_value(config, "text_config.cross_attention_layers")
+        valid = isinstance(layers, (list, tuple)) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in layers
+        )
+        if not valid or len(set(layers)) != len(layers):
+            raise ModelLoadError(
+                f"config.json text_config.cross_attention_layers: expected distinct layer indices in "
+                f"0..{n - 1}, got {layers!r}"[:300]
+            )
 
-    def _processed_batch(self, images: list, questions: list[str]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    def check_fits(self, question: str, ids: list[int]) -> None:
+        total = len(self.tokenizer.encode(self.prompt(question), add_special_tokens=False))
+        if total > self._max_positions():
+            raise QuestionError(f"the question is too long: {total} tokens, the model takes {self._max_positions()}")
+
+    def _processed_batch(
+        self, images: list, questions: list[str], raw_prompt: bool = False
+    ) -> tuple[dict[str, torch.Tensor], list[str]]:
         """As :meth:`LlamaStyleWeights._processed_batch`, but the tokenizer adds no
         BOS when the rendered prompt already starts with one (Llama 3's tokenizer
         prepends ``<|begin_of_text|>`` and so does the chat template)."""
-        from core.images import load_image
-
-        images = [load_image(im) for im in images]
-        for q in questions:
-            self.check_question(q)
-        prompts = [self.prompt(q) for q in questions]
+        images, prompts = self.checked_batch(images, questions, raw_prompt)
         tok = self.processor.tokenizer
         bos = getattr(tok, "bos_token", None)
         has_bos = bool(bos) and all(p.startswith(bos) for p in prompts)
@@ -201,7 +204,7 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
         return tensors, prompts
 
     # ---- running
-    def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
+    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
         """One right-padded batch, one image per question.
 
         ``tensors``: ``input_ids`` and ``attention_mask`` ``(batch, pos)``,
@@ -209,9 +212,7 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
         dtype, ``aspect_ratio_ids`` ``(batch, 1)``, ``aspect_ratio_mask``
         ``(batch, 1, max_tiles)`` and ``cross_attention_mask``
         ``(batch, pos, 1, max_tiles)``."""
-        tensors, prompts = self._processed_batch(images, questions)
-        last = tensors["attention_mask"].sum(dim=1) - 1
-        return ModelInputs(tensors, last, tensors["input_ids"], prompts)
+        return self._batch_inputs(*self._processed_batch(images, questions, raw_prompt))
 
     def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
         return self.model(**inputs.tensors, use_cache=False).logits

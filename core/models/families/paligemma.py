@@ -48,7 +48,7 @@ import torch
 from PIL import Image
 
 from core.errors import QuestionError, UnsupportedArchitectureError
-from core.models.adapter import Adapter, ModelInputs
+from core.models.adapter import Adapter, ModelInputs, config_int
 from core.models.families._decoder import LlamaStyleWeights
 from core.models.norms import Norm
 from core.models.registry import register
@@ -123,13 +123,13 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
     # the question the user types.
     fallback_prompt = IMAGE_TOKEN + "{question}"
 
-    def __init__(self, model, processor, tokenizer, config: dict | None = None):
-        super().__init__(model, processor, tokenizer, config)
-        self.check_config(model.config)
-
     @classmethod
     def check_config(cls, config) -> None:
-        """Refuse what the read-outs cannot reproduce (called before the weights load, too)."""
+        """Refuse what the read-outs cannot reproduce (called before the weights
+        load and when the adapter is built)."""
+        super().check_config(config)
+        for field in ("vision_config.image_size", "vision_config.patch_size"):
+            config_int(config, field, minimum=1, required=True)
         text = config.get_text_config()
         kind = getattr(text, "model_type", None)
         if kind != "gemma":
@@ -159,23 +159,7 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
         return (vision.image_size // vision.patch_size) ** 2
 
     # ---- text
-    def _max_positions(self) -> int:
-        return int(getattr(self.text_config, "max_position_embeddings", None) or 10**9)
-
-    def check_question(self, question: str) -> None:
-        if not question.strip():
-            raise QuestionError("the question is empty")
-        if IMAGE_TOKEN in question or (self.tokenizer.bos_token and self.tokenizer.bos_token in question):
-            raise QuestionError(f"the question may not contain {IMAGE_TOKEN} or the BOS token")
-        ids = self.tokenizer.encode(question, add_special_tokens=False)
-        unk = getattr(self.tokenizer, "unk_token_id", None)
-        if unk is not None and unk in ids:
-            from core.zoo.vocab import unknown_words
-
-            words = unknown_words(self.tokenizer, question)
-            raise QuestionError(
-                f"the question uses words this model's vocabulary does not have: {', '.join(words) or '?'}"
-            )
+    def check_fits(self, question: str, ids: list[int]) -> None:
         # image tokens + <bos> + question + "\n"; positions run 1..total
         total = self.n_image_tokens + 1 + len(ids) + 1
         if total > self._max_positions():
@@ -184,7 +168,7 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
             )
 
     # ---- running
-    def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
+    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
         """One right-padded batch (one image per question).
 
         ``tensors`` holds ``input_ids``, ``attention_mask``, ``token_type_ids``
@@ -193,10 +177,9 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
         processor's ``labels`` (all -100 without a suffix) are dropped: they
         would make the forward compute a loss.
         """
-        tensors, prompts = self._processed_batch(images, questions)
+        tensors, prompts = self._processed_batch(images, questions, raw_prompt)
         tensors.pop("labels", None)
-        last = tensors["attention_mask"].sum(dim=1) - 1
-        return ModelInputs(tensors, last, tensors["input_ids"], prompts)
+        return self._batch_inputs(tensors, prompts)
 
     def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
         return self.model(**inputs.tensors, use_cache=False).logits

@@ -76,43 +76,21 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
     # ---- text
     fallback_prompt = QWEN_PROMPT
 
-    def _max_positions(self) -> int:
-        return int(getattr(self.text_config, "max_position_embeddings", None) or 10**9)
-
-    def check_question(self, question: str) -> None:
-        if not question.strip():
-            raise QuestionError("the question is empty")
-        ids = self.tokenizer.encode(question, add_special_tokens=False)
-        unk = getattr(self.tokenizer, "unk_token_id", None)
-        if unk is not None and unk in ids:
-            from core.zoo.vocab import unknown_words
-
-            words = unknown_words(self.tokenizer, question)
-            raise QuestionError(
-                f"the question uses words this model's vocabulary does not have: {', '.join(words) or '?'}"
-            )
+    def check_fits(self, question: str, ids: list[int]) -> None:
         # The image's token count depends on its size; prepare() checks the real total.
         total = len(self.tokenizer.encode(self.prompt(question), add_special_tokens=False))
         if total > self._max_positions():
             raise QuestionError(f"the question is too long: {total} tokens, the model takes {self._max_positions()}")
 
     # ---- running
-    def prepare(self, images: list[Image.Image], questions: list[str]) -> ModelInputs:
+    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
         """One right-padded batch (one image per question).
 
         ``tensors`` holds ``input_ids``, ``attention_mask``, ``mm_token_type_ids``
         (0 text, 1 image), ``pixel_values`` ``(n_patches_total, C * T * P * P)``
         in the model's dtype and ``image_grid_thw`` ``(n_images, 3)`` in patches.
         """
-        tensors, prompts = self._processed_batch(images, questions)
-        mask = tensors["attention_mask"]
-        longest = int(mask.sum(dim=1).max())
-        if longest > self._max_positions():
-            raise QuestionError(
-                f"the question is too long: {longest} tokens with the image, the model takes {self._max_positions()}"
-            )
-        last = mask.sum(dim=1) - 1
-        return ModelInputs(tensors, last, tensors["input_ids"], prompts)
+        return self._batch_inputs(*self._processed_batch(images, questions, raw_prompt))
 
     def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
         return self.model(**inputs.tensors, use_cache=False).logits
