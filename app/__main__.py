@@ -8,7 +8,9 @@ import sys
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="vlm-readout-app", description=__doc__)
+    from core.cli import Parser  # a refused command line is one line "error: ..." (exit 2), as on the CLI
+
+    p = Parser(prog="vlm-readout-app", description=__doc__)
     p.add_argument(
         "--model",
         default="shapes-llava",
@@ -16,7 +18,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--image", help="image file (default: the first bundled sample)")
     p.add_argument("--question", help="question about the image (default: the first bundled sample's)")
-    p.add_argument("--session", help="session file to record into (default: a new one in ~/.local/share/vlm-readout)")
+    p.add_argument(
+        "--session",
+        help="session file to record into, created if missing (default: a new one in ~/.local/share/vlm-readout); "
+        "one that cannot be used is named in the window, which records into a new default one instead",
+    )
     p.add_argument(
         "--tab", default="Answer", help="the tab shown first: Answer, Attention, DLA, Lens, Counterfactual or Audit"
     )

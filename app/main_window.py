@@ -296,6 +296,27 @@ def default_session_path() -> Path:
     return folder / time.strftime("session-%Y%m%d-%H%M%S.vlmr")
 
 
+def open_start_session(path: str | Path | None) -> tuple[Session, str | None]:
+    """The session a window starts with, and a line saying so when it is not
+    the one asked for: the file ``path`` (opened, or created if missing); if
+    that cannot be used (not a session, a folder, an unwritable place), a new
+    file in the user's data folder; if none can be made there, a session in
+    memory that is not saved. Nothing is created elsewhere without saying so."""
+    problem = None
+    if path is not None:
+        try:
+            return Session.open_or_create(path), None
+        except (core.ReadoutError, OSError) as e:
+            problem = f"cannot use the session {path}: {e}"
+    try:
+        fallback = default_session_path()
+        session = Session.open_or_create(fallback)
+    except (core.ReadoutError, OSError) as e:
+        problem = problem or f"cannot create a session file in the user's data folder: {e}"
+        return Session.temporary(), f"{problem}; recording into a temporary session that is not saved"
+    return session, f"{problem}; recording into a new session {fallback} instead" if problem else None
+
+
 def qimage_to_png(image: QImage) -> bytes:
     """Encode a QImage as PNG bytes (for :func:`core.load_image`)."""
     data = QByteArray()
@@ -332,7 +353,7 @@ class MainWindow(QMainWindow):
     ):
         super().__init__()
         self.model_cache = {} if model_cache is None else model_cache
-        self.session = Session.open_or_create(session_path or default_session_path())
+        self.session, session_problem = open_start_session(session_path)
         self.analysis: dict | None = None  # the last analyze result shown in the panels
         self.analysis_inputs: tuple | None = None  # (spec, image, question) it was computed on
         self.last_counterfactual = None
@@ -351,6 +372,7 @@ class MainWindow(QMainWindow):
         self._set_busy(False)
         self._clear_answer()
         self.resize(1280, 800)
+        self._show_session(session_problem)
         self._refresh_audit()
         samples = bundled_samples()
         if samples:
@@ -503,6 +525,12 @@ class MainWindow(QMainWindow):
         controls.addLayout(progress_row, 2, 1)
         controls.addWidget(self.cancel_button, 2, 2)
         controls.addWidget(self.error_label, 3, 0, 1, 3)
+        # Which file the runs are saved in; red (and kept: the error line clears on the next image or run)
+        # when it is not the one asked for.
+        self.session_label = _plain_label()
+        self.session_label.setWordWrap(True)
+        self.session_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        controls.addWidget(self.session_label, 5, 0, 1, 3)
 
         central = QWidget()
         layout = QVBoxLayout(central)
@@ -1073,34 +1101,63 @@ class MainWindow(QMainWindow):
             rows.append({**row, "run": row.get("run_id"), "summary": summaries.get(row.get("run_id"), "")})
         self.audit_panel.set_rows(rows)
 
+    def _show_session(self, problem: str | None = None) -> None:
+        """The session line: the file the runs are saved in, or (red) why it is not the one asked for."""
+        if problem:
+            self.session_label.setStyleSheet("color: #c00000;")
+            self.session_label.setText(" ".join(problem.split()))
+        else:
+            self.session_label.setStyleSheet("color: #555555;")
+            self.session_label.setText(f"session: {self.session.path}")
+
     def export_audit(self, fmt: str, path: str) -> bool:
         from core.export import export_session
 
+        notes: list[str] = []
         try:
-            written = export_session(self.session, fmt, path)
+            written = export_session(self.session, fmt, path, notes=notes)
         except core.ReadoutError as e:
             self.show_error(str(e))
             return False
         self.statusBar().showMessage(f"exported {', '.join(str(p) for p in written)}")
+        if notes:  # exported; some pictures could not be drawn as recorded
+            more = f" (and {len(notes) - 1} more)" if len(notes) > 1 else ""
+            self.show_error(f"exported, but {notes[0]}{more}")
         return True
 
     def open_session(self, path: str | Path) -> bool:
-        """Switch to another session file and show its last read-out and audit table."""
+        """Switch to another session file and show its last read-out and audit
+        table. A file that cannot be opened or read leaves the current session
+        as it was, with the reason in the error line."""
         if self.is_busy():
             self.show_error("a job is running: wait for it or cancel it before opening a session")
             return False
         try:
             session = Session.open(path)
+        except (core.ReadoutError, OSError) as e:
+            self.show_error(f"cannot open the session: {e}")
+            return False
+        try:  # read it before switching: a file whose runs cannot be read is refused whole
+            runs = session.runs()
+            analyzes = [r for r in runs if r.kind == "analyze"]
+            last = session.run(analyzes[-1].id).result if analyzes else None
+            session.audit_table()
         except core.ReadoutError as e:
-            self.show_error(str(e))
+            session.close()
+            self.show_error(f"cannot open the session: {e}")
             return False
         self.session.close()
         self.session = session
-        runs = session.runs("analyze")
-        if runs:
-            self._show_analysis(session.run(runs[-1].id).result)
+        self._show_session()
+        self.show_error("")
+        if last is not None:
+            try:
+                self._show_analysis(last)
+            except (KeyError, TypeError, ValueError, IndexError) as e:  # a result of another shape or version
+                self._show_analysis(None)
+                self.show_error(f"the session's last analyze run cannot be shown ({type(e).__name__}: {e})")
         self._refresh_audit()
-        self.statusBar().showMessage(f"session {Path(path).name}: {len(session.runs())} runs")
+        self.statusBar().showMessage(f"session {Path(path).name}: {len(runs)} runs")
         return True
 
     def open_session_dialog(self) -> None:

@@ -1,11 +1,33 @@
 """Atomic writes: a sibling temporary file, flushed and fsynced, then
-``os.replace`` so a reader never sees a half-written file."""
+``os.replace`` so a reader never sees a half-written file.
+
+Every output the command line writes goes through here, so every output path
+gets the same rules:
+
+* a target that exists must be a regular file: a folder, a FIFO, a device, a
+  socket or a symbolic link is refused, never replaced and never followed
+  (checked with ``os.lstat``);
+* an existing file keeps its permission bits (never widened) and, where the
+  process may, its owner; a read-only file is refused, as ``>`` would refuse it;
+* any failure (read-only folder or file system, a parent that is a file, a
+  full disk, a name too long) is one :class:`core.errors.OutputError` naming
+  the path and the reason; the old file stays as it was and no temporary
+  file is left behind.
+
+:func:`check_output_file` / :func:`check_output_folder` run the same checks
+up front, so a long run fails before it starts rather than when it writes.
+"""
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
+
+from core.errors import OutputError
+
+_MAX_TEMP_STEM = 64  # the temporary name is ".<stem>.<random>.tmp": keep it under NAME_MAX when the target is long
 
 
 def _umask() -> int:
@@ -14,21 +36,156 @@ def _umask() -> int:
     return mask
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def _reason(e: OSError) -> str:
+    return os.strerror(e.errno) if e.errno else str(e)
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, for the message."""
+    for test, name in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _first_existing(path: Path) -> Path | None:
+    """``path`` or its nearest ancestor that exists (by lstat)."""
+    for p in (path, *path.parents):
+        try:
+            os.lstat(p)
+            return p
+        except OSError:
+            continue
+    return None
+
+
+def _blocking_file(path: Path) -> Path | None:
+    """The nearest existing ancestor of ``path`` when it is not a folder (a
+    file where a folder is needed), else None."""
+    p = _first_existing(path)
+    return p if p is not None and not p.is_dir() else None
+
+
+def _existing_file(path: Path) -> os.stat_result | None:
+    """``os.lstat`` of an output target: None when it does not exist; refused
+    unless it is a regular file."""
     try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        raise OutputError(f"cannot write {path}: {_blocking_file(path.parent)} is a file, not a folder") from None
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {_reason(e)}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise OutputError(f"cannot write {path}: it is a folder; give a file name")
+    if not stat.S_ISREG(st.st_mode):
+        raise OutputError(f"refusing to write {path}: it is {_kind(st.st_mode)}, not a regular file")
+    if not os.access(path, os.W_OK):
+        raise OutputError(f"refusing to replace {path}: the file is read-only")
+    return st
+
+
+def make_folder(folder: str | Path) -> Path:
+    """Create ``folder`` (and its parents) if needed; an
+    :class:`OutputError` names what is in the way."""
+    folder = Path(folder)
+    if folder.is_dir():
+        return folder
+    blocker = _blocking_file(folder)
+    if blocker is not None:
+        what = "it is" if blocker == folder else f"{blocker} is"
+        raise OutputError(f"cannot create the folder {folder}: {what} a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create the folder {folder}: {_reason(e)}") from None
+    return folder
+
+
+def _writable_folder(folder: Path, what: str) -> None:
+    """The folder ``folder`` exists (or can be created below a writable
+    ancestor) and can be written; raises :class:`OutputError` naming ``what``."""
+    existing = _first_existing(folder)
+    if existing is None:
+        raise OutputError(f"cannot write {what}: no part of {folder} exists")
+    if not existing.is_dir():
+        raise OutputError(f"cannot write {what}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        reason = "read-only file system" if _read_only_fs(existing) else "permission denied"
+        raise OutputError(f"cannot write {what}: the folder {existing} is not writable ({reason})")
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
+def check_output_file(path: str | Path) -> None:
+    """Fail fast, before a long run: ``path`` can be written as a file (it is
+    absent or a writable regular file, in a folder that exists or can be
+    created and is writable). Creates nothing."""
+    path = Path(path)
+    _writable_folder(path.parent, str(path))
+    _existing_file(path)
+
+
+def check_output_folder(folder: str | Path) -> None:
+    """Fail fast, before a long run: files can be written into ``folder``
+    (an existing writable folder, or one that can be created). Creates nothing."""
+    folder = Path(folder)
+    existing = _first_existing(folder)
+    if existing == folder and not folder.is_dir():
+        raise OutputError(f"cannot write into {folder}: it is a file, not a folder")
+    _writable_folder(folder, f"into {folder}")
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Replace (or create) the regular file ``path`` with ``data`` atomically.
+
+    Raises:
+        OutputError: the target is not a regular file, or the write failed
+            (the old file, if any, is unchanged; no temporary file is left).
+    """
+    path = Path(path)
+    make_folder(path.parent)
+    old = _existing_file(path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:_MAX_TEMP_STEM]}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
+        # mkstemp makes 0600: give a new file the usual permissions, an existing one its own
+        os.chmod(tmp, stat.S_IMODE(old.st_mode) & 0o777 if old is not None else 0o666 & ~_umask())
+        if old is not None and hasattr(os, "chown") and (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
+            try:
+                os.chown(tmp, old.st_uid, old.st_gid)
+            except OSError:  # only root (or the owner, for the group) may; the bits are kept regardless
+                pass
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        tmp = None
+    except OSError as e:
+        kept = "; the existing file is unchanged" if old is not None else ""
+        raise OutputError(f"cannot write {path}: {_reason(e)}{kept}") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """:func:`write_bytes_atomic` of ``text`` encoded as UTF-8."""
     write_bytes_atomic(path, text.encode("utf-8"))

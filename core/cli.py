@@ -1,18 +1,129 @@
 """``vlm-readout`` command line.
 
 Every expected failure (bad image, bad model folder, refused checkpoint,
-question that does not fit) prints one line ``error: ...`` to stderr and
-exits with status 2; nothing prints a traceback for them.
+question that does not fit, an option out of range, a bad line in a pairs
+file, an output that cannot be written) prints one line ``error: ...`` to
+stderr and exits with status 2; nothing prints a traceback for them.
+
+Numeric options are checked when the command line is parsed, by the shared
+``type=`` validators below (:class:`Number`: :data:`positive_int`,
+:data:`non_negative_int`, :data:`positive_float`, :data:`probability`, ...),
+so ``--top-k 0`` is refused before anything loads. Building the parser
+imports no model code of its own (the command modules import torch when their
+command runs; bench/startup.py measures it with ``core/__init__`` stubbed).
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
+import importlib
 import json
+import math
+import os
+import stat
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from core.errors import ReadoutError
+from core.errors import InputFileError, ReadoutError
+
+# ---------------------------------------------------------------- parsing
+
+INT_MAX = 2**31 - 1  # larger counts are typos, and overflow C ints further down
+
+
+class Number:
+    """An argparse ``type=``: a finite int or float in ``[lo, hi]`` (an end
+    open where asked). A value outside is refused at parse time with one line,
+    ``argument --top-k: must be a positive integer (got 0)``.
+
+    Args:
+        kind: ``int`` or ``float``.
+        lo, hi: the bounds (None: unbounded on that side).
+        lo_open, hi_open: exclude that bound.
+    """
+
+    def __init__(self, kind: type, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False):
+        self.kind, self.lo, self.hi, self.lo_open, self.hi_open = kind, lo, hi, lo_open, hi_open
+        self.__name__ = self.describe()  # argparse names the type by it
+
+    def describe(self) -> str:
+        noun = "an integer" if self.kind is int else "a number"
+        lo, hi = self.lo, self.hi
+        if self.kind is int and lo == 1 and hi in (None, INT_MAX):
+            return "a positive integer"
+        if lo == 0 and self.lo_open and hi is None:
+            return f"a positive {'integer' if self.kind is int else 'number'}"
+        if lo is not None and hi in (None, INT_MAX):
+            return f"{noun} {'>' if self.lo_open else '>='} {lo}"
+        if lo is not None and hi is not None:
+            return f"{noun} in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+        return f"{noun} {'<' if self.hi_open else '<='} {hi}" if hi is not None else noun
+
+    def __repr__(self) -> str:
+        return f"Number({self.describe()})"
+
+    def contains(self, value) -> bool:
+        """Whether ``value`` (already a number) is in the domain."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)):
+            return False
+        return not (self.hi is not None and (value > self.hi or (self.hi_open and value == self.hi)))
+
+    def __call__(self, text: str):
+        got = text if str(text).strip() else "an empty value"
+        try:
+            value = self.kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"must be {self.describe()} (got {got})") from None
+        if not self.contains(value):
+            too_large = self.hi is not None and math.isfinite(value) and value > self.hi
+            domain = f"at most {self.hi}" if too_large else self.describe()
+            raise argparse.ArgumentTypeError(f"must be {domain} (got {got})")
+        return value
+
+
+positive_int = Number(int, 1, INT_MAX)
+non_negative_int = Number(int, 0, INT_MAX)
+seed_int = Number(int, 0, 2**32 - 1)  # every generator the engine seeds (numpy, torch) takes these
+positive_float = Number(float, 0, lo_open=True)
+non_negative_float = Number(float, 0)
+probability = Number(float, 0, 1)
+share_below_one = Number(float, 0, 1, hi_open=True)  # momentum, a share of the steps
+positive_share = Number(float, 0, 1, lo_open=True)  # a share that must cover something
+
+
+class LazyChoices:
+    """argparse ``choices`` read from ``module.NAME`` only when an option is
+    checked or help is shown, so building the parser imports no model code
+    (the modules holding the names import torch). Give the option a
+    ``metavar`` (argparse lists the choices in it when the option is added)
+    and ``%(choices)s`` in its help."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def _values(self) -> tuple:
+        return tuple(getattr(importlib.import_module(self.module), self.name))
+
+    def __contains__(self, value) -> bool:
+        return value in self._values()
+
+    def __iter__(self):
+        return iter(self._values())
+
+    def __len__(self) -> int:
+        return len(self._values())
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse in the house style: a refused command line is one line
+    ``error: ...`` on stderr and exit status 2 (no usage block; ``-h`` shows it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {' '.join(str(message).split())}\n")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -39,46 +150,172 @@ def _load(args):
     )
 
 
-def read_pairs(path: Path) -> list[dict]:
-    """JSONL of {"image": path, "question": text[, "answer": token]}; image paths are relative to the file."""
-    if not path.is_file():
-        raise ReadoutError(f"{path}: no such pairs file")
-    pairs = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
+# ---------------------------------------------------------------- JSONL input
+
+
+def _json_type(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    return "an object"
+
+
+def read_jsonl(path: str | Path, what: str = "pairs file") -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` for each non-blank line of a JSONL file.
+
+    The file must be UTF-8 (a leading byte-order mark is accepted) and each
+    non-blank line one JSON object. Lines end at ``\\n`` only (a JSON string
+    may hold U+2028 and the like). Every problem is one
+    :class:`InputFileError` naming the file and the line, ``what`` the file's role.
+    """
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise InputFileError(f"{path}: is a folder, not a {what}")
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):  # a pipe, as <(...) gives, reads like a file
+            raise InputFileError(f"{path}: is a device or socket, not a {what}")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise InputFileError(f"{path}: no such {what}") from None
+    except OSError as e:
+        raise InputFileError(f"{path}: cannot read the {what} ({os.strerror(e.errno) if e.errno else e})") from None
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8) :]
+    utf16 = data[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+    try:
+        text = data.decode("utf-8")
+        bad = text.find("\x00")  # UTF-16 without a byte-order mark decodes, with a NUL in every other byte
+    except UnicodeDecodeError as e:
+        text, bad = "", -1
+        line = data.count(b"\n", 0, e.start) + 1
+    else:
+        line = text.count("\n", 0, bad) + 1 if bad >= 0 else 0
+        utf16 = utf16 or bad >= 0
+    if line:
+        hint = "; it looks like UTF-16" if utf16 else ""
+        raise InputFileError(f"{path}: not UTF-8 (line {line}){hint}; save the {what} as UTF-8")
+    for n, raw in enumerate(text.split("\n"), 1):
+        line_text = raw.rstrip("\r")
+        if not line_text.strip():
             continue
         try:
-            item = json.loads(line)
-            image, question = item["image"], item["question"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ReadoutError(f'{path}:{n}: expected {{"image": PATH, "question": TEXT}}') from None
-        image_path = Path(image)
-        if not image_path.is_absolute():
-            image_path = path.parent / image_path
+            item = json.loads(line_text)
+        except json.JSONDecodeError as e:
+            raise InputFileError(f"{path}:{n}: not JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise InputFileError(f"{path}:{n}: JSON nested too deeply") from None
+        if not isinstance(item, dict):
+            raise InputFileError(f"{path}:{n}: expected a JSON object {{...}}, got {_json_type(item)}")
+        yield n, item
+
+
+def text_field(row: dict, key: str, where: str, *, required: bool = True) -> str | None:
+    """``row[key]`` as a string; ``where`` is ``file:line`` for the message.
+
+    A required field must be a non-blank string; an optional one is absent,
+    null, or a non-empty string. NUL characters and unpaired surrogates (which
+    no file or model can take) are refused.
+    """
+    value = row.get(key)
+    if value is None:
+        if not required:
+            return None
+        if key not in row:
+            raise InputFileError(f'{where}: no "{key}" field')
+        raise InputFileError(f'{where}: "{key}" must be a non-empty string, got null')
+    if not isinstance(value, str):
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise InputFileError(f'{where}: "{key}" must be a string, got {_json_type(value)} ({shown})')
+    if not (value.strip() if required else value):
+        raise InputFileError(f'{where}: "{key}" is empty')
+    if "\x00" in value:
+        raise InputFileError(f'{where}: "{key}" contains a NUL character')
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputFileError(f'{where}: "{key}" contains an unpaired surrogate (\\ud800-\\udfff)') from None
+    return value
+
+
+def resolve_beside(path: Path, name: str) -> Path:
+    """A path from a JSONL line: ``~`` expanded; relative paths are relative to the JSONL file's folder."""
+    p = Path(name).expanduser()
+    return p if p.is_absolute() else path.parent / p
+
+
+def read_pairs(path: Path) -> list[dict]:
+    """JSONL of {"image": path, "question": text[, "answer": token]}; image
+    paths are relative to the file. Each pair: ``image`` (as written),
+    ``image_path`` (resolved), ``question``, ``answer`` (or None), ``where``
+    (``file:line``, for messages)."""
+    path = Path(path)
+    pairs = []
+    for n, row in read_jsonl(path, "pairs file"):
+        where = f"{path}:{n}"
+        image = text_field(row, "image", where)
+        question = text_field(row, "question", where)
+        answer = text_field(row, "answer", where, required=False)
         pairs.append(
-            {"image": str(image), "image_path": image_path, "question": question, "answer": item.get("answer")}
+            {
+                "image": image,
+                "image_path": resolve_beside(path, image),
+                "question": question,
+                "answer": answer,
+                "where": where,
+            }
         )
     if not pairs:
-        raise ReadoutError(f"{path}: no pairs")
+        raise InputFileError(f"{path}: no pairs (the file has no non-blank line)")
     return pairs
 
 
-def cmd_answer(args) -> int:
-    from core.answer import answer, answer_batch
+def load_pair_image(pair: dict):
+    """The image of one pair of :func:`read_pairs`; a failure names the pairs
+    file's line (``pairs.jsonl:3: images/a.png: no such file``)."""
+    from core.errors import ImageLoadError
     from core.images import load_image
 
+    try:
+        return load_image(pair["image_path"])
+    except ImageLoadError as e:
+        if pair.get("where") is None:
+            raise
+        raise ImageLoadError(f"{pair['where']}: {e}") from None
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_answer(args) -> int:
     if bool(args.pairs) == bool(args.image or args.question):
         raise ReadoutError("give either --image and --question, or --pairs FILE.jsonl")
+    from core.answer import answer, answer_batch
+    from core.atomic import check_output_file, write_text_atomic
+    from core.images import load_image
+
     if not args.pairs:
         if not (args.image and args.question):
             raise ReadoutError("--image and --question are both needed")
+        if args.out:
+            raise ReadoutError("--out goes with --pairs (one answer prints to stdout)")
         image = load_image(args.image)
         loaded = _load(args)
         a = answer(loaded, image, args.question, top_k=args.top_k)
         print(f"{a.answer}\t{a.prob:.4f}")
         return 0
     pairs = read_pairs(Path(args.pairs))
-    images = [load_image(p["image_path"]) for p in pairs]  # fail fast, before the model loads
+    if args.out:
+        check_output_file(args.out)  # fail fast, before the images and the model load
+    images = [load_pair_image(p) for p in pairs]
     loaded = _load(args)
     from tqdm import tqdm
 
@@ -106,8 +343,6 @@ def cmd_answer(args) -> int:
         )
     text = "\n".join(lines) + "\n"
     if args.out:
-        from core.atomic import write_text_atomic
-
         write_text_atomic(Path(args.out), text)
     else:
         sys.stdout.write(text)
@@ -116,14 +351,15 @@ def cmd_answer(args) -> int:
 
 def cmd_analyze(args) -> int:
     from core.analyze import analyze, summary
-    from core.atomic import write_text_atomic
+    from core.atomic import check_output_file, write_text_atomic
     from core.images import load_image
 
+    check_output_file(args.json)  # fail fast, before the model loads
     image = load_image(args.image)
     if args.session:
         from core.session import check_session_file, record_into
 
-        check_session_file(args.session)  # fail fast, before the model loads
+        check_session_file(args.session)
     tuned = None
     if args.lens:
         from core.methods.tuned_lens import load_lens
@@ -155,11 +391,12 @@ def cmd_evaluate(args) -> int:
 
 # Modules that add their own subcommand: each defines
 # ``add_command(subparsers, add_model_args, load)`` and sets ``func`` on its parser.
+# Importing them (and building their parsers) must not import torch: see LazyChoices.
 _COMMANDS: tuple[str, ...] = ("core.dataset_audit", "core.counterfactual_cli", "core.session_cli", "core.lens_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vlm-readout", description="Read out what a vision-language model computed.")
+    p = Parser(prog="vlm-readout", description="Read out what a vision-language model computed.")
     sub = p.add_subparsers(dest="command", required=True)
 
     a = sub.add_parser("answer", help="answer a question about an image (or a JSONL of pairs)")
@@ -168,8 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--question")
     a.add_argument("--pairs", help='JSONL, one {"image": path, "question": text} per line')
     a.add_argument("--out", help="write JSONL here (default: stdout)")
-    a.add_argument("--top-k", type=int, default=5)
-    a.add_argument("--batch-size", type=int, default=16)
+    a.add_argument("--top-k", type=positive_int, default=5)
+    a.add_argument("--batch-size", type=positive_int, default=16)
     a.add_argument("--quiet", action="store_true", help="no progress bar")
     a.set_defaults(func=cmd_answer)
 
@@ -187,30 +424,55 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("evaluate-zoo", help="accuracy of a default model on held-out synthetic scenes")
     _add_model_args(e)
-    e.add_argument("--n", type=int, default=2000)
+    e.add_argument("--n", type=positive_int, default=2000)
     e.add_argument("--split", default="heldout")
     e.add_argument("--renderer", choices=["main", "alt"], default="main", help="alt: the independent second renderer")
     e.add_argument("--json", help="write the accuracy table here")
-    e.add_argument("--batch-size", type=int, default=50)
+    e.add_argument("--batch-size", type=positive_int, default=50)
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.set_defaults(func=cmd_evaluate)
-
-    import importlib
 
     for name in _COMMANDS:
         importlib.import_module(name).add_command(sub, _add_model_args, _load)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _stdout_gone() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush at exit
+    raises nothing after a write to it failed."""
     try:
-        return args.func(args)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # -h (0), or a refused command line (2; its one line is printed)
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
+    try:
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
     except ReadoutError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (| head): nothing to add
+        _stdout_gone()
+        return 1
+    except OSError as e:
+        try:  # was it stdout (a full disk behind > FILE)? Then the buffer still cannot be flushed
+            sys.stdout.flush()
+        except OSError:
+            _stdout_gone()
+            print(f"error: cannot write to standard output ({os.strerror(e.errno) if e.errno else e})", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -17,7 +17,11 @@ import json
 import sys
 from pathlib import Path
 
+from core.cli import LazyChoices, Number, positive_int, seed_int
 from core.errors import ReadoutError
+
+# a Gaussian sigma in pixels; past this the blur is flat over any image and its kernel only costs memory
+blur_radius = Number(float, 0, 1000, lo_open=True)
 
 
 def _color(text: str) -> tuple[int, int, int]:
@@ -31,8 +35,6 @@ def _color(text: str) -> tuple[int, int, int]:
 
 
 def add_command(subparsers, add_model_args, load) -> None:
-    from core.methods.counterfactual import FILLS
-
     p = subparsers.add_parser(
         "counterfactual",
         help="fill an image region (or sweep every patch) and measure the answer effect",
@@ -44,15 +46,21 @@ def add_command(subparsers, add_model_args, load) -> None:
     p.add_argument("--image", required=True)
     p.add_argument("--question", required=True)
     p.add_argument("--mask", help="PNG, white = region, same size as the image")
-    p.add_argument("--sweep", type=int, metavar="K", help="fill every K x K block of patches in turn instead")
-    p.add_argument("--fill", choices=FILLS, default="mean")
+    p.add_argument("--sweep", type=positive_int, metavar="K", help="fill every K x K block of patches in turn instead")
+    p.add_argument(
+        "--fill",
+        choices=LazyChoices("core.methods.counterfactual", "FILLS"),
+        default="mean",
+        metavar="FILL",
+        help="%(choices)s (default %(default)s)",
+    )
     p.add_argument("--paste-from", help="--fill paste: the image whose same region is pasted (resized to match)")
     p.add_argument("--color", type=_color, default=None, help="--fill constant: R,G,B (default 128,128,128)")
-    p.add_argument("--radius", type=float, default=None, help="--fill blur: Gaussian sigma in pixels (default 4)")
-    p.add_argument("--seed", type=int, default=None, help="--fill noise: generator seed (default 0)")
+    p.add_argument("--radius", type=blur_radius, default=None, help="--fill blur: Gaussian sigma in pixels (default 4)")
+    p.add_argument("--seed", type=seed_int, default=None, help="--fill noise: generator seed (default 0)")
     p.add_argument("--answer", help="answer token (default: the model's top token on the original image)")
     p.add_argument("--foil", help="competing token; logit difference = answer - foil")
-    p.add_argument("--batch-size", type=int, default=16, help="--sweep: edited images per forward")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="--sweep: edited images per forward")
     p.add_argument(
         "--interpolated",
         action="store_true",
@@ -66,7 +74,7 @@ def add_command(subparsers, add_model_args, load) -> None:
 
 
 def run(args, load) -> int:
-    from core.atomic import write_text_atomic
+    from core.atomic import check_output_file, write_text_atomic
     from core.images import image_sha256, load_image
     from core.methods.counterfactual import Fill, mask_from_png, occlusion_sweep, region_counterfactual
 
@@ -74,13 +82,10 @@ def run(args, load) -> int:
         raise ReadoutError("give --mask MASK.png or --sweep K (one of them)")
     if args.interpolated and args.sweep is None:
         raise ReadoutError("--interpolated goes with --sweep K")
-    if args.sweep is not None and args.sweep < 1:
-        raise ReadoutError(f"--sweep K needs K >= 1, got {args.sweep}")
-    if args.batch_size < 1:
-        raise ReadoutError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.paste_from and args.fill != "paste":
         raise ReadoutError("--paste-from goes with --fill paste")
-    # Fail fast on the inputs, before the model loads.
+    # Fail fast on the inputs and the output, before the model loads.
+    check_output_file(args.json)
     image = load_image(args.image)
     mask = mask_from_png(args.mask, image.size) if args.mask else None
     options = {"color": args.color, "radius": args.radius, "seed": args.seed}

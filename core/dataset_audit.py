@@ -80,7 +80,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.audit import AuditRecord
-from core.errors import ImageLoadError, QuestionError, ReadoutError
+from core.errors import ImageLoadError, InputFileError, QuestionError, ReadoutError
 
 if TYPE_CHECKING:
     import torch
@@ -90,8 +90,9 @@ FULL_PATTERN_LIMIT = 1024  # as in analyze: longer prompts keep only the answer 
 DEFAULT_METHODS = ("answer", "lens", "attention", "dla", "rollout")
 
 
-class DatasetError(ReadoutError):
-    """The dataset file or folder cannot be read."""
+class DatasetError(InputFileError):
+    """The dataset file or folder cannot be read (a bad line is an
+    :class:`core.errors.InputFileError` naming the file, the line and the field)."""
 
 
 # ---------------------------------------------------------------- dataset
@@ -136,51 +137,41 @@ def dataset_file(path: str | Path) -> Path:
 
 
 def _opt(row: dict, key: str) -> str | None:
+    """A free-text label (id, kind, template): any JSON scalar, as text."""
     v = row.get(key)
     return None if v is None else str(v)
 
 
 def read_dataset(path: str | Path, limit: int | None = None) -> list[DatasetItem]:
-    """Read a dataset JSONL (see the module docstring); ``limit``: the first N samples."""
+    """Read a dataset JSONL (see the module docstring); ``limit``: the first N
+    samples (later lines are not checked). Lines are read by
+    :func:`core.cli.read_jsonl` and their fields checked by
+    :func:`core.cli.text_field`, as every pairs file is."""
+    from core.cli import read_jsonl, resolve_beside, text_field
+
     f = dataset_file(path)
     items: list[DatasetItem] = []
-    try:
-        lines = f.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{f}: cannot read ({type(e).__name__})") from None
-
-    def resolve(p: str) -> Path:
-        q = Path(p).expanduser()
-        return q if q.is_absolute() else f.parent / q
-
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for n, row in read_jsonl(f, "dataset file"):
         if limit is not None and len(items) >= limit:
             break
-        try:
-            row = json.loads(line)
-            image, question = row["image"], row["question"]
-            if not isinstance(image, str) or not isinstance(question, str):
-                raise TypeError
-            mask = row.get("target_mask")
-            if mask is not None and not isinstance(mask, str):
-                raise TypeError
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise DatasetError(f'{f}:{n}: expected {{"image": PATH, "question": TEXT, ...}}') from None
-
+        where = f"{f}:{n}"
+        image = text_field(row, "image", where)
+        question = text_field(row, "question", where)
+        answer = text_field(row, "answer", where, required=False)
+        foil = text_field(row, "foil", where, required=False)
+        mask = text_field(row, "target_mask", where, required=False)
         items.append(
             DatasetItem(
                 len(items),
                 _opt(row, "id"),
                 image,
-                resolve(image),
+                resolve_beside(f, image),
                 question,
-                _opt(row, "answer"),
-                _opt(row, "foil"),
+                answer,
+                foil,
                 _opt(row, "kind"),
                 _opt(row, "template"),
-                resolve(mask) if mask else None,
+                resolve_beside(f, mask) if mask else None,
             )
         )
     if not items:
@@ -1378,10 +1369,9 @@ def write_outputs(
     n_requested: int,
 ) -> list[str]:
     """Write every output file except run.json; returns their names."""
-    from core.atomic import write_bytes_atomic, write_text_atomic
+    from core.atomic import make_folder, write_bytes_atomic, write_text_atomic
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(out)
     records = [_clean(r) for r in merged.records]
     written = []
 
@@ -1481,11 +1471,10 @@ def cmd_audit(args, load) -> int:
     from tqdm import tqdm
 
     started = time.time()
+    from core.atomic import check_output_folder
+
     methods = parse_methods(args.methods)
-    if args.batch_size < 1:
-        raise ReadoutError("--batch-size must be at least 1")
-    if args.limit is not None and args.limit < 1:
-        raise ReadoutError("--limit must be at least 1")
+    check_output_folder(args.out)  # fail fast, before the model loads
     dataset = dataset_file(args.dataset)
     items = read_dataset(dataset, args.limit)
     if args.session:
@@ -1617,6 +1606,8 @@ def _write_run_json(out, started, world, backend, device, *, complete: bool, fil
 
 
 def add_command(subparsers, add_model_args, load) -> None:
+    from core.cli import positive_int, positive_share, probability
+
     p = subparsers.add_parser(
         "audit", help="run read-outs over a dataset of image-question pairs; distributions and the audit table"
     )
@@ -1628,11 +1619,13 @@ def add_command(subparsers, add_model_args, load) -> None:
         help=f"comma-separated read-outs (available: {', '.join(METHODS)})",
     )
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--limit", type=int, help="only the first N samples")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--rollout-alpha", type=float, default=0.5)
-    p.add_argument("--region-min-cover", type=float, default=0.25, help="token share a region must cover to hit")
-    p.add_argument("--dla-top-k", type=int, default=10, help="DLA components written per sample")
+    p.add_argument("--limit", type=positive_int, help="only the first N samples")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--rollout-alpha", type=probability, default=0.5, help="rollout: weight of attention vs identity")
+    p.add_argument(
+        "--region-min-cover", type=positive_share, default=0.25, help="token share a region must cover to hit"
+    )
+    p.add_argument("--dla-top-k", type=positive_int, default=10, help="DLA components written per sample")
     p.add_argument(
         "--fill",
         default="mean",

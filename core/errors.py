@@ -68,3 +68,14 @@ class InterventionError(ReadoutError, ValueError):
     site the family does not have, positions out of range, a value of the wrong
     shape. Also a ValueError, so callers that caught bad edits as ValueError
     keep working."""
+
+
+class OutputError(ReadoutError):
+    """An output file or folder cannot be written where asked (read-only or
+    full disk, a parent that is a file, a target that is a folder, a FIFO, a
+    device or a symbolic link). The old file, if any, is left as it was."""
+
+
+class InputFileError(ReadoutError):
+    """An input file (a JSONL of pairs or samples) cannot be read or has a bad
+    line: the message names the file, the line number and the field."""

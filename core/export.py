@@ -38,7 +38,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.methods.patterns import display_token, head_text_pattern
 from core.session import AUDIT_COLUMNS, METHOD_COLUMNS, Run, Session, SessionError, jsonable
 
 SCHEMA_VERSION = 1
@@ -276,6 +275,8 @@ def _matrix_origin(row_labels: Sequence[str], col_labels: Sequence[str]) -> tupl
     (below the title, if any), after the widest row label and the longest column label."""
     from PIL import Image, ImageDraw
 
+    from core.methods.patterns import display_token  # torch: imported when a picture is drawn, not to parse
+
     font, probe = _label_font(), ImageDraw.Draw(Image.new("RGB", (1, 1)))
     widest = max((probe.textlength(display_token(t), font=font) for t in row_labels), default=0.0)
     longest = max((probe.textlength(display_token(t), font=font) for t in col_labels), default=0.0)
@@ -304,6 +305,8 @@ def token_matrix_png(
         cell: the side of one cell in pixels.
     """
     from PIL import Image, ImageDraw
+
+    from core.methods.patterns import display_token
 
     rows = [[float(v) for v in r] for r in matrix]
     n_rows, n_cols = len(rows), max((len(r) for r in rows), default=0)
@@ -391,6 +394,8 @@ def _text_pattern(text: dict | None, head: dict):
     """One analyze attention row's head, its text-side pattern: ``(matrix, token
     labels, allowed, largest row mass outside the shown keys)``, or None (no
     text patterns, or a cross-attention block)."""
+    from core.methods.patterns import head_text_pattern
+
     found = head_text_pattern(text, head["layer"], head["head"]) if head.get("layer") is not None else None
     if found is None:
         return None
@@ -401,23 +406,34 @@ def _text_pattern(text: dict | None, head: dict):
     return found["weights"], labels, found["allowed"], max(outside)
 
 
-def run_figures(session: Session, run: Run | int) -> list[Figure]:
-    """The patch-grid pictures of one run (empty when it has none)."""
+def run_figures(session: Session, run: Run | int, notes: list[str] | None = None) -> list[Figure]:
+    """The patch-grid pictures of one run (empty when it has none).
+
+    A stored image or mask that cannot be decoded does not stop the export:
+    the maps are drawn without the image (on an even grid) and the mask
+    picture is left out; each such problem is one line appended to ``notes``.
+    """
     if isinstance(run, int):
         run = session.run(run)
     r = run.result if isinstance(run.result, dict) else {}
+    notes = notes if notes is not None else []
     image = None
     if run.image_sha256:
         info = session.image(run.image_sha256)
-        image = info.pixels() if info is not None else None
+        try:
+            image = info.pixels() if info is not None else None
+        except SessionError as e:
+            notes.append(f"run {run.id}: {e}; its maps are drawn without the image")
     figs: list[Figure] = []
 
     def add(name: str, short: str, title: str, grid, *, boxes=None, diverging=False, note="", granularity=GRANULARITY):
+        # the boxes are the image's pixels: without the image, the cells are an even grid
+        boxes = boxes if image is not None else None
         try:
             png = patch_grid_png(grid, image=image, boxes=boxes, diverging=diverging, title=f"run {run.id}: {short}")
+            caption = f"{title}; {_grid_range(grid)}; {granularity}" + (f"; {note}" if note else "")
         except (SessionError, TypeError, ValueError):
             return
-        caption = f"{title}; {_grid_range(grid)}; {granularity}" + (f"; {note}" if note else "")
         figs.append(Figure(run.id, name, title, caption, png))
 
     rollout = r.get("rollout")
@@ -503,7 +519,11 @@ def run_figures(session: Session, run: Run | int) -> list[Figure]:
                 granularity="patch-granular: one flat cell per k x k block of patches (not interpolated)",
             )
     if run.mask_id is not None:
-        mask = session.mask(run.mask_id)
+        try:
+            mask = session.mask(run.mask_id)
+        except SessionError as e:
+            notes.append(f"run {run.id}: {e}; its painted-region picture is left out")
+            mask = None
         if mask is not None:
             figs.append(_mask_figure(run, mask, image))
     return figs
@@ -556,9 +576,14 @@ figcaption{font-size:11px;color:#444}
 """
 
 
-def audit_html(session: Session, *, kinds: Iterable[str] | None = None, title: str | None = None) -> str:
+def audit_html(
+    session: Session, *, kinds: Iterable[str] | None = None, title: str | None = None, notes: list[str] | None = None
+) -> str:
     """One self-contained HTML page: the audit table (with the chapter's
-    column names), then each run's summary and pictures (base64 PNG)."""
+    column names), then each run's summary and pictures (base64 PNG). A
+    picture that cannot be drawn is noted in its run's section and in ``notes``
+    (see :func:`run_figures`)."""
+    notes = notes if notes is not None else []
     kinds = list(kinds) if kinds is not None else None
     head = session_header(session)
     title = title or f"VLM Readout session {Path(head['path']).name}"
@@ -606,7 +631,12 @@ def audit_html(session: Session, *, kinds: Iterable[str] | None = None, title: s
         parts.append(f"<p>{e(run.summary)}</p>")
         if run.parameters:
             parts.append(f'<p class="meta">parameters: <code>{e(_cell(run.parameters))}</code></p>')
-        for fig in run_figures(session, run):
+        run_notes: list[str] = []
+        figures = run_figures(session, run, run_notes)
+        notes += run_notes
+        for note in run_notes:
+            parts.append(f'<p class="meta"><strong>note:</strong> {e(note)}</p>')
+        for fig in figures:
             parts.append(
                 f'<figure><img src="{fig.data_uri()}" alt="{e(fig.title)}">'
                 f"<figcaption>{e(fig.caption)}</figcaption></figure>"
@@ -619,22 +649,38 @@ def audit_html(session: Session, *, kinds: Iterable[str] | None = None, title: s
 # ---------------------------------------------------------------- writing
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and a.samefile(b)
+    except OSError:
+        return False
+
+
 def export_session(
-    session: Session | str | Path, fmt: str, out: str | Path, *, kinds: Iterable[str] | None = None
+    session: Session | str | Path,
+    fmt: str,
+    out: str | Path,
+    *,
+    kinds: Iterable[str] | None = None,
+    notes: list[str] | None = None,
 ) -> list[Path]:
-    """Write one export of ``session`` (an open Session or a session file) to
-    ``out``, atomically; returns the files written. ``fmt``: ``csv``, ``md``,
+    """Write one export of ``session`` (an open Session, or a session file,
+    which is opened read-only: the export never writes to it) to ``out``,
+    atomically; returns the files written. ``fmt``: ``csv``, ``md``,
     ``html``, ``json`` (``out`` is the file) or ``png`` (``out`` is a folder:
-    ``run0003_rollout.png``, ...)."""
+    ``run0003_rollout.png``, ...). Pictures that could not be drawn as
+    recorded (an unreadable stored image) are lines in ``notes``."""
     from core.atomic import write_bytes_atomic, write_text_atomic
 
     if fmt not in FORMATS:
         raise SessionError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     own = not isinstance(session, Session)
-    s = Session.open(session) if own else session
+    s = Session.open(session, read_only=True) if own else session
     try:
         kinds = list(kinds) if kinds is not None else None
         out = Path(out)
+        if _same_file(out, Path(s.path)):
+            raise SessionError(f"{out}: is the session file itself; give another output path")
         if fmt == "png":
             if out.exists() and not out.is_dir():
                 raise SessionError(f"{out}: --format png writes a folder of pictures; this is a file")
@@ -642,7 +688,7 @@ def export_session(
             for info in s.runs():
                 if kinds is not None and info.kind not in kinds:
                     continue
-                for fig in run_figures(s, info.id):
+                for fig in run_figures(s, info.id, notes):
                     path = out / f"run{fig.run_id:04d}_{fig.name}.png"
                     write_bytes_atomic(path, fig.png)
                     written.append(path)
@@ -656,7 +702,7 @@ def export_session(
         elif fmt == "json":
             text = json.dumps(audit_json(s, kinds=kinds), indent=1, allow_nan=False) + "\n"
         else:
-            text = audit_html(s, kinds=kinds)
+            text = audit_html(s, kinds=kinds, notes=notes)
         write_text_atomic(out, text)
         return [out]
     finally:

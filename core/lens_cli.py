@@ -25,17 +25,45 @@ from pathlib import Path
 
 from core.errors import ReadoutError
 
+# Options that are LensConfig fields default to None here and take LensConfig's
+# default in run_train: building the parser must not import the lens module (torch).
+_CONFIG_OPTIONS = (
+    "form",
+    "rank",
+    "hidden",
+    "positions",
+    "steps",
+    "batch_size",
+    "optimizer",
+    "momentum",
+    "weight_decay",
+    "warmup",
+    "seed",
+    "checkpoint_every",
+)
+
 
 def add_command(subparsers, add_model_args, load) -> None:
-    from core.methods.tuned_lens import FORMS, POSITION_SETS, LensConfig
+    from core.cli import (
+        LazyChoices,
+        non_negative_float,
+        non_negative_int,
+        positive_float,
+        positive_int,
+        seed_int,
+        share_below_one,
+    )
 
-    d = LensConfig()
+    forms = LazyChoices("core.methods.tuned_lens", "FORMS")
+    position_sets = LazyChoices("core.methods.tuned_lens", "POSITION_SETS")
     t = subparsers.add_parser(
         "train-lens",
         help="train a tuned lens (one translator per layer) and save it with its capacity report",
         description="Train one translator per layer to minimise KL(final || lens) through the frozen final norm "
         "and unembedding, evaluate it beside the identity (logit lens), mean and random readers, and save "
         "lens.safetensors + lens.json (+ REPORT.md) into --out.",
+        epilog="Training options left out take the defaults of core.methods.tuned_lens.LensConfig; lens.json "
+        "records every value used.",
     )
     add_model_args(t)
     t.add_argument("--out", required=True, help="folder to write the lens into")
@@ -45,26 +73,32 @@ def add_command(subparsers, add_model_args, load) -> None:
         "default: the synthetic scene generator's train split",
     )
     t.add_argument("--split", default="train", help="synthetic corpus split (default train)")
-    t.add_argument("--form", choices=FORMS, default=d.form)
-    t.add_argument("--rank", type=int, default=None, help="--form lowrank: the rank")
-    t.add_argument("--hidden", type=int, default=None, help="--form mlp: the hidden width (default 64)")
-    t.add_argument("--positions", choices=POSITION_SETS, default=d.positions, help="token positions trained on")
-    t.add_argument("--steps", type=int, default=d.steps)
-    t.add_argument("--batch-size", type=int, default=d.batch_size, help="image-question pairs per step")
-    t.add_argument("--optimizer", choices=("sgd", "adam"), default=d.optimizer)
-    t.add_argument("--lr", type=float, default=None, help=f"default {d.lr} for sgd, 3e-3 for adam")
-    t.add_argument("--momentum", type=float, default=d.momentum)
-    t.add_argument("--weight-decay", type=float, default=d.weight_decay, help="L2 towards the identity")
-    t.add_argument("--warmup", type=float, default=d.warmup, help="share of steps with a linear warm-up")
-    t.add_argument("--seed", type=int, default=d.seed)
+    t.add_argument("--form", choices=forms, default=None, metavar="FORM", help="%(choices)s")
+    t.add_argument("--rank", type=positive_int, default=None, help="--form lowrank: the rank")
+    t.add_argument("--hidden", type=positive_int, default=None, help="--form mlp: the hidden width (default 64)")
+    t.add_argument(
+        "--positions",
+        choices=position_sets,
+        default=None,
+        metavar="POSITIONS",
+        help="token positions trained on: %(choices)s",
+    )
+    t.add_argument("--steps", type=non_negative_int, default=None, help="optimizer steps")
+    t.add_argument("--batch-size", type=positive_int, default=None, help="image-question pairs per step")
+    t.add_argument("--optimizer", choices=("sgd", "adam"), default=None)
+    t.add_argument("--lr", type=positive_float, default=None, help="default: LensConfig's for sgd, 3e-3 for adam")
+    t.add_argument("--momentum", type=share_below_one, default=None, help="sgd momentum")
+    t.add_argument("--weight-decay", type=non_negative_float, default=None, help="L2 towards the identity")
+    t.add_argument("--warmup", type=share_below_one, default=None, help="share of steps with a linear warm-up")
+    t.add_argument("--seed", type=seed_int, default=None)
     t.add_argument("--checkpoint", help="checkpoint file (written every --checkpoint-every steps and at the end)")
-    t.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    t.add_argument("--checkpoint-every", type=positive_int, default=None)
     t.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     t.add_argument("--eval-pairs", help="held-out JSONL of pairs to evaluate on (with --pairs)")
-    t.add_argument("--eval-n", type=int, default=1000, help="synthetic held-out pairs to evaluate on")
-    t.add_argument("--shifted-n", type=int, default=500, help="synthetic shifted-domain pairs to evaluate on")
+    t.add_argument("--eval-n", type=positive_int, default=1000, help="synthetic held-out pairs to evaluate on")
+    t.add_argument("--shifted-n", type=positive_int, default=500, help="synthetic shifted-domain pairs to evaluate on")
     t.add_argument("--no-eval", action="store_true", help="skip the evaluations")
-    t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    t.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=lambda args: run_train(args, load))
 
@@ -78,13 +112,27 @@ def add_command(subparsers, add_model_args, load) -> None:
     e.add_argument("--lens", required=True, help="lens folder (lens.json + lens.safetensors)")
     e.add_argument("--pairs", help='JSONL, one {"image": path, "question": text[, "answer": token]} per line')
     e.add_argument("--split", help="instead of --pairs: a synthetic split (heldout, shifted, val, alt)")
-    e.add_argument("--n", type=int, default=200, help="--split: pairs to evaluate")
-    e.add_argument("--positions", choices=POSITION_SETS, default=None, help="primary token group (default: the lens's)")
-    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--n", type=positive_int, default=200, help="--split: pairs to evaluate")
+    e.add_argument(
+        "--positions",
+        choices=position_sets,
+        default=None,
+        metavar="POSITIONS",
+        help="primary token group: %(choices)s (default: the lens's)",
+    )
+    e.add_argument("--batch-size", type=positive_int, default=16)
     e.add_argument("--json", required=True, help="output file")
-    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--threads", type=positive_int, default=None)
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=lambda args: run_eval(args, load))
+
+
+def _check_split(split: str) -> None:
+    """A synthetic corpus split: one of the scene generator's, or "alt" (the second renderer)."""
+    from core.zoo.scenes import SPLIT_SEEDS
+
+    if split not in SPLIT_SEEDS and split != "alt":
+        raise ReadoutError(f"unknown split {split!r}; expected one of {', '.join([*SPLIT_SEEDS, 'alt'])}")
 
 
 def _bar(args, desc: str):
@@ -103,14 +151,13 @@ def _bar(args, desc: str):
 
 def _threads(args) -> None:
     if args.threads:
-        if args.threads < 1:
-            raise ReadoutError(f"--threads must be at least 1, got {args.threads}")
         import torch
 
         torch.set_num_threads(args.threads)
 
 
 def run_train(args, load) -> int:
+    from core.atomic import check_output_file, check_output_folder
     from core.methods.tuned_lens import (
         LensConfig,
         PairsCorpus,
@@ -120,33 +167,24 @@ def run_train(args, load) -> int:
         read_pairs,
     )
 
-    lr = args.lr if args.lr is not None else (LensConfig().lr if args.optimizer == "sgd" else 3e-3)
-    cfg = LensConfig(
-        form=args.form,
-        rank=args.rank,
-        hidden=args.hidden,
-        positions=args.positions,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        optimizer=args.optimizer,
-        lr=lr,
-        momentum=args.momentum,
-        weight_decay=args.weight_decay,
-        warmup=args.warmup,
-        seed=args.seed,
-        checkpoint_every=args.checkpoint_every,
-    )
+    given = {k: getattr(args, k) for k in _CONFIG_OPTIONS if getattr(args, k) is not None}
+    cfg = LensConfig(**given)
+    cfg.lr = args.lr if args.lr is not None else (LensConfig().lr if cfg.optimizer == "sgd" else 3e-3)
     cfg.check()
     if args.resume and not args.checkpoint:
         raise ReadoutError("--resume needs --checkpoint FILE")
     if args.eval_pairs and not args.pairs:
         raise ReadoutError("--eval-pairs goes with --pairs (the synthetic corpus has its own held-out splits)")
+    check_output_folder(args.out)  # fail fast, before training
+    if args.checkpoint:
+        check_output_file(args.checkpoint)
     eval_sets = {}
     if args.pairs:
-        corpus = PairsCorpus(read_pairs(Path(args.pairs)), seed=args.seed, source=str(args.pairs))
+        corpus = PairsCorpus(read_pairs(Path(args.pairs)), seed=cfg.seed, source=str(args.pairs))
         if args.eval_pairs and not args.no_eval:
             eval_sets["heldout"] = (PairsCorpus(read_pairs(Path(args.eval_pairs)), source=str(args.eval_pairs)), None)
     else:
+        _check_split(args.split)
         corpus = SyntheticCorpus(args.split)
         if not args.no_eval:
             eval_sets = default_eval_sets(args.eval_n, args.shifted_n)
@@ -178,22 +216,18 @@ def run_train(args, load) -> int:
 
 
 def run_eval(args, load) -> int:
-    from core.atomic import write_text_atomic
+    from core.atomic import check_output_file, write_text_atomic
     from core.methods.tuned_lens import PairsCorpus, SyntheticCorpus, evaluate_lens, load_lens, read_pairs
 
     if bool(args.pairs) == bool(args.split):
         raise ReadoutError("give --pairs FILE.jsonl or --split NAME (one of them)")
-    if args.batch_size < 1:
-        raise ReadoutError(f"--batch-size must be at least 1, got {args.batch_size}")
+    check_output_file(args.json)  # fail fast, before the model loads
     lens = load_lens(Path(args.lens))  # fail fast, before the model loads
     if args.pairs:
         corpus, n = PairsCorpus(read_pairs(Path(args.pairs)), source=str(args.pairs)), None
         corpus.take(None)  # every image readable before the model loads (kept: evaluated as loaded)
     else:
-        from core.zoo.scenes import SPLIT_SEEDS
-
-        if args.split not in SPLIT_SEEDS and args.split != "alt":
-            raise ReadoutError(f"unknown split {args.split!r}; expected one of {', '.join([*SPLIT_SEEDS, 'alt'])}")
+        _check_split(args.split)
         corpus, n = SyntheticCorpus(args.split), args.n
     _threads(args)
     loaded = load(args)

@@ -34,6 +34,12 @@ them (summaries and hashes are backfilled). A file written by a newer version
 is refused, never rewritten. The header's ``application_id`` marks the file
 as a session, so another program's SQLite file is refused untouched.
 
+Reading only: ``Session.open(path, read_only=True)`` (what ``export`` uses)
+never writes to the file or beside it: SQLite's ``mode=ro``, plus
+``immutable=1`` when no ``-wal`` file shows another connection, so no
+``-shm`` is made and a session in a read-only folder reads; an older schema
+is migrated in a copy in memory; an empty file is refused, not made a session.
+
 Events: :meth:`Session.on_recorded` registers a plain callback (no Qt) called
 with the new :class:`RunInfo` after each commit, in the thread that
 recorded (the app forwards it to its GUI thread); :meth:`Session.poll`
@@ -53,6 +59,7 @@ import hashlib
 import io
 import json
 import math
+import os
 import re
 import sqlite3
 import threading
@@ -173,13 +180,20 @@ class ImageInfo:
     png: bytes | None = field(default=None, repr=False)
 
     def pixels(self):
-        """The stored image as an RGB ``PIL.Image`` (None when only the hash was kept)."""
+        """The stored image as an RGB ``PIL.Image`` (None when only the hash was kept).
+
+        Raises:
+            SessionError: the stored bytes are not an image PIL can read.
+        """
         if self.png is None:
             return None
         from PIL import Image
 
-        with Image.open(io.BytesIO(self.png)) as im:
-            return im.convert("RGB")
+        try:
+            with Image.open(io.BytesIO(self.png)) as im:
+                return im.convert("RGB")
+        except Exception as e:  # noqa: BLE001 - PIL raises many types on bad bytes; all mean "unreadable"
+            raise SessionError(f"the stored image {self.sha256[:12]} is unreadable ({type(e).__name__})") from None
 
 
 # ---------------------------------------------------------------- schema and migrations
@@ -317,6 +331,28 @@ def _as_mask(mask, size: tuple[int, int] | None):
     if size is not None and (m.shape[1], m.shape[0]) != tuple(size):
         raise SessionError(f"the mask is {m.shape[1]}x{m.shape[0]}, the image {size[0]}x{size[1]}")
     return m
+
+
+def _exists(p: Path) -> bool:
+    """Whether ``p`` exists; a path that cannot even be looked at (a folder
+    without search permission) is a :class:`SessionError`."""
+    try:
+        return p.exists()
+    except OSError as e:
+        raise SessionError(f"{p}: cannot look at it ({os.strerror(e.errno) if e.errno else e})") from None
+
+
+def _sqlite_problem(p: Path, e: sqlite3.Error) -> str:
+    """One line for an SQLite failure while opening ``p``: not a database,
+    cannot be written, busy, or corrupt (SQLite's words in brackets)."""
+    text = str(e)
+    if "not a database" in text:
+        return f"{p}: not a session file (not an SQLite database)"
+    if "readonly" in text or "read-only" in text or "unable to open" in text:
+        return f"{p}: cannot be opened for writing: the file or its folder is read-only ({text})"
+    if "locked" in text or "busy" in text:
+        return f"{p}: busy (another process holds the session); try again"
+    return f"{p}: corrupt session file ({text})"
 
 
 # ---------------------------------------------------------------- summaries and parameters
@@ -458,6 +494,7 @@ class Session:
 
     def __init__(self, path: Path, conn: sqlite3.Connection):
         self.path = path
+        self.read_only = False  # set by open(read_only=True)
         self._conn = conn
         self._lock = threading.RLock()
         self._callbacks: list[Callable[[RunInfo], None]] = []
@@ -467,15 +504,23 @@ class Session:
     # ------------------------------------------------------------ opening
 
     @classmethod
-    def open(cls, path: str | Path) -> Session:
+    def open(cls, path: str | Path, *, read_only: bool = False) -> Session:
         """Open an existing session, migrating an older schema forward.
+
+        Args:
+            read_only: never write to the file or beside it (what export
+                does): the database is opened with SQLite's ``mode=ro`` (and
+                ``immutable=1`` when no other connection has it open, so no
+                ``-shm`` is made and a read-only folder reads); an older
+                schema is migrated in a copy in memory; an empty file is
+                refused; recording raises :class:`SessionError`.
 
         Raises:
             SessionError: no such file; not an SQLite database; another
                 program's database; a corrupt file; a newer schema.
         """
         p = Path(path)
-        if not p.exists():
+        if not _exists(p):
             raise SessionError(f"{p}: no such session file")
         if not p.is_file():
             raise SessionError(f"{p}: not a file")
@@ -486,7 +531,65 @@ class Session:
             raise SessionError(f"{p}: cannot read ({e.strerror or e})") from None
         if head and head != SQLITE_MAGIC:
             raise SessionError(f"{p}: not a session file (not an SQLite database)")
+        if read_only:
+            if not head:
+                raise SessionError(f"{p}: empty file, not a session")
+            return cls._connect_read_only(p)
         return cls._connect(p, new=False)
+
+    @classmethod
+    def temporary(cls) -> Session:
+        """A session in memory, saved nowhere (what the app records into when
+        no session file can be opened; it says so)."""
+        conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        p = Path(":memory:")
+        cls._migrate(conn, p)
+        s = cls(p, conn)
+        with s._lock, s._transaction():
+            s._conn.execute("INSERT INTO meta VALUES ('created', ?)", (_now(),))
+            s._conn.execute("INSERT INTO meta VALUES ('store_images', '1')")
+        return s
+
+    @classmethod
+    def _connect_read_only(cls, p: Path) -> Session:
+        with open(p, "rb") as fh:
+            header = fh.read(100)
+        # Header byte 18 is 2 for a WAL database. Without a -wal file no connection has it open, so it
+        # can be read as immutable: SQLite then needs no -shm beside it (a read-only folder reads).
+        wal_mode = len(header) > 18 and header[18] == 2
+        immutable = wal_mode and not p.with_name(p.name + "-wal").exists()
+        uri = p.resolve().as_uri() + "?mode=ro" + ("&immutable=1" if immutable else "")
+        conn = None
+        try:
+            conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA query_only=ON")
+            version = cls._file_version(conn, p)
+            if version > SCHEMA_VERSION:
+                raise SessionError(
+                    f"{p}: written by a newer VLM Readout (session schema {version}; this version reads up to "
+                    f"{SCHEMA_VERSION}); upgrade to open it"
+                )
+            if version == 0:
+                raise SessionError(f"{p}: an empty database, not a session (no runs to read)")
+            if version < SCHEMA_VERSION:  # read an older file through a migrated copy; the file stays as it is
+                copy = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+                conn.backup(copy)
+                conn.close()
+                conn = copy
+                cls._migrate(conn, p)
+        except (SessionError, sqlite3.Error) as e:
+            if conn is not None:
+                conn.close()
+            if isinstance(e, SessionError):
+                raise
+            if "unable to open" in str(e):  # a -wal exists (open elsewhere) and no -shm can be made beside it
+                raise SessionError(
+                    f"{p}: cannot be read here ({e}): another program has it open and its folder is read-only"
+                ) from None
+            raise SessionError(_sqlite_problem(p, e)) from None
+        s = cls(p, conn)
+        s.read_only = True
+        return s
 
     @classmethod
     def create(cls, path: str | Path, model_spec=None, *, store_images: bool = True) -> Session:
@@ -499,7 +602,7 @@ class Session:
                 reopens without the original files; else hash, path and size only.
         """
         p = Path(path)
-        if p.exists():
+        if _exists(p):
             raise SessionError(f"{p}: already exists (open it instead)")
         if not p.parent.is_dir():
             raise SessionError(f"{p.parent}: no such folder")
@@ -521,14 +624,14 @@ class Session:
     def open_or_create(cls, path: str | Path, model_spec=None) -> Session:
         """:meth:`open` the file if it exists, else :meth:`create` it."""
         p = Path(path)
-        return cls.open(p) if p.exists() else cls.create(p, model_spec)
+        return cls.open(p) if _exists(p) else cls.create(p, model_spec)
 
     @classmethod
     def _connect(cls, p: Path, *, new: bool) -> Session:
         try:
             conn = sqlite3.connect(p, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as e:
-            raise SessionError(f"{p}: cannot open ({e})") from None
+            raise SessionError(_sqlite_problem(p, e)) from None
         try:
             if not new:
                 version = cls._file_version(conn, p)  # read-only checks first: never touch a foreign file
@@ -548,7 +651,7 @@ class Session:
             raise
         except sqlite3.DatabaseError as e:
             conn.close()
-            raise SessionError(f"{p}: corrupt session file ({e})") from None
+            raise SessionError(_sqlite_problem(p, e)) from None
         return cls(p, conn)
 
     @staticmethod
@@ -557,9 +660,7 @@ class Session:
             app_id = conn.execute("PRAGMA application_id").fetchone()[0]
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         except sqlite3.DatabaseError as e:
-            if "not a database" in str(e):
-                raise SessionError(f"{p}: not a session file (not an SQLite database)") from None
-            raise SessionError(f"{p}: corrupt session file ({e})") from None
+            raise SessionError(_sqlite_problem(p, e)) from None
         if not tables and app_id in (0, APPLICATION_ID):
             return 0
         if app_id != APPLICATION_ID:
@@ -620,6 +721,8 @@ class Session:
         """``BEGIN IMMEDIATE`` (take the write lock up front) ... ``COMMIT``;
         ``ROLLBACK`` on any error (if SQLite has not already rolled back)."""
         conn = self._db()
+        if self.read_only:
+            raise SessionError(f"{self.path}: opened read-only; nothing can be recorded")
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield conn
@@ -989,7 +1092,12 @@ class Session:
         """A mask as an ``(H, W)`` bool array (True = region), or None."""
         with self._lock, self._guard("reading a mask"):
             row = self._db().execute("SELECT png FROM masks WHERE id = ?", (int(mask_id),)).fetchone()
-        return _mask_array(row[0]) if row else None
+        if row is None:
+            return None
+        try:
+            return _mask_array(row[0])
+        except Exception as e:  # noqa: BLE001 - PIL raises many types on bad bytes; all mean "unreadable"
+            raise SessionError(f"{self.path}: the stored mask {mask_id} is unreadable ({type(e).__name__})") from None
 
     def audit_table(self, kinds: Iterable[str] | None = None) -> list[dict]:
         """The session's audit table: one row per audit record of each run
@@ -1030,10 +1138,12 @@ def check_session_file(path: str | Path) -> None:
     """Fail fast, before a long run: an existing file must open as a session
     (this migrates it), a new one needs an existing folder."""
     p = Path(path)
-    if p.exists():
+    if _exists(p):
         Session.open(p).close()
     elif not p.parent.is_dir():
         raise SessionError(f"{p.parent}: no such folder for the session file")
+    elif not os.access(p.parent, os.W_OK | os.X_OK):
+        raise SessionError(f"{p}: cannot create the session file (its folder is not writable)")
 
 
 def record_into(path: str | Path, kind: str, result: Any, **kwargs) -> int:

@@ -4,8 +4,12 @@ self-contained HTML, JSON) or its patch-grid figures (PNG) to a file.
     vlm-readout export --session FILE --format csv|md|html|json|png --out PATH [--kind KIND ...]
 
 ``--format png`` writes one picture per figure into the folder ``PATH``.
-Every file is written atomically. Errors (no such session, corrupt file, newer
-schema, bad output path) are one line on stderr and exit status 2.
+Every file is written atomically; the session is opened read-only (nothing
+is written to it or beside it, so a session in a read-only folder exports).
+Errors (no such session, empty or corrupt file, newer schema, bad output
+path) are one line on stderr and exit status 2; a picture that cannot be
+drawn as recorded (an unreadable stored image) is a ``warning:`` line and
+the rest is exported.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 
 def add_command(subparsers, add_model_args, load) -> None:
     """The ``export`` subcommand (it needs no model: ``add_model_args`` and ``load`` are unused)."""
-    from core.export import FORMATS
+    from core.export import FORMATS  # core.export imports no torch until it draws
 
     p = subparsers.add_parser(
         "export",
@@ -32,12 +36,17 @@ def add_command(subparsers, add_model_args, load) -> None:
 
 
 def run(args) -> int:
+    import sys
+
     from core.export import export_session
     from core.session import Session
 
-    with Session.open(args.session) as s:
+    notes: list[str] = []
+    with Session.open(args.session, read_only=True) as s:  # an export never writes to the session
         n_rows = len(s.audit_table(args.kind))
-        written = export_session(s, args.format, Path(args.out), kinds=args.kind)
+        written = export_session(s, args.format, Path(args.out), kinds=args.kind, notes=notes)
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr)
     if args.format == "png":
         print(f"wrote {len(written)} figures to {args.out}")
     else:

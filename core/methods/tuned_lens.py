@@ -499,7 +499,7 @@ class PairsCorpus:
         return torch.randperm(len(self.pairs), generator=g).tolist()
 
     def batch(self, step: int, batch_size: int) -> Batch:
-        from core.images import load_image
+        from core.cli import load_pair_image
 
         n = len(self.pairs)
         out, orders = [], {}
@@ -508,17 +508,15 @@ class PairsCorpus:
             if epoch not in orders:  # one shuffle per epoch the batch touches, not one per item
                 orders[epoch] = self._order(epoch)
             out.append(self.pairs[orders[epoch][i]])
-        return Batch(
-            [load_image(p["image_path"]) for p in out], [p["question"] for p in out], [p.get("answer") for p in out]
-        )
+        return Batch([load_pair_image(p) for p in out], [p["question"] for p in out], [p.get("answer") for p in out])
 
     def take(self, n: int | None = None) -> Batch:
-        from core.images import load_image
+        from core.cli import load_pair_image
 
         ps = self.pairs[:n] if n else self.pairs
         if len(ps) not in self._taken:
             self._taken[len(ps)] = Batch(
-                [load_image(p["image_path"]) for p in ps], [p["question"] for p in ps], [p.get("answer") for p in ps]
+                [load_pair_image(p) for p in ps], [p["question"] for p in ps], [p.get("answer") for p in ps]
             )
         return self._taken[len(ps)]
 

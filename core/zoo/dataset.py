@@ -26,7 +26,6 @@ written, and the kept ones keep their own index).
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from core.atomic import write_bytes_atomic, write_text_atomic
+from core.atomic import make_folder, write_bytes_atomic, write_text_atomic
 from core.zoo import scenes
 
 SCHEMA_VERSION = 1
@@ -115,8 +114,8 @@ def write_dataset(
     if kind is not None and kind not in scenes.QUESTION_KINDS:
         raise ValueError(f"unknown question kind {kind!r}; expected one of {scenes.QUESTION_KINDS}")
     out = Path(out)
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    (out / "masks").mkdir(parents=True, exist_ok=True)
+    make_folder(out / "images")
+    make_folder(out / "masks")
     rows: list[dict] = []
     limit = max_tries if max_tries is not None else 50 * n + 100
     index = start
@@ -154,31 +153,40 @@ def write_dataset(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m core.zoo.dataset", description="Write synthetic scenes as an audit dataset."
-    )
+    from core.cli import Parser, non_negative_int, positive_int
+    from core.errors import ReadoutError
+
+    p = Parser(prog="python -m core.zoo.dataset", description="Write synthetic scenes as an audit dataset.")
     p.add_argument("--split", default="heldout", choices=sorted(scenes.SPLIT_SEEDS))
-    p.add_argument("--n", type=int, default=100)
+    p.add_argument("--n", type=positive_int, default=100)
     p.add_argument("--out", required=True)
-    p.add_argument("--start", type=int, default=0, help="first sample index")
+    p.add_argument("--start", type=non_negative_int, default=0, help="first sample index")
     p.add_argument("--kind", choices=scenes.QUESTION_KINDS, help="only this question kind")
-    p.add_argument("--min-distractors", type=int, default=0, help="keep samples with at least this many distractors")
+    p.add_argument(
+        "--min-distractors", type=non_negative_int, default=0, help="keep samples with at least this many distractors"
+    )
     p.add_argument("--quiet", action="store_true")
-    a = p.parse_args(argv)
-    if a.n < 1:
-        p.error("--n must be at least 1")
+    try:
+        a = p.parse_args(argv)
+    except SystemExit as e:  # -h, or a refused command line (its one line is printed)
+        return e.code if isinstance(e.code, int) else 0
     from tqdm import tqdm
 
     bar = tqdm(total=a.n, desc="dataset", file=sys.stderr, disable=a.quiet)
-    rows = write_dataset(
-        a.out,
-        a.split,
-        a.n,
-        start=a.start,
-        kind=a.kind,
-        min_distractors=a.min_distractors,
-        progress=lambda done, total, msg: bar.update(done - bar.n),
-    )
+    try:
+        rows = write_dataset(
+            a.out,
+            a.split,
+            a.n,
+            start=a.start,
+            kind=a.kind,
+            min_distractors=a.min_distractors,
+            progress=lambda done, total, msg: bar.update(done - bar.n),
+        )
+    except ReadoutError as e:
+        bar.close()
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     bar.close()
     if len(rows) < a.n:
         print(f"warning: only {len(rows)} samples met the filters", file=sys.stderr)

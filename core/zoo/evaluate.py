@@ -94,18 +94,22 @@ def markdown_table(result: dict) -> str:
 def main(args) -> int:
     from tqdm import tqdm
 
+    from core.atomic import check_output_file, write_text_atomic
     from core.cli import _load
+    from core.errors import ReadoutError
 
+    if args.renderer == "main" and args.split not in scenes.SPLIT_SEEDS:
+        raise ReadoutError(f"unknown split {args.split!r}; expected one of {', '.join(scenes.SPLIT_SEEDS)}")
+    if args.json:
+        check_output_file(args.json)  # fail fast, before the model loads
     loaded = _load(args)
-    bar = tqdm(total=args.n, desc="evaluating", file=sys.stderr)
+    bar = tqdm(total=args.n, desc="evaluating", file=sys.stderr, disable=args.quiet)
     result = evaluate(
         loaded, args.n, args.split, args.batch_size, lambda d, t: bar.update(d - bar.n), renderer=args.renderer
     )
     bar.close()
     print(markdown_table(result))
     if args.json:
-        from core.atomic import write_text_atomic
-
         write_text_atomic(Path(args.json), json.dumps(result, indent=2) + "\n")
     return 0
 
