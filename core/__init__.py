@@ -2,12 +2,17 @@
 
 The engine never imports Qt. Public names: :func:`load_model`,
 :func:`load_image`, :func:`answer`, :func:`answer_batch`, :func:`capture`
-(``core.capture`` is the function; the module's other names are imported
-``from core.capture import Trace``).
+(``core.capture`` is both the module and, called, its :func:`capture`
+function; the module's other names are imported ``from core.capture import
+Trace``).
+
+Names that need torch are imported when first used, so that a command whose
+arguments are refused, or ``--help``, answers without importing torch (about
+a second and a half; bench/startup.py).
 """
 
-from core.answer import Answer, answer, answer_batch
-from core.capture import Trace, capture
+import importlib
+
 from core.errors import (
     ImageLoadError,
     ModelLoadError,
@@ -17,10 +22,31 @@ from core.errors import (
     UnsafeCheckpointError,
     UnsupportedArchitectureError,
 )
-from core.images import load_image
-from core.models.loading import LoadedModel, load_model
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_LAZY = {
+    "Answer": "core.answer",
+    "answer": "core.answer",
+    "answer_batch": "core.answer",
+    "Trace": "core.capture",
+    "capture": "core.capture",
+    "load_image": "core.images",
+    "LoadedModel": "core.models.loading",
+    "load_model": "core.models.loading",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'core' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name])
+    # ``core.capture`` stays the (callable) module: importing it bound the package attribute to it
+    value = module if name == "capture" else getattr(module, name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Answer",

@@ -36,12 +36,15 @@ def analyze(
     foil: str | None = None,
     rollout_alpha: float = 0.5,
     tuned=None,
+    raw_prompt: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> dict:
     """Run the model once and read it out. ``answer`` defaults to the model's
     own top token; ``foil`` is optional (then ``u`` is the answer's column).
     ``tuned``: a :class:`core.methods.tuned_lens.TunedLens` of this model; its
     reader and baselines are added as ``tuned_lens`` beside the logit lens.
+    ``raw_prompt``: let the question hold the model's special tokens (see
+    :meth:`core.models.adapter.Adapter.check_question`); recorded in ``input``.
 
     Besides the keys of DESIGN.md (schema version 1), ``text_patterns`` holds
     :meth:`core.methods.patterns.TextPatterns.to_dict`: every self-attention
@@ -53,7 +56,7 @@ def analyze(
     adapter = loaded.adapter
     img = load_image(image)
     step(0, 4, "capturing")
-    inputs = adapter.prepare([img], [question])
+    inputs = adapter.prepare([img], [question], raw_prompt=raw_prompt)
     n_tokens = inputs.input_ids.shape[1]
     full = n_tokens <= FULL_PATTERN_LIMIT
     query_positions = range(n_tokens) if full else _non_visual_rows(adapter, inputs)
@@ -107,6 +110,7 @@ def analyze(
         "input": {
             "question": question,
             "prompt": adapter.prompt(question),
+            "raw_prompt": raw_prompt,
             "input_ids": ids,
             "tokens": strings,
             "image_sha256": image_sha256(img),

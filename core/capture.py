@@ -12,6 +12,8 @@ materialised only for the positions a method asks for.
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -206,7 +208,6 @@ def record_qk(adapter, trace: Trace, blocks: set[int]) -> Iterator[None]:
         with hooks(own):
             yield
         return
-    import sys
 
     by_module = {id(adapter.attention_module(b)): b for b in blocks}
     patched: dict[object, object] = {}
@@ -250,3 +251,15 @@ def run_with_hooks(adapter, inputs, trace: Trace, keep: set[int]) -> None:
     regs += adapter.final_hooks(trace)
     with eager_attention(adapter.model), hooks(regs):
         trace.logits = adapter.forward_logits(inputs)
+
+
+class _CallableModule(types.ModuleType):
+    """``core.capture(...)`` calls :func:`capture`: the package's public
+    function and this module share the name, and whichever is imported first
+    becomes the package attribute (core/__init__.py loads names lazily)."""
+
+    def __call__(self, *args, **kwargs):
+        return capture(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

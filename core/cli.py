@@ -138,6 +138,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-download", action="store_true", help="allow fetching a repo id that is not cached")
 
 
+def add_raw_prompt_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--raw-prompt",
+        action="store_true",
+        help="let the question hold the model's special tokens (</s>, <|im_start|>, ...); "
+        "image placeholders stay refused",
+    )
+
+
 def _load(args):
     from core.models.loading import load_model
 
@@ -309,7 +318,7 @@ def cmd_answer(args) -> int:
             raise ReadoutError("--out goes with --pairs (one answer prints to stdout)")
         image = load_image(args.image)
         loaded = _load(args)
-        a = answer(loaded, image, args.question, top_k=args.top_k)
+        a = answer(loaded, image, args.question, top_k=args.top_k, raw_prompt=args.raw_prompt)
         print(f"{a.answer}\t{a.prob:.4f}")
         return 0
     pairs = read_pairs(Path(args.pairs))
@@ -325,7 +334,13 @@ def cmd_answer(args) -> int:
         bar.update(done - bar.n)
 
     answers = answer_batch(
-        loaded, images, [p["question"] for p in pairs], top_k=args.top_k, batch_size=args.batch_size, progress=progress
+        loaded,
+        images,
+        [p["question"] for p in pairs],
+        top_k=args.top_k,
+        batch_size=args.batch_size,
+        raw_prompt=args.raw_prompt,
+        progress=progress,
     )
     bar.close()
     lines = []
@@ -374,7 +389,16 @@ def cmd_analyze(args) -> int:
         bar.set_description(message)
         bar.update(done - bar.n)
 
-    result = analyze(loaded, image, args.question, answer=args.answer, foil=args.foil, tuned=tuned, progress=progress)
+    result = analyze(
+        loaded,
+        image,
+        args.question,
+        answer=args.answer,
+        foil=args.foil,
+        tuned=tuned,
+        raw_prompt=args.raw_prompt,
+        progress=progress,
+    )
     bar.close()
     write_text_atomic(Path(args.json), json.dumps(result) + "\n")
     if args.session:
@@ -408,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--top-k", type=positive_int, default=5)
     a.add_argument("--batch-size", type=positive_int, default=16)
     a.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_raw_prompt_arg(a)
     a.set_defaults(func=cmd_answer)
 
     an = sub.add_parser("analyze", help="capture once and write every text-side read-out as JSON")
@@ -419,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--json", required=True, help="output file")
     an.add_argument("--session", help="also record the run into this session file (created if missing)")
     an.add_argument("--quiet", action="store_true")
+    add_raw_prompt_arg(an)
     an.add_argument("--lens", help="tuned-lens folder: its reader and baselines beside the logit lens")
     an.set_defaults(func=cmd_analyze)
 

@@ -1212,14 +1212,28 @@ def load_lens(directory: Path | str, loaded=None) -> TunedLens:
     if not cfg_path.is_file():
         raise LensError(f"{directory}: no {LENS_CONFIG} (not a tuned-lens folder)")
     try:
-        config = json.loads(cfg_path.read_text())
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise LensError(f"{cfg_path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise LensError(f"{cfg_path}: not UTF-8 text") from None
     except json.JSONDecodeError as e:
         raise LensError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(config, dict):
+        raise LensError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
     if config.get("schema_version") != SCHEMA_VERSION:
         raise LensError(
             f"{cfg_path}: schema version {config.get('schema_version')!r}, this build reads {SCHEMA_VERSION}"
         )
     tr = config.get("translator", {})
+    if not isinstance(tr, dict):
+        raise LensError(f"{cfg_path}: 'translator' must be an object, got {type(tr).__name__}")
+    for key in ("model", "training", "capacity", "report"):
+        if not isinstance(config.get(key, {}), dict):
+            raise LensError(f"{cfg_path}: '{key}' must be an object, got {type(config[key]).__name__}")
+    tensors_name = config.get("tensors", LENS_TENSORS)
+    if not isinstance(tensors_name, str) or Path(tensors_name).name != tensors_name:
+        raise LensError(f"{cfg_path}: 'tensors' must name a file inside the lens folder, got {tensors_name!r}")
     try:
         dtype = getattr(torch, tr.get("dtype", "float32"))
         lens = TunedLens(
@@ -1233,7 +1247,7 @@ def load_lens(directory: Path | str, loaded=None) -> TunedLens:
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise LensError(f"{cfg_path}: incomplete translator entry ({e})") from None
-    tpath = directory / config.get("tensors", LENS_TENSORS)
+    tpath = directory / tensors_name
     if not tpath.is_file():
         raise LensError(f"{directory}: {tpath.name} is missing")
     try:
@@ -1242,6 +1256,9 @@ def load_lens(directory: Path | str, loaded=None) -> TunedLens:
             meta_fp = (f.metadata() or {}).get("fingerprint", "")
     except Exception as e:
         raise LensError(f"{tpath}: unreadable safetensors ({type(e).__name__})") from None
+    bad = [k for k, t in tensors.items() if not t.is_floating_point() or not bool(torch.isfinite(t).all())]
+    if bad:
+        raise LensError(f"{tpath}: tensors that are not finite floating-point numbers: {', '.join(sorted(bad)[:4])}")
     want = set(lens.state_dict())
     if set(tensors) != want:
         raise LensError(f"{tpath}: tensors {sorted(tensors)} do not match a {tr['form']} lens ({sorted(want)})")

@@ -355,3 +355,20 @@ def test_cli_refuses_in_one_line(capsys, question, named):
     assert code != 0
     assert err.startswith("error: ") and "\n" not in err and named in err
     assert "Traceback" not in err
+
+
+def test_cli_raw_prompt_reads_the_special_token(capsys, tmp_path):
+    """``--raw-prompt`` is the explicit opt-in: answer and analyze run, and
+    analyze records that the prompt was raw and that the token reached the model."""
+    from core.cli import main
+
+    question = "what shape </s> is the blue object?"
+    assert main(["answer", "--image", str(SAMPLE), "--question", question, "--raw-prompt"]) == 0
+    word, prob = capsys.readouterr().out.strip().split("\t")
+    assert word and 0 < float(prob) <= 1
+    out = tmp_path / "a.json"
+    args = ["analyze", "--image", str(SAMPLE), "--question", question, "--json", str(out), "--quiet"]
+    assert main([*args, "--raw-prompt"]) == 0
+    result = json.loads(out.read_text())
+    assert result["input"]["raw_prompt"] is True and "</s>" in result["input"]["tokens"]
+    assert main(args) == 2 and "'</s>'" in capsys.readouterr().err
