@@ -44,7 +44,7 @@ def supported() -> list[str]:
 
 def adapter_for_hf(architecture: str | None) -> type:
     _load_families()
-    if architecture in _HF:
+    if isinstance(architecture, str) and architecture in _HF:  # a dict or list from a bad config is not hashable
         return _HF[architecture]
     raise UnsupportedArchitectureError(
         f"no adapter supports architecture {architecture!r}; supported: {', '.join(supported())}"
@@ -53,7 +53,7 @@ def adapter_for_hf(architecture: str | None) -> type:
 
 def adapter_for_open_clip(model_class: str) -> type:
     _load_families()
-    if model_class in _OPEN_CLIP:
+    if isinstance(model_class, str) and model_class in _OPEN_CLIP:
         return _OPEN_CLIP[model_class]
     raise UnsupportedArchitectureError(
         f"no adapter supports open_clip model class {model_class!r}; supported: {', '.join(supported())}"

@@ -4,7 +4,9 @@
 projector, Llama language model with RoPE, RMSNorm and grouped-query heads).
 ``shapes-coca`` is open_clip's CoCa whose multimodal decoder cross-attends
 to the vision tower's patch tokens directly (no attentional pooler).
-Both read 128 x 128 images as an 8 x 8 grid of 16 px patches.
+Both read 128 x 128 images as an 8 x 8 grid of 16 px patches. Saving a
+model writes its ``MANIFEST.sha256`` last: the SHA-256 of every file
+``load_model`` reads, so an edited file of a built-in model is refused.
 """
 
 from __future__ import annotations
@@ -96,10 +98,14 @@ def llava_processor():
 
 
 def save_llava(model, out_dir: Path) -> None:
+    """The model and its processor, then the folder's MANIFEST.sha256 (see :func:`write_manifest`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     llava_processor().save_pretrained(out_dir)
+    from core.models.loading import write_manifest
+
+    write_manifest(out_dir)
 
 
 # ------------------------------------------------------------------- CoCa
@@ -166,6 +172,7 @@ def build_coca(seed: int = 0):
 
 
 def save_coca(model, out_dir: Path) -> None:
+    """The weights, open_clip_config.json and the tokenizer, then the folder's MANIFEST.sha256."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -188,3 +195,6 @@ def save_coca(model, out_dir: Path) -> None:
     }
     (out_dir / "open_clip_config.json").write_text(json.dumps(config, indent=2))
     vocab.build_hf_tokenizer().save_pretrained(out_dir)
+    from core.models.loading import write_manifest
+
+    write_manifest(out_dir)
