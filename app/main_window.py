@@ -981,7 +981,10 @@ class MainWindow(QMainWindow):
         self._job = None
         self.counterfactual_panel.set_busy(False)
         self._set_busy(False)
-        self.status_label.setText(status)
+        loaded = self.model_cache.get(self.model_spec())
+        notes = loaded.info.get("warnings", []) if isinstance(loaded, core.LoadedModel) else []
+        # a load warning (e.g. unexpected tensors in the weights) stays beside every status of that model
+        self.status_label.setText("; ".join([status, *(f"warning: {' '.join(n.split())}" for n in notes)]))
         self.idle.emit()
 
     def _set_busy(self, busy: bool) -> None:

@@ -148,15 +148,24 @@ def add_raw_prompt_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from core.models.loading import load_model
+    """The model of ``--model``; each warning of the load (unexpected tensors
+    in the weights, ...) is one ``warning: ...`` line on stderr."""
+    import warnings
 
-    return load_model(
-        args.model,
-        device=args.device,
-        allow_pickle=args.allow_pickle,
-        trust_remote_code=args.trust_remote_code,
-        allow_download=args.allow_download,
-    )
+    from core.models.loading import ModelLoadWarning, load_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ModelLoadWarning)  # printed below, one line each
+        loaded = load_model(
+            args.model,
+            device=args.device,
+            allow_pickle=args.allow_pickle,
+            trust_remote_code=args.trust_remote_code,
+            allow_download=args.allow_download,
+        )
+    for note in loaded.info.get("warnings", []):
+        print(f"warning: {' '.join(str(note).split())}", file=sys.stderr)
+    return loaded
 
 
 # ---------------------------------------------------------------- JSONL input

@@ -196,8 +196,9 @@ class Adapter(ABC):
         """Each token id of :attr:`token_id_fields` must index the embedding
         table, and an image / video token id must be the one the processor
         writes (else the model looks for the image where there is none)."""
-        try:
-            rows = int(self.input_embeddings().shape[0])
+        embedding = getattr(self.model, "get_input_embeddings", lambda: None)()
+        try:  # the table's size, without the copy some families' input_embeddings() make
+            rows = int(embedding.num_embeddings) if embedding is not None else int(self.input_embeddings().shape[0])
         except (AttributeError, NotImplementedError, TypeError):
             rows = None
         for path, _ in self.token_id_fields:

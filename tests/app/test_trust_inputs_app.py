@@ -48,3 +48,22 @@ def test_model_folder_with_missing_weights_is_refused_in_the_window(qtbot, windo
     run_until_idle(qtbot, window, window.answer_question)
     assert window.error_label.text() == "" and window.last_answer is not None
     assert isinstance(window.model_cache.get("shapes-llava"), core.LoadedModel)
+
+
+def test_load_warning_stays_beside_the_status(qtbot, window, tmp_path):
+    """Unexpected extra tensors load (with a warning): the window says so beside the answer's status."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "extra-llava"
+    shutil.copytree(BUILTIN, folder)
+    (folder / "MANIFEST.sha256").unlink(missing_ok=True)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["extra.probe.weight"] = weights[next(iter(weights))].clone()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    window.model_picker.setCurrentText(str(folder))
+    run_until_idle(qtbot, window, window.answer_question)
+    status = window.status_label.text()
+    assert window.last_answer is not None and "warning: " in status and "extra.probe.weight" in status
+    window.model_picker.setCurrentText("shapes-llava")
+    run_until_idle(qtbot, window, window.answer_question)
+    assert "warning" not in window.status_label.text()

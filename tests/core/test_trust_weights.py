@@ -151,6 +151,25 @@ def test_unexpected_extra_tensor_warns_but_loads(tmp_path):
     )
 
 
+def test_cli_prints_a_load_warning_as_one_line(tmp_path, capsys):
+    from core.cli import main
+
+    d = _copy(tmp_path, manifest=False)
+
+    def add(st):
+        st["extra.probe.weight"] = torch.ones(4, 4)
+        return st
+
+    _edit_weights(d, add)
+    sample = resources_dir() / "samples" / "sample_00.png"
+    assert (
+        main(["answer", "--model", str(d), "--image", str(sample), "--question", "what shape is the blue object?"]) == 0
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: ") and "1 unexpected tensor" in err[0]
+    assert "extra.probe.weight" in err[0] and "model.safetensors" in err[0]
+
+
 @pytest.mark.parametrize(
     "edit,match",
     [
@@ -516,10 +535,17 @@ def test_manifest_naming_a_file_outside_the_folder_is_refused(builtin_copy):
         load_model("shapes-llava")
 
 
-@pytest.mark.parametrize("name,file,edit", [
-    ("shapes-llava", "config.json", lambda c: c.update(text_config=None)),  # transformers' default: a 7B Llama
-    ("shapes-coca", "open_clip_config.json", lambda c: c["model_cfg"]["multimodal_cfg"].update(width=4096, layers=24)),
-])
+@pytest.mark.parametrize(
+    "name,file,edit",
+    [
+        ("shapes-llava", "config.json", lambda c: c.update(text_config=None)),  # transformers' default: a 7B Llama
+        (
+            "shapes-coca",
+            "open_clip_config.json",
+            lambda c: c["model_cfg"]["multimodal_cfg"].update(width=4096, layers=24),
+        ),
+    ],
+)
 def test_config_far_larger_than_its_weights_is_refused_before_allocating(tmp_path, name, file, edit):
     """The library would allocate, and fill with random values, gigabytes the
     files never provide (the process can be killed for memory first)."""
