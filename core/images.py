@@ -1,43 +1,373 @@
 """Safe image loading: every accepted file comes back as an RGB ``PIL.Image``
 with EXIF orientation applied; anything else is an :class:`ImageLoadError`
-with a one-line reason."""
+with a one-line reason naming the file.
+
+The work is bounded before anything is decoded: Pillow reads only the header,
+then the declared size, aspect ratio and the memory the decoder will allocate
+are checked against the limits below. Any exception a decoder raises
+afterwards (Pillow's plugins raise OSError, SyntaxError, ValueError, but also
+struct.error, EOFError, IndexError, KeyError, TypeError, NotImplementedError,
+MemoryError, ...) becomes an ImageLoadError too."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import os
+import stat
+import struct
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from core.errors import ImageLoadError
 
-# Refuse images above this many pixels (PIL's own bomb limit is ~179M and only
-# warns below twice that); a VLM never needs more than a few megapixels.
-MAX_PIXELS = 64_000_000
+# The formats images for a VLM come in: datasets (COCO, VQAv2, GQA, TextVQA:
+# JPEG; CLEVR, DocVQA, screenshots: PNG), the web (WebP, GIF), scientific and
+# scanned images (TIFF), tools' raw output (PPM/PGM/PBM, BMP). Pillow's other
+# plugins are refused by name: DDS, PSD, ICNS, FITS, SGI, TGA, PCX, BLP, FLI,
+# ... are texture, print or legacy formats with rarely exercised decoders
+# (DDS raised NotImplementedError at start-up), and EPS/PS would run
+# Ghostscript, an external program, on the file. "JPEG" also opens MPO (phone
+# photos with a second picture); only its first picture is read.
+ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "PPM")
+_ACCEPTED_NAMES = "PNG, JPEG, WebP, GIF, BMP, TIFF, PPM/PGM/PBM"
+
+# Width x height limit. No processor here feeds the model more than Qwen2-VL's
+# default max_pixels (12,845,056); the others downsample to ~2M or fewer, so
+# pixels beyond that never reach the model. 40M still admits 8K UHD frames
+# (7680x4320 = 33.2M, the HR-Bench 8K images, the largest in common VLM
+# benchmarks) and 36-megapixel photos; larger ones are refused with a hint to
+# downscale rather than decoded into gigabytes (8000x8000 32-bit TIFF: 2.2 GB).
+MAX_PIXELS = 40_000_000
+
+# Longest / shortest side. Qwen2-VL's smart_resize refuses more than 200, and a
+# shortest-edge resize (LLaVA's CLIP processor, open_clip's CoCa transform)
+# scales the short side up to S: S*S*200 pixels is 22.6M at S = 336, but a
+# 1x200,000 image would become 336x67,200,000 (10 GB at S = 128).
+MAX_ASPECT_RATIO = 200
+
+# Bytes alive at the peak of decoding one frame, per pixel, for the worst
+# well-formed file of an accepted format: WebP, whose frame (4 bytes: Pillow
+# stores every multi-band mode in 4) comes from libwebp's two RGBA canvases
+# (current and previous frame) through a bytes copy, 16 in all (measured: 607 MB
+# for 6000x6600). A progressive CMYK JPEG (4 + 8 of coefficients) or a
+# one-strip 16-bit RGBA TIFF (4 + 8 of strip) needs 12. So every well-formed
+# file within MAX_PIXELS fits; what goes over is a buffer the file declares
+# beyond its pixels (a 16x16 TIFF with one 16384x16384 tile: 770 MB).
+MAX_DECODE_BYTES = 16 * MAX_PIXELS
+
+# An uncompressed 16-bit RGBA frame of MAX_PIXELS (8 bytes a pixel) is the
+# largest well-formed single-frame file; multi-page stacks beyond it are
+# refused (we would read only page 0). Also bounds the header parsing done in
+# Python (chunk, block and token loops cost about 0.15 s per MB at worst).
+MAX_FILE_BYTES = 8 * MAX_PIXELS
+
+# A progressive JPEG is decoded once per scan over the whole coefficient
+# buffer: 1,000 repeated scans (31 bytes each) made a 172 KB file take 9 s at
+# 4000x4000. Encoders write about 10 (libjpeg's default script); EXIF
+# thumbnails add their own.
+MAX_JPEG_SCANS = 100
+
+# Rows are converted to RGB in bands of about this many pixels, so a large
+# 16-bit, float or transparent image costs its temporaries for one band only.
+_BAND_PIXELS = 1 << 20
+
+_TIFF_BITS_PER_SAMPLE, _TIFF_SAMPLES_PER_PIXEL, _TIFF_ROWS_PER_STRIP = 258, 277, 278
+_TIFF_TILE_WIDTH, _TIFF_TILE_LENGTH, _TIFF_STRIP_OFFSETS, _TIFF_TILE_OFFSETS = 322, 323, 273, 324
+
+
+def _row_bands(height: int, width: int) -> Iterator[tuple[int, int]]:
+    """``(top, bottom)`` row ranges covering the image, ~_BAND_PIXELS each."""
+    rows = max(1, _BAND_PIXELS // max(1, width))
+    for top in range(0, height, rows):
+        yield top, min(height, top + rows)
+
+
+def _band(img: Image.Image, top: int, bottom: int) -> Image.Image:
+    return img.crop((0, top, img.width, bottom))
+
+
+def _scaled_to_rgb(img: Image.Image) -> Image.Image:
+    """'I;16*' (full 16-bit scale), 'I' and 'F' (their own min..max) -> RGB,
+    band by band with the same float64 arithmetic as a whole-image pass."""
+    w, h = img.size
+    if img.mode.startswith("I;16"):
+        lo, hi = 0.0, 65535.0
+    else:
+        lo, hi = np.inf, -np.inf
+        for top, bottom in _row_bands(h, w):
+            arr = np.asarray(_band(img, top, bottom), dtype=np.float64)
+            lo, hi = min(lo, float(arr.min())), max(hi, float(arr.max()))
+        if not (np.isfinite(lo) and np.isfinite(hi)):
+            raise ImageLoadError(f"{img.mode} image has NaN or infinite pixels, which have no 8-bit value")
+    grey = np.empty((h, w), np.uint8)
+    for top, bottom in _row_bands(h, w):
+        if hi <= lo:
+            grey[top:bottom] = 0
+            continue
+        arr = np.asarray(_band(img, top, bottom), dtype=np.float64)
+        grey[top:bottom] = np.clip(np.rint((arr - lo) / (hi - lo) * 255.0), 0, 255).astype(np.uint8)
+    return Image.fromarray(grey).convert("RGB")
+
+
+def _composited_on_white(img: Image.Image) -> Image.Image:
+    """A mode with alpha -> RGB over opaque white, band by band (the result is
+    per pixel, so identical to compositing the whole image at once)."""
+    out = Image.new("RGB", img.size)
+    for top, bottom in _row_bands(img.height, img.width):
+        rgba = _band(img, top, bottom).convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        out.paste(Image.alpha_composite(background, rgba).convert("RGB"), (0, top))
+    return out
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
     """Any PIL mode -> 8-bit RGB. Transparency is composited on white;
-    16-bit and float greyscale are rescaled to their full range."""
+    16-bit and float greyscale are rescaled to their full range.
+
+    Raises:
+        ImageLoadError: float pixels that are NaN or infinite; a mode Pillow
+            cannot convert.
+    """
     if img.mode == "RGB":
         return img
-    if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-        arr = np.asarray(img, dtype=np.float64)
-        lo, hi = float(arr.min()), float(arr.max())
-        if img.mode.startswith("I;16"):
-            lo, hi = 0.0, 65535.0
-        scaled = np.zeros_like(arr) if hi <= lo else (arr - lo) / (hi - lo) * 255.0
-        return Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8), "L").convert("RGB")
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        return _scaled_to_rgb(img)
     if img.mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
-        rgba = img.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
+        return _composited_on_white(img)
     return img.convert("RGB")
+
+
+def _stored_bytes_per_pixel(mode: str) -> int:
+    """Bytes a pixel of ``mode`` takes in Pillow's memory: every multi-band mode
+    is stored in 4 (RGB too), 16-bit greyscale in 2, 'I' and 'F' in 4."""
+    if mode in ("1", "L", "P"):
+        return 1
+    if mode.startswith("I;16"):
+        return 2
+    return 4
+
+
+def _tiff_tag(img: Image.Image, tag: int, default: int) -> int:
+    value = img.tag_v2.get(tag, default)
+    if isinstance(value, tuple):
+        value = max(value) if value else default
+    return int(value)
+
+
+def _tiff_buffer_bytes(img: Image.Image) -> int:
+    """The buffer libtiff decodes one strip or tile into (Pillow hands it every
+    compressed TIFF): tile or strip area x samples x bytes per sample, at least
+    4 bytes a pixel (its RGBA path). Tiles may be declared far larger than the
+    image; strips are cut at the image's height."""
+    if not getattr(img, "use_load_libtiff", False):
+        return 0  # uncompressed: read straight into the frame
+    sample_bytes = -(-_tiff_tag(img, _TIFF_BITS_PER_SAMPLE, 1) // 8)
+    pixel_bytes = max(4, _tiff_tag(img, _TIFF_SAMPLES_PER_PIXEL, 1) * sample_bytes)
+    if _TIFF_TILE_WIDTH in img.tag_v2:
+        area = _tiff_tag(img, _TIFF_TILE_WIDTH, 0) * _tiff_tag(img, _TIFF_TILE_LENGTH, 0)
+    else:
+        area = img.width * min(img.height, _tiff_tag(img, _TIFF_ROWS_PER_STRIP, img.height))
+    return area * pixel_bytes
+
+
+def _jpeg_streams(img: Image.Image) -> int:
+    """How many JPEG streams the file holds by design: one, one per picture of
+    an MPO, one per strip or tile of a JPEG-compressed TIFF; 0 for others."""
+    if img.format == "JPEG":
+        return 1
+    if img.format == "MPO":  # a JPEG per picture, listed in its header
+        return max(1, getattr(img, "n_frames", 1))
+    if img.format == "TIFF" and getattr(img, "_compression", "") in ("jpeg", "tiff_jpeg"):
+        offsets = img.tag_v2.get(_TIFF_TILE_OFFSETS, img.tag_v2.get(_TIFF_STRIP_OFFSETS, ()))
+        return max(1, len(offsets) if isinstance(offsets, tuple) else 1)
+    return 0
+
+
+def _count_in_file(fp: BinaryIO, needle: bytes) -> int:
+    """Occurrences of a 2-byte ``needle`` in the whole file, read in 1 MB
+    blocks; the file position is kept."""
+    position, count, tail = fp.tell(), 0, b""
+    fp.seek(0)
+    while block := fp.read(1 << 20):
+        block = tail + block
+        count += block.count(needle)
+        tail = block[-1:]  # a marker split across two blocks
+    fp.seek(position)
+    return count
+
+
+def _check_size(name: str, size: tuple[int, int]) -> None:
+    """Refuse an empty, too large or too elongated ``(width, height)``."""
+    w, h = size
+    if w < 1 or h < 1:
+        raise ImageLoadError(f"{name}: the image has no pixels ({w}x{h})")
+    if w * h > MAX_PIXELS:
+        raise ImageLoadError(
+            f"{name}: {w}x{h} is {w * h:,} pixels, over the {MAX_PIXELS:,}-pixel limit "
+            "(decompression bomb? downscale it first)"
+        )
+    if max(w, h) / min(w, h) > MAX_ASPECT_RATIO:
+        raise ImageLoadError(
+            f"{name}: {w}x{h} has an aspect ratio of {max(w, h) / min(w, h):,.0f}:1, over the "
+            f"{MAX_ASPECT_RATIO}:1 the models' image processors handle (crop or pad it first)"
+        )
+
+
+def _check_decode_cost(name: str, img: Image.Image, fp: BinaryIO) -> None:
+    """Refuse, from the header alone, a file whose decode of frame 0 (the only
+    one read) would allocate over MAX_DECODE_BYTES or rescan a JPEG over
+    MAX_JPEG_SCANS times."""
+    pixels = img.width * img.height
+    frame = pixels * _stored_bytes_per_pixel(img.mode)
+    buffers = 0
+    if img.format == "TIFF":
+        buffers = _tiff_buffer_bytes(img)
+    elif img.format == "WEBP":
+        buffers = pixels * 12  # libwebp's two RGBA canvases, then a bytes copy of one
+    streams = _jpeg_streams(img)
+    if streams:
+        scans = _count_in_file(fp, b"\xff\xda")  # start-of-scan markers
+        if scans > MAX_JPEG_SCANS * streams:
+            raise ImageLoadError(
+                f"{name}: {scans:,} JPEG scans, over the {MAX_JPEG_SCANS} a stream may have "
+                "(each rescans the whole image)"
+            )
+        if img.format != "TIFF" and scans > 1:  # a multi-scan JPEG keeps all its coefficients
+            buffers = pixels * 2 * getattr(img, "layers", 3)
+    # After the decoder: an EXIF rotation copies the frame; then the RGB result.
+    converted = 4 * pixels + (4 * pixels if img.mode == "P" and "transparency" in img.info else 0)
+    peak = frame + max(buffers, frame, converted)
+    if peak > MAX_DECODE_BYTES:
+        raise ImageLoadError(
+            f"{name}: decoding this {img.width}x{img.height} {img.format} would take {peak / 1e6:,.0f} MB, "
+            f"over the {MAX_DECODE_BYTES / 1e6:,.0f} MB limit (the decoder's own buffers: {buffers / 1e6:,.0f} MB)"
+        )
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    if not isinstance(e, (OSError, SyntaxError, ValueError)):
+        text = f"{type(e).__name__}: {text}"
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _sniffed_format(fp: BinaryIO) -> str | None:
+    """The Pillow format whose magic bytes start the file (only the plugins'
+    prefix checks run, none of their parsing), or None."""
+    try:
+        fp.seek(0)
+        prefix = fp.read(16)
+    except (OSError, ValueError):  # the file went away or broke while we read it
+        return None
+    Image.init()
+    for fmt in Image.ID:
+        accept = Image.OPEN[fmt][1]
+        try:
+            if accept is not None and accept(prefix):
+                return fmt
+        except Exception:  # a plugin's magic check on a short prefix
+            continue
+    return None
+
+
+def _refused_format(name: str, fp: BinaryIO, suffix: str) -> ImageLoadError:
+    """The error for a file no accepted plugin opened: a damaged header of an
+    accepted format, a format we refuse (named by the file's extension, else
+    guessed from its first bytes: magic numbers are short and shared, a TGA
+    starts like a CUR), or not an image."""
+    sniffed = _sniffed_format(fp)
+    if sniffed in ACCEPTED_FORMATS:
+        return ImageLoadError(f"{name}: corrupt or truncated {sniffed} image (its header cannot be read)")
+    by_extension = Image.registered_extensions().get(suffix.lower())
+    if by_extension and by_extension not in ACCEPTED_FORMATS:
+        return ImageLoadError(f"{name}: {by_extension} images are not accepted (accepted: {_ACCEPTED_NAMES})")
+    if sniffed:
+        return ImageLoadError(
+            f"{name}: looks like {sniffed} by its first bytes, not an accepted format ({_ACCEPTED_NAMES})"
+        )
+    return ImageLoadError(f"{name}: not an image file in an accepted format ({_ACCEPTED_NAMES})")
+
+
+def _decode(name: str, fp: BinaryIO, suffix: str = "") -> Image.Image:
+    """Header, checks, frame 0, EXIF orientation, RGB; every failure an
+    ImageLoadError. ``suffix``: the file's extension, to name a refused format."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            Image.init()  # a Pillow built without a plugin (WebP) must not break the others
+            img = Image.open(fp, formats=[fmt for fmt in ACCEPTED_FORMATS if fmt in Image.OPEN])
+            _check_size(name, img.size)
+            _check_decode_cost(name, img, fp)
+            img.load()  # decode now so truncation is caught here
+    except ImageLoadError:
+        raise
+    except UnidentifiedImageError:
+        raise _refused_format(name, fp, suffix) from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageLoadError(f"{name}: refused as a decompression bomb ({e})") from None
+    except MemoryError:
+        raise ImageLoadError(f"{name}: out of memory while decoding the image") from None
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error) as e:
+        raise ImageLoadError(f"{name}: corrupt or truncated image ({_reason(e)})") from None
+    except Exception as e:  # any other decoder failure (IndexError, KeyError, NotImplementedError, ...)
+        kind = _sniffed_format(fp) or "image"
+        raise ImageLoadError(f"{name}: cannot decode this {kind} file ({_reason(e)})") from None
+    try:
+        ImageOps.exif_transpose(img, in_place=True)  # in place: no copy when there is nothing to turn
+    except Exception as e:
+        raise ImageLoadError(f"{name}: unreadable EXIF orientation ({_reason(e)})") from None
+    return _converted(name, img)
+
+
+def _converted(name: str, img: Image.Image) -> Image.Image:
+    try:
+        return to_rgb(img)
+    except ImageLoadError as e:
+        raise ImageLoadError(f"{name}: {e}") from None
+    except MemoryError:
+        raise ImageLoadError(f"{name}: out of memory while converting the image to RGB") from None
+    except Exception as e:
+        raise ImageLoadError(f"{name}: cannot convert its {img.mode} pixels to RGB ({_reason(e)})") from None
+
+
+def _open_regular_file(path: Path) -> BinaryIO:
+    """Open ``path`` for reading, refusing what is not a readable, regular,
+    non-empty file of at most MAX_FILE_BYTES. Opened non-blocking, so a FIFO is
+    refused instead of waiting forever for a writer."""
+    name = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        raise ImageLoadError(f"{name}: no such file") from None
+    except PermissionError:
+        reason = "is a directory" if path.is_dir() else "permission denied"  # Windows: a directory is EACCES
+        raise ImageLoadError(f"{name}: {reason}") from None
+    except (OSError, ValueError) as e:  # ENAMETOOLONG, ELOOP, a NUL byte in the name, ...
+        raise ImageLoadError(f"{name}: cannot open ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise ImageLoadError(f"{name}: is a directory, not an image file")
+        if not stat.S_ISREG(info.st_mode):
+            raise ImageLoadError(f"{name}: not a regular file (a FIFO, socket or device)")
+        if info.st_size == 0:
+            raise ImageLoadError(f"{name}: file is empty")
+        if info.st_size > MAX_FILE_BYTES:
+            raise ImageLoadError(
+                f"{name}: the file is {info.st_size / 1e6:,.0f} MB, over the {MAX_FILE_BYTES / 1e6:,.0f} MB limit"
+            )
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def load_image(source: str | Path | bytes | Image.Image | np.ndarray) -> Image.Image:
@@ -45,48 +375,44 @@ def load_image(source: str | Path | bytes | Image.Image | np.ndarray) -> Image.I
 
     Args:
         source: a path, the file's bytes, a PIL image, or a ``(H, W, 3)`` /
-            ``(H, W)`` uint8 array.
+            ``(H, W)`` uint8 array (``(H, W, 4)``: RGBA, composited on white).
+
+    Returns:
+        An RGB image with EXIF orientation applied, at most MAX_PIXELS pixels
+        and MAX_ASPECT_RATIO long.
 
     Raises:
-        ImageLoadError: missing, truncated, not an image, or too large.
+        ImageLoadError: missing, unreadable or not a regular file; empty,
+            truncated, corrupt, not an accepted format; too large, too
+            elongated, or too costly to decode.
     """
     if isinstance(source, Image.Image):
-        return to_rgb(ImageOps.exif_transpose(source) or source)
+        _check_size("image", source.size)
+        try:
+            img = ImageOps.exif_transpose(source)  # a copy: the caller's image is left as it is
+        except Exception as e:
+            raise ImageLoadError(f"image: unreadable EXIF orientation ({_reason(e)})") from None
+        return _converted("image", img)
     if isinstance(source, np.ndarray):
-        if source.dtype != np.uint8 or source.ndim not in (2, 3):
-            raise ImageLoadError(f"image array must be uint8 (H, W) or (H, W, 3), got {source.dtype} {source.shape}")
+        channels = source.shape[2] if source.ndim == 3 else None
+        if source.dtype != np.uint8 or source.ndim not in (2, 3) or channels not in (None, 3, 4):
+            raise ImageLoadError(
+                f"image array must be uint8 (H, W), (H, W, 3) or (H, W, 4), got {source.dtype} {source.shape}"
+            )
+        _check_size("image array", (source.shape[1], source.shape[0]))
         return to_rgb(Image.fromarray(source))
-    name = "image bytes"
-    if isinstance(source, (str, Path)):
+    if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        name = str(path)
-        if not path.is_file():
-            raise ImageLoadError(f"{name}: no such file")
-        data = path.read_bytes()
-    else:
-        data = bytes(source)
+        with _open_regular_file(path) as fp:
+            return _decode(str(path), fp, path.suffix)
+    if not isinstance(source, (bytes, bytearray, memoryview)):
+        raise ImageLoadError(f"cannot load an image from a {type(source).__name__}")
+    data = bytes(source)
     if not data:
-        raise ImageLoadError(f"{name}: file is empty")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-            w, h = img.size
-            if w * h > MAX_PIXELS:
-                raise ImageLoadError(
-                    f"{name}: {w}x{h} pixels is over the {MAX_PIXELS:,}-pixel limit (decompression bomb?)"
-                )
-            img.load()  # decode now so truncation is caught here
-            img = ImageOps.exif_transpose(img) or img
-            return to_rgb(img)
-    except ImageLoadError:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageLoadError(f"{name}: refused as a decompression bomb ({e})") from None
-    except UnidentifiedImageError:
-        raise ImageLoadError(f"{name}: not an image file PIL can read") from None
-    except (OSError, SyntaxError, ValueError) as e:
-        raise ImageLoadError(f"{name}: corrupt or truncated image ({e})") from None
+        raise ImageLoadError("image bytes: file is empty")
+    if len(data) > MAX_FILE_BYTES:
+        raise ImageLoadError(f"image bytes: {len(data) / 1e6:,.0f} MB, over the {MAX_FILE_BYTES / 1e6:,.0f} MB limit")
+    return _decode("image bytes", io.BytesIO(data))
 
 
 def image_sha256(img: Image.Image) -> str:
