@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     window = MainWindow(model_spec=args.model, session_path=args.session)
+    if window.session_problem:  # shown in the window too; said here for whoever started it from a terminal
+        print(f"warning: {window.session_problem}", file=sys.stderr)
     titles = [window.tabs.tabText(i).lower() for i in range(window.tabs.count())]
     if args.tab.lower() in titles:
         window.tabs.setCurrentIndex(titles.index(args.tab.lower()))

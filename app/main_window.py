@@ -354,6 +354,7 @@ class MainWindow(QMainWindow):
         super().__init__()
         self.model_cache = {} if model_cache is None else model_cache
         self.session, session_problem = open_start_session(session_path)
+        self.session_problem = session_problem  # also printed by app.__main__ for a terminal user
         self.analysis: dict | None = None  # the last analyze result shown in the panels
         self.analysis_inputs: tuple | None = None  # (spec, image, question) it was computed on
         self.last_counterfactual = None
