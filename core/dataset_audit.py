@@ -185,18 +185,9 @@ def load_mask(path: Path, size: tuple[int, int]) -> np.ndarray:
     ``core.methods.counterfactual.mask_from_png`` reads it; it must have the
     image's ``size = (width, height)``. An empty mask is allowed (its region
     mass is 0; a counterfactual skips it)."""
-    from PIL import Image, UnidentifiedImageError
+    from core.images import load_mask as read_mask_file
 
-    try:
-        with Image.open(path) as im:
-            im.load()
-            mask = np.asarray(im.convert("L")) >= 128
-            if "A" in im.getbands():
-                mask &= np.asarray(im.getchannel("A")) >= 128
-    except FileNotFoundError:
-        raise ImageLoadError(f"{path}: no such mask file") from None
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise ImageLoadError(f"{path}: cannot read the mask ({type(e).__name__})") from None
+    mask = read_mask_file(path)
     if (mask.shape[1], mask.shape[0]) != tuple(size):
         raise ImageLoadError(
             f"{path}: mask is {mask.shape[1]}x{mask.shape[0]}, the image is {size[0]}x{size[1]}; they must match"

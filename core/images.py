@@ -296,9 +296,10 @@ def _refused_format(name: str, fp: BinaryIO, suffix: str) -> ImageLoadError:
     return ImageLoadError(f"{name}: not an image file in an accepted format ({_ACCEPTED_NAMES})")
 
 
-def _decode(name: str, fp: BinaryIO, suffix: str = "") -> Image.Image:
-    """Header, checks, frame 0, EXIF orientation, RGB; every failure an
-    ImageLoadError. ``suffix``: the file's extension, to name a refused format."""
+def _decode(name: str, fp: BinaryIO, suffix: str = "", finish=None):
+    """Header, checks, frame 0, EXIF orientation, then ``finish(name, img)``
+    (default: RGB); every failure an ImageLoadError. ``suffix``: the file's
+    extension, to name a refused format."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -324,7 +325,7 @@ def _decode(name: str, fp: BinaryIO, suffix: str = "") -> Image.Image:
         ImageOps.exif_transpose(img, in_place=True)  # in place: no copy when there is nothing to turn
     except Exception as e:
         raise ImageLoadError(f"{name}: unreadable EXIF orientation ({_reason(e)})") from None
-    return _converted(name, img)
+    return (finish or _converted)(name, img)
 
 
 def _converted(name: str, img: Image.Image) -> Image.Image:
@@ -401,10 +402,15 @@ def load_image(source: str | Path | bytes | Image.Image | np.ndarray) -> Image.I
             )
         _check_size("image array", (source.shape[1], source.shape[0]))
         return to_rgb(Image.fromarray(source))
+    return _decode_file_or_bytes(source)
+
+
+def _decode_file_or_bytes(source, finish=None):
+    """:func:`_decode` of a path (a regular file, opened safely) or of bytes."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         with _open_regular_file(path) as fp:
-            return _decode(str(path), fp, path.suffix)
+            return _decode(str(path), fp, path.suffix, finish)
     if not isinstance(source, (bytes, bytearray, memoryview)):
         raise ImageLoadError(f"cannot load an image from a {type(source).__name__}")
     data = bytes(source)
@@ -412,7 +418,32 @@ def load_image(source: str | Path | bytes | Image.Image | np.ndarray) -> Image.I
         raise ImageLoadError("image bytes: file is empty")
     if len(data) > MAX_FILE_BYTES:
         raise ImageLoadError(f"image bytes: {len(data) / 1e6:,.0f} MB, over the {MAX_FILE_BYTES / 1e6:,.0f} MB limit")
-    return _decode("image bytes", io.BytesIO(data))
+    return _decode("image bytes", io.BytesIO(data), "", finish)
+
+
+def _mask_pixels(name: str, img: Image.Image) -> np.ndarray:
+    try:
+        inside = np.asarray(img.convert("L")) >= 128
+        if "A" in img.getbands():
+            inside &= np.asarray(img.getchannel("A")) >= 128
+        return inside
+    except MemoryError:
+        raise ImageLoadError(f"{name}: out of memory while reading the mask") from None
+    except Exception as e:
+        raise ImageLoadError(f"{name}: cannot read its {img.mode} pixels as a mask ({_reason(e)})") from None
+
+
+def load_mask(source: str | Path | bytes) -> np.ndarray:
+    """A painted region mask file (or its bytes) as an ``(H, W)`` bool array:
+    white (luminance >= 128) is inside, and where the file has an alpha
+    channel also alpha >= 128. Read with every check of :func:`load_image`
+    (format, size, decode cost, EXIF orientation, so a mask lines up with its
+    image as loaded).
+
+    Raises:
+        ImageLoadError: as :func:`load_image`.
+    """
+    return _decode_file_or_bytes(source, _mask_pixels)
 
 
 def image_sha256(img: Image.Image) -> str:

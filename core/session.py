@@ -71,7 +71,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from core.errors import ReadoutError
+from core.errors import ImageLoadError, ReadoutError
 
 SCHEMA_VERSION = 2
 APPLICATION_ID = 0x564C4D52  # "VLMR" in the SQLite header: this file is a session
@@ -187,13 +187,13 @@ class ImageInfo:
         """
         if self.png is None:
             return None
-        from PIL import Image
+        from core.images import load_image
 
-        try:
-            with Image.open(io.BytesIO(self.png)) as im:
-                return im.convert("RGB")
-        except Exception as e:  # noqa: BLE001 - PIL raises many types on bad bytes; all mean "unreadable"
-            raise SessionError(f"the stored image {self.sha256[:12]} is unreadable ({type(e).__name__})") from None
+        try:  # a shared session is a file from elsewhere: its pictures get every check a user's image gets
+            return load_image(self.png)
+        except ImageLoadError as e:
+            reason = str(e).removeprefix("image bytes: ")
+            raise SessionError(f"the stored image {self.sha256[:12]} is unreadable ({reason})") from None
 
 
 # ---------------------------------------------------------------- schema and migrations
@@ -294,11 +294,9 @@ def _mask_sha(mask) -> str:
 
 
 def _mask_array(png: bytes):
-    import numpy as np
-    from PIL import Image
+    from core.images import load_mask
 
-    with Image.open(io.BytesIO(png)) as im:
-        return np.asarray(im.convert("L")) >= 128
+    return load_mask(png)
 
 
 def _mask_png(mask) -> bytes:
@@ -1096,8 +1094,9 @@ class Session:
             return None
         try:
             return _mask_array(row[0])
-        except Exception as e:  # noqa: BLE001 - PIL raises many types on bad bytes; all mean "unreadable"
-            raise SessionError(f"{self.path}: the stored mask {mask_id} is unreadable ({type(e).__name__})") from None
+        except ImageLoadError as e:
+            reason = str(e).removeprefix("image bytes: ")
+            raise SessionError(f"{self.path}: the stored mask {mask_id} is unreadable ({reason})") from None
 
     def audit_table(self, kinds: Iterable[str] | None = None) -> list[dict]:
         """The session's audit table: one row per audit record of each run

@@ -129,24 +129,15 @@ def mask_from_png(path: str | Path, image_size: tuple[int, int]) -> np.ndarray:
         RegionError: the size differs from ``image_size`` or the mask is empty.
         ImageLoadError: the file is not an image.
     """
-    from core.errors import ImageLoadError
+    from core.images import load_mask
 
     p = Path(path)
-    if not p.is_file():
-        raise ImageLoadError(f"{p}: no such mask file")
-    try:
-        with Image.open(p) as im:
-            im.load()
-            size = im.size
-            alpha = np.asarray(im.getchannel("A")) >= 128 if "A" in im.getbands() else None
-            lum = np.asarray(im.convert("L")) >= 128
-    except (OSError, SyntaxError, ValueError) as e:
-        raise ImageLoadError(f"{p}: not a mask image PIL can read ({e})") from None
+    mask = load_mask(p)
+    size = (mask.shape[1], mask.shape[0])
     if tuple(size) != tuple(image_size):
         raise RegionError(
             f"{p}: the mask is {size[0]}x{size[1]} but the image is {image_size[0]}x{image_size[1]}; they must match"
         )
-    mask = lum if alpha is None else lum & alpha
     return check_mask(mask, image_size)
 
 

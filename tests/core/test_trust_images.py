@@ -346,3 +346,36 @@ def test_cli_answer_with_a_hostile_image_is_one_error_line(tmp_path, capsys):
 
 def test_baseline_jpeg_still_loads_from_a_path(tmp_path):
     assert load_image(_write(tmp_path, "photo.jpg", jpeg_bytes(30, 20))).size == (30, 20)
+
+
+@pytest.mark.parametrize(
+    "name, data, named",
+    [
+        ("mask.dds", dds_bytes(), "mask.dds"),
+        ("wide.png", png_bytes(1, 200_000), "aspect"),
+        ("mask.eps", eps_bytes(), "EPS images are not accepted"),
+    ],
+)
+def test_mask_files_go_through_the_same_checks(tmp_path, name, data, named):
+    """Region masks (counterfactual --mask, dataset masks) are image files too."""
+    from core.dataset_audit import load_mask as dataset_mask
+    from core.methods.counterfactual import mask_from_png
+
+    path = tmp_path / name
+    path.write_bytes(data)
+    for read in (lambda: mask_from_png(path, (4, 4)), lambda: dataset_mask(path, (4, 4))):
+        with pytest.raises(ImageLoadError, match=named) as e:
+            read()
+        assert "\n" not in str(e.value)
+
+
+def test_mask_reads_luminance_and_alpha(tmp_path):
+    from core.images import load_mask
+
+    rgba = np.zeros((2, 3, 4), np.uint8)
+    rgba[..., :3] = 255
+    rgba[0, :, 3] = 255  # top row opaque white: inside; bottom row transparent white: outside
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "m.png")
+    Image.fromarray(np.array([[0, 200, 127]], np.uint8), "L").save(tmp_path / "l.png")
+    assert load_mask(tmp_path / "m.png").tolist() == [[True] * 3, [False] * 3]
+    assert load_mask(tmp_path / "l.png").tolist() == [[False, True, False]]

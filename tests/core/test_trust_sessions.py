@@ -241,3 +241,17 @@ def test_cli_session_that_is_not_a_session_fails_before_the_model_loads(capsys, 
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
     assert junk.read_bytes() == b"not sqlite" * 10
+
+
+def test_hostile_stored_image_is_refused_like_a_file(capsys, home, outdir):
+    """A shared session's pictures get the checks of load_image: a stored
+    1 x 200,000 PNG (10 GB after a model's resize) is a warning, not a decode."""
+    from tests.fuzz.hostile_images import png_bytes
+
+    session = _session_with_pictures(home / "s.vlmr")
+    with closing(sqlite3.connect(session)) as c:
+        c.execute("UPDATE images SET png = ?", (png_bytes(1, 200_000),))
+        c.commit()
+    code, err, _ = _export(capsys, session, "png", outdir / "pictures")
+    assert code == 0 and err and all(line.startswith("warning: run ") for line in err), err
+    assert "aspect ratio" in err[0] and "\n" not in err[0]
