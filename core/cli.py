@@ -296,13 +296,18 @@ def read_pairs(path: Path) -> list[dict]:
     return pairs
 
 
-def load_pair_image(pair: dict):
-    """The image of one pair of :func:`read_pairs`; a failure names the pairs
-    file's line (``pairs.jsonl:3: images/a.png: no such file``)."""
+def load_pair_image(pair: dict, *, decode: bool = True):
+    """The image of one pair of :func:`read_pairs` (``decode=False``: only its
+    header checked, :func:`core.images.check_image_file`, and its path
+    returned); a failure names the pairs file's line
+    (``pairs.jsonl:3: images/a.png: no such file``)."""
     from core.errors import ImageLoadError
-    from core.images import load_image
+    from core.images import check_image_file, load_image
 
     try:
+        if not decode:
+            check_image_file(pair["image_path"])
+            return pair["image_path"]
         return load_image(pair["image_path"])
     except ImageLoadError as e:
         if pair.get("where") is None:
@@ -333,7 +338,8 @@ def cmd_answer(args) -> int:
     pairs = read_pairs(Path(args.pairs))
     if args.out:
         check_output_file(args.out)  # fail fast, before the images and the model load
-    images = [load_pair_image(p) for p in pairs]
+    # every file checked before the model loads; each decoded only in its batch (memory stays one batch's)
+    images = [load_pair_image(p, decode=False) for p in pairs]
     loaded = _load(args)
     from tqdm import tqdm
 

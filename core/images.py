@@ -296,10 +296,25 @@ def _refused_format(name: str, fp: BinaryIO, suffix: str) -> ImageLoadError:
     return ImageLoadError(f"{name}: not an image file in an accepted format ({_ACCEPTED_NAMES})")
 
 
-def _decode(name: str, fp: BinaryIO, suffix: str = "", finish=None):
-    """Header, checks, frame 0, EXIF orientation, then ``finish(name, img)``
-    (default: RGB); every failure an ImageLoadError. ``suffix``: the file's
-    extension, to name a refused format."""
+def _image_error(name: str, fp: BinaryIO, suffix: str, e: Exception) -> ImageLoadError:
+    """The one-line ImageLoadError for anything opening or decoding raised."""
+    if isinstance(e, ImageLoadError):
+        return e
+    if isinstance(e, UnidentifiedImageError):
+        return _refused_format(name, fp, suffix)
+    if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
+        return ImageLoadError(f"{name}: refused as a decompression bomb ({e})")
+    if isinstance(e, MemoryError):
+        return ImageLoadError(f"{name}: out of memory while decoding the image")
+    if isinstance(e, (OSError, SyntaxError, ValueError, EOFError, struct.error)):
+        return ImageLoadError(f"{name}: corrupt or truncated image ({_reason(e)})")
+    # any other decoder failure (IndexError, KeyError, NotImplementedError, ...)
+    return ImageLoadError(f"{name}: cannot decode this {_sniffed_format(fp) or 'image'} file ({_reason(e)})")
+
+
+def _open_checked(name: str, fp: BinaryIO, suffix: str = "", decode: bool = True) -> Image.Image:
+    """The header read and checked (format, size, decode cost) and, with
+    ``decode``, frame 0 decoded; every failure an ImageLoadError."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -307,20 +322,18 @@ def _decode(name: str, fp: BinaryIO, suffix: str = "", finish=None):
             img = Image.open(fp, formats=[fmt for fmt in ACCEPTED_FORMATS if fmt in Image.OPEN])
             _check_size(name, img.size)
             _check_decode_cost(name, img, fp)
-            img.load()  # decode now so truncation is caught here
-    except ImageLoadError:
-        raise
-    except UnidentifiedImageError:
-        raise _refused_format(name, fp, suffix) from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageLoadError(f"{name}: refused as a decompression bomb ({e})") from None
-    except MemoryError:
-        raise ImageLoadError(f"{name}: out of memory while decoding the image") from None
-    except (OSError, SyntaxError, ValueError, EOFError, struct.error) as e:
-        raise ImageLoadError(f"{name}: corrupt or truncated image ({_reason(e)})") from None
-    except Exception as e:  # any other decoder failure (IndexError, KeyError, NotImplementedError, ...)
-        kind = _sniffed_format(fp) or "image"
-        raise ImageLoadError(f"{name}: cannot decode this {kind} file ({_reason(e)})") from None
+            if decode:
+                img.load()  # decode now so truncation is caught here
+            return img
+    except Exception as e:
+        raise _image_error(name, fp, suffix, e) from None
+
+
+def _decode(name: str, fp: BinaryIO, suffix: str = "", finish=None):
+    """Header, checks, frame 0, EXIF orientation, then ``finish(name, img)``
+    (default: RGB); every failure an ImageLoadError. ``suffix``: the file's
+    extension, to name a refused format."""
+    img = _open_checked(name, fp, suffix)
     try:
         ImageOps.exif_transpose(img, in_place=True)  # in place: no copy when there is nothing to turn
     except Exception as e:
@@ -419,6 +432,20 @@ def _decode_file_or_bytes(source, finish=None):
     if len(data) > MAX_FILE_BYTES:
         raise ImageLoadError(f"image bytes: {len(data) / 1e6:,.0f} MB, over the {MAX_FILE_BYTES / 1e6:,.0f} MB limit")
     return _decode("image bytes", io.BytesIO(data), "", finish)
+
+
+def check_image_file(path: str | Path) -> tuple[int, int]:
+    """``(width, height)`` of an image file after every check :func:`load_image`
+    makes before decoding (a regular file, an accepted format, the size,
+    aspect and decode-cost limits), without decoding it: to refuse a bad file
+    among many before anything loads, and decode each only when it is used.
+
+    Raises:
+        ImageLoadError: as :func:`load_image`, except for damage only decoding finds.
+    """
+    path = Path(path)
+    with _open_regular_file(path) as fp:
+        return _open_checked(str(path), fp, path.suffix, decode=False).size
 
 
 def _mask_pixels(name: str, img: Image.Image) -> np.ndarray:

@@ -379,3 +379,20 @@ def test_mask_reads_luminance_and_alpha(tmp_path):
     Image.fromarray(np.array([[0, 200, 127]], np.uint8), "L").save(tmp_path / "l.png")
     assert load_mask(tmp_path / "m.png").tolist() == [[True] * 3, [False] * 3]
     assert load_mask(tmp_path / "l.png").tolist() == [[False, True, False]]
+
+
+def test_pairs_images_are_checked_before_the_model_loads_and_decoded_per_batch(tmp_path, capsys, monkeypatch):
+    """``answer --pairs``: a hostile image on line 2 is named with its line
+    before any model loads; good files are only header-checked up front."""
+    import core.cli
+
+    good = tmp_path / "good.png"
+    Image.new("RGB", (8, 8)).save(good)
+    (tmp_path / "wide.png").write_bytes(png_bytes(1, 200_000))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"image": "good.png", "question": "q"}\n{"image": "wide.png", "question": "q"}\n')
+    monkeypatch.setattr(core.cli, "_load", lambda args: pytest.fail("the model loaded before the images were checked"))
+    assert cli_main(["answer", "--pairs", str(pairs)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {pairs}:2: ") and "aspect ratio" in err and "\n" not in err
+    assert images.check_image_file(good) == (8, 8)
