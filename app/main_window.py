@@ -55,7 +55,8 @@ from app.workers import Worker, WorkerPool
 from core.session import Session
 
 BUILTIN_MODELS = ("shapes-llava", "shapes-coca")
-IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp);;All files (*)"
+# the formats core.images accepts (ACCEPTED_FORMATS)
+IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
 
 
 def _cached_model(model_cache: dict, spec: str, progress) -> core.LoadedModel:
