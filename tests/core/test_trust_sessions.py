@@ -7,7 +7,6 @@ mask does not stop an export: the rest is written and a warning names the run.""
 import json
 import os
 import sqlite3
-import tempfile
 from contextlib import closing
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from core.cli import main
 from core.models.loading import resources_dir
 from core.session import Session, SessionError, check_session_file
 from tests.core.test_session import _v1_session
+from tests.core.test_trust_cli import BITS_DENY
 
 IMAGE = resources_dir() / "samples" / "sample_00.png"  # 128 x 128
 SWEEP = {
@@ -31,19 +31,6 @@ SWEEP = {
         "grid_shape": [2, 2],
     }
 }
-
-
-def _permission_bits_deny() -> bool:
-    folder = tempfile.mkdtemp()
-    os.chmod(folder, 0o555)
-    try:
-        return not os.access(folder, os.W_OK)
-    finally:
-        os.chmod(folder, 0o700)
-        os.rmdir(folder)
-
-
-BITS_DENY = _permission_bits_deny()
 
 
 def _session_with_pictures(path: Path) -> Path:
