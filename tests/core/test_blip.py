@@ -16,20 +16,35 @@ from core.capture import capture
 from core.errors import QuestionError, UnsupportedArchitectureError
 from core.methods import contributions, residual
 from core.methods.logit_lens import logit_lens
-from core.methods.residual import decompose, target_direction
+from core.methods.residual import target_direction
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
+    assert_decomposition_is_exact,
     assert_heads_sum_to_attention_output,
     assert_jacobian_dla_is_autograd,
+    assert_lens_last_row_is_the_model,
+    forwards_tol,
+    frozen_map_terms,
+    frozen_sum_tol,
+    jacobian_tol,
     module_hook_counts,
     noise_image,
+    norm_output_tol,
+    norm_replay_tol,
+    pattern_rtol,
+    readout_terms,
+    scores_tol,
+    source_sum_tol,
+    stack_tol,
+    unembedding_tol,
+    values_tol,
 )
+from tests.tolerances import abs_terms, matmul_tol, sum_tol
 
 SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEC]")
 WORDS = "a picture of photo an the red blue circle square cat dog on is there with yes no"
 PREFIX = "a picture of"
 IMAGE_SIZE = (130, 70)  # non-square: the processor stretches it to 32 x 32
-TOL = 1e-10
 
 
 def tiny_tokenizer():
@@ -155,14 +170,23 @@ def test_canonical_weights_match_the_projections(traced):
         x = torch.randn(5, 32, dtype=torch.float64)
         kv = torch.randn(5, d_in, dtype=torch.float64)
         torch.testing.assert_close(
-            torch.einsum("pm,hmd->phd", x, a.W_Q(block)) + a.b_Q(block), attn.self.query(x).view(5, 4, 8)
+            torch.einsum("pm,hmd->phd", x, a.W_Q(block)) + a.b_Q(block),
+            attn.self.query(x).view(5, 4, 8),
+            atol=matmul_tol(x, a.W_Q(block), a.b_Q(block)),
+            rtol=0,
         )
         for W, b, lin in ((a.W_K, a.b_K, attn.self.key), (a.W_V, a.b_V, attn.self.value)):
             assert W(block).shape == (4, d_in, 8)
-            torch.testing.assert_close(torch.einsum("pm,hmd->phd", kv, W(block)) + b(block), lin(kv).view(5, 4, 8))
+            tol = matmul_tol(kv, W(block), b(block))
+            torch.testing.assert_close(
+                torch.einsum("pm,hmd->phd", kv, W(block)) + b(block), lin(kv).view(5, 4, 8), atol=tol, rtol=0
+            )
         z = torch.randn(5, 4, 8, dtype=torch.float64)
         torch.testing.assert_close(
-            torch.einsum("phd,hdm->pm", z, a.W_O(block)) + a.b_O(block), attn.output.dense(z.view(5, 32))
+            torch.einsum("phd,hdm->pm", z, a.W_O(block)) + a.b_O(block),
+            attn.output.dense(z.view(5, 32)),
+            atol=matmul_tol(z.view(5, 32), a.W_O(block).flatten(0, 1), a.b_O(block)),
+            rtol=0,
         )
     emb = a.decoder.bert.embeddings.word_embeddings.weight
     assert a.W_U.data_ptr() == emb.data_ptr() and a.W_U.shape == (32, emb.shape[0])
@@ -207,7 +231,8 @@ def test_right_padded_batch_matches_single_runs(traced):
         for i in range(2):
             single = a.prepare([images[i]], [questions[i]])
             assert int(batch.answer_positions[i]) == single.input_ids.shape[1] - 1
-            torch.testing.assert_close(logits[i], a.next_token_logits(single)[0], atol=1e-12, rtol=0)
+            want = a.next_token_logits(single)[0]
+            torch.testing.assert_close(logits[i], want, atol=forwards_tol(a, want, 17), rtol=0)
 
 
 def test_append_token_continues_the_text(traced):
@@ -218,7 +243,8 @@ def test_append_token_continues_the_text(traced):
     longer = a.append_token(inputs, cat)
     assert int(longer.answer_positions[0]) == 4 and int(longer.input_ids[0, -1]) == cat
     with torch.no_grad():
-        torch.testing.assert_close(a.forward_logits(longer)[:, :-1], a.forward_logits(inputs), atol=1e-12, rtol=0)
+        before = a.forward_logits(inputs)
+        torch.testing.assert_close(a.forward_logits(longer)[:, :-1], before, atol=forwards_tol(a, before, 17), rtol=0)
 
 
 def test_question_errors(traced):
@@ -263,18 +289,19 @@ def test_capture_records_the_library_stream(traced):
             assert torch.all(tr.mlp_out[block] == 0)
     assert tr.visual_positions.shape == (1, 0)
     assert sorted(tr.norm_inputs) == sorted(k for k, _ in a.stream_norms())
-    # each block's input is the previous LayerNorm's output (post-LN)
+    # each block's input is the previous LayerNorm's output (post-LN): the adapter's
+    # Norm against nn.LayerNorm's kernel
     norms = dict(a.stream_norms())
-    torch.testing.assert_close(norms["embed.ln"](tr.norm_inputs["embed.ln"]), tr.resid_pre[0], atol=TOL, rtol=0)
-    torch.testing.assert_close(norms["L1.ln_self"](tr.norm_inputs["L1.ln_self"]), tr.resid_pre[3], atol=TOL, rtol=0)
-    torch.testing.assert_close(norms["L1.ln_ffn"](tr.norm_inputs["L1.ln_ffn"]), tr.resid_pre[4], atol=TOL, rtol=0)
+    for key, block in (("embed.ln", 0), ("L1.ln_self", 3), ("L1.ln_ffn", 4)):
+        x = tr.norm_inputs[key]
+        torch.testing.assert_close(norms[key](x), tr.resid_pre[block], atol=norm_output_tol(norms[key], x), rtol=0)
 
 
 def test_heads_sum_to_attention_output(traced):
     """sum_h W_O z + b_O equals the output projection's output before the residual add
     and LayerNorm (post-LN: that is what attn_out holds), self and cross blocks."""
     m, tr = traced
-    assert_heads_sum_to_attention_output(m.adapter, tr, TOL)
+    assert_heads_sum_to_attention_output(m.adapter, tr)
     # and attn_out enters its LayerNorm with the block's input: the recorded LayerNorm input
     for block in range(tr.n_blocks):
         layer, cross = divmod(block, 2)
@@ -289,7 +316,7 @@ def test_components_sum_exactly_to_the_last_layer_output(traced):
     for p in range(tr.input_ids.shape[1]):
         names, C = a.component_stack(tr, p)
         err = (C.sum(0) - tr.final_resid[0, p]).abs().max()
-        assert err < TOL, (p, float(err))
+        assert err <= stack_tol(a, tr, p), (p, float(err))
     assert names[:2] == ["embed", "bias.embed.ln"]
     per_layer = ["L{l}.H0", "L{l}.H1", "L{l}.H2", "L{l}.H3", "bias.L{l}.attn_out", "bias.L{l}.ln_self"]
     per_layer += [f"L{{l}}.xattn.H{h}" for h in range(4)] + ["bias.L{l}.xattn.attn_out", "bias.L{l}.ln_cross"]
@@ -308,17 +335,25 @@ def test_readout_pullback_matches_the_propagated_components(traced):
     names, C = a.component_stack(tr, p)
     by_name = dict(zip(names, C))
     g = torch.randn(3, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    n_norms = len(a.stream_norms())
+
+    def tol(pulled, raw, propagated):
+        """Two orders of the same chain of frozen LayerNorms (a mean and a scale each) and a dot product."""
+        terms = float((pulled.abs() @ raw.detach().abs()).max()) + float((g.abs() @ propagated.abs()).max())
+        return sum_tol(terms, n_norms * (2 * a.d_model + 4) + a.d_model, raw.dtype)
+
     for block, name in enumerate(tr.block_names):
         pulled = a.readout_pullback(tr, block, p, g)  # (3, d_model)
         heads = tr.head_output(a, block, p)
         for h in range(4):
-            torch.testing.assert_close(pulled @ heads[h], g @ by_name[f"{name}.H{h}"], atol=TOL, rtol=0)
-        torch.testing.assert_close(pulled @ a.b_O(block), g @ by_name[f"bias.{name}.attn_out"], atol=TOL, rtol=0)
+            c = by_name[f"{name}.H{h}"]
+            torch.testing.assert_close(pulled @ heads[h], g @ c, atol=tol(pulled, heads[h], c), rtol=0)
+        c = by_name[f"bias.{name}.attn_out"]
+        torch.testing.assert_close(pulled @ a.b_O(block), g @ c, atol=tol(pulled, a.b_O(block), c), rtol=0)
         if block % 2:
             mlp = a.readout_pullback(tr, block, p, g, output="mlp")
-            torch.testing.assert_close(
-                mlp @ tr.mlp_out[block][0, p], g @ by_name[f"L{block // 2}.mlp"], atol=TOL, rtol=0
-            )
+            raw, c = tr.mlp_out[block][0, p], by_name[f"L{block // 2}.mlp"]
+            torch.testing.assert_close(mlp @ raw, g @ c, atol=tol(mlp, raw, c), rtol=0)
     with pytest.raises(ValueError, match="no FFN"):
         a.readout_pullback(tr, 0, p, g, output="mlp")
 
@@ -332,14 +367,12 @@ def test_lens_at_the_last_layer_is_the_model(traced):
     inputs = a.prepare([noise_image(IMAGE_SIZE)], [PREFIX])
     with torch.no_grad():
         plain = m.model(**inputs.tensors).logits[0]
-    lens = a.final_norm_layer()(tr.final_resid[0]) @ a.W_U + a.b_U
-    torch.testing.assert_close(lens, plain, atol=TOL, rtol=0)
-    rows = logit_lens(a, tr, cat, dog).rows
-    assert [r.layer for r in rows] == list(range(2 * a.n_layers + 1))
-    p = int(tr.answer_positions[0])
-    assert rows[-1].answer_logit == pytest.approx(float(plain[p, cat]), abs=1e-6)  # lens reports float32
-    assert rows[-1].logit_diff == pytest.approx(float(plain[p, cat] - plain[p, dog]), abs=1e-6)
-    assert rows[-1].kl_to_final == pytest.approx(0.0, abs=1e-6)
+        normed = a.final_norm_layer()(tr.final_resid[0])
+    lens = normed @ a.W_U + a.b_U
+    torch.testing.assert_close(lens, plain, atol=unembedding_tol(a, normed), rtol=0)
+    lens = logit_lens(a, tr, cat, dog)
+    assert [r.layer for r in lens.rows] == list(range(2 * a.n_layers + 1))
+    assert_lens_last_row_is_the_model(a, tr, lens, cat, dog)  # lens reports float32
 
 
 @torch.no_grad()
@@ -357,10 +390,17 @@ def test_frozen_dla_sums_to_the_logit_difference_minus_the_biases(traced):
     dla = head.frozen(x_L, C) @ u
     logit_diff = tr.logits[0, p, cat] - tr.logits[0, p, dog]
     expected = logit_diff - head.frozen_bias(x_L) @ u - (a.b_U[cat] - a.b_U[dog])
-    assert float(dla.sum()) == pytest.approx(float(expected), abs=TOL)
-    # the same through the readout direction, and M is linear with frozen_bias the rest of T(x_L)
-    torch.testing.assert_close(C @ head.frozen_readout(x_L, u), dla, atol=TOL, rtol=0)
-    torch.testing.assert_close(head.frozen(x_L, x_L) + head.frozen_bias(x_L), head(x_L), atol=TOL, rtol=0)
+    assert float(dla.sum()) == pytest.approx(float(expected), abs=frozen_sum_tol(a, tr, p, cat, dog))
+    # the same through the readout direction (another order of the map's terms)
+    terms = frozen_map_terms(head, x_L, C, u).max()
+    tol = sum_tol(terms, 3 * a.d_model + 4, dla.dtype)
+    torch.testing.assert_close(C @ head.frozen_readout(x_L, u), dla, atol=tol, rtol=0)
+    # M is linear with frozen_bias the rest of T(x_L): up to the map's terms, and the
+    # frozen LayerNorm against nn.LayerNorm's kernel
+    F = head.frozen(x_L, torch.eye(a.d_model, dtype=x_L.dtype))  # (d, d): row k = M e_k
+    terms = (abs_terms(x_L, F) + head.frozen_bias(x_L).abs()).max()
+    tol = sum_tol(terms, 3 * a.d_model + 4, x_L.dtype) + norm_replay_tol(head.ln, terms, x_L.dtype)
+    torch.testing.assert_close(head.frozen(x_L, x_L) + head.frozen_bias(x_L), head(x_L), atol=tol, rtol=0)
     # the dense bias really passes through the frozen gain: frozen_bias is not LN_h's bias alone
     assert (head.frozen_bias(x_L) - head.bias).abs().max() > 1e-3
 
@@ -380,10 +420,11 @@ def test_jacobian_dla_equals_autograd(traced):
         jac = C @ head.vjp(x_L, u)
     for i in range(C.shape[0]):
         _, d = torch.autograd.functional.jvp(lambda x: head(x) @ u, x_L, C[i])
-        assert float(jac[i]) == pytest.approx(float(d), abs=1e-9, rel=1e-7), i
-        assert float((head.jvp(x_L, C[i]) @ u).detach()) == pytest.approx(float(d), abs=1e-9, rel=1e-7)
+        tol = jacobian_tol(a, tr, x_L, C[i], u)
+        assert float(jac[i]) == pytest.approx(float(d), abs=tol), i
+        assert float((head.jvp(x_L, C[i]) @ u).detach()) == pytest.approx(float(d), abs=tol)
     # the shared check (through decompose's component stack, whichever is wired)
-    assert_jacobian_dla_is_autograd(a, tr, cat, dog, 1e-9, 1e-7)
+    assert_jacobian_dla_is_autograd(a, tr, cat, dog)
 
 
 def test_decompose_with_the_adapter_hook(traced):
@@ -393,17 +434,14 @@ def test_decompose_with_the_adapter_hook(traced):
     a = m.adapter
     assert residual.component_stack(a, tr, 0)[0] == a.component_stack(tr, 0)[0]
     cat, dog = ids(m)
-    r = decompose(a, tr, cat, dog)
-    p = r.position
-    assert r.reconstruction_max_abs_err < TOL
-    assert r.target_logit == pytest.approx(float(tr.logits[0, p, cat] - tr.logits[0, p, dog]), abs=TOL)
-    assert sum(c.dla_frozen for c in r.components) == pytest.approx(r.frozen_sum_expected, abs=TOL)
-    assert [c.name for c in r.components] == a.component_stack(tr, p)[0]
+    r = assert_decomposition_is_exact(a, tr, cat, dog)
+    assert [c.name for c in r.components] == a.component_stack(tr, r.position)[0]
 
 
 def _recompute(a, tr, block: int):
     """``(pattern (heads, pos, keys), z (pos, heads, d_head))`` from canonical
-    weights, a.rotate, a.rope_positions and a.allowed_keys."""
+    weights, a.rotate, a.rope_positions and a.allowed_keys, and how far the
+    model's may be from them (the pattern's relative to each weight)."""
     x = a.attn_norm(block)(tr.resid_pre[block][0])
     src = tr.resid_pre[block][0] if tr.kv_source[block] is None else tr.kv_source[block][0]
     kv = a.kv_norm(block)(src)
@@ -414,19 +452,26 @@ def _recompute(a, tr, block: int):
     if tr.kv_source[block] is None:
         q, k = a.rotate(q, pos), a.rotate(k, pos)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(a.d_head)
-    pattern = scores.masked_fill(~a.allowed_keys(tr, block), float("-inf")).softmax(-1)
-    return pattern, torch.einsum("hqk,khd->qhd", pattern, v)
+    scores = scores.masked_fill(~a.allowed_keys(tr, block), float("-inf"))
+    pattern = scores.softmax(-1)
+    rotated = tr.kv_source[block] is None and a.position_scheme in ("rope", "mrope")
+    error = scores_tol(x, kv, a.W_Q(block), a.b_Q(block), a.W_K(block), a.b_K(block), a.d_head**-0.5, rotated)
+    rtol = pattern_rtol(a, tr, scores, error)
+    # z: the weights' own error carried through the values, then the values' products
+    z_tol = values_tol(pattern, kv, a.W_V(block), a.b_V(block)) * (1 + rtol)
+    z_tol += rtol * float((pattern @ abs_terms(kv, a.W_V(block), a.b_V(block)[:, None])).detach().max())
+    return pattern, torch.einsum("hqk,khd->qhd", pattern, v), rtol, z_tol
 
 
 def test_patterns_and_values_recomputed_from_canonical_weights(traced):
     m, tr = traced
     a = m.adapter
     for block in range(tr.n_blocks):
-        pattern, z = _recompute(a, tr, block)
+        pattern, z, rtol, z_tol = _recompute(a, tr, block)
         n_keys = 17 if block % 2 else tr.input_ids.shape[1]  # CLS + 4 x 4 patches
         assert tr.patterns[block].shape == (1, 4, tr.input_ids.shape[1], n_keys)
-        torch.testing.assert_close(pattern[:, tr.query_positions], tr.patterns[block][0], atol=TOL, rtol=0)
-        torch.testing.assert_close(z, tr.z[block][0], atol=TOL, rtol=0)
+        torch.testing.assert_close(pattern[:, tr.query_positions], tr.patterns[block][0], atol=0, rtol=rtol)
+        torch.testing.assert_close(z, tr.z[block][0], atol=z_tol, rtol=0)
 
 
 @torch.no_grad()
@@ -446,26 +491,47 @@ def test_source_contributions_sum_to_the_head_output(traced):
     head = a.final_norm_layer()
     x_L = tr.final_resid[0, p]
     hooked = wired(contributions, "readout_pullback")
+    reads = readout_terms(a, tr, cat, dog, p)
+    eye = torch.eye(a.d_model, dtype=x_L.dtype)
+    n_norms = len(a.stream_norms())
+
+    def tol(block, h, read):
+        """The value path summed in other orders, read through the frozen LayerNorms
+        after the block (|P|^T |read|; a mean and a scale each) when the hook is wired."""
+        if not hooked:
+            return source_sum_tol(a, tr, block, h, p, read)
+        pulled = a.readout_pullback(tr, block, p, eye).abs().T @ read  # row k of the pullback of I: P^T e_k
+        return source_sum_tol(a, tr, block, h, p, pulled) + sum_tol(
+            float(pulled @ raw[h].abs()), n_norms * (2 * a.d_model + 4), x_L.dtype
+        )
+
     for block, name in enumerate(tr.block_names):
         raw = tr.head_output(a, block, p)  # (heads, d_model)
         assert sc.projection[block].shape == (4, 17 if block % 2 else p + 1)
         for h in range(4):
             got = float(sc.projection[block][h].sum())
             want = by_name[f"{name}.H{h}"] @ u if hooked else raw[h] @ u
-            assert got == pytest.approx(float(want), abs=TOL), (name, h)
+            assert got == pytest.approx(float(want), abs=tol(block, h, reads["projection"])), (name, h)
             if hooked:
                 c = by_name[f"{name}.H{h}"]
-                assert float(sc.dla_frozen[block][h].sum()) == pytest.approx(float(head.frozen(x_L, c) @ u), abs=TOL)
-                assert float(sc.dla_jacobian[block][h].sum()) == pytest.approx(float(head.jvp(x_L, c) @ u), abs=1e-9)
+                got = float(sc.dla_frozen[block][h].sum())
+                assert got == pytest.approx(float(head.frozen(x_L, c) @ u), abs=tol(block, h, reads["dla_frozen"]))
+                got = float(sc.dla_jacobian[block][h].sum())
+                assert got == pytest.approx(float(head.jvp(x_L, c) @ u), abs=tol(block, h, reads["dla_jacobian"]))
     # the pullback the hook applies, by hand: per-source contributions of one cross head,
     # read with P^T u, sum to u . (its component of x_L)
     block, h = 3, 2
     A = tr.patterns[block][0, h, int((tr.query_positions == p).nonzero()[0])]  # (keys,)
     v = tr.kv_source[block][0] @ a.W_V(block)[h] + a.b_V(block)[h]  # (keys, d_head)
     c = A[:, None] * (v @ a.W_O(block)[h])  # (keys, d_model)
-    torch.testing.assert_close(c.sum(0), tr.head_output(a, block, p)[h], atol=TOL, rtol=0)
+    terms = A.abs() @ abs_terms(tr.kv_source[block][0], a.W_V(block)[h], a.b_V(block)[h]) @ a.W_O(block)[h].abs()
+    n = a.W_V(block).shape[1] + 1 + a.d_head + A.shape[-1] + 4
+    torch.testing.assert_close(c.sum(0), tr.head_output(a, block, p)[h], atol=sum_tol(terms.max(), n, c.dtype), rtol=0)
+    raw = tr.head_output(a, block, p)
     g = a.readout_pullback(tr, block, p, u)
-    assert float((c @ g).sum()) == pytest.approx(float(by_name[f"L1.xattn.H{h}"] @ u), abs=TOL)
+    assert float((c @ g).sum()) == pytest.approx(
+        float(by_name[f"L1.xattn.H{h}"] @ u), abs=tol(block, h, reads["projection"])
+    )
 
 
 # ---- geometry
@@ -540,4 +606,5 @@ def test_saved_folder_loads_with_this_adapter(tmp_path):
     assert loaded.family == "blip" and type(loaded.adapter) is type(m.adapter)
     with torch.no_grad():
         got = loaded.adapter.next_token_logits(loaded.adapter.prepare([image], [PREFIX]))
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    # float64 against float32 weights and arithmetic: as far as two forwards in float32 may differ
+    torch.testing.assert_close(got, want, atol=forwards_tol(loaded.adapter, want, 17), rtol=0)

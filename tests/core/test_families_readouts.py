@@ -12,7 +12,7 @@ import torch
 from core.analyze import analyze
 from core.capture import capture
 from core.methods.qk_ov import model_scores, realized_scores
-from tests.core.exactness import noise_image
+from tests.core.exactness import frozen_sum_tol, noise_image, pattern_rtol, realized_scores_tol, stack_tol
 
 
 def _case(name):
@@ -60,10 +60,16 @@ def test_analyze_json_is_complete_strict_and_exact(case):
     assert json.loads(text)["schema_version"] == 1
     for key in ("model", "input", "target", "residual_decomposition", "logit_lens", "attention", "rollout", "audit"):
         assert key in result
-    assert result["residual_decomposition"]["reconstruction_max_abs_err"] < 1e-9
+    # the exactness claims of the JSON's decomposition, within what the arithmetic
+    # allows (float32 norm statistics in most of these float64 models)
+    target = result["target"]
+    tr = capture(m, image, question)
+    p = target["position"]
+    assert result["residual_decomposition"]["reconstruction_max_abs_err"] <= stack_tol(m.adapter, tr, p)
     comps = result["residual_decomposition"]["components"]
+    tol = frozen_sum_tol(m.adapter, tr, p, target["answer_id"], target["foil_id"])
     assert sum(c["dla_frozen"] for c in comps) == pytest.approx(
-        result["residual_decomposition"]["frozen_sum_expected"], abs=1e-6
+        result["residual_decomposition"]["frozen_sum_expected"], abs=tol
     )
     a = m.adapter
     assert len(result["attention"]) == len(a.blocks) * a.n_heads
@@ -86,9 +92,14 @@ def test_realized_scores_equal_the_models_own_scores(case):
         tr = capture(m, image, question, query_positions=range(n), keep_qk=True)
     except NotImplementedError as e:  # attention classes without transformers' eager interface
         pytest.skip(str(e))
+    a = m.adapter
     for block in range(tr.n_blocks):
-        ours = realized_scores(m.adapter, tr, block).scores
+        realized = realized_scores(a, tr, block)
         theirs = model_scores(tr, block)
-        torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=1e-9 * max(1.0, float(theirs.abs().max())), rtol=0)
-        pattern = realized_scores(m.adapter, tr, block).pattern
-        torch.testing.assert_close(pattern, tr.patterns[block][0].to(pattern.dtype), atol=1e-6, rtol=0)
+        error = realized_scores_tol(a, tr, block)
+        torch.testing.assert_close(realized.scores, theirs.to(realized.scores.dtype), atol=error, rtol=0)
+        scores = realized.scores.masked_fill(~a.allowed_keys(tr, block), float("-inf"))
+        rtol = pattern_rtol(a, tr, scores, error)
+        torch.testing.assert_close(
+            realized.pattern, tr.patterns[block][0].to(realized.pattern.dtype), atol=0, rtol=rtol
+        )

@@ -19,6 +19,8 @@ from core.methods.labels import (
     ValidationChain,
 )
 from core.zoo import scenes
+from tests.core.exactness import forwards_tol, frozen_map_terms
+from tests.tolerances import abs_terms, rounding_tol, sum_tol
 
 
 def _condition(split="heldout", n=20):
@@ -108,6 +110,28 @@ def test_round_trip_to_dict_from_dict():
 # ---------------------------------------------------------------- the steps on shapes-coca
 
 
+def batch_tol(loaded, reference) -> float:
+    """How far a value from batched runs (the labels' captures group questions of
+    one length) may be from the same value from single runs: as far as two
+    forwards may be apart, the longest key axis being the visual tokens or the text."""
+    a = loaded.adapter
+    n_keys = max(len(a.visual_tokens((128, 128))), a.context_length)
+    return forwards_tol(a, reference, n_keys)
+
+
+def dla_tol(loaded, trace, answer_id: int, foil_id: int, names: list[str]) -> float:
+    """How far a summed frozen DLA of components ``names`` from batched runs may be
+    from the single run's: each component's terms moved by :func:`batch_tol`."""
+    from core.methods.residual import component_stack, target_direction
+
+    a = loaded.adapter
+    p = int(trace.answer_positions[0])
+    all_names, C = component_stack(a, trace, p)
+    u = target_direction(a, answer_id, foil_id).to(C.dtype)
+    terms = frozen_map_terms(a.final_norm_layer(), trace.final_resid[0, p], C[[all_names.index(n) for n in names]], u)
+    return batch_tol(loaded, terms.sum().reshape(1)) + sum_tol(terms.sum(), a.d_model + 4, C.dtype)
+
+
 @pytest.fixture(scope="module")
 def coca():
     return load_model("shapes-coca")
@@ -162,21 +186,33 @@ def test_chain_on_a_candidate_and_its_label(ctx, cand):
 def test_mean_ablation_value_is_the_mean_z_over_the_reference_set(coca, ctx):
     head = ctx.pool[5]
     ref = ctx.search_samples[:6]
-    zs = []
+    zs, z_terms = [], 0.0
+    a = coca.adapter
     for s in ref:
         tr = capture(coca, Image.fromarray(s.image), s.question, pattern_layers=[])
         zs.append(tr.z[head.block][0, int(tr.answer_positions[0]), head.head].double())
-    expected = torch.stack(zs).mean(0)
-    torch.testing.assert_close(L.mean_ablation_value(coca, ref, head), expected, atol=1e-5, rtol=0)
+        # z = A v, the weights summing to 1: its terms are at most the largest |x| |W_V| + |b_V| over the keys
+        src = tr.kv_source[head.block]
+        x = a.kv_norm(head.block)(tr.resid_pre[head.block][0] if src is None else src[0])
+        with torch.no_grad():
+            v = abs_terms(x, a.W_V(head.block)[head.head], a.b_V(head.block)[head.head])
+        z_terms = max(z_terms, float(v.max()))
+    stacked = torch.stack(zs)
+    expected = stacked.mean(0)
+    # batched runs against single runs (relative to z's terms), and the mean's sum in another order
+    mean_tol = batch_tol(coca, z_terms) + sum_tol(stacked.abs().mean(0).max(), len(zs) + 1, torch.float64)
+    torch.testing.assert_close(L.mean_ablation_value(coca, ref, head), expected, atol=mean_tol, rtol=0)
     # the context's value for attribute questions is the same mean over its whole search split
     whole = L.mean_ablation_value(coca, ctx.search_samples, head)
-    torch.testing.assert_close(ctx.mean_z(head), whole, atol=1e-5, rtol=0)
+    tol = batch_tol(coca, z_terms) + sum_tol(ctx.mean_z(head).abs().max(), len(ctx.search_samples) + 1, torch.float64)
+    torch.testing.assert_close(ctx.mean_z(head), whole, atol=tol, rtol=0)
     # the edited run writes exactly that value into the head's z at the answer position
     s = ctx.eval_samples[0]
     inputs = coca.adapter.prepare([Image.fromarray(s.image)], [s.question])
     pos = int(inputs.answer_positions[0])
     tr = capture(coca, None, "", inputs=inputs, edits=[L.head_edit(head, pos, expected)], pattern_layers=[])
-    torch.testing.assert_close(tr.z[head.block][0, pos, head.head].double(), expected, atol=1e-6, rtol=0)
+    tol = rounding_tol(float(expected.abs().max()), tr.z[head.block].dtype)  # written in the model's float32
+    torch.testing.assert_close(tr.z[head.block][0, pos, head.head].double(), expected, atol=tol, rtol=0)
 
 
 def test_observations_match_decompose_and_the_rerun(coca, ctx):
@@ -191,9 +227,13 @@ def test_observations_match_decompose_and_the_rerun(coca, ctx):
     tr = capture(coca, None, "", inputs=inputs)
     aid, fid = a.token_id(s.answer), a.token_id(s.foil)
     comp = {c.name: c for c in decompose(a, tr, aid, fid).components}[head.name]
-    assert obs.head_dla[3, obs.col(head)] == pytest.approx(comp.dla_frozen, abs=1e-4)
+    assert obs.head_dla[3, obs.col(head)] == pytest.approx(
+        comp.dla_frozen, abs=dla_tol(coca, tr, aid, fid, [head.name])
+    )
     row = compare_with_rerun(coca, tr, aid, fid, names=[head.name], inputs=inputs).rows[0]
-    assert ctx.drop([head], "zero")[3] == pytest.approx(row.total_removal, abs=1e-3)
+    # two logit differences (four logits), each from batched against single runs
+    drop_tol = 4 * batch_tol(coca, tr.logits[0, int(tr.answer_positions[0])])
+    assert ctx.drop([head], "zero")[3] == pytest.approx(row.total_removal, abs=drop_tol)
     # hits: argmax of the answer row over the visual tokens lies on the target's tokens
     pat = tr.patterns[head.block][0, head.head, 0]
     assert obs.hits()[3, obs.col(head)] == float(int(pat.argmax()) in obs.target[3])
@@ -264,26 +304,43 @@ def test_route_columns_are_the_heads_mean_pattern_and_summed_write(coca, ctx):
     obs = ctx.eval_obs
     c, members = obs.col(route), [obs.col(m) for m in route.members]
     assert c == len(obs.heads) + obs.routes.index(route) and obs.col(route) == c  # added once
-    np.testing.assert_allclose(obs.vis_attn[:, c], obs.vis_attn[:, members].mean(1))
-    np.testing.assert_allclose(obs.dla_vis[:, c], obs.dla_vis[:, members].sum(1))
+    # the route's column is its members' mean / sum, taken again here in another order (float64)
+    n = len(members) + 1
+    mass = np.abs(obs.vis_attn[:, members]).mean(1).max()
+    np.testing.assert_allclose(
+        obs.vis_attn[:, c], obs.vis_attn[:, members].mean(1), rtol=0, atol=sum_tol(mass, n, torch.float64)
+    )
+    terms = np.abs(obs.dla_vis[:, members]).sum(1).max()
+    np.testing.assert_allclose(
+        obs.dla_vis[:, c], obs.dla_vis[:, members].sum(1), rtol=0, atol=sum_tol(terms, n, torch.float64)
+    )
     assert torch.isnan(obs.z[:, c]).all()  # no single z: ablation goes through the heads
 
     s = ctx.eval_samples[2]
     a = coca.adapter
     tr = capture(coca, Image.fromarray(s.image), s.question)
     comps = {x.name: x for x in decompose(a, tr, a.token_id(s.answer), a.token_id(s.foil)).components}
-    assert obs.head_dla[2, c] == pytest.approx(sum(comps[m.name].dla_frozen for m in route.members), abs=1e-4)
+    names = [m.name for m in route.members]
+    tol = dla_tol(coca, tr, a.token_id(s.answer), a.token_id(s.foil), names)
+    assert obs.head_dla[2, c] == pytest.approx(sum(comps[m].dla_frozen for m in names), abs=tol)
 
     by_hand = L.run_edited(
         coca, ctx.eval_samples, lambda pos: [L.head_edit(m, pos, ctx.mean_z(m)) for m in route.members]
     )
-    np.testing.assert_allclose(ctx.ablated([route], "mean").logit_diff, by_hand.logit_diff, atol=1e-6)
+    # the same edits, batched alike: two logits each, as far as two forwards may be apart
+    np.testing.assert_allclose(
+        ctx.ablated([route], "mean").logit_diff, by_hand.logit_diff, atol=2 * batch_tol(coca, tr.logits[0, -1])
+    )
     with pytest.raises(LabelError, match="no single z"):
         ctx.mean_z(route)
 
     sw = ctx.swap_obs
     sc = sw.col(route)
-    np.testing.assert_allclose(sw.mass_a_orig[:, sc], sw.mass_a_orig[:, [sw.col(m) for m in route.members]].mean(1))
+    cols = [sw.col(m) for m in route.members]
+    mass = np.abs(sw.mass_a_orig[:, cols]).mean(1).max()
+    np.testing.assert_allclose(
+        sw.mass_a_orig[:, sc], sw.mass_a_orig[:, cols].mean(1), rtol=0, atol=sum_tol(mass, len(cols) + 1, torch.float64)
+    )
 
 
 def test_route_baselines_are_routes_of_the_same_size(ctx):

@@ -77,9 +77,8 @@ def test_pickle_checkpoint_refused_unless_allowed(llava_copy):
     _one_line(e)
     loaded = load_model(llava_copy, allow_pickle=True)
     s = scenes.make_sample("heldout", 1)
-    assert answer(loaded, s.image, s.question).prob == pytest.approx(
-        answer(load_model("shapes-llava"), s.image, s.question).prob, abs=1e-6
-    )
+    # the same weights through the same forward: the same probability
+    assert answer(loaded, s.image, s.question).prob == answer(load_model("shapes-llava"), s.image, s.question).prob
 
 
 def test_pickle_open_clip_checkpoint_refused(tmp_path):

@@ -16,15 +16,26 @@ from PIL import Image
 
 from core.capture import capture, eager_attention
 from core.errors import QuestionError
-from core.methods.residual import decompose, target_direction
+from core.methods.residual import decompose
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
+    assert_canonical_projections,
+    assert_decomposition_is_exact,
     assert_heads_sum_to_attention_output,
     assert_jacobian_dla_is_autograd,
     assert_reconstruction_and_lens_at_last_layer,
+    assert_source_contributions_sum_to_each_heads_terms,
+    forwards_tol,
+    head_removal_tol,
     module_hook_counts,
     noise_image,
+    pattern_rtol,
+    realized_scores_tol,
+    removal_tol,
+    unembedding_tol,
+    values_tol,
 )
+from tests.tolerances import NORM_ROUNDINGS, abs_terms, rounding_tol, statistic_tol, sum_tol
 
 SPECIAL = (
     "<|begin_of_text|>",
@@ -166,14 +177,14 @@ def traced():
     image = noise_image(IMAGE_SIZE)
     n_pos = m.adapter.prepare([image], [QUESTION]).input_ids.shape[1]
     tr = capture(m, image, QUESTION, query_positions=range(n_pos), keep_qk=True)
-    return m, tr, 1e-10
+    return m, tr
 
 
 def test_registry_blocks_and_description(traced):
     from core.models import registry
     from core.models.families.mllama import MllamaAdapter
 
-    m, tr, _ = traced
+    m, tr = traced
     a = m.adapter
     assert registry.adapter_for_hf("MllamaForConditionalGeneration") is MllamaAdapter
     d = a.describe()
@@ -189,7 +200,7 @@ def test_registry_blocks_and_description(traced):
 
 
 def test_prompt_has_one_bos_and_the_image_token(traced):
-    m, tr, _ = traced
+    m, tr = traced
     a = m.adapter
     ids = tr.input_ids[0].tolist()
     bos = a.tokenizer.convert_tokens_to_ids("<|begin_of_text|>")
@@ -205,25 +216,14 @@ def test_prompt_has_one_bos_and_the_image_token(traced):
 def test_canonical_weights_match_the_projections(traced):
     """Self and cross layers: grouped K/V expanded per query head; the cross
     layer's W_O carries tanh(gate); q_norm/k_norm are the layer's own."""
-    m, _, tol = traced
+    m, _ = traced
     a = m.adapter
     x = torch.randn(5, a.d_model, dtype=torch.float64)
     z = torch.randn(5, a.n_heads, a.d_head, dtype=torch.float64)
     for layer in (1, CROSS_LAYER):
-        attn = a._attn(layer)
-        q = attn.q_proj(x).view(5, a.n_heads, a.d_head)
-        k = attn.k_proj(x).view(5, a.n_kv_heads, a.d_head)
-        v = attn.v_proj(x).view(5, a.n_kv_heads, a.d_head)
-        torch.testing.assert_close(torch.einsum("pm,hmd->phd", x, a.W_Q(layer)) + a.b_Q(layer), q, atol=tol, rtol=0)
-        for h in range(a.n_heads):
-            g = a.kv_group(h)
-            torch.testing.assert_close(x @ a.W_K(layer)[h], k[:, g], atol=tol, rtol=0)
-            torch.testing.assert_close(x @ a.W_V(layer)[h], v[:, g], atol=tol, rtol=0)
         gate = math.tanh(GATES[0]) if layer == CROSS_LAYER else 1.0
-        torch.testing.assert_close(
-            torch.einsum("phd,hdm->pm", z, a.W_O(layer)), gate * attn.o_proj(z.view(5, -1)), atol=tol, rtol=0
-        )
-        assert torch.all(a.b_O(layer) == 0)
+        assert_canonical_projections(a, a._attn(layer), layer, x, z, out_gain=gate)
+        assert torch.all(a.b_O(layer) == 0) and torch.all(a.b_K(layer) == 0)
     attn = a._attn(CROSS_LAYER)
     qh = torch.randn(5, a.n_heads, a.d_head, dtype=torch.float64)
     torch.testing.assert_close(a.q_norm(CROSS_LAYER)(qh), attn.q_norm(qh), atol=0, rtol=0)
@@ -234,37 +234,41 @@ def test_canonical_weights_match_the_projections(traced):
 
 
 def test_heads_sum_to_attention_output(traced):
-    m, tr, tol = traced
-    assert_heads_sum_to_attention_output(m.adapter, tr, tol)
+    m, tr = traced
+    assert_heads_sum_to_attention_output(m.adapter, tr)
 
 
 def test_residual_reconstruction_and_lens_at_last_layer(traced):
-    m, tr, tol = traced
+    m, tr = traced
     a = m.adapter
-    assert_reconstruction_and_lens_at_last_layer(a, tr, tol)
-    # each block's input is the previous one's plus its recorded (gated) outputs
+    assert_reconstruction_and_lens_at_last_layer(a, tr)
+    # each block's input is the previous one's plus its recorded (gated) outputs: two additions
     for b in range(tr.n_blocks - 1):
         step = tr.resid_pre[b] + tr.attn_out[b] + tr.mlp_out[b]
-        torch.testing.assert_close(step, tr.resid_pre[b + 1], atol=tol, rtol=0)
+        terms = tr.resid_pre[b].abs() + tr.attn_out[b].abs() + tr.mlp_out[b].abs()
+        torch.testing.assert_close(step, tr.resid_pre[b + 1], atol=sum_tol(terms.max(), 3, step.dtype), rtol=0)
     torch.testing.assert_close(tr.resid_pre[0][0], a.language_model.embed_tokens(tr.input_ids[0]), atol=0, rtol=0)
     # and the model's own logits, from a plain forward with no hook at all: under
-    # eager attention (what a capture runs) exactly, under the default sdpa up to
-    # eager's float32 softmax
+    # eager attention (what a capture runs) exactly (the same ops in the same
+    # order), under the default sdpa (no float32 softmax) as far as two forwards may differ
     inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
     with torch.no_grad(), eager_attention(m.model):
         plain = a.forward_logits(inputs)
     with torch.no_grad():
         sdpa = a.forward_logits(inputs)
-    lens = a.final_norm_layer()(tr.final_resid[0]) @ a.W_U + a.b_U
-    torch.testing.assert_close(lens, plain[0], atol=tol, rtol=0)
-    torch.testing.assert_close(tr.logits, plain, atol=tol, rtol=0)
-    torch.testing.assert_close(lens, sdpa[0], atol=1e-5, rtol=0)
+    normed = a.final_norm_layer()(tr.final_resid[0])
+    lens = normed @ a.W_U + a.b_U
+    torch.testing.assert_close(lens, plain[0], atol=unembedding_tol(a, normed), rtol=0)
+    torch.testing.assert_close(tr.logits, plain, atol=0, rtol=0)
+    n_keys = max(tr.input_ids.shape[1], tr.kv_source[CROSS_LAYER].shape[1])
+    tol = unembedding_tol(a, normed) + forwards_tol(a, plain, n_keys)
+    torch.testing.assert_close(lens, sdpa[0], atol=tol, rtol=0)
 
 
 def test_cross_path_is_gated_and_row_masked(traced):
     """The cross block contributes (gates set); rows before <|image|> see no tile,
     so their MLP output is zeroed while their attention output is not."""
-    m, tr, _ = traced
+    m, tr = traced
     a = m.adapter
     no_image = a.text_rows_without_image(tr)
     image_pos = a.visual_delimiter_positions(tr)[0]
@@ -314,17 +318,20 @@ def test_capture_stays_exact_if_transformers_masks_the_attention_output(traced, 
     (the parts must add up to the layer's output) and records the masked write."""
     from transformers.models.mllama.modeling_mllama import MllamaCrossAttentionDecoderLayer
 
-    m, tr, tol = traced
+    m, tr = traced
     a = m.adapter
     monkeypatch.setattr(MllamaCrossAttentionDecoderLayer, "forward", _reference_masked_forward)
     masked = capture(m, noise_image(IMAGE_SIZE), QUESTION)
     no_image = a.text_rows_without_image(masked)
     assert torch.all(masked.attn_out[CROSS_LAYER][0, no_image] == 0)
     assert torch.all(masked.z[CROSS_LAYER][0, no_image] == 0)
-    torch.testing.assert_close(masked.attn_out[CROSS_LAYER][0, ~no_image], tr.attn_out[CROSS_LAYER][0, ~no_image])
+    # rows that see the image: the same ops on the same values (the mask multiplies by 1)
+    torch.testing.assert_close(
+        masked.attn_out[CROSS_LAYER][0, ~no_image], tr.attn_out[CROSS_LAYER][0, ~no_image], atol=0, rtol=0
+    )
     assert (masked.logits - tr.logits).abs().max() > 1e-6  # the change matters downstream
-    assert_heads_sum_to_attention_output(a, masked, tol)
-    assert_reconstruction_and_lens_at_last_layer(a, masked, tol)
+    assert_heads_sum_to_attention_output(a, masked)
+    assert_reconstruction_and_lens_at_last_layer(a, masked)
     with torch.no_grad(), eager_attention(m.model):
         plain = a.forward_logits(a.prepare([noise_image(IMAGE_SIZE)], [QUESTION]))
     torch.testing.assert_close(masked.logits, plain, atol=0, rtol=0)
@@ -338,33 +345,29 @@ def test_capture_stays_exact_if_transformers_masks_the_attention_output(traced, 
 
 
 def test_frozen_dla_sums_to_logit_difference_minus_bias(traced):
-    m, tr, tol = traced
+    m, tr = traced
     a = m.adapter
-    a_id, f_id = a.token_id("yes"), a.token_id("no")
-    r = decompose(a, tr, a_id, f_id)
-    p = r.position
-    assert r.target_logit == pytest.approx(float(tr.logits[0, p, a_id] - tr.logits[0, p, f_id]), abs=1e-9)
-    # the RMSNorm normalises in float32 even in a float64 model, hence 1e-6
-    assert sum(c.dla_frozen for c in r.components) == pytest.approx(r.frozen_sum_expected, abs=1e-6)
-    assert r.reconstruction_max_abs_err < tol
+    # the RMSNorm normalises in float32 even in a float64 model
+    r = assert_decomposition_is_exact(a, tr, a.token_id("yes"), a.token_id("no"))
     assert len(r.components) == 1 + a.n_layers * (a.n_heads + 1)  # no o_proj bias
     by_name = {c.name: c for c in r.components}
     assert sum(abs(by_name[f"L2.xattn.H{h}"].projection) for h in range(a.n_heads)) > 1e-6
 
 
 def test_jacobian_dla_equals_autograd_directional_derivative(traced):
-    m, tr, _ = traced
+    m, tr = traced
     a = m.adapter
     a_id, f_id = a.token_id("yes"), a.token_id("no")
-    _, names = assert_jacobian_dla_is_autograd(a, tr, a_id, f_id, 1e-9, 1e-6)
-    # autograd differentiates through the norm's float32 statistics: ~1e-8 absolute
+    _, names = assert_jacobian_dla_is_autograd(a, tr, a_id, f_id)
+    # autograd differentiates through the norm's float32 statistics
     cross = [i for i, n in enumerate(names) if n.startswith("L2.xattn")]
-    assert_jacobian_dla_is_autograd(a, tr, a_id, f_id, 1e-7, 1e-6, which=cross)
+    assert_jacobian_dla_is_autograd(a, tr, a_id, f_id, which=cross)
 
 
-def _recompute_patterns(a, tr, block: int, use_qk_norm: bool = True) -> torch.Tensor:
+def _recompute_patterns(a, tr, block: int, use_qk_norm: bool = True) -> tuple[torch.Tensor, float]:
     """``(heads, pos, keys)`` from canonical weights, the adapter's q/k helpers
-    (RoPE on self blocks, q_norm/k_norm on cross blocks) and allowed_keys."""
+    (RoPE on self blocks, q_norm/k_norm on cross blocks) and allowed_keys, and
+    how far (relative) the model's eager float32 softmax may be from it."""
     x = a.attn_norm(block)(tr.resid_pre[block][0])  # (pos, d_model)
     positions = a.rope_positions(tr)
     if tr.block_kinds[block] == "cross":
@@ -377,16 +380,16 @@ def _recompute_patterns(a, tr, block: int, use_qk_norm: bool = True) -> torch.Te
     else:
         q, k = a.queries(block, x, positions), a.keys(block, x, positions)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(a.d_head)
-    return scores.masked_fill(~a.allowed_keys(tr, block), float("-inf")).softmax(-1)
+    scores = scores.masked_fill(~a.allowed_keys(tr, block), float("-inf"))
+    return scores.softmax(-1), pattern_rtol(a, tr, scores, realized_scores_tol(a, tr, block))
 
 
 def test_patterns_recomputed_from_canonical_weights_qk_norm_and_mask(traced):
-    m, tr, _ = traced
+    m, tr = traced
     a = m.adapter
     for block in range(tr.n_blocks):
-        pattern = _recompute_patterns(a, tr, block)
-        # eager attention takes its softmax in float32
-        torch.testing.assert_close(pattern[:, tr.query_positions], tr.patterns[block][0], atol=1e-6, rtol=0)
+        pattern, rtol = _recompute_patterns(a, tr, block)
+        torch.testing.assert_close(pattern[:, tr.query_positions], tr.patterns[block][0], atol=0, rtol=rtol)
     # the cross mask: image rows put no weight on the padding tile, rows before the image see every key
     kinds = a.key_kinds(IMAGE_SIZE)
     pad = torch.tensor([k == "pad_tile" for k in kinds])
@@ -398,7 +401,7 @@ def test_patterns_recomputed_from_canonical_weights_qk_norm_and_mask(traced):
     allowed = a.allowed_keys(tr, CROSS_LAYER)
     assert torch.all(allowed[no_image]) and not allowed[~no_image][:, pad].any() and allowed[~no_image][:, ~pad].all()
     # not vacuous: without q_norm/k_norm the bilinear form gives other patterns
-    plain = _recompute_patterns(a, tr, CROSS_LAYER, use_qk_norm=False)
+    plain, _ = _recompute_patterns(a, tr, CROSS_LAYER, use_qk_norm=False)
     assert (plain[:, tr.query_positions] - cross).abs().max() > 1e-2
 
 
@@ -408,17 +411,27 @@ def test_queries_keys_are_the_models_own(traced):
     realized scores and patterns of core.methods.qk_ov follow."""
     from core.methods.qk_ov import model_scores, realized_scores
 
-    m, tr, _ = traced
+    m, tr = traced
     a = m.adapter
     for block in range(tr.n_blocks):
         q, k = a.queries_keys(tr, block)
-        torch.testing.assert_close(q, tr.q[block][0], atol=1e-12, rtol=0)
         kv = tr.k[block][0].repeat_interleave(a.n_heads // a.n_kv_heads, dim=1)
-        torch.testing.assert_close(k, kv, atol=1e-12, rtol=0)
+        x = a.attn_norm(block)(tr.resid_pre[block][0])
+        if tr.block_kinds[block] == "cross":  # per-head norms in float32 (see realized_scores_tol)
+            q_tol = rounding_tol(q.abs().max(), torch.float32, 2 * NORM_ROUNDINGS)
+            k_tol = rounding_tol(k.abs().max(), torch.float32, 2 * NORM_ROUNDINGS)
+        else:  # a (d_model + 1)-term product, then RoPE's three roundings mixing rotate_half partners
+            q_terms, k_terms = abs_terms(x, a.W_Q(block), a.b_Q(block)[:, None]), abs_terms(x, a.W_K(block))
+            q_tol = sum_tol(2 * q_terms.max(), a.d_model + 4, q.dtype)
+            k_tol = sum_tol(2 * k_terms.max(), a.d_model + 4, k.dtype)
+        torch.testing.assert_close(q, tr.q[block][0], atol=q_tol, rtol=0)
+        torch.testing.assert_close(k, kv, atol=k_tol, rtol=0)
         assert tr.score_scale[block] == a.score_scale(block) == a.d_head**-0.5
         ours = realized_scores(a, tr, block)
-        torch.testing.assert_close(ours.scores, model_scores(tr, block), atol=1e-10, rtol=0)
-        torch.testing.assert_close(ours.pattern, tr.patterns[block][0], atol=1e-6, rtol=0)
+        error = realized_scores_tol(a, tr, block)
+        torch.testing.assert_close(ours.scores, model_scores(tr, block), atol=error, rtol=0)
+        rtol = pattern_rtol(a, tr, ours.scores.masked_fill(~a.allowed_keys(tr, block), float("-inf")), error)
+        torch.testing.assert_close(ours.pattern, tr.patterns[block][0], atol=0, rtol=rtol)
     assert tr.k[CROSS_LAYER].shape == (1, MAX_TILES * 17, a.n_kv_heads, a.d_head)
     # The cross scores are not the bilinear form W_Q W_K^T: with the raw projections
     # q, k they are q^T diag(g_q g_k) k / (rms(q) rms(k)) * scale (qk_gain documents it)
@@ -431,7 +444,13 @@ def test_queries_keys_are_the_models_own(traced):
     bilinear = torch.einsum("qhd,d,khd->hqk", q_raw, a.qk_gain(CROSS_LAYER), k_raw)
     model = model_scores(tr, CROSS_LAYER)
     scores = bilinear / (rms_q[:, :, None] * rms_k[:, None, :]) * a.score_scale(CROSS_LAYER)
-    torch.testing.assert_close(scores, model, atol=1e-5, rtol=0)  # float32 norm statistics
+    # the model normalises q and k in float32 (its statistic over d_head and the roundings);
+    # the bilinear form here is float64 throughout
+    q_n, k_n = tr.q[CROSS_LAYER][0], tr.k[CROSS_LAYER][0].repeat_interleave(a.n_heads // a.n_kv_heads, dim=1)
+    terms = float(torch.einsum("qhd,khd->hqk", q_n.abs(), k_n.abs()).max()) * a.score_scale(CROSS_LAYER)
+    one_norm = statistic_tol(terms, torch.float32, a.d_head) + rounding_tol(terms, torch.float32, NORM_ROUNDINGS)
+    tol = 2 * one_norm + sum_tol(terms, 2 * a.d_model + a.d_head + 4, scores.dtype)
+    torch.testing.assert_close(scores, model, atol=tol, rtol=0)
     plain = torch.einsum("qhd,khd->hqk", q_raw, k_raw) * a.score_scale(CROSS_LAYER)
     assert (plain - model).abs().max() > 1e-1
 
@@ -442,21 +461,23 @@ def test_edits_on_the_cross_block(traced):
     the MLP write cannot be patched at rows before the image."""
     from core.edits import Edit
 
-    m, tr, _ = traced
+    m, tr = traced
     a = m.adapter
     inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
     pos = int(tr.answer_positions[0])
     edited = capture(m, None, "", inputs=inputs, edits=[Edit(CROSS_LAYER, 1, (pos,))])
     expected = tr.attn_out[CROSS_LAYER][0, pos] - tr.head_output(a, CROSS_LAYER, pos)[1]
-    torch.testing.assert_close(edited.attn_out[CROSS_LAYER][0, pos], expected, atol=1e-10, rtol=0)
+    tol = head_removal_tol(a, tr, CROSS_LAYER, pos)
+    torch.testing.assert_close(edited.attn_out[CROSS_LAYER][0, pos], expected, atol=tol, rtol=0)
     torch.testing.assert_close(edited.attn_out[CROSS_LAYER][0, :pos], tr.attn_out[CROSS_LAYER][0, :pos], atol=0, rtol=0)
     own = [
         Edit(CROSS_LAYER, 2, (pos,), tr.z[CROSS_LAYER][0, pos : pos + 1, 2]),
         Edit(CROSS_LAYER, None, (pos - 1, pos), tr.mlp_out[CROSS_LAYER][0, pos - 1 : pos + 1]),
     ]
     same = capture(m, None, "", inputs=inputs, edits=own)
-    torch.testing.assert_close(same.mlp_out[CROSS_LAYER], tr.mlp_out[CROSS_LAYER], atol=1e-12, rtol=0)
-    torch.testing.assert_close(same.logits, tr.logits, atol=1e-10, rtol=0)
+    # a write replaced by its own value: the same values through the same ops
+    torch.testing.assert_close(same.mlp_out[CROSS_LAYER], tr.mlp_out[CROSS_LAYER], atol=0, rtol=0)
+    torch.testing.assert_close(same.logits, tr.logits, atol=0, rtol=0)
     doubled = capture(
         m,
         None,
@@ -464,8 +485,8 @@ def test_edits_on_the_cross_block(traced):
         inputs=inputs,
         edits=[Edit(CROSS_LAYER, None, (pos,), 2 * tr.mlp_out[CROSS_LAYER][0, pos : pos + 1])],
     )
-    torch.testing.assert_close(
-        doubled.mlp_out[CROSS_LAYER][0, pos], 2 * tr.mlp_out[CROSS_LAYER][0, pos], atol=1e-12, rtol=0
+    torch.testing.assert_close(  # the replacement is recorded as given (doubling is exact)
+        doubled.mlp_out[CROSS_LAYER][0, pos], 2 * tr.mlp_out[CROSS_LAYER][0, pos], atol=0, rtol=0
     )
     zeroed = capture(m, None, "", inputs=inputs, edits=[Edit(CROSS_LAYER, None, None)])
     assert torch.all(zeroed.mlp_out[CROSS_LAYER] == 0)
@@ -476,25 +497,28 @@ def test_edits_on_the_cross_block(traced):
 def test_rerun_comparison_runs_on_cross_components(traced):
     from core.methods.residual import compare_with_rerun
 
-    m, tr, _ = traced
+    m, tr = traced
     a = m.adapter
     inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
     names = ["L3.mlp", "L2.xattn.H0", "L2.xattn.mlp"]
     cmp = compare_with_rerun(m, tr, a.token_id("yes"), a.token_id("no"), names=names, inputs=inputs)
     assert [r.name for r in cmp.rows] == names
-    assert cmp.rows[0].total_removal == pytest.approx(cmp.rows[0].direct_removal, abs=1e-8)
+    p = cmp.position
+    tol = removal_tol(a, tr, p, a.token_id("yes"), a.token_id("no"), tr.mlp_out[-1][0, p])
+    assert cmp.rows[0].total_removal == pytest.approx(cmp.rows[0].direct_removal, abs=tol)
     assert all(abs(r.total_removal) > 0 for r in cmp.rows)
 
 
 def test_values_recomputed_from_canonical_weights(traced):
-    m, tr, _ = traced
+    m, tr = traced
     a = m.adapter
     for block in range(tr.n_blocks):
         source = tr.kv_source[block]
         src = a.kv_norm(block)(tr.resid_pre[block][0] if source is None else source[0])
         v = torch.einsum("pm,hmd->phd", src, a.W_V(block)) + a.b_V(block)
         z = torch.einsum("hqk,khd->qhd", tr.patterns[block][0], v)
-        torch.testing.assert_close(z, tr.z[block][0, tr.query_positions], atol=1e-6, rtol=0)
+        tol = values_tol(tr.patterns[block][0], src, a.W_V(block), a.b_V(block))
+        torch.testing.assert_close(z, tr.z[block][0, tr.query_positions], atol=tol, rtol=0)
 
 
 def test_source_contributions_sum_to_each_heads_output(traced):
@@ -502,16 +526,12 @@ def test_source_contributions_sum_to_each_heads_output(traced):
     projections equal u . (W_O^h z^h) at the answer position."""
     from core.methods.contributions import source_contributions
 
-    m, tr, _ = traced
+    m, tr = traced
     a = m.adapter
     a_id, f_id = a.token_id("yes"), a.token_id("no")
     sc = source_contributions(a, tr, a_id, f_id)
-    u = target_direction(a, a_id, f_id)
-    p = sc.position
     assert sc.projection[CROSS_LAYER].shape == (a.n_heads, MAX_TILES * 17)
-    for block in range(tr.n_blocks):
-        want = tr.head_output(a, block, p) @ u  # (heads,)
-        torch.testing.assert_close(sc.projection[block].sum(-1), want, atol=1e-6, rtol=0)
+    assert_source_contributions_sum_to_each_heads_terms(a, tr, sc, decompose(a, tr, a_id, f_id))
     assert sc.projection[CROSS_LAYER].abs().sum() > 1e-6
 
 
@@ -520,7 +540,7 @@ def test_source_contributions_sum_to_each_heads_output(traced):
     [((140, 50), (1, 3)), ((50, 140), (3, 1)), ((70, 45), (2, 2)), ((20, 30), (1, 1)), ((280, 100), (1, 3))],
 )
 def test_tile_layout_and_token_boxes(traced, size, tiles):
-    m, _, _ = traced
+    m, _ = traced
     a = m.adapter
     inputs = a.prepare([noise_image(size)], [QUESTION])
     rows, cols, new_h, new_w, tile = a.tile_layout(size)
@@ -561,7 +581,7 @@ def test_perturbing_a_box_centre_moves_its_own_key_most(traced):
     padding tile: inverting the pixels around a patch's box centre (original
     pixels) changes that key's row of cross_attention_states (the projector
     output the cross layers read) more than any other key's."""
-    m, _, _ = traced
+    m, _ = traced
     a = m.adapter
     size = (280, 100)  # canvas 1 x 3 tiles, image resized to 89 x 32, one padding tile
     base = np.asarray(noise_image(size, 3)).copy()
@@ -605,7 +625,7 @@ def test_perturbing_a_box_centre_moves_its_own_key_most(traced):
 
 def test_right_padded_batch_matches_single_runs(traced):
     """Two images with different tile counts and questions of different lengths."""
-    m, _, _ = traced
+    m, _ = traced
     a = m.adapter
     images = [noise_image((140, 50), 1), noise_image((70, 45), 2)]
     questions = [QUESTION, "what color is the square of the blue circle?"]
@@ -617,11 +637,13 @@ def test_right_padded_batch_matches_single_runs(traced):
     for i in range(2):
         single = a.prepare([images[i]], [questions[i]])
         assert int(batch.answer_positions[i]) == int(single.answer_positions[0]) == single.input_ids.shape[1] - 1
-        torch.testing.assert_close(logits[i], a.next_token_logits(single)[0], atol=1e-9, rtol=0)
+        want = a.next_token_logits(single)[0]
+        n_keys = max(mask.shape[1], MAX_TILES * 17)
+        torch.testing.assert_close(logits[i], want, atol=forwards_tol(a, want, n_keys), rtol=0)
 
 
 def test_append_token_continues_the_text(traced):
-    m, _, _ = traced
+    m, _ = traced
     a = m.adapter
     inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
     yes = a.token_id("yes")
@@ -632,11 +654,12 @@ def test_append_token_continues_the_text(traced):
     assert cam.shape[1] == longer.input_ids.shape[1] and torch.equal(cam[:, -1], cam[:, -2])
     with torch.no_grad():
         before, after = a.forward_logits(inputs), a.forward_logits(longer)
-    torch.testing.assert_close(after[:, :-1], before, atol=1e-9, rtol=0)  # causal: the prefix is unchanged
+    tol = forwards_tol(a, before, max(longer.input_ids.shape[1], MAX_TILES * 17))
+    torch.testing.assert_close(after[:, :-1], before, atol=tol, rtol=0)  # causal: the prefix is unchanged
 
 
 def test_question_errors(traced):
-    m, _, _ = traced
+    m, _ = traced
     a = m.adapter
     with pytest.raises(QuestionError, match="empty"):
         a.check_question("  ")
@@ -662,7 +685,7 @@ def test_fallback_prompt_without_chat_template():
 
 
 def test_hooks_are_removed_and_attention_restored(traced):
-    m, _, _ = traced
+    m, _ = traced
     before = m.model.config._attn_implementation
 
     image = noise_image(IMAGE_SIZE)
@@ -690,5 +713,6 @@ def test_saved_folder_loads_with_this_adapter(tmp_path):
     with torch.no_grad():
         want = m.adapter.next_token_logits(m.adapter.prepare([image], [QUESTION]))
         got = loaded.adapter.next_token_logits(loaded.adapter.prepare([image], [QUESTION]))
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    n_keys = max(loaded.adapter.prepare([image], [QUESTION]).input_ids.shape[1], MAX_TILES * 17)
+    torch.testing.assert_close(got, want, atol=forwards_tol(loaded.adapter, want, n_keys), rtol=0)
     assert loaded.adapter.prompt(QUESTION) == m.adapter.prompt(QUESTION)

@@ -17,12 +17,22 @@ from core.methods.logit_lens import logit_lens
 from core.methods.residual import decompose, target_direction
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
+    assert_canonical_projections,
+    assert_decomposition_is_exact,
     assert_heads_sum_to_attention_output,
     assert_jacobian_dla_is_autograd,
+    assert_lens_last_row_is_the_model,
     assert_reconstruction_and_lens_at_last_layer,
+    assert_source_contributions_sum_to_each_heads_terms,
+    forwards_tol,
     module_hook_counts,
     noise_image,
+    pattern_rtol,
+    scores_tol,
+    unembedding_tol,
+    values_tol,
 )
+from tests.tolerances import rounding_tol, sum_tol
 
 SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>", "<image>")
 WORDS = "answer en is there a red blue circle square ? what color shape yes no of the"
@@ -146,7 +156,7 @@ def traced(request, model):
         inputs = m.adapter.append_token(inputs, m.adapter.token_id("yes"))
     n_pos = inputs.input_ids.shape[1]
     tr = capture(m, image, QUESTION, query_positions=range(n_pos), inputs=inputs)
-    return m, tr, inputs, 1e-10
+    return m, tr, inputs
 
 
 def test_registry_and_description(model):
@@ -190,7 +200,10 @@ def test_paligemma2_and_logit_softcapping_are_refused():
     with torch.no_grad():
         out = model(**inputs, output_hidden_states=True)
         raw = model.lm_head(out.hidden_states[-1])
-    torch.testing.assert_close(out.logits, 2.0 * torch.tanh(raw / 2.0), atol=1e-12, rtol=0)
+    # the cap divides, takes tanh and multiplies back: three roundings of terms
+    # no larger than |raw| and the cap (tanh's derivative is at most 1)
+    tol = rounding_tol(float(raw.abs().max()) + 2.0, torch.float64, 3)
+    torch.testing.assert_close(out.logits, 2.0 * torch.tanh(raw / 2.0), atol=tol, rtol=0)
     assert (out.logits - raw).abs().max() > 1e-2  # capping changes the logits: refusing is not vacuous
 
 
@@ -230,24 +243,16 @@ def test_canonical_weights_match_the_projections(model):
     """Grouped K/V expanded per query head; W_U tied to the *unscaled*
     embeddings; input_embeddings carry Gemma's sqrt(d_model)."""
     a = model.adapter
-    tol = 1e-12
-    attn = a._attn(1)
     x = torch.randn(5, a.d_model, dtype=torch.float64)
-    q = attn.q_proj(x).view(5, a.n_heads, a.d_head)
-    k = attn.k_proj(x).view(5, a.n_kv_heads, a.d_head)
-    v = attn.v_proj(x).view(5, a.n_kv_heads, a.d_head)
-    torch.testing.assert_close(torch.einsum("pm,hmd->phd", x, a.W_Q(1)) + a.b_Q(1), q, atol=tol, rtol=0)
-    for h in range(a.n_heads):
-        g = a.kv_group(h)
-        torch.testing.assert_close(x @ a.W_K(1)[h] + a.b_K(1)[h], k[:, g], atol=tol, rtol=0)
-        torch.testing.assert_close(x @ a.W_V(1)[h] + a.b_V(1)[h], v[:, g], atol=tol, rtol=0)
     z = torch.randn(5, a.n_heads, a.d_head, dtype=torch.float64)
-    torch.testing.assert_close(torch.einsum("phd,hdm->pm", z, a.W_O(1)) + a.b_O(1), attn.o_proj(z.view(5, -1)))
+    assert_canonical_projections(a, a._attn(1), 1, x, z)
     emb = a.language_model.embed_tokens
     assert a.W_U.data_ptr() == emb.weight.data_ptr() and torch.all(a.b_U == 0)
     ids = torch.tensor([2, 5, 7])
     torch.testing.assert_close(a.input_embeddings()[ids], emb(ids), atol=0, rtol=0)
-    torch.testing.assert_close(a.input_embeddings(), emb.weight * math.sqrt(D_MODEL), atol=1e-12, rtol=0)
+    scaled = emb.weight.detach() * math.sqrt(D_MODEL)  # the scale rounded to the dtype, then one product: two roundings
+    tol = rounding_tol(float(scaled.abs().max()), scaled.dtype, 2)
+    torch.testing.assert_close(a.input_embeddings(), scaled, atol=tol, rtol=0)
     # the norms are the model's own, bit for bit (Gemma: (1 + w) gain in float32)
     for layer in range(a.n_layers):
         y = torch.randn(7, a.d_model, dtype=torch.float64) * 3
@@ -257,30 +262,34 @@ def test_canonical_weights_match_the_projections(model):
 
 
 def test_heads_sum_to_attention_output(traced):
-    m, tr, _, tol = traced
-    assert_heads_sum_to_attention_output(m.adapter, tr, tol)
+    m, tr, _ = traced
+    assert_heads_sum_to_attention_output(m.adapter, tr)
 
 
 def test_residual_reconstruction_and_lens_at_last_layer(traced):
     """x_L = x_0 + sum attn + sum mlp; the lens on x_L equals a plain forward's
     logits (no hooks); x_0 is the *scaled* token embedding at text positions
     and the projector output at image positions."""
-    m, tr, inputs, tol = traced
+    m, tr, inputs = traced
     a = m.adapter
-    assert_reconstruction_and_lens_at_last_layer(a, tr, tol)
-    lens = a.final_norm_layer()(tr.final_resid[0]) @ a.W_U + a.b_U
+    assert_reconstruction_and_lens_at_last_layer(a, tr)
+    normed = a.final_norm_layer()(tr.final_resid[0])
+    lens = normed @ a.W_U + a.b_U
     with torch.no_grad(), eager_attention(m.model):
         plain = m.model(**inputs.tensors).logits[0]
-    torch.testing.assert_close(lens, plain, atol=tol, rtol=0)
+    torch.testing.assert_close(lens, plain, atol=unembedding_tol(a, normed), rtol=0)
     with torch.no_grad():  # sdpa: the softmax in float64, not eager's float32
         sdpa = m.model(**inputs.tensors).logits[0]
-    torch.testing.assert_close(lens, sdpa, atol=1e-6, rtol=0)
+    tol = unembedding_tol(a, normed) + forwards_tol(a, plain, tr.input_ids.shape[1])
+    torch.testing.assert_close(lens, sdpa, atol=tol, rtol=0)
     vis = tr.visual_positions[0]
     text = torch.ones(tr.input_ids.shape[1], dtype=torch.bool)
     text[vis] = False
     E = a.language_model.embed_tokens.weight
     x0 = tr.resid_pre[0][0]
-    torch.testing.assert_close(x0[text], E[tr.input_ids[0, text]] * math.sqrt(D_MODEL), atol=1e-12, rtol=0)
+    scaled = E[tr.input_ids[0, text]] * math.sqrt(D_MODEL)
+    tol = rounding_tol(float(scaled.abs().max()), scaled.dtype, 2)  # the scale's rounding and the product's
+    torch.testing.assert_close(x0[text], scaled, atol=tol, rtol=0)
     with torch.no_grad(), eager_attention(m.model):  # the capture ran the tower eagerly too
         feats = m.model.model.get_image_features(inputs.tensors["pixel_values"]).pooler_output[0]
     torch.testing.assert_close(x0[vis], feats, atol=0, rtol=0)  # image features enter unscaled
@@ -288,42 +297,37 @@ def test_residual_reconstruction_and_lens_at_last_layer(traced):
     r = decompose(a, tr, a.token_id("yes"), a.token_id("no"))
     u = target_direction(a, a.token_id("yes"), a.token_id("no"))
     embed = next(c for c in r.components if c.name == "embed")
-    assert embed.projection == pytest.approx(float(x0[r.position] @ u.detach()), abs=1e-12)
-    assert embed.norm == pytest.approx(float(x0[r.position].norm()), abs=1e-12)
+    x = x0[r.position].detach()
+    assert embed.projection == pytest.approx(float(x @ u.detach()), abs=sum_tol(x.abs() @ u.abs(), a.d_model, x.dtype))
+    # a square root of a d_model-term sum of squares: half its relative error
+    assert embed.norm == pytest.approx(float(x.norm()), abs=sum_tol(x.norm(), a.d_model + 1, x.dtype))
 
 
 def test_logit_lens_last_row_is_the_model(traced):
-    m, tr, _, _ = traced
+    m, tr, _ = traced
     a = m.adapter
     a_id, f_id = a.token_id("yes"), a.token_id("no")
     lens = logit_lens(a, tr, a_id, f_id)
     assert [r.layer for r in lens.rows] == list(range(a.n_layers + 1))
-    last, p = lens.rows[-1], lens.position
+    p = lens.position
     assert p == int(tr.answer_positions[0]) == tr.input_ids.shape[1] - 1
-    assert last.answer_logit == pytest.approx(float(tr.logits[0, p, a_id]), abs=1e-6)
-    assert last.logit_diff == pytest.approx(float(tr.logits[0, p, a_id] - tr.logits[0, p, f_id]), abs=1e-6)
-    assert last.kl_to_final == pytest.approx(0.0, abs=1e-6)
+    assert_lens_last_row_is_the_model(a, tr, lens, a_id, f_id)
 
 
 def test_frozen_dla_sums_to_logit_difference_minus_bias(traced):
-    m, tr, _, tol = traced
+    m, tr, _ = traced
     a = m.adapter
-    a_id, f_id = a.token_id("yes"), a.token_id("no")
-    r = decompose(a, tr, a_id, f_id)
-    p = r.position
-    assert r.target_logit == pytest.approx(float(tr.logits[0, p, a_id] - tr.logits[0, p, f_id]), abs=1e-12)
     # Gemma's final norm runs in float32 even in a float64 model; the frozen split is float64
-    assert sum(c.dla_frozen for c in r.components) == pytest.approx(r.frozen_sum_expected, abs=1e-6)
-    assert r.reconstruction_max_abs_err < tol
+    r = assert_decomposition_is_exact(a, tr, a.token_id("yes"), a.token_id("no"))
     assert len(r.components) == 1 + a.n_layers * (a.n_heads + 1)  # no o_proj bias in Gemma
 
 
 def test_jacobian_dla_equals_autograd_directional_derivative(traced):
-    m, tr, _, _ = traced
+    m, tr, _ = traced
     a = m.adapter
     # Gemma's norm runs in float32 end to end (gain included), so autograd through it is
-    # float32 arithmetic (eps 6e-8), and the adapter's Norm takes 1/sigma in float32 too
-    assert_jacobian_dla_is_autograd(a, tr, a.token_id("yes"), a.token_id("no"), 1e-7, 1e-5)
+    # float32 arithmetic, and the adapter's Norm takes 1/sigma in float32 too
+    assert_jacobian_dla_is_autograd(a, tr, a.token_id("yes"), a.token_id("no"))
 
 
 def test_source_contributions_sum_to_each_heads_output(traced):
@@ -332,20 +336,11 @@ def test_source_contributions_sum_to_each_heads_output(traced):
     or it is the last suffix token)."""
     from core.methods.contributions import source_contributions
 
-    m, tr, _, _ = traced
+    m, tr, _ = traced
     a = m.adapter
     a_id, f_id = a.token_id("yes"), a.token_id("no")
     sc = source_contributions(a, tr, a_id, f_id)
-    u = target_direction(a, a_id, f_id)
-    by_name = {c.name: c for c in decompose(a, tr, a_id, f_id).components}
-    for layer in range(a.n_layers):
-        with torch.no_grad():
-            heads = tr.head_output(a, layer, sc.position)  # (heads, d_model)
-        for h in range(a.n_heads):
-            assert float(sc.projection[layer][h].sum()) == pytest.approx(float(heads[h] @ u.detach()), abs=1e-9)
-            for field in ("dla_frozen", "dla_jacobian"):
-                got = float(getattr(sc, field)[layer][h].sum())
-                assert got == pytest.approx(getattr(by_name[f"L{layer}.H{h}"], field), abs=1e-9)
+    assert_source_contributions_sum_to_each_heads_terms(a, tr, sc, decompose(a, tr, a_id, f_id))
 
 
 def test_allowed_keys_are_the_prefix_lm_mask_the_model_used(traced):
@@ -353,7 +348,7 @@ def test_allowed_keys_are_the_prefix_lm_mask_the_model_used(traced):
     the prefix (image, <bos>, prompt, "\\n") is bidirectional, a suffix causal."""
     from core.models.families.paligemma import prefix_lm_allowed
 
-    m, tr, inputs, _ = traced
+    m, tr, inputs = traced
     a = m.adapter
     n = tr.input_ids.shape[1]
     tt = inputs.tensors["token_type_ids"]
@@ -383,7 +378,7 @@ def test_positions_and_rotation_are_the_models(traced):
 
     from core.capture import hooks
 
-    m, tr, inputs, _ = traced
+    m, tr, inputs = traced
     a = m.adapter
     n = tr.input_ids.shape[1]
     positions = a.rope_positions(tr)
@@ -397,46 +392,50 @@ def test_positions_and_rotation_are_the_models(traced):
         m.model(**inputs.tensors)
     cos, sin = (t[0].unsqueeze(-2) for t in seen["cos_sin"])  # (pos, 1, d_head)
     x = torch.randn(n, a.n_heads, a.d_head, dtype=torch.float64)
-    torch.testing.assert_close(a.rotate(x, positions), x * cos + rotate_half(x) * sin, atol=1e-14, rtol=0)
+    tol = rounding_tol(float((x.abs() * cos.abs() + rotate_half(x).abs() * sin.abs()).max()), x.dtype, 3)
+    torch.testing.assert_close(a.rotate(x, positions), x * cos + rotate_half(x) * sin, atol=tol, rtol=0)
 
 
-def _recompute_patterns(a, tr, layer: int, allowed: torch.Tensor) -> torch.Tensor:
+def _recompute_patterns(a, tr, layer: int, allowed: torch.Tensor) -> tuple[torch.Tensor, float]:
     """``(heads, pos, pos)`` from canonical weights, a.rotate at a.rope_positions,
-    a.score_scale and the given mask."""
+    a.score_scale and the given mask, and how far (relative) the model's eager
+    float32 softmax may be from it."""
     x = a.attn_norm(layer)(tr.resid_pre[layer][0])  # (pos, d_model)
     q = torch.einsum("pm,hmd->phd", x, a.W_Q(layer)) + a.b_Q(layer)
     k = torch.einsum("pm,hmd->phd", x, a.W_K(layer)) + a.b_K(layer)
     positions = a.rope_positions(tr)
     q, k = a.rotate(q, positions), a.rotate(k, positions)
     scores = torch.einsum("qhd,khd->hqk", q, k) * a.score_scale(layer)
-    return scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    error = scores_tol(x, x, a.W_Q(layer), a.b_Q(layer), a.W_K(layer), a.b_K(layer), a.score_scale(layer), True)
+    return scores.softmax(-1), pattern_rtol(a, tr, scores, error)
 
 
 def test_patterns_recomputed_from_canonical_weights_rope_and_prefix_mask(traced):
-    m, tr, _, _ = traced
+    m, tr, _ = traced
     a = m.adapter
     for layer in range(a.n_layers):
-        pattern = _recompute_patterns(a, tr, layer, a.allowed_keys(tr, layer))
-        # eager attention takes its softmax in float32
-        torch.testing.assert_close(pattern[:, tr.query_positions], tr.patterns[layer][0], atol=1e-6, rtol=0)
+        pattern, rtol = _recompute_patterns(a, tr, layer, a.allowed_keys(tr, layer))
+        torch.testing.assert_close(pattern[:, tr.query_positions], tr.patterns[layer][0], atol=0, rtol=rtol)
     # not vacuous: a causal mask gives other patterns on the prefix
     n = tr.input_ids.shape[1]
-    causal = _recompute_patterns(a, tr, 1, torch.ones(n, n, dtype=torch.bool).tril())
+    causal, _ = _recompute_patterns(a, tr, 1, torch.ones(n, n, dtype=torch.bool).tril())
     assert (causal[:, tr.query_positions] - tr.patterns[1][0]).abs().max() > 1e-2
 
 
 def test_values_recomputed_from_canonical_weights(traced):
-    m, tr, _, _ = traced
+    m, tr, _ = traced
     a = m.adapter
     for layer in range(a.n_layers):
         x = a.attn_norm(layer)(tr.resid_pre[layer][0])
         v = torch.einsum("pm,hmd->phd", x, a.W_V(layer)) + a.b_V(layer)
         z = torch.einsum("hqk,khd->qhd", tr.patterns[layer][0], v)
-        torch.testing.assert_close(z, tr.z[layer][0, tr.query_positions], atol=1e-10, rtol=0)
+        tol = values_tol(tr.patterns[layer][0], x, a.W_V(layer), a.b_V(layer))
+        torch.testing.assert_close(z, tr.z[layer][0, tr.query_positions], atol=tol, rtol=0)
 
 
 def test_token_roles(traced):
-    m, tr, _, _ = traced
+    m, tr, _ = traced
     a = m.adapter
     roles = a.token_roles(tr)
     n_img = a.n_image_tokens
@@ -463,7 +462,8 @@ def test_right_padded_batch_matches_single_runs(model):
         single = a.prepare([images[i]], [questions[i]])
         assert int(batch.answer_positions[i]) == int(single.answer_positions[0]) == single.input_ids.shape[1] - 1
         assert a.tokenizer.convert_ids_to_tokens(int(batch.input_ids[i, batch.answer_positions[i]])) == "\n"
-        torch.testing.assert_close(logits[i], a.next_token_logits(single)[0], atol=1e-10, rtol=0)
+        want = a.next_token_logits(single)[0]
+        torch.testing.assert_close(logits[i], want, atol=forwards_tol(a, want, mask.shape[1]), rtol=0)
     tr = capture(model, None, "", inputs=batch)
     n = batch.input_ids.shape[1]
     for row in range(2):
@@ -482,7 +482,8 @@ def test_append_token_is_a_causal_suffix(model):
     assert int(longer.input_ids[0, -1]) == yes and int(longer.tensors["token_type_ids"][0, -1]) == 1
     with torch.no_grad():
         before, after = a.forward_logits(inputs), a.forward_logits(longer)
-    torch.testing.assert_close(after[:, :-1], before, atol=1e-10, rtol=0)  # the prefix does not read the suffix
+    tol = forwards_tol(a, before, longer.input_ids.shape[1])
+    torch.testing.assert_close(after[:, :-1], before, atol=tol, rtol=0)  # the prefix does not read the suffix
 
 
 @pytest.mark.parametrize("size", [(90, 60), (40, 70), (48, 48), (300, 20)])
@@ -563,7 +564,8 @@ def test_saved_folder_loads_with_this_adapter(tmp_path):
     with torch.no_grad():
         want = model.adapter.next_token_logits(model.adapter.prepare([image], [QUESTION]))
         got = loaded.adapter.next_token_logits(loaded.adapter.prepare([image], [QUESTION]))
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    n_keys = loaded.adapter.prepare([image], [QUESTION]).input_ids.shape[1]
+    torch.testing.assert_close(got, want, atol=forwards_tol(loaded.adapter, want, n_keys), rtol=0)
     assert loaded.adapter.prompt(QUESTION) == model.adapter.prompt(QUESTION)
 
 

@@ -10,28 +10,29 @@ from core import load_model
 from core.capture import capture
 from core.methods.qk_ov import copying_score, model_scores, ov_circuit, qk_circuit, realized_scores
 from core.zoo import scenes
-from tests.core.exactness import noise_image
+from tests.core.exactness import noise_image, pattern_rtol, realized_scores_tol
 from tests.core.test_capture_coca import tiny_coca_float64
 from tests.core.test_capture_llava import tiny_llava_float64
 from tests.core.test_qwen2_vl import IMAGE_SIZE, QUESTION, tiny_qwen_float64
+from tests.tolerances import abs_terms, rounding_tol, sum_tol
 
 CASES = ["tiny-llava", "shapes-llava", "tiny-qwen2_vl", "tiny-qwen2_5_vl", "tiny-coca", "shapes-coca"]
 
 
 def _build(name):
     if name == "tiny-llava":
-        return tiny_llava_float64(), 1e-10
+        return tiny_llava_float64()
     if name.startswith("tiny-qwen"):
         kind = name.removeprefix("tiny-")
-        return tiny_qwen_float64(kind, kind == "qwen2_5_vl"), 1e-10
+        return tiny_qwen_float64(kind, kind == "qwen2_5_vl")
     if name == "tiny-coca":
-        return tiny_coca_float64(), 1e-9
-    return load_model(name), 1e-4
+        return tiny_coca_float64()
+    return load_model(name)
 
 
 @pytest.fixture(scope="module", params=CASES)
 def traced(request):
-    m, tol = _build(request.param)
+    m = _build(request.param)
     if request.param.startswith("tiny-qwen"):
         image, question = noise_image(IMAGE_SIZE), QUESTION
     else:
@@ -39,38 +40,53 @@ def traced(request):
         image, question = Image.fromarray(s.image), s.question
     n = m.adapter.prepare([image], [question]).input_ids.shape[1]
     tr = capture(m, image, question, query_positions=range(n), keep_qk=True)
-    return m, tr, tol
+    return m, tr
 
 
 def test_realized_scores_equal_the_models_pre_softmax_scores(traced):
-    m, tr, tol = traced
+    m, tr = traced
     for block in range(tr.n_blocks):
         ours = realized_scores(m.adapter, tr, block)
         theirs = model_scores(tr, block)
-        scale = max(1.0, float(theirs.abs().max()))
-        torch.testing.assert_close(ours.scores, theirs, atol=tol * scale, rtol=0)
+        torch.testing.assert_close(ours.scores, theirs, atol=realized_scores_tol(m.adapter, tr, block), rtol=0)
         assert ours.level == "activation" and ours.audit.method == "qk/ov circuit"
 
 
 def test_realized_patterns_equal_eager_patterns(traced):
-    m, tr, tol = traced
+    m, tr = traced
+    a = m.adapter
     for block in range(tr.n_blocks):
-        ours = realized_scores(m.adapter, tr, block).pattern
-        torch.testing.assert_close(ours, tr.patterns[block][0].to(ours.dtype), atol=max(tol, 1e-6), rtol=0)
+        ours = realized_scores(a, tr, block)
+        scores = ours.scores.masked_fill(~a.allowed_keys(tr, block), float("-inf"))
+        rtol = pattern_rtol(a, tr, scores, realized_scores_tol(a, tr, block))
+        torch.testing.assert_close(ours.pattern, tr.patterns[block][0].to(ours.pattern.dtype), atol=0, rtol=rtol)
+
+
+def svd_tol(circuit) -> float:
+    """How far two SVDs of ``left @ right`` (factored: QR of both factors, SVD of the
+    core; dense: of the formed product) may disagree, on the singular values and on
+    the rebuilt matrix: QR and SVD are backward stable, off by a multiple of ``u``
+    of the matrix's norm (Higham 2002, Thm 19.4; Golub and Van Loan, sec. 8.6),
+    taken as the rows they reduce (d_model) plus the product's d_head terms,
+    relative to ``||left||_F ||right||_F >= ||left @ right||_2``."""
+    d_model, d_head = circuit.left.shape
+    norm = float(circuit.left.detach().norm() * circuit.right.detach().norm())
+    return sum_tol(norm, d_model + d_head, circuit.left.dtype)
 
 
 def test_qk_and_ov_factored_svd_match_dense(traced):
-    m, _, _ = traced
+    m, _ = traced
     a = m.adapter
     for block in range(len(a.blocks)):
         for head in (0, a.n_heads - 1):
             for circuit in (qk_circuit(a, block, head), ov_circuit(a, block, head)):
                 dense = circuit.full()
+                tol = svd_tol(circuit)
                 torch.testing.assert_close(
-                    circuit.singular_values, torch.linalg.svdvals(dense)[: a.d_head], atol=1e-4, rtol=1e-4
+                    circuit.singular_values, torch.linalg.svdvals(dense)[: a.d_head], atol=tol, rtol=0
                 )
                 torch.testing.assert_close(
-                    circuit.U @ torch.diag(circuit.singular_values) @ circuit.Vh, dense, atol=1e-4, rtol=1e-4
+                    circuit.U @ torch.diag(circuit.singular_values) @ circuit.Vh, dense, atol=tol, rtol=0
                 )
                 assert circuit.level == "weight"
 
@@ -82,11 +98,18 @@ def test_rope_scores_depend_on_relative_position_only():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, a.n_heads, a.d_head, generator=g, dtype=torch.float64)
     k = torch.randn(1, a.n_heads, a.d_head, generator=g, dtype=torch.float64)
+    # transformers builds the cos/sin tables in float32 even for a float64 model: the
+    # angle position * inv_freq (inv_freq <= 1) is off by u32 * position, so cos and
+    # sin by that plus their own rounding; each rotated coordinate mixes its
+    # rotate_half partner, and both sides' dot products carry it
+    half = a.d_head // 2
+    pair_terms = float(((q.abs() + q.abs().roll(half, -1)) * (k.abs() + k.abs().roll(half, -1))).sum(-1).max())
     for p, j, t in [(5, 2, 3), (7, 7, 11), (3, 0, 40)]:
         s1 = (a.rotate(q, torch.tensor([p])) * a.rotate(k, torch.tensor([j]))).sum(-1)
         s2 = (a.rotate(q, torch.tensor([p + t])) * a.rotate(k, torch.tensor([j + t]))).sum(-1)
-        # transformers builds the cos/sin tables in float32 even for a float64 model
-        torch.testing.assert_close(s1, s2, atol=1e-6, rtol=0)
+        positions = p + j + 2 * t  # the four angles' positions, summed
+        tol = rounding_tol(pair_terms, torch.float32, positions + 4) + sum_tol(pair_terms, a.d_head + 3, q.dtype)
+        torch.testing.assert_close(s1, s2, atol=tol, rtol=0)
     s_near = (a.rotate(q, torch.tensor([1])) * a.rotate(k, torch.tensor([0]))).sum(-1)
     s_far = (a.rotate(q, torch.tensor([30])) * a.rotate(k, torch.tensor([0]))).sum(-1)
     assert not torch.allclose(s_near, s_far)
@@ -111,7 +134,14 @@ def test_copying_matrix_equals_the_models_own_value_and_output_projections():
     write = torch.nn.functional.linear(z, layer.self_attn.o_proj.weight)  # no bias: the head's own write
     gain = a.language_model.norm.weight
     expected = (write * gain) @ m.model.lm_head.weight[tokens].T
-    torch.testing.assert_close(res.matrix, expected.float(), atol=1e-5, rtol=1e-5)
+    # copying_score runs the chain in float32 (the normed embeddings through W_V, W_O,
+    # the gain and W_U): relative to the chain's terms, and the float32 rounding of expected
+    with torch.no_grad():
+        x = layer.input_layernorm(E)
+        chain = abs_terms(abs_terms(x, a.W_V(block)[head]), a.W_O(block)[head]) * gain.abs()
+        terms = float(abs_terms(chain, m.model.lm_head.weight[tokens].T).max())
+    tol = sum_tol(terms, 2 * a.d_model + a.d_head + 4, torch.float32) + rounding_tol(terms, torch.float32)
+    torch.testing.assert_close(res.matrix, expected.float(), atol=tol, rtol=0)
     assert -1.0 <= res.eigen_copying <= 1.0
     assert 0.0 <= res.diagonal_top1 <= 1.0
 

@@ -6,6 +6,7 @@ lenses committed under resources/models/<name>/tuned-lens/ and evaluates them
 on a modest held-out sample.
 """
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -19,8 +20,10 @@ from core.capture import capture
 from core.methods import tuned_lens as tl
 from core.methods.logit_lens import LensRow, lens_logits, logit_lens
 from core.zoo import scenes
+from tests.core.exactness import logit_terms_bound, reader_at_last_layer_tol, unembedding_tol
 from tests.core.test_capture_coca import tiny_coca_float64
 from tests.core.test_capture_llava import tiny_llava_float64
+from tests.tolerances import kl_tol, rounding_tol, sum_tol
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULTS = ("shapes-llava", "shapes-coca")
@@ -49,13 +52,38 @@ def tiny_trace(tiny):
     return capture(tiny, s.image, s.question, pattern_layers=[])
 
 
+@torch.no_grad()
+def logits_error(adapter, x: torch.Tensor) -> float:
+    """How far two readings of ``x`` through the final norm and the unembedding
+    (one state, or a stack of them in one product) may be apart once cast to
+    float32: the product's order, and a float32 rounding landing either side."""
+    normed = adapter.final_norm_layer()(x)
+    logits = lens_logits(adapter, x)
+    return unembedding_tol(adapter, normed) + rounding_tol(float(logits.abs().max()), torch.float32, 2)
+
+
+def last_layer_kl_tol(adapter, dtype: torch.dtype) -> float:
+    """KL in bits between the model's distribution and a reader of x_L (the
+    identity, or any lens, which reads x_L as it is), evaluated in float32, for
+    any input: :func:`kl_tol` with the reader's error, both cast to float32."""
+    terms = logit_terms_bound(adapter)
+    error = reader_at_last_layer_tol(adapter, dtype) + rounding_tol(terms, torch.float32, 2)
+    return kl_tol(error, adapter.W_U.shape[1], torch.float32, terms) / math.log(2)
+
+
 def test_identity_and_fresh_affine_reproduce_the_logit_lens_exactly(tiny, tiny_trace):
+    """Row by row the logit lens, up to the product's order (one state against the
+    stack) landing on either side of a float32 rounding, and the final distribution
+    taken from the model's logits here, from the lens at x_L there."""
     a, tr = tiny.adapter, tiny_trace
     n, d = tr.n_blocks, a.d_model
     pos = int(tr.answer_positions[0])
     answer = int(tr.logits[0, pos].argmax())
     foil = int(tr.logits[0, pos].argsort()[-2])
     reference = logit_lens(a, tr, answer, foil, top_k=3)
+    states = [x[0, pos] for x in tr.resid_pre + [tr.final_resid]]
+    final_error = logits_error(a, tr.final_resid[0, pos])
+    vocab, final = a.W_U.shape[1], lens_logits(a, tr.final_resid[0, pos]).float()
     for form in ("identity", "affine", "lowrank", "mlp"):
         lens = tl.TunedLens(n, d, form, rank=4, dtype=torch.float64)
         for layer in range(n + 1):
@@ -63,14 +91,21 @@ def test_identity_and_fresh_affine_reproduce_the_logit_lens_exactly(tiny, tiny_t
             assert torch.equal(lens_logits(a, lens.translate(layer, x)), lens_logits(a, x)), (form, layer)
         rows = tl.tuned_lens_rows(lens, a, tr, answer, foil, top_k=3)
         assert len(rows) == len(reference.rows) == n + 1
-        for r, ref in zip(rows, reference.rows):
+        for r, ref, x in zip(rows, reference.rows, states):
             assert set(LensRow.__dataclass_fields__) <= set(r)  # the app's LensPanel reads these keys
             assert r["answer_rank"] == ref.answer_rank
-            assert r["answer_logit"] == pytest.approx(ref.answer_logit, abs=1e-12)
-            assert r["logit_diff"] == pytest.approx(ref.logit_diff, abs=1e-12)
-            assert r["kl_to_final"] == pytest.approx(ref.kl_to_final, abs=1e-12)
+            error = logits_error(a, x)
+            assert r["answer_logit"] == pytest.approx(ref.answer_logit, abs=error)
+            assert r["logit_diff"] == pytest.approx(
+                ref.logit_diff, abs=2 * error + rounding_tol(ref.logit_diff, torch.float32)
+            )
+            lg = lens_logits(a, x).float()
+            spread = 2 * float((lg - final).detach().abs().max())
+            tol = kl_tol(error + final_error, vocab, torch.float32, float(lg.detach().abs().max()), spread)
+            assert r["kl_to_final"] == pytest.approx(ref.kl_to_final, abs=tol)
             assert [t for t, _ in r["top"]] == [t for t, _ in ref.top]
-    assert rows[-1]["kl_to_final"] == pytest.approx(0.0, abs=1e-12)
+    logit_max = float(final.detach().abs().max())
+    assert rows[-1]["kl_to_final"] == pytest.approx(0.0, abs=kl_tol(final_error, vocab, torch.float32, logit_max))
 
 
 def test_trained_tiny_lens_beats_identity_mean_and_random_on_its_training_data(tiny, tiny_trained):
@@ -84,7 +119,7 @@ def test_trained_tiny_lens_beats_identity_mean_and_random_on_its_training_data(t
     for layer in range(n):
         assert t["trained"][layer] < 0.9 * t["identity"][layer], (layer, t)
         assert t["trained"][layer] < t["mean"][layer] and t["trained"][layer] < t["random"][layer], (layer, t)
-    assert t["trained"][n] == t["identity"][n] == pytest.approx(0.0, abs=1e-9)
+    assert t["trained"][n] == t["identity"][n] == pytest.approx(0.0, abs=last_layer_kl_tol(tiny.adapter, torch.float64))
     assert t["random"][n] is None  # no translator at x_L
     final = ev.layers[n]["readers"]["trained"]
     assert final.top1_agreement == 1.0 and final.answer_rank_mean == 0.0
@@ -102,30 +137,39 @@ def test_capacity_report_and_baseline_translators(tiny_trained):
     assert cap["form"] == "affine" and cap["parameters"] == n * (d * d + d) == lens.n_parameters
     for row in cap["layers"]:
         a = lens.A[row["layer"]].double()
-        assert row["rel_frobenius"] == pytest.approx(float(a.norm() / math.sqrt(d)))
+        # a d * d-term sum of squares in float64, its root, one division
+        norm_tol = sum_tol(1.0, d * d + 3, torch.float64)
+        assert row["rel_frobenius"] == pytest.approx(float(a.norm() / math.sqrt(d)), rel=norm_tol)
         assert 0 <= row["orthogonal_residual_share"] < 1 and row["sv_min"] <= row["sv_mean"] <= row["sv_max"]
     rnd = lens.random_like()
+    # rescaled to the same norm: two norms of d * d (or d) terms and a rescaling, in the lens's dtype
+    rel = sum_tol(1.0, d * d + 4, lens.A.dtype)
     for layer in range(n):  # same form, same norm, other direction
-        assert float(rnd.A[layer].norm()) == pytest.approx(float(lens.A[layer].norm()), rel=1e-9)
-        assert float(rnd.b[layer].norm()) == pytest.approx(float(lens.b[layer].norm()), rel=1e-9)
+        assert float(rnd.A[layer].norm()) == pytest.approx(float(lens.A[layer].norm()), rel=rel)
+        assert float(rnd.b[layer].norm()) == pytest.approx(float(lens.b[layer].norm()), rel=rel)
         assert not torch.allclose(rnd.A[layer], lens.A[layer])
     # a pure scaling is a scaled rotation: no residual share, spread 0
     scaled = tl.TunedLens(2, 8, "affine", dtype=torch.float64)
     with torch.no_grad():
         scaled.A[:] = 0.5 * torch.eye(8, dtype=torch.float64)
     r = scaled.capacity_report()["layers"][0]
-    assert r["orthogonal_residual_share"] == pytest.approx(0.0, abs=1e-12) and r["sv_spread"] == pytest.approx(0.0)
-    assert r["rel_frobenius"] == pytest.approx(0.5)
+    # an 8 x 8 SVD is backward stable: its error a multiple of u of the matrix's norm
+    svd = sum_tol(1.0, 8 * 8, torch.float64)
+    assert r["orthogonal_residual_share"] == pytest.approx(0.0, abs=svd) and r["sv_spread"] == pytest.approx(
+        0.0, abs=svd
+    )
+    assert r["rel_frobenius"] == pytest.approx(0.5, abs=svd)
     orth = scaled.orthogonal_like()
-    torch.testing.assert_close(orth.A, scaled.A, atol=1e-12, rtol=0)
+    torch.testing.assert_close(orth.A, scaled.A, atol=svd, rtol=0)
     low = tl.TunedLens(3, 8, "lowrank", rank=2)
     assert low.n_parameters == 3 * (2 * 8 * 2 + 8)
     rl = low.random_like()
     with torch.no_grad():
         low.U.normal_()
         rl = low.random_like()
+    rel = sum_tol(1.0, 8 * 8 + 2 * 8 + 4, low.U.dtype)  # the delta's products and both norms, in the lens's dtype
     for layer in range(3):
-        assert float(rl.delta(layer).norm()) == pytest.approx(float(low.delta(layer).norm()), rel=1e-5)
+        assert float(rl.delta(layer).norm()) == pytest.approx(float(low.delta(layer).norm()), rel=rel)
     mlp = tl.TunedLens(3, 8, "mlp", hidden=4)
     assert mlp.summary()["stronger_reader"] and any("STRONGER" in s for s in tl.lens_audit(mlp).notes)
 
@@ -231,14 +275,15 @@ def committed(request):
     return request.param, loaded, lens
 
 
-def _assert_bars(t: dict, rel: float, gap: float) -> None:
+def _assert_bars(t: dict, rel: float, gap: float, x_l_kl: float) -> None:
     n = len(t["layer"]) - 1  # the last row reads x_L: identity = trained = the model's own distribution
     for i in range(n):
         assert t["trained"][i] <= rel * t["identity"][i] and t["identity"][i] - t["trained"][i] >= gap, (i, t)
         assert t["trained"][i] <= rel * t["random"][i] and t["random"][i] - t["trained"][i] >= gap, (i, t)
     for i in range(n + 1):
         assert t["trained"][i] <= rel * t["mean"][i] and t["mean"][i] - t["trained"][i] >= gap, (i, t)
-    assert t["trained"][n] == pytest.approx(0.0, abs=1e-6) and t["identity"][n] == pytest.approx(0.0, abs=1e-6)
+    # KL at x_L, where every reader is the model up to rounding (float32 models and lenses)
+    assert t["trained"][n] == pytest.approx(0.0, abs=x_l_kl) and t["identity"][n] == pytest.approx(0.0, abs=x_l_kl)
 
 
 def test_committed_lens_meets_the_bars_on_held_out_scenes(committed):
@@ -252,11 +297,12 @@ def test_committed_lens_meets_the_bars_on_held_out_scenes(committed):
     # Issue 6's bar is "below each baseline"; the margin asked here is stricter. 0.6x, not 0.5x:
     # the stage-2 shapes-llava computes relations in its last block, and there its lens reaches
     # 0.51x the identity (0.147 vs 0.286 bits).
-    _assert_bars(table, rel=0.6, gap=0.1)
+    x_l_kl = last_layer_kl_tol(loaded.adapter, lens.A.dtype)
+    _assert_bars(table, rel=0.6, gap=0.1, x_l_kl=x_l_kl)
     assert lens.training_info["seconds"] < 600 and lens.form == "affine"
     # a fresh modest held-out sample (scenes 1000-1063, not in the report's 0-999)
     ev = tl.evaluate_lens(loaded, lens, tl.SyntheticCorpus("heldout", offset=1000), 64, groups=("text", "visual"))
-    _assert_bars(ev.kl_table(), rel=0.6, gap=0.05)
+    _assert_bars(ev.kl_table(), rel=0.6, gap=0.05, x_l_kl=x_l_kl)
     if spec == "shapes-llava":  # visual and text positions reported separately
         assert ev.kl_table("visual")["trained"][0] is not None and ev.kl_table("text")["trained"][0] is not None
     else:
@@ -287,7 +333,8 @@ def test_eval_lens_cli_json_and_wrong_model(tmp_path, capsys):
         assert want <= set(row["readers"])
         for m in row["readers"].values():
             assert {"kl_bits", "cross_entropy", "top1_agreement", "answer_rank_mean"} <= set(m)
-    assert d["layers"][-1]["readers"]["identity"]["kl_bits"] == pytest.approx(0.0, abs=1e-6)
+    x_l_kl = last_layer_kl_tol(load_model("shapes-llava").adapter, torch.float32)
+    assert d["layers"][-1]["readers"]["identity"]["kl_bits"] == pytest.approx(0.0, abs=x_l_kl)
     assert d["audit"][0]["method"] == "tuned lens"
     capsys.readouterr()
     assert main(["eval-lens", "--model", "shapes-coca", *argv[1:], "--quiet"]) == 2
@@ -307,16 +354,22 @@ def test_analyze_overlays_the_tuned_lens_in_its_own_capture(committed):
     t = result["target"]
     rows = result["tuned_lens"]["tuned lens"]
     assert [r["layer"] for r in rows] == [r["layer"] for r in result["logit_lens"]]
-    # the last row reads x_L with the identity: the same numbers as the logit lens
-    assert rows[-1]["answer_logit"] == pytest.approx(result["logit_lens"][-1]["answer_logit"], abs=1e-4)
-    assert rows[-1]["kl_to_final"] == pytest.approx(0.0, abs=1e-6)
+    # the last row reads x_L with the identity: the same numbers as the logit lens, up
+    # to the product's order and a float32 rounding either side
+    a = loaded.adapter
+    x_L_error = reader_at_last_layer_tol(a, lens.A.dtype) + rounding_tol(logit_terms_bound(a), torch.float32, 2)
+    assert rows[-1]["answer_logit"] == pytest.approx(result["logit_lens"][-1]["answer_logit"], abs=x_L_error)
+    assert rows[-1]["kl_to_final"] == pytest.approx(0.0, abs=last_layer_kl_tol(a, lens.A.dtype) * math.log(2))
     trace = capture(loaded, Image.fromarray(s.image), s.question, pattern_layers=[])
     pos = int(trace.answer_positions[0])
     with torch.no_grad():
         x = trace.resid_pre[1][0, pos].to(lens.mean.dtype)
         want = lens_logits(loaded.adapter, lens.translate(1, x)).float()
-    assert rows[1]["answer_logit"] == pytest.approx(float(want[t["answer_id"]]), abs=1e-3)
-    assert rows[1]["answer_logit"] != pytest.approx(result["logit_lens"][1]["answer_logit"], abs=1e-3)
+        # two captures of one input, both eager: the same residual, read once per state
+        # here and there, up to the product's order and a float32 rounding either side
+        error = logits_error(a, lens.translate(1, x))
+    assert rows[1]["answer_logit"] == pytest.approx(float(want[t["answer_id"]]), abs=error)
+    assert rows[1]["answer_logit"] != pytest.approx(result["logit_lens"][1]["answer_logit"], abs=1e-3)  # it moved
     assert len(result["tuned_lens"]["tuned lens: random baseline"]) == len(rows) - 1
     assert any(a["method"] == "tuned lens" for a in result["audit"])
 
@@ -346,7 +399,8 @@ def test_the_lens_reads_through_a_post_ln_head(tmp_path):
     lens = tl.TunedLens(tr.n_blocks, m.adapter.d_model, "affine", dtype=torch.float64)
     reference = logit_lens(m.adapter, tr, answer)
     rows = tl.tuned_lens_rows(lens, m.adapter, tr, answer)
-    assert [r["answer_logit"] for r in rows] == pytest.approx([r.answer_logit for r in reference.rows], abs=1e-12)
+    error = max(logits_error(m.adapter, x[0, pos]) for x in tr.resid_pre + [tr.final_resid])
+    assert [r["answer_logit"] for r in rows] == pytest.approx([r.answer_logit for r in reference.rows], abs=error)
     trained = tl.train_lens(m, NoiseCorpus(), tl.LensConfig(steps=2, batch_size=2, lr=0.1))
     assert trained.steps_done == 2 and all(p.requires_grad for p in m.model.parameters())
 
@@ -360,8 +414,16 @@ def test_one_layer_and_all_layers_translate_alike(form):
             p.normal_(generator=torch.Generator().manual_seed(p.numel()))
     xs = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     every = lens.translate_all(xs)
+    magnitude = copy.deepcopy(lens)
+    with torch.no_grad():
+        for p in magnitude.parameters():
+            p.abs_()
     for layer in range(3):
-        torch.testing.assert_close(lens.translate(layer, xs[layer]), every[layer], rtol=0, atol=1e-12)
-        torch.testing.assert_close(lens.translate(layer, xs[layer, 0]), every[layer, 0], rtol=0, atol=1e-12)
+        # the same translator batched or not: its products in another order (float64),
+        # relative to its terms (the translator with |parameters| on |x|)
+        terms = float(magnitude.translate(layer, xs[layer].abs()).detach().abs().max())
+        tol = sum_tol(terms, 2 * 8 + 4 + 4, torch.float64)
+        torch.testing.assert_close(lens.translate(layer, xs[layer]), every[layer], rtol=0, atol=tol)
+        torch.testing.assert_close(lens.translate(layer, xs[layer, 0]), every[layer, 0], rtol=0, atol=tol)
     assert not torch.allclose(every, xs)  # the translators did something
     assert torch.equal(lens.translate(3, xs[0]), xs[0])  # x_L is read as it is
