@@ -424,7 +424,9 @@ class Adapter(ABC):
             text = typed.sub(" ", question)
         from core.zoo.vocab import unknown_words
 
-        words = [w if w.isprintable() else repr(w) for w in unknown_words(tok, text)]  # control characters shown escaped
+        words = [
+            w if w.isprintable() else repr(w) for w in unknown_words(tok, text)
+        ]  # control characters shown escaped
         raise QuestionError(f"the question uses words this model's vocabulary does not have: {', '.join(words) or '?'}")
 
     def check_fits(self, question: str, ids: list[int]) -> None:
@@ -434,8 +436,8 @@ class Adapter(ABC):
 
     def checked_batch(self, images, questions, raw_prompt: bool = False) -> tuple[list[Image.Image], list[str]]:
         """``(images as RGB PIL images, rendered prompts)`` for a batch, after
-        :meth:`check_question` on every question; what each family's
-        :meth:`prepare` starts from."""
+        :meth:`check_question` on every question and :meth:`check_resize` on
+        every image; what each family's :meth:`prepare` starts from."""
         from core.images import load_image
 
         images, questions = list(images), list(questions)
@@ -444,7 +446,68 @@ class Adapter(ABC):
             raise QuestionError("no questions given")
         for q in questions:
             self.check_question(q, raw_prompt=raw_prompt)
-        return [load_image(im) for im in images], [self.prompt(q) for q in questions]
+        loaded = [load_image(im) for im in images]
+        for im in loaded:
+            self.check_resize(im.size)
+        return loaded, [self.prompt(q) for q in questions]
+
+    def _image_size_setting(self, key: str) -> int | None:
+        """``image_processor.size[key]`` (None when the processor has no such
+        setting); ModelLoadError naming the field unless a positive integer."""
+        size = getattr(getattr(self.processor, "image_processor", None), "size", None)
+        value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ModelLoadError(
+                f"processor config image_processor.size.{key}: expected a positive integer, got {value!r}"
+            )
+        return value
+
+    def resized_pixels(self, image_size: tuple[int, int]) -> tuple[int, str] | None:
+        """``(pixels, the setting that decides them)`` of the image the
+        processor's resize makes of one of ``image_size = (width, height)``;
+        None when it does not resize or the family's processor reads its size
+        settings another way (then the family overrides this).
+
+        Default: the CLIP-style settings of transformers' image processors: a
+        fixed ``height`` x ``width``, or the shortest edge scaled to
+        ``shortest_edge`` (capped by ``longest_edge``), or the longest edge to
+        ``longest_edge``. The shortest-edge resize is the one an elongated image
+        amplifies: a 1 x 200 image at shortest_edge 336 becomes 336 x 67,200."""
+        processor = getattr(self.processor, "image_processor", None)
+        if processor is None or not getattr(processor, "do_resize", True):
+            return None
+        w, h = image_size
+        height, width = self._image_size_setting("height"), self._image_size_setting("width")
+        if height and width:
+            return height * width, f"size.height x size.width = {height} x {width}"
+        shortest, longest = self._image_size_setting("shortest_edge"), self._image_size_setting("longest_edge")
+        if shortest:
+            scale = shortest / min(w, h)
+            if longest:
+                scale = min(scale, longest / max(w, h))
+            return round(w * scale) * round(h * scale), f"size.shortest_edge = {shortest}"
+        if longest:
+            scale = longest / max(w, h)
+            return round(w * scale) * round(h * scale), f"size.longest_edge = {longest}"
+        return None
+
+    def check_resize(self, image_size: tuple[int, int]) -> None:
+        """ImageLoadError if the processor would resize an image of
+        ``image_size`` past the pixel budget of :data:`core.images.MAX_PIXELS`
+        (a processor config can ask for any size; decoding is bounded, the
+        resize must be too)."""
+        from core.errors import ImageLoadError
+        from core.images import MAX_PIXELS
+
+        estimate = self.resized_pixels(image_size)
+        if estimate is not None and estimate[0] > MAX_PIXELS:
+            pixels, setting = estimate
+            raise ImageLoadError(
+                f"this model's processor would resize the {image_size[0]}x{image_size[1]} image to about "
+                f"{pixels:,} pixels ({setting}), over the {MAX_PIXELS:,}-pixel limit"
+            )
 
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)]).strip()

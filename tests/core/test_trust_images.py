@@ -396,3 +396,66 @@ def test_pairs_images_are_checked_before_the_model_loads_and_decoded_per_batch(t
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {pairs}:2: ") and "aspect ratio" in err and "\n" not in err
     assert images.check_image_file(good) == (8, 8)
+
+
+def _llava_with_processor_size(tmp_path, size: dict):
+    import json
+    import shutil
+
+    from core.models.loading import load_model, resources_dir
+
+    folder = tmp_path / "llava"
+    shutil.copytree(resources_dir() / "models" / "shapes-llava", folder)
+    (folder / "MANIFEST.sha256").unlink()  # a user's folder, edited on purpose
+    config = json.loads((folder / "processor_config.json").read_text())
+    config["image_processor"]["size"] = size
+    (folder / "processor_config.json").write_text(json.dumps(config))
+    return load_model(folder)
+
+
+def test_processor_config_that_would_resize_past_the_budget_is_refused(tmp_path):
+    """Filed kind: the resize, not the decode, is the bomb (shortest_edge 60000
+    made a 128 x 128 sample 60000 x 60000: 24 GB before the crop)."""
+    from core.answer import answer
+
+    loaded = _llava_with_processor_size(tmp_path, {"shortest_edge": 60_000})
+    start = time.perf_counter()
+    with pytest.raises(
+        ImageLoadError, match=r"resize the 128x128 image to about 3,600,000,000 pixels .*shortest_edge = 60000"
+    ):
+        answer(loaded, Image.new("RGB", (128, 128)), "what shape is the blue object?")
+    assert time.perf_counter() - start < 5
+
+
+def test_elongated_image_is_refused_where_the_shortest_edge_resize_amplifies_it(tmp_path):
+    """Within load_image's aspect limit, a 1 x 200 image at shortest_edge 512 is 512 x 102,400 = 52M pixels."""
+    loaded = _llava_with_processor_size(tmp_path, {"shortest_edge": 512})
+    adapter = loaded.adapter
+    assert adapter.resized_pixels((1, 200)) == (512 * 102_400, "size.shortest_edge = 512")
+    with pytest.raises(ImageLoadError, match="over the 40,000,000-pixel limit"):
+        adapter.check_resize((1, 200))
+    adapter.check_resize((128, 128))  # ordinary images are untouched
+    assert loaded.adapter.resized_pixels((300, 200)) == (768 * 512, "size.shortest_edge = 512")
+
+
+def test_processor_size_that_is_not_a_positive_integer_is_named(tmp_path):
+    from core.errors import ReadoutError
+
+    try:
+        loaded = _llava_with_processor_size(tmp_path, {"shortest_edge": -3})
+    except ReadoutError as e:  # refused at load time: also one line naming the field
+        assert "shortest_edge" in str(e) and "\n" not in str(e)
+        return
+    with pytest.raises(ReadoutError, match="image_processor.size.shortest_edge: expected a positive integer"):
+        loaded.adapter.check_resize((128, 128))
+
+
+def test_qwen_resize_estimate_is_smart_resize():
+    from tests.core.test_qwen2_vl import tiny_qwen_float64
+
+    loaded = tiny_qwen_float64()
+    pixels, setting = loaded.adapter.resized_pixels((64, 48))
+    _, _, rh, rw = loaded.adapter.visual_grid((64, 48))
+    assert pixels == rh * rw and "max_pixels" in setting
+    with pytest.raises(ImageLoadError, match="cannot resize the 2000x4 image"):
+        loaded.adapter.check_resize((2000, 4))  # 500:1, which smart_resize refuses

@@ -43,14 +43,6 @@ QWEN_PROMPT = (
 )
 
 
-def _size_value(size, key: str):
-    """``size[key]`` for a dict or a transformers ``SizeDict`` (None if absent)."""
-    value = getattr(size, key, None)
-    if value is None and hasattr(size, "get"):
-        value = size.get(key)
-    return value
-
-
 @register(hf=("Qwen2VLForConditionalGeneration",))
 class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
     """The canonical view of a Qwen2-VL model (see the module docstring).
@@ -222,12 +214,23 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
         cell = patch * merge
         w, h = image_size
         if getattr(ip, "do_resize", True):
-            min_pixels = _size_value(ip.size, "shortest_edge") or _size_value(ip.size, "min_pixels")
-            max_pixels = _size_value(ip.size, "longest_edge") or _size_value(ip.size, "max_pixels")
-            rh, rw = smart_resize(h, w, factor=cell, min_pixels=min_pixels, max_pixels=max_pixels)
+            # Qwen's processor keeps min_pixels / max_pixels in size.shortest_edge / size.longest_edge
+            min_pixels = self._image_size_setting("shortest_edge") or self._image_size_setting("min_pixels")
+            max_pixels = self._image_size_setting("longest_edge") or self._image_size_setting("max_pixels")
+            try:
+                rh, rw = smart_resize(h, w, factor=cell, min_pixels=min_pixels, max_pixels=max_pixels)
+            except ValueError as e:  # an aspect ratio of 200 or more, or pixel bounds that contradict
+                from core.errors import ImageLoadError
+
+                raise ImageLoadError(f"this model's processor cannot resize the {w}x{h} image ({e})") from None
         else:
             rh, rw = h, w
         return rh // cell, rw // cell, rh, rw
+
+    def resized_pixels(self, image_size: tuple[int, int]) -> tuple[int, str] | None:
+        """smart_resize's pixel count (its bound is size.longest_edge, Qwen's max_pixels)."""
+        _, _, rh, rw = self.visual_grid(image_size)
+        return rh * rw, f"smart_resize with size.longest_edge (max_pixels) = {self._image_size_setting('longest_edge')}"
 
     def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
         """The :class:`core.geometry.VisualToken` of every image token, boxes in
