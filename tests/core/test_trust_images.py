@@ -459,3 +459,13 @@ def test_qwen_resize_estimate_is_smart_resize():
     assert pixels == rh * rw and "max_pixels" in setting
     with pytest.raises(ImageLoadError, match="cannot resize the 2000x4 image"):
         loaded.adapter.check_resize((2000, 4))  # 500:1, which smart_resize refuses
+
+
+def test_llava_next_estimate_covers_the_high_resolution_canvas():
+    from tests.core.test_llava_next import tiny_llava_next_float64
+
+    adapter = tiny_llava_next_float64().adapter
+    pinpoints = [list(map(int, p)) for p in adapter.model.config.image_grid_pinpoints]
+    pixels, setting = adapter.resized_pixels((300, 200))
+    assert pixels >= min(h * w for h, w in pinpoints) and pixels <= max(h * w for h, w in pinpoints) + 10**6
+    adapter.check_resize((300, 200))

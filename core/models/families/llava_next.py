@@ -264,6 +264,17 @@ class LlavaNextAdapter(LlavaAdapter):
         ]
 
     # ---- text
+    def resized_pixels(self, image_size: tuple[int, int]) -> tuple[int, str] | None:
+        """The larger of the base view's resize and the high-resolution canvas:
+        the image is resized into the best of ``image_grid_pinpoints``."""
+        from transformers.image_processing_utils import select_best_resolution
+
+        _, _, pinpoints = self._model_grid()
+        best = select_best_resolution((int(image_size[1]), int(image_size[0])), pinpoints)
+        grid = (int(best[0]) * int(best[1]), f"image_grid_pinpoints {list(best)}")
+        base = super().resized_pixels(image_size)
+        return max(grid, base) if base is not None else grid
+
     @classmethod
     def check_config(cls, config) -> None:
         """Also the fields the any-resolution layout reads: ``image_grid_pinpoints``
