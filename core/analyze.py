@@ -1,5 +1,5 @@
-"""``analyze``: one capture, every text-side read-out, the JSON of DESIGN.md
-(schema version 1)."""
+"""``analyze``: one capture, every text-side read-out, the analyze JSON of
+docs/ARCHITECTURE.md (schema version 1)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from core.errors import QuestionError
 from core.images import image_sha256, load_image
 from core.methods.logit_lens import logit_lens
 from core.methods.patterns import (
+    FULL_PATTERN_LIMIT,  # re-exported: core.analyze.FULL_PATTERN_LIMIT
     primary_image,
     rollout_audit,
     rollout_visual_mass,
@@ -21,7 +22,6 @@ from core.methods.patterns import (
 from core.methods.residual import decompose
 
 SCHEMA_VERSION = 1
-FULL_PATTERN_LIMIT = 1024  # longer prompts keep only the answer and text rows (no rollout)
 # Text tokens in the text-text patterns (those nearest the answer): bounds the JSON,
 # which holds blocks x heads x TEXT_PATTERN_LIMIT^2 weights at most.
 TEXT_PATTERN_LIMIT = 48
@@ -46,7 +46,7 @@ def analyze(
     ``raw_prompt``: let the question hold the model's special tokens (see
     :meth:`core.models.adapter.Adapter.check_question`); recorded in ``input``.
 
-    Besides the keys of DESIGN.md (schema version 1), ``text_patterns`` holds
+    Besides the keys of the analyze JSON (docs/ARCHITECTURE.md, schema version 1), ``text_patterns`` holds
     :meth:`core.methods.patterns.TextPatterns.to_dict`: every self-attention
     block's pattern among the prompt's text tokens (at most
     :data:`TEXT_PATTERN_LIMIT`, those nearest the answer), ``patterns``

@@ -19,7 +19,7 @@ name is a one-line error. The run writes to ``DIR``:
   over the samples the model got right, got wrong, and all of them; error
   counts;
 * ``audit.csv`` / ``audit.md`` / ``audit.json``: one audit row per method,
-  with this run's parameters (METHODS.md 4.13);
+  with this run's parameters (docs/METHODS.md §4.13);
 * ``run.json``: how the run went (processes, device, time, completed or
   cancelled). It is the only file that differs between a one-process run
   and a sharded one.
@@ -145,9 +145,9 @@ def _opt(row: dict, key: str) -> str | None:
 def read_dataset(path: str | Path, limit: int | None = None) -> list[DatasetItem]:
     """Read a dataset JSONL (see the module docstring); ``limit``: the first N
     samples (later lines are not checked). Lines are read by
-    :func:`core.cli.read_jsonl` and their fields checked by
-    :func:`core.cli.text_field`, as every pairs file is."""
-    from core.cli import read_jsonl, resolve_beside, text_field
+    :func:`core.pairs.read_jsonl` and their fields checked by
+    :func:`core.pairs.text_field`, as every pairs file is."""
+    from core.pairs import read_jsonl, resolve_beside, text_field
 
     f = dataset_file(path)
     items: list[DatasetItem] = []

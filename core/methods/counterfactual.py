@@ -1,4 +1,4 @@
-"""Region counterfactuals (METHODS.md 4.12, 4.11): fill a pixel region of the
+"""Region counterfactuals (docs/METHODS.md §4.12, §4.11): fill a pixel region of the
 ORIGINAL image, run the edited image through the model's own processor and
 forward, and report what happened to the answer, with the routing read-outs
 for the same region beside it.
@@ -378,7 +378,7 @@ def fill_region(image, mask, fill: Fill | str = "mean", **options) -> np.ndarray
 
 @dataclass
 class AnswerNumbers:
-    """The answer position's numbers on one image (DESIGN.md "counterfactual" JSON)."""
+    """The answer position's numbers on one image (the "counterfactual" JSON of docs/ARCHITECTURE.md)."""
 
     answer: str
     answer_id: int
@@ -597,13 +597,12 @@ def token_routing(
 ) -> TokenRouting:
     """One capture of the ORIGINAL image: the answer row at every block (the
     full pattern, for rollout, when the prompt has at most
-    ``core.analyze.FULL_PATTERN_LIMIT`` tokens), then per visual token its
+    ``core.methods.patterns.FULL_PATTERN_LIMIT`` tokens), then per visual token its
     attention weight per head, rollout mass and frozen-scale DLA."""
-    from core.analyze import FULL_PATTERN_LIMIT
     from core.capture import capture
     from core.images import load_image
     from core.methods.contributions import source_contributions
-    from core.methods.patterns import rollout, rollout_audit
+    from core.methods.patterns import FULL_PATTERN_LIMIT, rollout, rollout_audit
 
     adapter = loaded.adapter
     img = load_image(image)
@@ -702,7 +701,7 @@ class RegionCounterfactual:
     edited_image: np.ndarray | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
-        """The DESIGN.md ``counterfactual`` JSON (schema version 1)."""
+        """The ``counterfactual`` JSON of docs/ARCHITECTURE.md (schema version 1)."""
         return {
             "schema_version": SCHEMA_VERSION,
             "fill": self.fill.kind,

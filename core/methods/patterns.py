@@ -1,4 +1,4 @@
-"""Attention pattern estimators (METHODS.md 4.2) for one query position.
+"""Attention pattern estimators (docs/METHODS.md §4.2) for one query position.
 
 Mass on BOS (and other sink positions) is always reported on its own, never
 folded into the visual or entity averages; padding never counts.
@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from core.audit import AuditRecord
+
+FULL_PATTERN_LIMIT = 1024  # longer prompts keep only the answer and text rows (no rollout)
 
 
 @dataclass
@@ -616,7 +618,7 @@ def pattern_statistics(
 
 
 def rollout(trace, alpha: float = 0.5, heads: str | int = "mean", batch: int = 0) -> torch.Tensor:
-    """Attention rollout (4.6): ``R = prod_l (alpha A_l + (1 - alpha) I)``.
+    """Attention rollout (docs/METHODS.md §4.6): ``R = prod_l (alpha A_l + (1 - alpha) I)``.
 
     Nodes are the sequence positions, followed (for cross-attention models)
     by the visual tokens, which only receive edges from cross-attention

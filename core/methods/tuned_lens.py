@@ -1,4 +1,4 @@
-"""Tuned lens (METHODS.md 4.9): a learned translator per layer, read through
+"""Tuned lens (docs/METHODS.md §4.9): a learned translator per layer, read through
 the FROZEN final norm and unembedding,
 
     z^{tuned}_l = W_U Norm_f(T_l(x_l)) + b_U,
@@ -499,7 +499,7 @@ class PairsCorpus:
         return torch.randperm(len(self.pairs), generator=g).tolist()
 
     def batch(self, step: int, batch_size: int) -> Batch:
-        from core.cli import load_pair_image
+        from core.pairs import load_pair_image
 
         n = len(self.pairs)
         out, orders = [], {}
@@ -511,7 +511,7 @@ class PairsCorpus:
         return Batch([load_pair_image(p) for p in out], [p["question"] for p in out], [p.get("answer") for p in out])
 
     def take(self, n: int | None = None) -> Batch:
-        from core.cli import load_pair_image
+        from core.pairs import load_pair_image
 
         ps = self.pairs[:n] if n else self.pairs
         if len(ps) not in self._taken:
@@ -528,7 +528,7 @@ def read_pairs(path: Path) -> list[dict]:
     """Pairs from a JSONL file (as ``vlm-readout answer --pairs``: one
     ``{"image", "question"[, "answer"]}`` per line, image paths relative to the
     file) or from a folder (every ``*.jsonl`` in it, sorted)."""
-    from core.cli import read_pairs as read_jsonl
+    from core.pairs import read_pairs as read_jsonl
 
     path = Path(path)
     if path.is_dir():
@@ -1053,7 +1053,7 @@ def _frozen(model):
 
 
 def lens_audit(lens: TunedLens, data: dict | None = None, positions: str | None = None) -> AuditRecord:
-    """The 4.13 tuned-lens row for a result of this lens."""
+    """The tuned-lens audit row (docs/METHODS.md §4.13) for a result of this lens."""
     t = lens.training_info
     notes = [
         "decodability by this reader, not evidence that the model already holds explicit logits at that layer; "

@@ -422,7 +422,7 @@ class Adapter(ABC):
             if ids.count(unk) <= len(typed.findall(question)):
                 return
             text = typed.sub(" ", question)
-        from core.zoo.vocab import unknown_words
+        from core.models.words import unknown_words
 
         words = [
             w if w.isprintable() else repr(w) for w in unknown_words(tok, text)
@@ -648,7 +648,7 @@ class Adapter(ABC):
         """:class:`core.geometry.VisualToken` per visual token, boxes in the original image."""
         raise NotImplementedError(f"{self.family}: geometry not mapped yet")
 
-    # ---- the residual graph (METHODS.md 4.7: "rewrite by the actual graph")
+    # ---- the residual graph (docs/METHODS.md §4.7: the split follows the actual graph)
     def component_stack(self, trace, position: int, batch: int = 0) -> tuple[list[str], torch.Tensor]:
         """Names and ``(n_components, d_model)`` vectors that sum to x_L at
         ``position``. Pre-norm default: x_L = x_0 + sum_l (sum_h W_O^h z^h + b_O) + sum_l m_l;

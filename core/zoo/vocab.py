@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from core.models.words import WORD, unknown_words  # noqa: F401  (unknown_words re-exported)
 from core.zoo import scenes
 
 PAD, BOS, EOS, UNK, IMAGE = "<pad>", "<s>", "</s>", "<unk>", "<image>"
@@ -35,7 +36,7 @@ LLAVA_CHAT_TEMPLATE = (
 # The CoCa prompt: the decoder reads the image through cross-attention only.
 COCA_PROMPT = "question: {question} answer:"
 
-_WORD = re.compile(r"\w+|[^\w\s]+")
+_WORD = WORD  # the pattern the adapters' unknown_words check uses
 
 
 def words() -> list[str]:
@@ -83,9 +84,3 @@ def build_hf_tokenizer():
         model_max_length=256,
         padding_side="right",
     )
-
-
-def unknown_words(tokenizer, question: str) -> list[str]:
-    """Words of ``question`` the tokenizer maps to ``<unk>``."""
-    vocab = tokenizer.get_vocab()
-    return [w for w in _WORD.findall(question.lower()) if w not in vocab]
