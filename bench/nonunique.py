@@ -1,4 +1,4 @@
-"""Non-unique attention (METHODS.md 4.10) on the default models, over held-out
+"""Non-unique attention (docs/METHODS.md §4.10) on the default models, over held-out
 synthetic scenes: for the head that puts the most attention mass on the
 target object's visual tokens at the answer position, can the head's output
 be reproduced with that mass moved elsewhere, and at which constraint level?

@@ -1,4 +1,4 @@
-"""The validation chain (METHODS.md 4.11) end to end on the default models.
+"""The validation chain (docs/METHODS.md §4.11) end to end on the default models.
 
 For each model: find the heads that move the asked attribute (colour or
 shape) from the target object to the answer position on the ``val`` scenes

@@ -1,4 +1,4 @@
-"""AuditRecord: what a result can and cannot support (METHODS.md, 4.13).
+"""AuditRecord: what a result can and cannot support (docs/METHODS.md §4.13).
 
 Every method returns one with its numbers. The fixed columns come from the
 chapter's audit table; ``controls`` and ``parameters`` say what this call
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# The chapter's audit table (4.13), one row per method family.
+# The chapter's audit table (docs/METHODS.md §4.13), one row per method family.
 METHOD_TABLE: dict[str, dict[str, str]] = {
     "pattern analysis": {
         "question": "where a head routes",

@@ -3,8 +3,8 @@ and JSON, and the runs' patch-grid figures as PNG.
 
 * :func:`audit_csv`, :func:`audit_markdown`: the rows of
   :meth:`core.session.Session.audit_table` (columns
-  :data:`core.session.AUDIT_COLUMNS`: run id, kind, time, model, the chapter's
-  4.13 columns, the audit record's parameters and notes, the run's parameters
+  :data:`core.session.AUDIT_COLUMNS`: run id, kind, time, model, the audit
+  columns of docs/ARCHITECTURE.md ("Audit rows"), the audit record's parameters and notes, the run's parameters
   and its result summary). Lists are joined with ``"; "``, dicts written as
   JSON with sorted keys.
 * :func:`audit_json`: ``{"schema_version": 1, "session": {...}, "columns",

@@ -1,4 +1,4 @@
-"""``vlm-readout train-lens`` and ``vlm-readout eval-lens`` (METHODS.md 4.9).
+"""``vlm-readout train-lens`` and ``vlm-readout eval-lens`` (docs/METHODS.md §4.9).
 
     vlm-readout train-lens --model SPEC --out DIR [--pairs FILE.jsonl|DIR] \\
         [--form affine|lowrank|identity|mlp] [--rank R] [--hidden H] \\
@@ -11,7 +11,7 @@
 Without ``--pairs`` the training corpus is the synthetic scene generator's
 ``train`` split (the default models' data), and the lens is evaluated on the
 generator's held-out split, a shifted domain (5-6 objects) and the independent
-renderer. ``eval-lens`` writes the schema-1 JSON of DESIGN.md: per layer and
+renderer. ``eval-lens`` writes the schema-1 ``eval-lens`` JSON of docs/ARCHITECTURE.md: per layer and
 reader (identity, mean, random, trained), KL in bits, cross-entropy, top-1
 agreement and mean answer rank. Every expected failure is one line on stderr
 and exit status 2.

@@ -4,7 +4,7 @@ A session keeps everything a user (the app, the CLI, a notebook) ran on a
 model: the model spec and fingerprint, the images (hash, path, size and,
 by default, the pixels as PNG), the painted masks, and every run with its
 parameters, its result JSON, a one-line summary and its audit rows (the
-chapter's 4.13 columns, :class:`core.audit.AuditRecord`). Reopening the file
+audit columns of docs/ARCHITECTURE.md, "Audit rows": :class:`core.audit.AuditRecord`). Reopening the file
 gives the same state back; :meth:`Session.audit_table` is the table the app's
 audit panel shows and :mod:`core.export` writes.
 
@@ -92,9 +92,9 @@ KINDS = (
 )
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_\-]{0,39}$")
 
-# The chapter's audit-table columns (4.13) as AuditRecord names them.
+# The audit-table columns (docs/ARCHITECTURE.md, "Audit rows") as AuditRecord names them.
 METHOD_COLUMNS = ("method", "question", "operation", "controls", "supports", "cannot_support")
-# One row of Session.audit_table(): run identity, the 4.13 columns, the audit
+# One row of Session.audit_table(): run identity, the audit columns, the audit
 # record's own parameters and notes, then the run's parameters and summary.
 AUDIT_COLUMNS = (
     "run_id",

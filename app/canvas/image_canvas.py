@@ -75,7 +75,7 @@ def _field(t: Any, name: str, default=None):
 
 
 def as_canvas_tokens(tokens: Sequence) -> list[CanvasToken]:
-    """:class:`CanvasToken` for each ``VisualToken`` or DESIGN-JSON token dict (``index, image, row, col, box``)."""
+    """:class:`CanvasToken` for each ``VisualToken`` or analyze-JSON token dict (``index, image, row, col, box``)."""
     out = []
     for i, t in enumerate(tokens):
         box = _field(t, "box")

@@ -2,7 +2,7 @@
 
 One row per method record of each run: run, kind, method, question,
 operation, controls, supports, cannot_support, parameters, summary (the
-chapter 4.13 columns plus what this run did and found). The filter matches
+audit columns of docs/ARCHITECTURE.md, "Audit rows", plus what this run did and found). The filter matches
 any column, case-insensitively. Export asks for a file and emits
 :attr:`AuditPanel.export_requested` ``(format, path)``; the format follows
 the extension (csv, md, html, json). Writing the file is the caller's job

@@ -6,7 +6,7 @@ fill_options)`` and "Occlusion sweep" emits ``sweep_requested(k)``; whoever
 owns the model runs :func:`core.methods.counterfactual.region_counterfactual`
 (or ``occlusion_sweep``) in a worker and hands the result back with
 :meth:`CounterfactualPanel.set_result` / :meth:`CounterfactualPanel.set_sweep`.
-The result layout is the DESIGN.md ``counterfactual`` JSON
+The result layout is the ``counterfactual`` JSON of docs/ARCHITECTURE.md
 (``RegionCounterfactual.to_dict()``); the sweep is ``OcclusionMap.to_dict()``.
 """
 
@@ -536,7 +536,7 @@ class CounterfactualPanel(QWidget):
 
     def set_result(self, result, edited_image=None) -> None:
         """Show a region counterfactual: ``RegionCounterfactual`` or its ``to_dict()``
-        (DESIGN.md ``counterfactual`` JSON). ``edited_image`` ``(H, W, 3)`` uint8
+        (the ``counterfactual`` JSON of docs/ARCHITECTURE.md). ``edited_image`` ``(H, W, 3)`` uint8
         (default: the result's ``edited_image`` when it has one)."""
         if hasattr(result, "to_dict"):
             if edited_image is None:

@@ -1,4 +1,4 @@
-"""Source contributions (METHODS.md 4.1, 4.4) for every head and source at one
+"""Source contributions (docs/METHODS.md §4.1, §4.4) for every head and source at one
 query position, without materialising ``(layers, heads, sources, d_model)``.
 
     c^h_{p<-j} = A^h_{p,j} W_O^h (W_V^h Norm(r_j) + b_V^h)

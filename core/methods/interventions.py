@@ -1,4 +1,4 @@
-"""Interventions (METHODS.md 4.11 step 5, 4.12): visual-feature patching,
+"""Interventions (docs/METHODS.md §4.11 step 5, §4.12): visual-feature patching,
 ablation and activation patching of heads, MLPs and the residual stream, and
 attention-edge knockout.
 

@@ -1,4 +1,4 @@
-"""Functional labels and the validation chain (METHODS.md 4.5, 4.11).
+"""Functional labels and the validation chain (docs/METHODS.md §4.5, §4.11).
 
 A functional label ("moves the asked colour from the target object to the
 answer position") is a behaviour summary measured on a distribution, never an
@@ -53,7 +53,7 @@ SCHEMA_VERSION = 1
 CHAIN_STATUSES = ("not a candidate", "mechanism candidate", "candidate with intervention", "supported")
 STEP_STATUSES = ("pass", "fail", "not-run")
 
-# The seven steps of METHODS.md 4.11, in the chapter's words.
+# The seven steps of docs/METHODS.md §4.11, in the chapter's words.
 STEP_TITLES: dict[int, str] = {
     1: "the pattern meets a pre-registered relation on held-out inputs",
     2: "the source contribution matches the target content",

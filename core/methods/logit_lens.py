@@ -1,4 +1,4 @@
-"""Logit lens (METHODS.md 4.8): z_l = W_U Norm_f(x_l) + b_U.
+"""Logit lens (docs/METHODS.md §4.8): z_l = W_U Norm_f(x_l) + b_U.
 
 The final norm is recomputed on each layer's own residual (never the final
 layer's scale). Row ``l`` reads the residual entering block ``l``; one extra

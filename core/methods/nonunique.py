@@ -1,4 +1,4 @@
-"""Attention is not uniquely recoverable from outputs (METHODS.md 4.10).
+"""Attention is not uniquely recoverable from outputs (docs/METHODS.md §4.10).
 
 For one head at one query position the head's output is
 

@@ -1,4 +1,4 @@
-"""QK and OV circuits (METHODS.md 4.3): what a head *can* select and write
+"""QK and OV circuits (docs/METHODS.md §4.3): what a head *can* select and write
 (weight level) next to what it *did* on this input (activation level).
 
 Row-vector convention throughout (as TransformerLens): ``q = Norm(r) W_Q + b_Q``,

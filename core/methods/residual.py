@@ -1,4 +1,4 @@
-"""Residual decomposition and direct logit attribution (METHODS.md 4.4, 4.7).
+"""Residual decomposition and direct logit attribution (docs/METHODS.md §4.4, §4.7).
 
     x_L = x_0 + sum_l sum_h W_O^h z^h_l + sum_l b_O,l + sum_l m_l
 

@@ -1,4 +1,4 @@
-"""`vlm-readout analyze` writes DESIGN.md's JSON with numbers a reader can check."""
+"""`vlm-readout analyze` writes the analyze JSON of docs/ARCHITECTURE.md with numbers a reader can check."""
 
 import json
 

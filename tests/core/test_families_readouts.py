@@ -1,5 +1,5 @@
 """Every family, tiny and random in float64, through the shared read-outs:
-``analyze`` writes the DESIGN JSON (schema 1, strict JSON, patch grids per
+``analyze`` writes the analyze JSON of docs/ARCHITECTURE.md (schema 1, strict JSON, patch grids per
 image), and the RoPE/q-k-norm-aware scores of qk_ov equal the model's own
 pre-softmax scores recorded inside its eager attention."""
 

@@ -1,4 +1,4 @@
-"""Functional labels and the validation chain (METHODS.md 4.5, 4.11): the
+"""Functional labels and the validation chain (docs/METHODS.md §4.5, §4.11): the
 status logic, serialisation, and each step on shapes-coca with ~20 scenes."""
 
 import json

@@ -1,4 +1,4 @@
-"""Non-unique attention (METHODS.md 4.10): alternative patterns at three
+"""Non-unique attention (docs/METHODS.md §4.10): alternative patterns at three
 constraint levels, checked against what each level must be by construction
 and against independent recomputation from the trace."""
 

@@ -1,4 +1,4 @@
-"""Pattern estimators (METHODS.md 4.2) against brute-force recomputation."""
+"""Pattern estimators (docs/METHODS.md §4.2) against brute-force recomputation."""
 
 import numpy as np
 import pytest

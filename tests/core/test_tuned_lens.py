@@ -1,4 +1,4 @@
-"""Tuned lens (METHODS.md 4.9): translators, baselines, persistence, resume,
+"""Tuned lens (docs/METHODS.md §4.9): translators, baselines, persistence, resume,
 positions, the CLI, and the issue-6 bars on the committed lenses.
 
 CI trains only tiny lenses on the tiny random LLaVA; the bars test loads the
