@@ -132,7 +132,7 @@ def _model_lens(loaded):
     """The tuned lens saved beside the model's weights (``tuned-lens/``), if it
     was trained for these weights; else None (the Lens tab shows the logit lens only).
     Read once and kept (a large model's lens is gigabytes), again only when its files change."""
-    from core.methods.tuned_lens import LENS_CONFIG, LENS_TENSORS, load_lens
+    from core.methods.tuned_lens.store import LENS_CONFIG, LENS_TENSORS, load_lens
 
     folder = getattr(loaded, "path", None)
     if folder is None or not (folder / "tuned-lens").is_dir():

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from core import load_model
-from core.methods.counterfactual import object_fill_effects, scenes_with_distractor
+from core.methods.counterfactual import object_fill_effects
+from core.zoo.distractor_scenes import scenes_with_distractor
 
 SHARE_BAR = 0.95
 RATIO_BAR = 3.0

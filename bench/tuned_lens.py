@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from core import load_model
-from core.methods.tuned_lens import LensConfig, SyntheticCorpus, build_lens, default_eval_sets
+from core.methods.tuned_lens import LensConfig, build_lens
+from core.zoo.lens_corpus import SyntheticCorpus, default_eval_sets
 
 ROOT = Path(__file__).resolve().parents[1]
 TIME_BAR_S = 600.0

@@ -35,6 +35,7 @@ def run_model(spec: str, args) -> dict:
 
     from core import load_model
     from core.methods import labels as L
+    from core.zoo.label_scenes import attribute_context
 
     t0 = time.perf_counter()
     loaded = load_model(spec)
@@ -43,7 +44,7 @@ def run_model(spec: str, args) -> dict:
         if not args.quiet:
             print(f"  [{spec}] {message} {done}/{total}" if total else f"  [{spec}] {message}", file=sys.stderr)
 
-    ctx = L.attribute_context(
+    ctx = attribute_context(
         loaded,
         n_search=args.n_search,
         n_eval=args.n_eval,

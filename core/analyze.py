@@ -84,7 +84,7 @@ def analyze(
     audits = [residual.audit, lens.audit, heads.audit]
     tuned_json = None
     if tuned is not None:
-        from core.methods.tuned_lens import lens_audit, tuned_lens_readers
+        from core.methods.tuned_lens.readers import lens_audit, tuned_lens_readers
 
         tuned.check_model(loaded)
         tuned.to(adapter.device)  # a lens read from disk is on the CPU; the model may not be

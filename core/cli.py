@@ -255,7 +255,7 @@ def cmd_analyze(args) -> int:
         check_session_file(args.session)
     tuned = None
     if args.lens:
-        from core.methods.tuned_lens import load_lens
+        from core.methods.tuned_lens.store import load_lens
 
         tuned = load_lens(args.lens)
     loaded = _load(args)

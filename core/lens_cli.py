@@ -158,14 +158,8 @@ def _threads(args) -> None:
 
 def run_train(args, load) -> int:
     from core.atomic import check_output_file, check_output_folder
-    from core.methods.tuned_lens import (
-        LensConfig,
-        PairsCorpus,
-        SyntheticCorpus,
-        build_lens,
-        default_eval_sets,
-        read_pairs,
-    )
+    from core.methods.tuned_lens import LensConfig, PairsCorpus, build_lens, read_pairs
+    from core.zoo.lens_corpus import SyntheticCorpus, default_eval_sets
 
     given = {k: getattr(args, k) for k in _CONFIG_OPTIONS if getattr(args, k) is not None}
     cfg = LensConfig(**given)
@@ -217,7 +211,8 @@ def run_train(args, load) -> int:
 
 def run_eval(args, load) -> int:
     from core.atomic import check_output_file, write_text_atomic
-    from core.methods.tuned_lens import PairsCorpus, SyntheticCorpus, evaluate_lens, load_lens, read_pairs
+    from core.methods.tuned_lens import PairsCorpus, evaluate_lens, load_lens, read_pairs
+    from core.zoo.lens_corpus import SyntheticCorpus
 
     if bool(args.pairs) == bool(args.split):
         raise ReadoutError("give --pairs FILE.jsonl or --split NAME (one of them)")

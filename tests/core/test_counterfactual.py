@@ -34,13 +34,13 @@ from core.methods.counterfactual import (
     pearson,
     region_agreement,
     region_counterfactual,
-    scenes_with_distractor,
     spearman,
     sweep_cells,
 )
 from core.methods.patterns import rollout
 from core.models.loading import resources_dir
 from core.zoo import scenes
+from core.zoo.distractor_scenes import scenes_with_distractor
 from tests.core.exactness import forwards_tol
 from tests.core.test_capture_coca import tiny_coca_float64 as _tiny_coca
 from tests.core.test_capture_llava import tiny_llava_float64 as _tiny_llava

@@ -18,7 +18,7 @@ from core.methods.labels import (
     LabelError,
     ValidationChain,
 )
-from core.zoo import scenes
+from core.zoo import label_scenes, scenes
 from tests.core.exactness import forwards_tol, frozen_map_terms
 from tests.tolerances import abs_terms, rounding_tol, sum_tol
 
@@ -139,7 +139,7 @@ def coca():
 
 @pytest.fixture(scope="module")
 def ctx(coca):
-    return L.attribute_context(coca, n_search=20, n_eval=20, n_side=8)
+    return label_scenes.attribute_context(coca, n_search=20, n_eval=20, n_side=8)
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +243,7 @@ def test_swap_moves_the_asked_attribute_and_nothing_else():
     done = 0
     for i in range(40):
         s = scenes.make_sample("heldout", i, kind="attribute")
-        sw = L.swap_attribute(s)
+        sw = label_scenes.swap_attribute(s)
         if sw is None:
             continue
         t, p = s.objects[s.target], s.objects[sw.partner]

@@ -20,6 +20,7 @@ from core.capture import capture
 from core.methods import tuned_lens as tl
 from core.methods.logit_lens import LensRow, lens_logits, logit_lens
 from core.zoo import scenes
+from core.zoo.lens_corpus import SyntheticCorpus
 from tests.core.exactness import logit_terms_bound, reader_at_last_layer_tol, unembedding_tol
 from tests.core.test_capture_coca import tiny_coca_float64
 from tests.core.test_capture_llava import tiny_llava_float64
@@ -43,7 +44,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def tiny_trained(tiny):
-    return tl.train_lens(tiny, tl.SyntheticCorpus("train"), TINY_CFG)
+    return tl.train_lens(tiny, SyntheticCorpus("train"), TINY_CFG)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,7 @@ def test_trained_tiny_lens_beats_identity_mean_and_random_on_its_training_data(t
     assert tiny_trained.steps_done == TINY_CFG.steps and not tiny_trained.cancelled
     assert tiny_trained.loss_history[-1] < tiny_trained.loss_history[0]
     # samples 0..47 of the train split are exactly the 12 steps x 4 pairs it was trained on
-    ev = tl.evaluate_lens(tiny, lens, tl.SyntheticCorpus("train"), TINY_CFG.steps * TINY_CFG.batch_size)
+    ev = tl.evaluate_lens(tiny, lens, SyntheticCorpus("train"), TINY_CFG.steps * TINY_CFG.batch_size)
     t = ev.kl_table()
     n = lens.n_blocks
     for layer in range(n):
@@ -195,14 +196,14 @@ def test_save_load_round_trip_and_wrong_fingerprint_refused(tiny, tiny_trained, 
     msg = str(err.value)
     assert "\n" not in msg and tiny.fingerprint in msg and "another-model" in msg
     with pytest.raises(tl.LensMismatchError):
-        tl.evaluate_lens(other, back, tl.SyntheticCorpus("heldout"), 2)
+        tl.evaluate_lens(other, back, SyntheticCorpus("heldout"), 2)
     with pytest.raises(tl.LensError, match="no lens.json"):
         tl.load_lens(tmp_path)
 
 
 def test_checkpoint_resume_equals_an_uninterrupted_run(tiny, tmp_path):
     cfg = tl.LensConfig(steps=6, batch_size=3, lr=0.3, checkpoint_every=2, seed=3)
-    corpus = tl.SyntheticCorpus("train", offset=100)
+    corpus = SyntheticCorpus("train", offset=100)
     full = tl.train_lens(tiny, corpus, cfg).lens
     ck = tmp_path / "ck.pt"
     part = tl.train_lens(tiny, corpus, cfg, checkpoint=ck, stop_after=3)
@@ -232,9 +233,9 @@ def test_position_selection_visual_text_answer(tiny):
         assert masks["answer"][row].nonzero().flatten().tolist() == [int(tr.answer_positions[row])]
     assert int(masks["visual"].sum()) == 3 * tr.visual_positions.shape[1]
     cfg = tl.LensConfig(steps=2, batch_size=2, positions="visual")
-    r = tl.train_lens(tiny, tl.SyntheticCorpus("train"), cfg)
+    r = tl.train_lens(tiny, SyntheticCorpus("train"), cfg)
     assert r.lens.training_info["data"]["n_tokens"] == 4 * tr.visual_positions.shape[1]
-    ev = tl.evaluate_lens(tiny, r.lens, tl.SyntheticCorpus("heldout"), 3, groups=("text", "visual", "answer"))
+    ev = tl.evaluate_lens(tiny, r.lens, SyntheticCorpus("heldout"), 3, groups=("text", "visual", "answer"))
     assert ev.primary == "visual" and set(ev.layers[0]["by_positions"]) == {"text", "answer"}
     assert ev.layers[0]["readers"]["trained"].n_tokens == 3 * tr.visual_positions.shape[1]
     assert ev.layers[0]["by_positions"]["answer"]["identity"].n_tokens == 3
@@ -243,7 +244,7 @@ def test_position_selection_visual_text_answer(tiny):
     ctr = capture(coca, ss[0].image, ss[0].question, pattern_layers=[])
     assert not tl.position_mask(coca.adapter, ctr, "visual").any()
     with pytest.raises(tl.LensError, match="no visual tokens"):
-        tl.train_lens(coca, tl.SyntheticCorpus("train"), cfg)
+        tl.train_lens(coca, SyntheticCorpus("train"), cfg)
 
 
 def test_train_lens_cli_on_a_tiny_model(tiny, tmp_path):
@@ -301,7 +302,7 @@ def test_committed_lens_meets_the_bars_on_held_out_scenes(committed):
     _assert_bars(table, rel=0.6, gap=0.1, x_l_kl=x_l_kl)
     assert lens.training_info["seconds"] < 600 and lens.form == "affine"
     # a fresh modest held-out sample (scenes 1000-1063, not in the report's 0-999)
-    ev = tl.evaluate_lens(loaded, lens, tl.SyntheticCorpus("heldout", offset=1000), 64, groups=("text", "visual"))
+    ev = tl.evaluate_lens(loaded, lens, SyntheticCorpus("heldout", offset=1000), 64, groups=("text", "visual"))
     _assert_bars(ev.kl_table(), rel=0.6, gap=0.05, x_l_kl=x_l_kl)
     if spec == "shapes-llava":  # visual and text positions reported separately
         assert ev.kl_table("visual")["trained"][0] is not None and ev.kl_table("text")["trained"][0] is not None

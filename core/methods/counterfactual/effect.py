@@ -1,0 +1,607 @@
+"""The counterfactual and its read-outs: the answer numbers of an image
+(:class:`AnswerNumbers`) and the effect of an edit on them
+(:class:`AnswerEffect`), the routing read-outs of a region from one capture
+of the original (:class:`TokenRouting`, :class:`RegionRouting`), one region
+filled (:func:`region_counterfactual`), and many regions set against their
+routing (:func:`region_agreement`, with :func:`pearson` and :func:`spearman`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from core.audit import AuditRecord
+from core.errors import QuestionError, oom_guard
+from core.methods.counterfactual.fills import Fill, as_fill
+from core.methods.counterfactual.regions import RegionError, check_mask
+
+SCHEMA_VERSION = 1
+TOKEN_WEIGHT = "area(token box & mask) / area(token box), in original-image pixels"
+DLA_CONVENTION = (
+    "frozen-scale DLA (source_contributions.dla_frozen) summed over blocks, heads and region tokens, "
+    "each token weighted by its overlap fraction"
+)
+
+Progress = Callable[[int, int, str], None] | None
+Cancel = Callable[[], bool] | None
+
+
+# ---------------------------------------------------------------- answer numbers
+
+
+@dataclass
+class AnswerNumbers:
+    """The answer position's numbers on one image (the "counterfactual" JSON of docs/ARCHITECTURE.md)."""
+
+    answer: str
+    answer_id: int
+    foil: str | None
+    foil_id: int | None
+    logit: float
+    logit_diff: float | None  # answer logit minus foil logit (None without a foil)
+    prob: float
+    predicted: str
+    predicted_id: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class AnswerEffect:
+    """Edited minus original. ``flipped``: the argmax token changed."""
+
+    logit_change: float
+    logit_diff_change: float | None
+    prob_change: float
+    flipped: bool
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @property
+    def drop(self) -> float:
+        """The decrease of the target score (logit difference with a foil, else the
+        answer logit): positive when the edit hurt the answer."""
+        return -(self.logit_diff_change if self.logit_diff_change is not None else self.logit_change)
+
+
+def answer_numbers(adapter, logits: torch.Tensor, answer_id: int, foil_id: int | None) -> AnswerNumbers:
+    """Numbers from the answer position's logits ``(vocab,)`` (float64 arithmetic)."""
+    z = logits.detach().double().cpu()
+    probs = z.softmax(-1)
+    pred = int(z.argmax())
+    return AnswerNumbers(
+        adapter.token_str(answer_id),
+        int(answer_id),
+        adapter.token_str(foil_id) if foil_id is not None else None,
+        int(foil_id) if foil_id is not None else None,
+        float(z[answer_id]),
+        float(z[answer_id] - z[foil_id]) if foil_id is not None else None,
+        float(probs[answer_id]),
+        adapter.token_str(pred),
+        pred,
+    )
+
+
+def answer_effect(original: AnswerNumbers, edited: AnswerNumbers) -> AnswerEffect:
+    return AnswerEffect(
+        edited.logit - original.logit,
+        edited.logit_diff - original.logit_diff if original.logit_diff is not None else None,
+        edited.prob - original.prob,
+        edited.predicted_id != original.predicted_id,
+    )
+
+
+def resolve_tokens(adapter, answer: str | int | None, foil: str | int | None, logits: torch.Tensor):
+    """Answer id (default: the model's top token on ``logits (vocab,)``) and foil id (or None)."""
+    answer_id = int(logits.argmax()) if answer is None else _tok(adapter, answer)
+    foil_id = None if foil is None else _tok(adapter, foil)
+    if foil_id is not None and foil_id == answer_id:
+        raise QuestionError("the foil must differ from the answer")
+    return answer_id, foil_id
+
+
+def _tok(adapter, t: str | int) -> int:
+    return int(t) if isinstance(t, (int, np.integer)) else adapter.token_id(t)
+
+
+@torch.no_grad()
+def answer_logits(
+    loaded, images: Sequence, question: str, *, batch_size: int = 16, progress: Progress = None, cancel: Cancel = None
+) -> torch.Tensor:
+    """Answer-position logits ``(n_images, vocab)`` of ``question`` on each image,
+    through ``adapter.prepare`` + ``adapter.next_token_logits``, ``batch_size`` at a time."""
+    adapter = loaded.adapter
+    out = []
+    for start in range(0, len(images), batch_size):
+        if cancel is not None and cancel():
+            break
+        chunk = list(images[start : start + batch_size])
+        with oom_guard(f"running a batch of {len(chunk)} edited images"):
+            inputs = adapter.prepare(chunk, [question] * len(chunk))
+            out.append(adapter.next_token_logits(inputs).detach().cpu())
+        if progress is not None:
+            progress(min(start + batch_size, len(images)), len(images), "edited forwards")
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+# ---------------------------------------------------------------- routing
+
+
+def overlap_weights(tokens, mask) -> np.ndarray:
+    """``(n_tokens,)``: for each visual token, ``area(box & mask) / area(box)``
+    with the box in original-image pixels (fractional boxes handled exactly:
+    each mask pixel is the unit square it covers). Tokens without a patch
+    (``col < 0``) weigh 0. A box reaching past the image counts its outside
+    part as not in the region."""
+    m = np.asarray(mask, dtype=np.float64)
+    h, w = m.shape
+    out = np.zeros(len(tokens))
+    xs, ys = np.arange(w, dtype=np.float64), np.arange(h, dtype=np.float64)
+    for i, t in enumerate(tokens):
+        if t.col < 0:
+            continue
+        x0, y0, x1, y1 = (float(v) for v in t.box)
+        area = (x1 - x0) * (y1 - y0)
+        if area <= 0:
+            continue
+        xa, xb = max(0, int(math.floor(x0))), min(w, int(math.ceil(x1)))
+        ya, yb = max(0, int(math.floor(y0))), min(h, int(math.ceil(y1)))
+        if xb <= xa or yb <= ya:
+            continue
+        # each pixel's overlap with the box along x and y (1 inside, a fraction on a fractional edge)
+        wx = np.clip(np.minimum(xs[xa:xb] + 1, x1) - np.maximum(xs[xa:xb], x0), 0, None)
+        wy = np.clip(np.minimum(ys[ya:yb] + 1, y1) - np.maximum(ys[ya:yb], y0), 0, None)
+        out[i] = float(wy @ m[ya:yb, xa:xb] @ wx) / area
+    return out
+
+
+@dataclass
+class TokenRouting:
+    """Per-visual-token routing read-outs of the answer position from one
+    capture of the original image; a region's numbers are weighted sums.
+
+    Attributes:
+        tokens: the :class:`core.geometry.VisualToken` list.
+        heads: ``[(block, block_name, head)]`` rows of ``attention``.
+        attention: ``(n_heads_with_visual_keys, n_tokens)`` the answer row's
+            weight on each visual token.
+        rollout: ``(n_tokens,)`` rollout mass of the answer position on each
+            visual token (None when the prompt was too long for full patterns).
+        dla: ``(n_blocks, n_tokens)`` frozen-scale DLA through each visual
+            token, summed over the block's heads (rows of blocks without
+            visual keys are 0).
+    """
+
+    tokens: list
+    heads: list[tuple[int, str, int]]
+    attention: np.ndarray
+    rollout: np.ndarray | None
+    dla: np.ndarray
+    rollout_alpha: float
+    answer_id: int
+    foil_id: int | None
+    position: int
+    audit: list[AuditRecord] = field(default_factory=list, repr=False)
+
+    def for_region(self, mask) -> RegionRouting:
+        w = overlap_weights(self.tokens, mask)
+        mass = self.attention @ w
+        return RegionRouting(
+            [{"layer": b, "block": name, "head": h, "mass": float(v)} for (b, name, h), v in zip(self.heads, mass)],
+            float(self.rollout @ w) if self.rollout is not None else None,
+            float(self.dla.sum(0) @ w),
+            [{"block": b, "dla": float(v)} for b, v in enumerate(self.dla @ w) if self.dla[b].any()],
+            [{"index": int(i), "weight": float(w[i])} for i in np.nonzero(w)[0]],
+            self.rollout_alpha,
+        )
+
+
+@dataclass
+class RegionRouting:
+    """Routing read-outs for one region (what attention shows; not the effect).
+
+    Attributes:
+        attention_mass: per head with visual keys, ``{"layer", "block", "head", "mass"}``:
+            ``sum_t A[answer, t] * weight_t`` over the visual tokens.
+        rollout_mass: ``sum_t R[answer, t] * weight_t`` (None: no full patterns).
+        dla_through_region: frozen-scale DLA through the region's tokens
+            (:data:`DLA_CONVENTION`).
+        dla_by_block: the same per block (blocks with visual keys).
+        token_weights: ``{"index", "weight"}`` of every token the region touches.
+    """
+
+    attention_mass: list[dict]
+    rollout_mass: float | None
+    dla_through_region: float
+    dla_by_block: list[dict]
+    token_weights: list[dict]
+    rollout_alpha: float
+
+    @property
+    def mean_attention_mass(self) -> float:
+        """The region's attention mass averaged over every head with visual keys."""
+        return float(np.mean([r["mass"] for r in self.attention_mass])) if self.attention_mass else float("nan")
+
+    def to_dict(self) -> dict:
+        return {
+            "attention_mass": self.attention_mass,
+            "rollout_mass": self.rollout_mass,
+            "rollout_alpha": self.rollout_alpha,
+            "dla_through_region": self.dla_through_region,
+            "dla_convention": DLA_CONVENTION,
+            "dla_by_block": self.dla_by_block,
+            "token_weight": TOKEN_WEIGHT,
+            "token_weights": self.token_weights,
+        }
+
+
+@torch.no_grad()
+def token_routing(
+    loaded,
+    image,
+    question: str,
+    answer_id: int,
+    foil_id: int | None = None,
+    *,
+    rollout_alpha: float = 0.5,
+    inputs=None,
+) -> TokenRouting:
+    """One capture of the ORIGINAL image: the answer row at every block (the
+    full pattern, for rollout, when the prompt has at most
+    ``core.methods.patterns.FULL_PATTERN_LIMIT`` tokens), then per visual token its
+    attention weight per head, rollout mass and frozen-scale DLA."""
+    from core.capture import capture
+    from core.images import load_image
+    from core.methods.contributions import source_contributions
+    from core.methods.patterns import FULL_PATTERN_LIMIT, rollout, rollout_audit
+
+    adapter = loaded.adapter
+    img = load_image(image)
+    if inputs is None:
+        inputs = adapter.prepare([img], [question])
+    n = inputs.input_ids.shape[1]
+    full = n <= FULL_PATTERN_LIMIT
+    pos = int(inputs.answer_positions[0])
+    trace = capture(loaded, img, question, query_positions=range(n) if full else [pos], inputs=inputs)
+    qi = pos if full else 0
+    tokens = adapter.visual_tokens(img.size, trace.visual_positions[0].tolist())
+    vis_pos = trace.visual_positions[0]
+    heads, rows = [], []
+    for block in range(trace.n_blocks):
+        pat = trace.patterns[block][0, :, qi].double().cpu()  # (heads, keys)
+        if trace.block_kinds[block] == "cross":
+            vis = pat[:, : len(tokens)]
+        elif vis_pos.numel():
+            vis = pat[:, vis_pos.cpu()]
+        else:  # a text-only block (CoCa's text tower): no visual key
+            continue
+        for h in range(vis.shape[0]):
+            heads.append((block, trace.block_names[block], h))
+            rows.append(vis[h].numpy())
+    attention = np.stack(rows) if rows else np.zeros((0, len(tokens)))
+    roll = None
+    audits = []
+    if full:
+        r = rollout(trace, rollout_alpha)[pos].double().cpu()
+        vis_nodes = vis_pos.cpu() if vis_pos.numel() else torch.arange(n, r.shape[0])
+        roll = r[vis_nodes].numpy()
+    sc = source_contributions(adapter, trace, answer_id, foil_id, position=pos)
+    dla = np.zeros((trace.n_blocks, len(tokens)))
+    for block, d in enumerate(sc.dla_frozen):
+        d = d.double().cpu().sum(0)  # (sources,) summed over heads
+        if trace.block_kinds[block] == "cross":
+            dla[block] = d[: len(tokens)].numpy()
+        elif vis_pos.numel():
+            dla[block] = d[vis_pos.cpu()].numpy()
+    audits.append(
+        AuditRecord.for_method(
+            "pattern analysis",
+            controls=[
+                "answer row of one capture of the original image",
+                f"token weight = {TOKEN_WEIGHT}",
+                "sink / text mass excluded (visual keys only)",
+                "patch-granular",
+            ],
+            parameters={"position": pos, "n_heads": len(heads), "n_visual_tokens": len(tokens)},
+            notes=["attention on the region shows routing co-occurrence only; compare with the answer effect"],
+        )
+    )
+    if full:
+        audits.append(rollout_audit(rollout_alpha, "mean"))
+    audits.append(sc.audit)
+    audits[-1].notes.append(
+        "DLA through region tokens reads the direct write from those tokens' residuals (self-attention: "
+        "positions that earlier layers already mixed) or the vision tower's outputs (cross-attention: "
+        "already mixed across patches by the vision tower); it is not the region's pixel information"
+    )
+    return TokenRouting(tokens, heads, attention, roll, dla, rollout_alpha, answer_id, foil_id, pos, audits)
+
+
+# ---------------------------------------------------------------- one region
+
+
+def counterfactual_audit(fill: Fill, parameters: dict, notes: Sequence[str] = ()) -> AuditRecord:
+    return AuditRecord.for_method(
+        "region counterfactual",
+        controls=[
+            f"fill: {fill.kind}",
+            "edited image through the model's own processor",
+            "pixels outside the region bit-identical",
+            "original and edited numbers reported side by side",
+        ],
+        parameters={"fill": fill.kind, **fill.parameters(), **parameters},
+        notes=[
+            "a fill is itself new evidence (a mean patch, a blur, an inpainted surface): the effect is of "
+            "this replacement, not of 'the object being absent'; compare fills and a matched-area control region",
+            *notes,
+        ],
+    )
+
+
+@dataclass
+class RegionCounterfactual:
+    """One region, one fill: the answer effect with the routing read-outs beside it."""
+
+    fill: Fill
+    mask_area_px: int
+    original: AnswerNumbers
+    edited: AnswerNumbers
+    effect: AnswerEffect
+    routing: RegionRouting | None
+    audit: list[AuditRecord] = field(default_factory=list, repr=False)
+    edited_image: np.ndarray | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        """The ``counterfactual`` JSON of docs/ARCHITECTURE.md (schema version 1)."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "fill": self.fill.kind,
+            "fill_parameters": self.fill.parameters(),
+            "mask_area_px": self.mask_area_px,
+            "original": self.original.to_dict(),
+            "edited": self.edited.to_dict(),
+            "effect": self.effect.to_dict(),
+            "routing": self.routing.to_dict() if self.routing is not None else None,
+            "audit": [a.to_dict() for a in self.audit],
+        }
+
+
+@torch.no_grad()
+def region_counterfactual(
+    loaded,
+    image,
+    question: str,
+    mask,
+    fill: Fill | str = "mean",
+    *,
+    answer: str | int | None = None,
+    foil: str | int | None = None,
+    routing: bool = True,
+    rollout_alpha: float = 0.5,
+    **fill_options,
+) -> RegionCounterfactual:
+    """Fill ``mask`` ``(H, W)`` bool (original-image pixels) and re-run the model.
+
+    Args:
+        answer: the answer token (default: the model's top token on the original).
+        foil: a competing token; the logit difference is answer minus foil.
+        routing: also read the routing for the region from one capture of the original.
+        fill_options: ``color``, ``radius``, ``seed``, ``paste_from`` (see :class:`Fill`).
+    """
+    from core.images import load_image
+
+    adapter = loaded.adapter
+    img = load_image(image)
+    m = check_mask(mask, img.size)
+    f = as_fill(fill, **fill_options)
+    edited_img = f.apply(img, m)
+    logits = answer_logits(loaded, [img, edited_img], question, batch_size=2)
+    answer_id, foil_id = resolve_tokens(adapter, answer, foil, logits[0])
+    original = answer_numbers(adapter, logits[0], answer_id, foil_id)
+    edited = answer_numbers(adapter, logits[1], answer_id, foil_id)
+    audits = [
+        counterfactual_audit(
+            f,
+            {"mask_area_px": int(m.sum()), "answer_id": answer_id, "foil_id": foil_id},
+            ["original and edited run in one batch of two"],
+        )
+    ]
+    reg = None
+    if routing:
+        tr = token_routing(loaded, img, question, answer_id, foil_id, rollout_alpha=rollout_alpha)
+        reg = tr.for_region(m)
+        audits += tr.audit
+    return RegionCounterfactual(
+        f, int(m.sum()), original, edited, answer_effect(original, edited), reg, audits, edited_img
+    )
+
+
+# ---------------------------------------------------------------- many regions: does attention predict the effect?
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks 0..n-1 with ties averaged."""
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x), dtype=np.float64)
+    for v in np.unique(x):
+        tie = x == v
+        if tie.sum() > 1:
+            ranks[tie] = ranks[tie].mean()
+    return ranks
+
+
+def pearson(x, y) -> float | None:
+    """Pearson correlation; None with fewer than 3 points or a constant input."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if len(x) < 3 or x.std() == 0 or y.std() == 0:
+        return None
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def spearman(x, y) -> float | None:
+    """Spearman rank correlation (Pearson of tie-averaged ranks)."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if len(x) < 3:
+        return None
+    return pearson(_ranks(x), _ranks(y))
+
+
+@dataclass
+class RegionRow:
+    name: str
+    mask_area_px: int
+    attention_mass: float  # mean over heads with visual keys
+    max_head_mass: float
+    rollout_mass: float | None
+    dla_through_region: float
+    effect: AnswerEffect
+    drop: float  # original minus edited target score (positive: the edit hurt the answer)
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["effect"] = self.effect.to_dict()
+        return d
+
+
+@dataclass
+class RegionAgreement:
+    """Across the regions of one image: do the routing read-outs rank the
+    regions as the causal drop does?
+
+    Attributes:
+        correlations: ``{readout: {"spearman", "pearson"}}`` of each read-out
+            (attention_mass, rollout_mass, dla_through_region) against ``drop``.
+        disagreements: the regions whose attention rank and drop rank differ
+            most (``rank_gap``: attention rank minus drop rank, as a share of n - 1).
+    """
+
+    original: AnswerNumbers
+    fill: Fill
+    rows: list[RegionRow]
+    correlations: dict[str, dict[str, float | None]]
+    disagreements: list[dict]
+    audit: list[AuditRecord] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "fill": self.fill.kind,
+            "fill_parameters": self.fill.parameters(),
+            "original": self.original.to_dict(),
+            "drop": "original minus edited logit difference (answer logit without a foil); positive = hurt",
+            "regions": [r.to_dict() for r in self.rows],
+            "correlations": self.correlations,
+            "correlation_reading": "each read-out against drop across these regions: positive = more routing "
+            "on a region goes with a larger causal drop (they agree); near 0 or negative = they disagree",
+            "disagreements": self.disagreements,
+            "audit": [a.to_dict() for a in self.audit],
+        }
+
+
+@torch.no_grad()
+def region_agreement(
+    loaded,
+    image,
+    question: str,
+    regions: Mapping[str, Any] | Sequence,
+    fill: Fill | str = "mean",
+    *,
+    answer: str | int | None = None,
+    foil: str | int | None = None,
+    batch_size: int = 16,
+    n_disagreements: int = 3,
+    rollout_alpha: float = 0.5,
+    progress: Progress = None,
+    cancel: Cancel = None,
+    **fill_options,
+) -> RegionAgreement:
+    """Fill each region in turn (batched) and set each region's routing
+    read-outs (one capture of the original) against its causal drop.
+
+    Args:
+        regions: ``{name: mask}`` or a list of masks (named "0", "1", ...),
+            each ``(H, W)`` bool on the original image.
+    """
+    from core.images import load_image
+
+    adapter = loaded.adapter
+    img = load_image(image)
+    named = list(regions.items()) if isinstance(regions, Mapping) else [(str(i), r) for i, r in enumerate(regions)]
+    if not named:
+        raise RegionError("no regions given")
+    masks = [(name, check_mask(m, img.size)) for name, m in named]
+    f = as_fill(fill, **fill_options)
+    fill_one = f.bind(img)
+    base = answer_logits(loaded, [img], question)[0]
+    answer_id, foil_id = resolve_tokens(adapter, answer, foil, base)
+    original = answer_numbers(adapter, base, answer_id, foil_id)
+    routing = token_routing(loaded, img, question, answer_id, foil_id, rollout_alpha=rollout_alpha)
+    rows: list[RegionRow] = []
+    for start in range(0, len(masks), batch_size):
+        if cancel is not None and cancel():
+            break
+        chunk = masks[start : start + batch_size]
+        edited = [fill_one(m) for _, m in chunk]
+        logits = answer_logits(loaded, edited, question, batch_size=batch_size)
+        for (name, m), z in zip(chunk, logits):
+            eff = answer_effect(original, answer_numbers(adapter, z, answer_id, foil_id))
+            r = routing.for_region(m)
+            rows.append(
+                RegionRow(
+                    name,
+                    int(m.sum()),
+                    r.mean_attention_mass,
+                    max((x["mass"] for x in r.attention_mass), default=float("nan")),
+                    r.rollout_mass,
+                    r.dla_through_region,
+                    eff,
+                    eff.drop,
+                )
+            )
+        if progress is not None:
+            progress(len(rows), len(masks), "region counterfactuals")
+    drop = np.array([r.drop for r in rows])
+    corr = {}
+    for key in ("attention_mass", "rollout_mass", "dla_through_region"):
+        vals = [getattr(r, key) for r in rows]
+        if any(v is None for v in vals):
+            corr[key] = {"spearman": None, "pearson": None}
+            continue
+        corr[key] = {"spearman": spearman(vals, drop), "pearson": pearson(vals, drop)}
+    disagreements = []
+    if len(rows) >= 2:
+        scale = len(rows) - 1
+        gap = (_ranks(np.array([r.attention_mass for r in rows])) - _ranks(drop)) / scale
+        for i in np.argsort(-np.abs(gap), kind="mergesort")[:n_disagreements]:
+            disagreements.append(
+                {
+                    "name": rows[i].name,
+                    "rank_gap": float(gap[i]),
+                    "attention_mass": rows[i].attention_mass,
+                    "drop": rows[i].drop,
+                    "reading": "attention ranks it higher than its effect"
+                    if gap[i] > 0
+                    else "its effect ranks higher than its attention",
+                }
+            )
+    audits = [
+        counterfactual_audit(
+            f,
+            {"n_regions": len(rows), "answer_id": answer_id, "foil_id": foil_id, "batch_size": batch_size},
+            [
+                "correlations are across the regions of one image and one question; a high correlation here "
+                "does not make attention a causal map elsewhere",
+            ],
+        ),
+        *routing.audit,
+    ]
+    return RegionAgreement(original, f, rows, corr, disagreements, audits)

@@ -1,0 +1,148 @@
+"""Functional labels and the validation chain (docs/METHODS.md §4.5, §4.11).
+
+A functional label ("moves the asked colour from the target object to the
+answer position") is a behaviour summary measured on a distribution, never an
+architectural type. So a :class:`Label` is always stored with its
+:class:`InputCondition` (dataset, split, templates, kinds, filters, n, seeds)
+and refuses to exist without one.
+
+The evidence for a label is a :class:`ValidationChain`: the seven steps of
+4.11 as a checklist per candidate head or route, each step with its measured
+evidence (numbers, n, the held-out split), its status (``pass`` / ``fail`` /
+``not-run``) and the baselines it was compared with (a matched random head,
+the other heads of the same layer, entropy-matched heads, position
+baselines). :meth:`ValidationChain.status` turns the checklist into one of
+:data:`CHAIN_STATUSES` with the reason:
+
+* steps 1-4 pass -> ``mechanism candidate`` (observation only);
+* and step 5 passes -> ``candidate with intervention``;
+* and steps 6 and 7 pass -> ``supported``. Nothing less is shown as supported.
+
+The steps are defined for the synthetic shape scenes (:mod:`core.zoo.scenes`),
+whose ground-truth object masks make each step checkable: candidates are heads
+that move the asked attribute (colour or shape) from the target object to the
+answer position, found on one split (``val``) and tested on another
+(``heldout``). Conventions: the target ``S`` is the answer-minus-foil logit
+difference at the answer position; DLA is the frozen-final-norm-scale DLA of
+:mod:`core.methods.contributions`; ablations edit the head's ``z`` at the
+answer position only (the write the claim is about), through
+:class:`core.edits.Edit`.
+
+A subject is a head (:class:`HeadRef`) or a route (:class:`RouteRef`: several
+heads of one block taken together, for a function the heads of a block share):
+every step runs on either; :func:`find_routes` proposes the routes worth
+testing, and a route's baselines are routes of the same size
+(:class:`BaselinePlan`).
+
+The package, lowest first: :mod:`.chain` (the chain model), :mod:`.stats`,
+:mod:`.setting` (pass rules, relation, subjects), :mod:`.observations`,
+:mod:`.context` (:class:`ChainContext`, baselines), :mod:`.steps` (the seven
+steps, :func:`run_chain`) and :mod:`.candidates`. What draws the scenes
+(:func:`scene_samples`, :func:`swap_attribute`, :func:`attribute_context`)
+lives beside them in :mod:`core.zoo.label_scenes`: core.methods does not
+import the zoo.
+"""
+
+from core.methods.labels.candidates import find_candidates, find_routes
+from core.methods.labels.chain import (
+    BASELINE_KINDS,
+    CHAIN_STATUSES,
+    SCHEMA_VERSION,
+    STEP_STATUSES,
+    STEP_TITLES,
+    Baseline,
+    ChainStatus,
+    ChainStep,
+    InputCondition,
+    Label,
+    LabelError,
+    ValidationChain,
+)
+from core.methods.labels.context import BaselinePlan, ChainContext
+from core.methods.labels.observations import (
+    ChainCancelled,
+    HeadObservations,
+    RunNumbers,
+    SwapObservations,
+    head_edit,
+    mean_ablation_value,
+    observe_heads,
+    observe_swaps,
+    run_edited,
+)
+from core.methods.labels.setting import (
+    ATTRIBUTE_TEMPLATES,
+    CRITERIA,
+    FOLLOW_RATE_MIN,
+    HIT_RATIO_MIN,
+    HIT_Z_MIN,
+    PREDICT_R_MIN,
+    REGION_MIN_COVER,
+    RELATION,
+    SIDE_KINDS,
+    HeadRef,
+    RouteRef,
+    Subject,
+    visual_heads,
+)
+from core.methods.labels.steps import (
+    STEP_FUNCTIONS,
+    run_chain,
+    step1_pattern,
+    step2_content,
+    step3_prediction,
+    step4_swap,
+    step5_ablation,
+    step6_baselines,
+    step7_side_effects,
+)
+
+__all__ = [
+    "ATTRIBUTE_TEMPLATES",
+    "BASELINE_KINDS",
+    "CHAIN_STATUSES",
+    "CRITERIA",
+    "FOLLOW_RATE_MIN",
+    "HIT_RATIO_MIN",
+    "HIT_Z_MIN",
+    "PREDICT_R_MIN",
+    "REGION_MIN_COVER",
+    "RELATION",
+    "SCHEMA_VERSION",
+    "SIDE_KINDS",
+    "STEP_FUNCTIONS",
+    "STEP_STATUSES",
+    "STEP_TITLES",
+    "Baseline",
+    "BaselinePlan",
+    "ChainCancelled",
+    "ChainContext",
+    "ChainStatus",
+    "ChainStep",
+    "HeadObservations",
+    "HeadRef",
+    "InputCondition",
+    "Label",
+    "LabelError",
+    "RouteRef",
+    "RunNumbers",
+    "Subject",
+    "SwapObservations",
+    "ValidationChain",
+    "find_candidates",
+    "find_routes",
+    "head_edit",
+    "mean_ablation_value",
+    "observe_heads",
+    "observe_swaps",
+    "run_chain",
+    "run_edited",
+    "step1_pattern",
+    "step2_content",
+    "step3_prediction",
+    "step4_swap",
+    "step5_ablation",
+    "step6_baselines",
+    "step7_side_effects",
+    "visual_heads",
+]

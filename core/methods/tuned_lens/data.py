@@ -1,0 +1,116 @@
+"""What the tuned lens trains and evaluates on: the token positions
+(:func:`position_mask`), the batches and the pairs corpus (:class:`PairsCorpus`,
+:func:`read_pairs`; the synthetic-scene corpus is
+:class:`core.zoo.lens_corpus.SyntheticCorpus`) and the frozen forward over a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.methods.tuned_lens.lens import POSITION_SETS, LensError
+
+
+def position_mask(adapter, trace, positions: str) -> torch.Tensor:
+    """``(batch, pos)`` bool: the tokens of ``positions`` (see :class:`LensConfig`);
+    padding is never selected. Cross-attention models have no visual tokens
+    in the stream, so "visual" selects nothing there."""
+    if positions not in POSITION_SETS:
+        raise LensError(f"unknown positions {positions!r}; expected one of {', '.join(POSITION_SETS)}")
+    b, p = trace.input_ids.shape
+    mask = torch.zeros(b, p, dtype=torch.bool)
+    if positions == "answer":
+        mask[torch.arange(b), trace.answer_positions.cpu()] = True
+        return mask
+    for row in range(b):
+        roles = adapter.token_roles(trace, row)
+        for i, r in enumerate(roles):
+            if r == "padding":
+                continue
+            if positions == "all" or (positions == "visual") == (r == "visual"):
+                mask[row, i] = True
+    return mask
+
+
+@dataclass
+class Batch:
+    """Images, questions and (optional) answers of one step."""
+
+    images: list
+    questions: list[str]
+    answers: list[str | None]
+
+
+class PairsCorpus:
+    """A list of ``{"image_path", "question"[, "answer"]}`` pairs (e.g. from
+    :func:`read_pairs`), cycled in a seeded order that is reshuffled every
+    epoch (deterministic per step, so resume sees the same data)."""
+
+    def __init__(self, pairs: Sequence[dict], *, seed: int = 0, source: str = ""):
+        if not pairs:
+            raise LensError("the corpus has no pairs")
+        self.pairs, self.seed, self.source = list(pairs), seed, source
+        self._taken: dict[int, Batch] = {}  # take() loads each image once (a CLI checks them before the model loads)
+
+    def _order(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+        return torch.randperm(len(self.pairs), generator=g).tolist()
+
+    def batch(self, step: int, batch_size: int) -> Batch:
+        from core.pairs import load_pair_image
+
+        n = len(self.pairs)
+        out, orders = [], {}
+        for k in range(step * batch_size, (step + 1) * batch_size):
+            epoch, i = divmod(k, n)
+            if epoch not in orders:  # one shuffle per epoch the batch touches, not one per item
+                orders[epoch] = self._order(epoch)
+            out.append(self.pairs[orders[epoch][i]])
+        return Batch([load_pair_image(p) for p in out], [p["question"] for p in out], [p.get("answer") for p in out])
+
+    def take(self, n: int | None = None) -> Batch:
+        from core.pairs import load_pair_image
+
+        ps = self.pairs[:n] if n else self.pairs
+        if len(ps) not in self._taken:
+            self._taken[len(ps)] = Batch(
+                [load_pair_image(p) for p in ps], [p["question"] for p in ps], [p.get("answer") for p in ps]
+            )
+        return self._taken[len(ps)]
+
+    def describe(self) -> dict:
+        return {"source": self.source or "image-question pairs", "n_pairs": len(self.pairs), "order": "seeded shuffle"}
+
+
+def read_pairs(path: Path) -> list[dict]:
+    """Pairs from a JSONL file (as ``vlm-readout answer --pairs``: one
+    ``{"image", "question"[, "answer"]}`` per line, image paths relative to the
+    file) or from a folder (every ``*.jsonl`` in it, sorted)."""
+    from core.pairs import read_pairs as read_jsonl
+
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.jsonl"))
+        if not files:
+            raise LensError(f"{path}: no *.jsonl pairs files in this folder")
+    else:
+        files = [path]
+    pairs = []
+    for f in files:
+        pairs += read_jsonl(f)
+    return pairs
+
+
+def _captured(loaded, batch: Batch):
+    """One frozen, no-grad forward over the batch (no attention patterns kept): a Trace."""
+    from core.capture import capture
+
+    adapter = loaded.adapter
+    with torch.no_grad():
+        inputs = adapter.prepare(batch.images, batch.questions)
+        trace = capture(loaded, None, "", inputs=inputs, pattern_layers=[])
+    return trace
