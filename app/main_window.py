@@ -102,15 +102,12 @@ def answer_pairs_job(
 def readout_job(
     model_cache: dict, spec: str, image: Image.Image, question: str, answer: str, foil: str, *, progress, cancel
 ) -> tuple[core.Answer, dict] | None:
-    """Worker job: the answer with its alternatives, then one capture and every
-    text-side read-out (:func:`core.analyze.analyze`)."""
+    """Worker job: one capture and every text-side read-out
+    (:func:`core.analyze.analyze`); the answer with its alternatives is read
+    from that same forward (``target.top``), not from a second one."""
     from core.analyze import analyze
 
     loaded = _cached_model(model_cache, spec, progress)
-    if cancel.is_set():
-        return None
-    progress(0, 5, "answering…")
-    result = core.answer(loaded, image, question)
     if cancel.is_set():
         return None
     analysis = analyze(
@@ -120,9 +117,11 @@ def readout_job(
         answer=answer or None,
         foil=foil or None,
         tuned=_model_lens(loaded),
-        progress=lambda done, total, message: progress(done + 1, total + 1, message),
+        progress=progress,
     )
-    return result, analysis
+    target = analysis["target"]
+    top = [(str(t), float(p)) for t, p in target["top"]]
+    return core.Answer(top[0][0], int(target["predicted_id"]), top[0][1], top), analysis
 
 
 _LENSES: dict[tuple, object] = {}  # (lens folder, weights fingerprint, file times) -> TunedLens or None

@@ -2,9 +2,8 @@
 
 The engine never imports Qt. Public names: :func:`load_model`,
 :func:`load_image`, :func:`answer`, :func:`answer_batch`, :func:`capture`
-(``core.capture`` is both the module and, called, its :func:`capture`
-function; the module's other names are imported ``from core.capture import
-Trace``).
+(``core.answer`` and ``core.capture`` are both the module and, called, its
+function of that name: see core/lazy.py).
 
 Names that need torch are imported when first used, so that a command whose
 arguments are refused, or ``--help``, answers without importing torch (about
@@ -42,8 +41,9 @@ def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'core' has no attribute {name!r}")
     module = importlib.import_module(_LAZY[name])
-    # ``core.capture`` stays the (callable) module: importing it bound the package attribute to it
-    value = module if name == "capture" else getattr(module, name)
+    # ``core.answer`` and ``core.capture`` stay their (callable) modules: importing a
+    # submodule binds the package attribute to it (core/lazy.py)
+    value = module if name in ("answer", "capture") else getattr(module, name)
     globals()[name] = value
     return value
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from core.answer import answer_from_logits
 from core.capture import capture
 from core.errors import QuestionError
 from core.images import image_sha256, load_image
@@ -25,6 +26,8 @@ SCHEMA_VERSION = 1
 # Text tokens in the text-text patterns (those nearest the answer): bounds the JSON,
 # which holds blocks x heads x TEXT_PATTERN_LIMIT^2 weights at most.
 TEXT_PATTERN_LIMIT = 48
+# Alternatives listed in ``target.top`` (as many as core.answer lists by default).
+TOP_K = 5
 
 
 def analyze(
@@ -127,6 +130,9 @@ def analyze(
             "logit_diff": float(logits[answer_id] - logits[foil_id]) if foil_id is not None else None,
             "prob": float(probs[answer_id]),
             "predicted": adapter.token_str(predicted),
+            "predicted_id": predicted,
+            # the model's answer and alternatives at this position: what core.answer gives, from this forward
+            "top": [[t, p] for t, p in answer_from_logits(adapter, logits, TOP_K).top],
         },
         "residual_decomposition": {
             "reconstruction_max_abs_err": residual.reconstruction_max_abs_err,

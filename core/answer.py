@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from core.errors import QuestionError, oom_guard
+from core.lazy import make_module_callable
 from core.models.adapter import check_pairs
 
 
@@ -30,6 +31,8 @@ class Answer:
 
 
 def _to_answers(adapter, logits: torch.Tensor, top_k: int) -> list[Answer]:
+    """One :class:`Answer` per row of ``logits`` ``(batch, vocab)``: the
+    softmax's top ``top_k`` tokens, the first being the answer."""
     probs = torch.softmax(logits.float(), dim=-1)
     values, indices = probs.topk(min(top_k, probs.shape[-1]), dim=-1)
     out = []
@@ -37,6 +40,12 @@ def _to_answers(adapter, logits: torch.Tensor, top_k: int) -> list[Answer]:
         top = [(adapter.token_str(i), float(p)) for i, p in zip(ix, v)]
         out.append(Answer(top[0][0], int(ix[0]), float(v[0]), top))
     return out
+
+
+def answer_from_logits(adapter, logits: torch.Tensor, top_k: int = 5) -> Answer:
+    """The :class:`Answer` a ``(vocab,)`` row of next-token logits gives (what
+    :func:`answer` returns for the forward those logits came from)."""
+    return _to_answers(adapter, logits[None], top_k)[0]
 
 
 @torch.no_grad()
@@ -95,3 +104,6 @@ def answer_batch(
 def answer(loaded, image, question: str, *, top_k: int = 5, raw_prompt: bool = False) -> Answer:
     """Answer one question about one image (``raw_prompt``: see :func:`answer_batch`)."""
     return answer_batch(loaded, [image], [question], top_k=top_k, raw_prompt=raw_prompt)[0]
+
+
+make_module_callable(__name__, answer)  # core.answer(...) is the function (core/lazy.py)

@@ -13,7 +13,6 @@ materialised only for the positions a method asks for.
 from __future__ import annotations
 
 import sys
-import types
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.errors import oom_guard
+from core.lazy import make_module_callable
 
 
 @dataclass
@@ -253,13 +253,4 @@ def run_with_hooks(adapter, inputs, trace: Trace, keep: set[int]) -> None:
         trace.logits = adapter.forward_logits(inputs)
 
 
-class _CallableModule(types.ModuleType):
-    """``core.capture(...)`` calls :func:`capture`: the package's public
-    function and this module share the name, and whichever is imported first
-    becomes the package attribute (core/__init__.py loads names lazily)."""
-
-    def __call__(self, *args, **kwargs):
-        return capture(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+make_module_callable(__name__, capture)  # core.capture(...) is the function (core/lazy.py)

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+import core
 from app.samples import bundled_samples
+from tests.app.test_window import run_until_idle
 from tests.tolerances import unit_roundoff
 
 
@@ -174,3 +176,23 @@ def test_the_lens_tab_overlays_the_committed_tuned_lens(qtbot, window):
     assert readers and any(name.startswith("tuned lens") for name in readers)
     assert set(readers) <= set(window.lens_panel.all_readers())
     assert any(a["method"] == "tuned lens" for a in window.analysis["audit"])
+
+
+def test_readout_makes_one_forward_and_its_answer_is_the_models(qtbot, window, monkeypatch):
+    """Read out: the answer and alternatives come from analyze's capture (one
+    forward), and equal what core.answer gives for the same input."""
+    import core.answer as answer_module
+
+    loaded = window.model_cache.get("shapes-llava") or core.load_model("shapes-llava")
+    window.model_cache["shapes-llava"] = loaded
+    expected = core.answer(loaded, window.image, window.question_edit.text())
+    calls = []
+    original = loaded.adapter.forward_logits
+    monkeypatch.setattr(loaded.adapter, "forward_logits", lambda inputs: calls.append(1) or original(inputs))
+    monkeypatch.setattr(answer_module, "answer_batch", lambda *a, **k: pytest.fail("a second forward for the answer"))
+    run_until_idle(qtbot, window, window.run_readout)
+    assert window.error_label.text() == "" and len(calls) == 1
+    shown = window.last_answer
+    assert shown.answer == expected.answer and shown.answer_id == expected.answer_id
+    assert shown.prob == pytest.approx(expected.prob, abs=1e-5)  # eager capture vs the plain forward's attention
+    assert [t for t, _ in shown.top] == [t for t, _ in expected.top]

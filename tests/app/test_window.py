@@ -228,3 +228,4 @@ def test_none_survives_many_windows(qtbot, model_cache, tmp_path):
         for singleton in (None, True, False):  # pinned: PySide6's extra releases cannot reach zero
             assert sys.getrefcount(singleton) > 1 << 39
     assert sys.getrefcount(None) > before - 1_000_000
+

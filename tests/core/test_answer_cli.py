@@ -103,3 +103,24 @@ def test_out_of_memory_is_a_one_line_error(monkeypatch):
     with pytest.raises(OutOfMemoryError, match="out of memory while answering") as e:
         answer(loaded, SAMPLES / "sample_00.png", "what shape is the blue object?")
     assert "\n" not in str(e.value)
+
+
+def test_core_answer_and_capture_stay_callable_whatever_imports_first():
+    """core/__init__ loads names lazily and importing a submodule binds the package
+    attribute to the module: core.answer / core.capture must still be the functions
+    when called, in a fresh process where the submodules are imported first."""
+    import subprocess
+    import sys
+
+    code = (
+        "import core.answer, core.capture, core.analyze\n"
+        "import core\n"
+        "m = core.load_model('shapes-llava')\n"
+        "a = core.answer(m, 'resources/samples/sample_00.png', 'what shape is the blue object?')\n"
+        "t = core.capture(m, 'resources/samples/sample_00.png', 'what shape is the blue object?')\n"
+        "from core.capture import Trace\n"
+        "assert isinstance(t, Trace) and a.answer == 'square', (a, t)\n"
+    )
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
