@@ -26,6 +26,7 @@ from pathlib import Path
 from core.errors import ReadoutError
 from core.pairs import (  # noqa: F401  (re-exported: callers import them from core.cli)
     _json_type,
+    check_pair_image,
     load_pair_image,
     read_jsonl,
     read_pairs,
@@ -175,7 +176,7 @@ def _load(args):
 
 # ---------------------------------------------------------------- JSONL input
 
-# read_jsonl, text_field, read_pairs, load_pair_image: in core.pairs (imported above).
+# read_jsonl, text_field, read_pairs, load_pair_image, check_pair_image: in core.pairs (imported above).
 
 
 # ---------------------------------------------------------------- commands
@@ -202,7 +203,7 @@ def cmd_answer(args) -> int:
     if args.out:
         check_output_file(args.out)  # fail fast, before the images and the model load
     # every file checked before the model loads; each decoded only in its batch (memory stays one batch's)
-    images = [load_pair_image(p, decode=False) for p in pairs]
+    images = [check_pair_image(p) for p in pairs]
     loaded = _load(args)
     from tqdm import tqdm
 

@@ -86,7 +86,6 @@ if TYPE_CHECKING:
     import torch
 
 SCHEMA_VERSION = 1
-FULL_PATTERN_LIMIT = 1024  # as in analyze: longer prompts keep only the answer row (rollout skipped)
 DEFAULT_METHODS = ("answer", "lens", "attention", "dla", "rollout")
 
 
@@ -622,7 +621,7 @@ class RolloutReadout(AuditMethod):
     def run(self, ctx):
         import torch
 
-        from core.methods.patterns import rollout, rollout_audit
+        from core.methods.patterns import FULL_PATTERN_LIMIT, rollout, rollout_audit
 
         alpha = ctx.options.rollout_alpha
         if not ctx.full_patterns:
@@ -669,6 +668,8 @@ class RolloutReadout(AuditMethod):
         return ["head-mean patterns", "answer-position row"]
 
     def parameters(self, options):
+        from core.methods.patterns import FULL_PATTERN_LIMIT  # one limit for analyze and the audit
+
         return {"alpha": options.rollout_alpha, "heads": "mean", "full_pattern_limit": FULL_PATTERN_LIMIT}
 
 
@@ -861,6 +862,7 @@ def _run_batch(loaded, batch: list[_Prepared], methods: list[AuditMethod], optio
     from core.capture import capture
     from core.errors import oom_guard
     from core.geometry import region_tokens
+    from core.methods.patterns import FULL_PATTERN_LIMIT
 
     adapter = loaded.adapter
     inputs = adapter.prepare([p.image for p in batch], [p.item.question for p in batch])

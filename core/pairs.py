@@ -13,6 +13,7 @@ import json
 import os
 import stat
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from core.errors import InputFileError
@@ -143,20 +144,33 @@ def read_pairs(path: Path) -> list[dict]:
     return pairs
 
 
-def load_pair_image(pair: dict, *, decode: bool = True):
-    """The image of one pair of :func:`read_pairs` (``decode=False``: only its
-    header checked, :func:`core.images.check_image_file`, and its path
-    returned); a failure names the pairs file's line
+@contextmanager
+def _naming_the_line(pair: dict):
+    """An ImageLoadError inside names the pairs file's line
     (``pairs.jsonl:3: images/a.png: no such file``)."""
     from core.errors import ImageLoadError
-    from core.images import check_image_file, load_image
 
     try:
-        if not decode:
-            check_image_file(pair["image_path"])
-            return pair["image_path"]
-        return load_image(pair["image_path"])
+        yield
     except ImageLoadError as e:
         if pair.get("where") is None:
             raise
         raise ImageLoadError(f"{pair['where']}: {e}") from None
+
+
+def load_pair_image(pair: dict):
+    """The image of one pair of :func:`read_pairs`, decoded; a failure names the line."""
+    from core.images import load_image
+
+    with _naming_the_line(pair):
+        return load_image(pair["image_path"])
+
+
+def check_pair_image(pair: dict) -> Path:
+    """The image path of one pair after its header's checks
+    (:func:`core.images.check_image_file`, no decoding); a failure names the line."""
+    from core.images import check_image_file
+
+    with _naming_the_line(pair):
+        check_image_file(pair["image_path"])
+    return pair["image_path"]

@@ -294,7 +294,7 @@ def _mask_sha(mask) -> str:
 
 
 def _mask_array(png: bytes):
-    from core.images import load_mask
+    from core.images import load_mask  # imported here: numpy and PIL load only when a mask is read
 
     return load_mask(png)
 
