@@ -295,7 +295,7 @@ def cmd_evaluate(args) -> int:
 # Modules that add their own subcommand: each defines
 # ``add_command(subparsers, add_model_args, load)`` and sets ``func`` on its parser.
 # Importing them (and building their parsers) must not import torch: see LazyChoices.
-_COMMANDS: tuple[str, ...] = ("core.dataset_audit", "core.counterfactual_cli", "core.session_cli", "core.lens_cli")
+_COMMANDS: tuple[str, ...] = ("core.audit_cli", "core.counterfactual_cli", "core.session_cli", "core.lens_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

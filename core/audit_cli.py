@@ -1,0 +1,225 @@
+"""``vlm-readout audit``: the command over :mod:`core.dataset_audit` (its parser,
+its launcher handling, Ctrl-C, ``run.json`` and the session record)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from core.dataset_audit import (
+    DEFAULT_METHODS,
+    METHODS,
+    SCHEMA_VERSION,
+    AuditOptions,
+    _clean,
+    _fmt,
+    _gather,
+    audit_table,
+    dataset_file,
+    dist_env,
+    merge_shards,
+    parse_methods,
+    read_dataset,
+    run_shard,
+    shard_chunks,
+    summarize,
+    write_outputs,
+)
+from core.errors import ReadoutError
+
+# ---------------------------------------------------------------- command
+
+
+def run_params_for(loaded, dataset: Path, methods, args, n_items: int) -> dict:
+    return {
+        "model": loaded.spec,
+        "fingerprint": getattr(loaded, "fingerprint", ""),
+        "family": loaded.adapter.family,
+        "dataset": str(dataset),
+        "n_samples": n_items,
+        "limit": args.limit,
+        "batch_size": args.batch_size,
+        "methods": [m.name for m in methods],
+        "target": "the dataset's answer minus its foil where given; else the model's top token",
+        "query": "answer position",
+    }
+
+
+def cmd_audit(args, load) -> int:
+    import torch
+    from tqdm import tqdm
+
+    started = time.time()
+    from core.atomic import check_output_folder
+
+    methods = parse_methods(args.methods)
+    check_output_folder(args.out)  # fail fast, before the model loads
+    dataset = dataset_file(args.dataset)
+    items = read_dataset(dataset, args.limit)
+    if args.session:
+        from core.session import check_session_file
+
+        check_session_file(args.session)
+    rank, world, local = dist_env()
+    backend = None
+    owned = False  # this call started the process group (and ends it)
+    if world > 1:
+        import torch.distributed as dist
+
+        if args.device == "auto":
+            raise ReadoutError(
+                "--device auto spreads one model over every GPU; with several processes give each its own "
+                "(--device cuda: rank r uses cuda:LOCAL_RANK)"
+            )
+        on_cuda = bool(args.device) and args.device.startswith("cuda")
+        if on_cuda:
+            if not torch.cuda.is_available():
+                raise ReadoutError("--device cuda, but CUDA is not available")
+            args.device = f"cuda:{local}"
+            torch.cuda.set_device(local)
+        backend = "nccl" if on_cuda else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend)
+            owned = True
+    try:
+        loaded = load(args)
+        options = AuditOptions(
+            rollout_alpha=args.rollout_alpha,
+            region_min_cover=args.region_min_cover,
+            dla_top_k=args.dla_top_k,
+            counterfactual_fill=args.fill,
+        )
+        n_mine = sum(len(c) for c in shard_chunks(len(items), args.batch_size, rank, world))
+        bar = tqdm(total=n_mine, desc="audit", file=sys.stderr, disable=args.quiet or rank != 0)
+
+        def progress(done: int, total: int, message: str) -> None:
+            bar.update(done - bar.n)
+
+        with _cancel_on_sigint() as cancelled:
+            shard = run_shard(
+                loaded,
+                items,
+                methods,
+                options,
+                batch_size=args.batch_size,
+                rank=rank,
+                world=world,
+                progress=progress,
+                cancel=cancelled,
+            )
+        bar.close()
+        shards = [shard] if world == 1 else _gather(shard, rank, world)
+        if rank != 0:
+            return 0
+        merged = merge_shards(shards)
+        run_params = run_params_for(loaded, dataset, methods, args, len(items))
+        files = write_outputs(args.out, merged, methods, run_params, options, len(items))
+        _write_run_json(args.out, started, world, backend, args.device, complete=not merged.cancelled, files=files)
+        if args.session:  # one summary run per audit (per-sample numbers stay in samples.jsonl): core/session.py
+            from core.session import record_into
+
+            summary_doc = summarize(merged.records, methods, len(items), merged.cancelled)
+            doc = {"schema_version": SCHEMA_VERSION, "parameters": run_params, **summary_doc, "out": str(args.out)}
+            audits = audit_table(methods, merged.first_audits, run_params, options)
+            record_into(args.session, "audit", _clean(doc), audits=audits, parameters=run_params, model=loaded)
+        s = summarize(merged.records, [], len(items), merged.cancelled)
+        print(
+            f"{s['n_samples']} samples: {s['n_ok']} ok, {s['n_errors']} errors; accuracy {_fmt(s['accuracy'])}; "
+            f"wrote {Path(args.out)}"
+        )
+        if merged.cancelled:
+            print(
+                "error: interrupted; the samples done so far were written (run.json: complete false)", file=sys.stderr
+            )
+            return 130
+        return 0
+    finally:
+        if owned:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+@contextmanager
+def _cancel_on_sigint():
+    """Within the block, the first Ctrl-C asks the run to stop after the
+    current batch (yields the ``cancel()`` callable); a second one interrupts
+    at once. The previous handler comes back on exit."""
+    state = {"stop": False}
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: state["stop"]
+        return
+
+    def handler(signum, frame):
+        if state["stop"]:
+            raise KeyboardInterrupt
+        state["stop"] = True
+        print("\nstopping after this batch (Ctrl-C again to abort)", file=sys.stderr)
+
+    before = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: state["stop"]
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def _write_run_json(out, started, world, backend, device, *, complete: bool, files: list[str]) -> None:
+    import torch
+    import transformers
+
+    from core.atomic import write_text_atomic
+
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        "complete": complete,
+        "world_size": world,
+        "backend": backend,
+        "device": device,
+        "elapsed_s": round(time.time() - started, 3),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "files": files,
+        "note": "the only output that may differ between a one-process and a sharded run",
+    }
+    write_text_atomic(Path(out) / "run.json", json.dumps(doc, indent=1) + "\n")
+
+
+def add_command(subparsers, add_model_args, load) -> None:
+    from core.cli import positive_int, positive_share, probability
+
+    p = subparsers.add_parser(
+        "audit", help="run read-outs over a dataset of image-question pairs; distributions and the audit table"
+    )
+    add_model_args(p)
+    p.add_argument("--dataset", required=True, help="a JSONL of samples, or a folder with dataset.jsonl")
+    p.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help=f"comma-separated read-outs (available: {', '.join(METHODS)})",
+    )
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--limit", type=positive_int, help="only the first N samples")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--rollout-alpha", type=probability, default=0.5, help="rollout: weight of attention vs identity")
+    p.add_argument(
+        "--region-min-cover", type=positive_share, default=0.25, help="token share a region must cover to hit"
+    )
+    p.add_argument("--dla-top-k", type=positive_int, default=10, help="DLA components written per sample")
+    p.add_argument(
+        "--fill",
+        default="mean",
+        choices=["mean", "constant", "blur", "noise", "inpaint"],
+        help="counterfactual: how the target mask is filled",
+    )
+    p.add_argument(
+        "--session",
+        help="also record the run into this session file: one run (kind audit) with the summary and one audit "
+        "row per method; the per-sample rows stay in the output folder",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=lambda a: cmd_audit(a, load))

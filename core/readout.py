@@ -1,0 +1,136 @@
+"""The result vocabulary every method speaks (docs/ARCHITECTURE.md, "Results").
+
+- :class:`Target`: the numbers of the answer position in one forward (answer
+  and foil tokens, logit, logit difference, probability, the model's own
+  prediction). analyze's ``target``, a counterfactual's ``original`` and
+  ``edited``, an intervention's ``clean`` and ``edited`` are all Targets.
+- :class:`Readout`: what a result says about itself, so that a session can
+  store it without guessing from its keys: its run ``kind``, its JSON
+  (``to_dict`` / ``from_dict``), a one-line numeric ``summary()``, the
+  parameters it was called with and its :class:`core.audit.AuditRecord` rows.
+- :func:`jsonable`: the one JSON cleaning (numpy and torch values to Python,
+  non-finite floats to ``None``, as in every JSON the engine writes).
+
+Import-light on purpose (no torch or numpy at import): the session and the CLI
+parser read this module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from core.audit import AuditRecord
+
+
+def jsonable(x):
+    """Strict-JSON-ready copy: numpy / torch values to Python, tuples to lists,
+    non-finite floats to ``None``, objects with ``to_dict`` to their dict."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if x is None or isinstance(x, (str, int, bool)):
+        return x
+    if hasattr(x, "to_dict"):
+        return jsonable(x.to_dict())
+    if hasattr(x, "tolist"):  # numpy arrays and scalars, torch tensors
+        return jsonable(x.tolist())
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
+
+
+@dataclass(frozen=True)
+class Target:
+    """The answer position's numbers in one forward.
+
+    ``logit_diff`` is the answer logit minus the foil logit (``None`` without a
+    foil); ``prob`` the answer's softmax probability; ``predicted`` the argmax
+    token. ``position`` is the sequence position read out (``None`` where a
+    method compares several forwards at their own answer positions).
+    """
+
+    answer: str
+    answer_id: int
+    foil: str | None
+    foil_id: int | None
+    logit: float
+    logit_diff: float | None
+    prob: float
+    predicted: str
+    predicted_id: int
+    position: int | None = None
+
+    @classmethod
+    def from_logits(cls, adapter, logits, answer_id: int, foil_id: int | None = None, *, position: int | None = None):
+        """The Target of one ``(vocab,)`` row of next-token logits, in float64
+        arithmetic (so the logit difference and the probability do not carry
+        the model dtype's rounding)."""
+        z = logits.detach().double().cpu()
+        predicted = int(z.argmax())
+        return cls(
+            answer=adapter.token_str(answer_id),
+            answer_id=int(answer_id),
+            foil=adapter.token_str(foil_id) if foil_id is not None else None,
+            foil_id=int(foil_id) if foil_id is not None else None,
+            logit=float(z[answer_id]),
+            logit_diff=float(z[answer_id] - z[foil_id]) if foil_id is not None else None,
+            prob=float(z.softmax(-1)[answer_id]),
+            predicted=adapter.token_str(predicted),
+            predicted_id=predicted,
+            position=position,
+        )
+
+    @property
+    def score(self) -> float:
+        """What an effect is measured on: the logit difference with a foil, else the answer logit."""
+        return self.logit_diff if self.logit_diff is not None else self.logit
+
+    def line(self) -> str:
+        """``'blue' p=0.912 (predicted 'blue'), logit diff vs 'red' +3.21``."""
+        text = f"{self.answer!r} p={self.prob:.3f} (predicted {self.predicted!r})"
+        if self.logit_diff is not None:
+            text += f", logit diff vs {self.foil!r} {self.logit_diff:+.3f}"
+        return text
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Target:
+        return from_dict_fields(cls, d)
+
+
+@runtime_checkable
+class Readout(Protocol):
+    """What every method's result says about itself (see the module docstring).
+
+    ``kind`` is the session's run kind (``analyze``, ``counterfactual``,
+    ``sweep``, ``intervention``, ``patching``, ``lens``, ``label``, ``audit``...).
+    """
+
+    kind: str
+
+    def to_dict(self) -> dict: ...
+
+    def summary(self) -> str:
+        """One line with the result's main numbers."""
+        ...
+
+    def parameters(self) -> dict:
+        """What the run was called with (question, tokens, fill, sizes...)."""
+        ...
+
+    def audit_records(self) -> list[AuditRecord]: ...
+
+
+def from_dict_fields(cls, d: dict[str, Any]):
+    """``cls(**d)`` keeping only ``cls``'s dataclass fields (a stored JSON may hold more)."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
