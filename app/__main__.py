@@ -8,7 +8,7 @@ import sys
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from core.cli import Parser  # a refused command line is one line "error: ..." (exit 2), as on the CLI
+    from core.arguments import Parser  # a refused command line is one line "error: ..." (exit 2), as on the CLI
 
     p = Parser(prog="vlm-readout-app", description=__doc__)
     p.add_argument(

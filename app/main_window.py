@@ -4,12 +4,14 @@ read-out out, side by side with the image's visual-token grid.
 Left: the image canvas (patch grid, patch-granular heatmaps). Right, in tabs:
 the answer, attention, DLA, lens, the region-counterfactual painter and the
 session's audit table. Every run is recorded in the session (one SQLite file,
-autosaved after each run) and its audit rows land in the Audit tab.
+autosaved after each run); the Audit tab follows the session's recorded-run
+events (:mod:`app.session_view`).
 
-The model runs in :mod:`app.workers`, never on the GUI thread. Loaded models
-are cached by spec in ``MainWindow.model_cache`` and reused. Errors show as
-one red line in the window; nothing here opens a blocking dialog except the
-file pickers the user asks for.
+The model runs in :mod:`app.workers`, never on the GUI thread; the jobs are
+:mod:`app.jobs` (importable from here too). Loaded models are cached by spec
+in ``MainWindow.model_cache`` and reused. Errors show as one red line in the
+window; nothing here opens a blocking dialog except the file pickers the user
+asks for.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from PySide6.QtWidgets import (
     QGridLayout,
     QHBoxLayout,
     QHeaderView,
-    QLabel,
     QLineEdit,
     QMainWindow,
     QProgressBar,
@@ -45,276 +46,32 @@ from PySide6.QtWidgets import (
 
 import core
 from app.canvas import ImageCanvas, describe_token_layout
+from app.jobs import (
+    Ask,
+    ablation_job,
+    answer_job,
+    answer_pairs_job,
+    counterfactual_job,
+    head_sources_job,
+    patch_job,
+    readout_job,
+    statistics_job,
+    sweep_job,
+)
 from app.panels.attention_panel import AttentionPanel
 from app.panels.audit_panel import AuditPanel
 from app.panels.counterfactual_panel import CounterfactualPanel
-from app.panels.dla_panel import DLAPanel, visual_token_values
+from app.panels.dla_panel import DLAPanel
 from app.panels.lens_panel import LensPanel
+from app.recent_models import BUILTIN_MODELS, recent_models, remember_model
 from app.samples import Sample, bundled_samples
+from app.session_view import SessionMixin, SessionWatch, open_start_session
+from app.widgets import plain_label
 from app.workers import Worker, WorkerPool
-from core.session import Session
+from core.readout import RecordedResult
 
-BUILTIN_MODELS = ("shapes-llava", "shapes-coca")
 # the formats core.images accepts (ACCEPTED_FORMATS)
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
-
-
-def _cached_model(model_cache: dict, spec: str, progress) -> core.LoadedModel:
-    """The model for ``spec`` from the cache, loading (and caching) it on a miss.
-
-    Runs in a worker; the window runs one job at a time, so the dict needs no lock.
-    """
-    if spec not in model_cache:
-        progress(0, 0, f"loading model {spec}…")
-        model_cache[spec] = core.load_model(spec)
-    return model_cache[spec]
-
-
-def answer_job(
-    model_cache: dict, spec: str, image: Image.Image, question: str, *, progress, cancel
-) -> core.Answer | None:
-    """Worker job: load (or reuse) the model and answer one question."""
-    loaded = _cached_model(model_cache, spec, progress)
-    if cancel.is_set():
-        return None
-    progress(0, 1, "answering…")
-    result = core.answer(loaded, image, question)
-    progress(1, 1, "answered")
-    return result
-
-
-def answer_pairs_job(
-    model_cache: dict, spec: str, images: Sequence, questions: Sequence[str], batch_size: int, *, progress, cancel
-) -> list[core.Answer]:
-    """Worker job: answer many (image, question) pairs; stops early on cancel."""
-    loaded = _cached_model(model_cache, spec, progress)
-    progress(0, len(questions), f"answering 0/{len(questions)}…")
-    return core.answer_batch(
-        loaded,
-        images,
-        questions,
-        batch_size=batch_size,
-        progress=lambda done, total: progress(done, total, f"answering {done}/{total}…"),
-        cancel=cancel.is_set,
-    )
-
-
-def readout_job(
-    model_cache: dict, spec: str, image: Image.Image, question: str, answer: str, foil: str, *, progress, cancel
-) -> tuple[core.Answer, dict] | None:
-    """Worker job: one capture and every text-side read-out
-    (:func:`core.analyze.analyze`); the answer with its alternatives is read
-    from that same forward (``target.top``), not from a second one."""
-    from core.analyze import analyze
-
-    loaded = _cached_model(model_cache, spec, progress)
-    if cancel.is_set():
-        return None
-    analysis = analyze(
-        loaded,
-        image,
-        question,
-        answer=answer or None,
-        foil=foil or None,
-        tuned=_model_lens(loaded),
-        progress=progress,
-    )
-    target = analysis["target"]
-    top = [(str(t), float(p)) for t, p in target["top"]]
-    return core.Answer(top[0][0], int(target["predicted_id"]), top[0][1], top), analysis
-
-
-_LENSES: dict[tuple, object] = {}  # (lens folder, weights fingerprint, file times) -> TunedLens or None
-
-
-def _model_lens(loaded):
-    """The tuned lens saved beside the model's weights (``tuned-lens/``), if it
-    was trained for these weights; else None (the Lens tab shows the logit lens only).
-    Read once and kept (a large model's lens is gigabytes), again only when its files change."""
-    from core.methods.tuned_lens.store import LENS_CONFIG, LENS_TENSORS, load_lens
-
-    folder = getattr(loaded, "path", None)
-    if folder is None or not (folder / "tuned-lens").is_dir():
-        return None
-    lens_dir = folder / "tuned-lens"
-    times = tuple(
-        (lens_dir / f).stat().st_mtime_ns if (lens_dir / f).is_file() else None for f in (LENS_CONFIG, LENS_TENSORS)
-    )
-    key = (str(lens_dir), loaded.fingerprint, times)
-    if key not in _LENSES:
-        try:
-            _LENSES[key] = load_lens(lens_dir, loaded)
-        except core.ReadoutError:
-            _LENSES[key] = None
-    return _LENSES[key]
-
-
-def head_sources_job(
-    model_cache: dict, spec: str, analysis: dict, image, question: str, layer: int, head: int, *, progress, cancel
-):
-    """Worker job: one head's per-source contributions at the answer position,
-    as values per visual token (frozen-scale DLA)."""
-    from core.methods.contributions import source_contributions
-
-    loaded = _cached_model(model_cache, spec, progress)
-    progress(0, 0, f"source contributions of block {layer} head {head}…")
-    target = analysis["target"]
-    trace = core.capture(loaded, image, question)
-    sc = source_contributions(loaded.adapter, trace, target["answer_id"], target["foil_id"])
-    row = sc.dla_frozen[layer][head].tolist()
-    return layer, head, visual_token_values(analysis, layer, row)
-
-
-def counterfactual_job(
-    model_cache: dict,
-    spec: str,
-    image,
-    question: str,
-    mask,
-    fill: str,
-    options: dict,
-    answer: str,
-    foil: str,
-    *,
-    progress,
-    cancel,
-):
-    """Worker job: fill the painted region and re-run (with the routing read-outs)."""
-    from core.methods.counterfactual import region_counterfactual
-
-    loaded = _cached_model(model_cache, spec, progress)
-    progress(0, 0, f"counterfactual ({fill} fill)…")
-    return region_counterfactual(
-        loaded, image, question, mask, fill, answer=answer or None, foil=foil or None, **options
-    )
-
-
-def sweep_job(
-    model_cache: dict,
-    spec: str,
-    image,
-    question: str,
-    k: int,
-    fill: str,
-    options: dict,
-    answer: str,
-    foil: str,
-    *,
-    progress,
-    cancel,
-):
-    """Worker job: the occlusion sweep, batched, cancellable between batches."""
-    from core.methods.counterfactual import occlusion_sweep
-
-    loaded = _cached_model(model_cache, spec, progress)
-    return occlusion_sweep(
-        loaded,
-        image,
-        question,
-        k=k,
-        fill=fill,
-        answer=answer or None,
-        foil=foil or None,
-        progress=progress,
-        cancel=cancel.is_set,
-        **options,
-    )
-
-
-def ablation_job(
-    model_cache: dict,
-    spec: str,
-    image,
-    question: str,
-    block: int,
-    head: int,
-    answer: str,
-    foil: str,
-    *,
-    progress,
-    cancel,
-):
-    """Worker job: zero the head's write at the answer position and re-run."""
-    from core.methods.counterfactual import resolve_tokens
-    from core.methods.interventions import run_interventions, zero_ablation
-
-    loaded = _cached_model(model_cache, spec, progress)
-    inputs = loaded.adapter.prepare([image], [question])
-    base = core.capture(loaded, None, "", pattern_layers=[], inputs=inputs)
-    pos = int(base.answer_positions[0])
-    answer_id, foil_id = resolve_tokens(loaded.adapter, answer or None, foil or None, base.logits[0, pos])
-    label = f"{base.block_names[block]}.H{head} zeroed at the answer position"
-    return run_interventions(
-        loaded, inputs, {label: [zero_ablation(block, head, positions=[pos])]}, answer_id, foil_id, base=base
-    )
-
-
-def patch_job(
-    model_cache: dict, spec: str, image, question: str, source, mask, answer: str, foil: str, *, progress, cancel
-):
-    """Worker job: patch the painted region's visual tokens from another image,
-    at the earliest visual site the family has (forward and reverse)."""
-    from core.geometry import region_tokens
-    from core.methods.interventions import patch_visual_features
-
-    loaded = _cached_model(model_cache, spec, progress)
-    sites = loaded.adapter.edit_sites
-    site = next((s for s in ("projector_out", "kv_source", "resid") if s in sites), None)
-    if site is None:
-        raise core.ReadoutError(f"{loaded.adapter.family}: no visual-feature site to patch")
-    tokens = loaded.adapter.visual_tokens(image.size)
-    region = region_tokens(tokens, mask, min_cover=1e-6)
-    if not region:
-        raise core.ReadoutError("the painted region covers no visual token")
-    return patch_visual_features(
-        loaded,
-        image,
-        question,
-        source,
-        site=site,
-        layer=0 if site == "resid" else None,
-        token_sets={"painted region": region},
-        answer=answer or None,
-        foil=foil or None,
-    )
-
-
-def statistics_job(model_cache: dict, spec: str, items: list, *, progress, cancel):
-    """Worker job: answer-row attention of every head over many samples (distributions)."""
-    from core.methods.patterns import pattern_statistics
-
-    loaded = _cached_model(model_cache, spec, progress)
-    return pattern_statistics(loaded, items, progress=progress, cancel=cancel.is_set)
-
-
-def default_session_path() -> Path:
-    """A new session file under the user's data folder (one per window)."""
-    import time
-
-    folder = Path.home() / ".local" / "share" / "vlm-readout" / "sessions"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / time.strftime("session-%Y%m%d-%H%M%S.vlmr")
-
-
-def open_start_session(path: str | Path | None) -> tuple[Session, str | None]:
-    """The session a window starts with, and a line saying so when it is not
-    the one asked for: the file ``path`` (opened, or created if missing); if
-    that cannot be used (not a session, a folder, an unwritable place), a new
-    file in the user's data folder; if none can be made there, a session in
-    memory that is not saved. Nothing is created elsewhere without saying so."""
-    problem = None
-    if path is not None:
-        try:
-            return Session.open_or_create(path), None
-        except (core.ReadoutError, OSError) as e:
-            problem = f"cannot use the session {path}: {e}"
-    try:
-        fallback = default_session_path()
-        session = Session.open_or_create(fallback)
-    except (core.ReadoutError, OSError) as e:
-        problem = problem or f"cannot create a session file in the user's data folder: {e}"
-        return Session.temporary(), f"{problem}; recording into a temporary session that is not saved"
-    return session, f"{problem}; recording into a new session {fallback} instead" if problem else None
 
 
 def qimage_to_png(image: QImage) -> bytes:
@@ -327,14 +84,7 @@ def qimage_to_png(image: QImage) -> bytes:
     return bytes(data.data())
 
 
-def _plain_label(text: str = "") -> QLabel:
-    """A label that never interprets its text as HTML (tokens like ``<pad>``)."""
-    label = QLabel(text)
-    label.setTextFormat(Qt.TextFormat.PlainText)
-    return label
-
-
-class MainWindow(QMainWindow):
+class MainWindow(SessionMixin, QMainWindow):
     """Image + question in, answer + top alternatives out.
 
     Opens on the first bundled sample. Nothing runs until
@@ -353,8 +103,10 @@ class MainWindow(QMainWindow):
     ):
         super().__init__()
         self.model_cache = {} if model_cache is None else model_cache
-        self.session, session_problem = open_start_session(session_path)
+        session, session_problem = open_start_session(session_path)
         self.session_problem = session_problem  # also printed by app.__main__ for a terminal user
+        self.session_watch = SessionWatch(self)  # the audit table follows the session's recorded runs
+        self.session_watch.recorded.connect(self._on_run_recorded)
         self.analysis: dict | None = None  # the last analyze result shown in the panels
         self.analysis_inputs: tuple | None = None  # (spec, image, question) it was computed on
         self.last_counterfactual = None
@@ -373,8 +125,8 @@ class MainWindow(QMainWindow):
         self._set_busy(False)
         self._clear_answer()
         self.resize(1280, 800)
+        self._use_session(session)
         self._show_session(session_problem)
-        self._refresh_audit()
         samples = bundled_samples()
         if samples:
             self.load_sample(samples[0])
@@ -388,7 +140,7 @@ class MainWindow(QMainWindow):
         self.model_picker.setCurrentText(model_spec)
         self.model_picker.setMinimumWidth(260)
         self.model_picker.setToolTip("a built-in name, a model folder, a cached repo id or open_clip name:checkpoint")
-        for spec in self._recent_models():
+        for spec in recent_models():
             if self.model_picker.findText(spec) < 0:
                 self.model_picker.addItem(spec)
         self.model_folder_button = QPushButton("Folder…")
@@ -399,12 +151,12 @@ class MainWindow(QMainWindow):
         self.image_plot = self.canvas.plot
         self.image_item = self.canvas.image_item
 
-        self.answer_label = _plain_label("no answer yet")
+        self.answer_label = plain_label("no answer yet")
         font = self.answer_label.font()
         font.setPointSizeF(font.pointSizeF() * 1.5)
         font.setBold(True)
         self.answer_label.setFont(font)
-        self.answer_caption = _plain_label()
+        self.answer_caption = plain_label()
         self.answer_caption.setWordWrap(True)
         self.answer_caption.setStyleSheet("color: #555;")
         self.top_table = QTableWidget(0, 2)
@@ -416,7 +168,7 @@ class MainWindow(QMainWindow):
         answer_layout = QVBoxLayout(answer_panel)
         answer_layout.addWidget(self.answer_label)
         answer_layout.addWidget(self.answer_caption)
-        self.table_title = _plain_label()
+        self.table_title = plain_label()
         answer_layout.addWidget(self.table_title)
         answer_layout.addWidget(self.top_table, stretch=1)
 
@@ -441,7 +193,7 @@ class MainWindow(QMainWindow):
             "copy the painted region's visual-token features from another image into this run (and back)"
         )
         self.patch_button.clicked.connect(self.patch_region_dialog)
-        self.intervention_label = _plain_label("interventions: select a head (Attention tab) or paint a region")
+        self.intervention_label = plain_label("interventions: select a head (Attention tab) or paint a region")
         self.intervention_label.setWordWrap(True)
         strip = QHBoxLayout()
         strip.addWidget(self.ablate_button)
@@ -493,23 +245,23 @@ class MainWindow(QMainWindow):
 
         self.progress_bar = QProgressBar()
         self.progress_bar.setTextVisible(False)
-        self.status_label = _plain_label("ready")
+        self.status_label = plain_label("ready")
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.clicked.connect(self.cancel)
 
-        self.error_label = _plain_label()
+        self.error_label = plain_label()
         self.error_label.setStyleSheet("color: #c00000;")
         self.error_label.setWordWrap(True)
         self.error_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
         controls = QGridLayout()
-        controls.addWidget(_plain_label("Model"), 0, 0)
+        controls.addWidget(plain_label("Model"), 0, 0)
         model_row = QHBoxLayout()
         model_row.addWidget(self.model_picker)
         model_row.addWidget(self.model_folder_button)
         model_row.addStretch(1)
         controls.addLayout(model_row, 0, 1, 1, 2)
-        controls.addWidget(_plain_label("Question"), 1, 0)
+        controls.addWidget(plain_label("Question"), 1, 0)
         controls.addWidget(self.question_edit, 1, 1)
         buttons = QHBoxLayout()
         buttons.addWidget(self.answer_button)
@@ -518,7 +270,7 @@ class MainWindow(QMainWindow):
         targets = QHBoxLayout()
         targets.addWidget(self.target_edit)
         targets.addWidget(self.foil_edit)
-        controls.addWidget(_plain_label("Target"), 4, 0)
+        controls.addWidget(plain_label("Target"), 4, 0)
         controls.addLayout(targets, 4, 1, 1, 2)
         progress_row = QHBoxLayout()
         progress_row.addWidget(self.progress_bar, stretch=2)
@@ -528,7 +280,7 @@ class MainWindow(QMainWindow):
         controls.addWidget(self.error_label, 3, 0, 1, 3)
         # Which file the runs are saved in; red (and kept: the error line clears on the next image or run)
         # when it is not the one asked for.
-        self.session_label = _plain_label()
+        self.session_label = plain_label()
         self.session_label.setWordWrap(True)
         self.session_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         controls.addWidget(self.session_label, 5, 0, 1, 3)
@@ -584,10 +336,8 @@ class MainWindow(QMainWindow):
         if self.is_busy():
             self.show_error("a job is running: wait for it or cancel it before changing the image")
             return False
-        try:
-            image = core.load_image(source)
-        except core.ImageLoadError as e:
-            self.show_error(str(e))
+        image = self._read_image(source)
+        if image is None:
             return False
         self.image = image
         self.image_name = name or (Path(source).name if isinstance(source, (str, Path)) else "image")
@@ -603,6 +353,14 @@ class MainWindow(QMainWindow):
         self.show_error("")
         self.statusBar().showMessage(f"{self.image_name}  {image.width}×{image.height}")
         return True
+
+    def _read_image(self, source) -> Image.Image | None:
+        """``core.load_image(source)``, or None with the reason in the error line."""
+        try:
+            return core.load_image(source)
+        except core.ImageLoadError as e:
+            self.show_error(str(e))
+            return None
 
     def set_question(self, question: str) -> None:
         self.question_edit.setText(question)
@@ -644,22 +402,9 @@ class MainWindow(QMainWindow):
     def model_spec(self) -> str:
         return self.model_picker.currentText().strip()
 
-    @staticmethod
-    def _recent_models() -> list[str]:
-        from PySide6.QtCore import QSettings
-
-        value = QSettings("VLM Readout", "vlm-readout").value("recent_models", [])
-        return [str(v) for v in (value if isinstance(value, list) else [value]) if v]
-
     def _remember_model(self, spec: str) -> None:
         """Keep the last few model specs that loaded, for the picker."""
-        from PySide6.QtCore import QSettings
-
-        if spec in BUILTIN_MODELS:
-            return
-        recent = [spec] + [s for s in self._recent_models() if s != spec]
-        QSettings("VLM Readout", "vlm-readout").setValue("recent_models", recent[:8])
-        if self.model_picker.findText(spec) < 0:
+        if remember_model(spec) and self.model_picker.findText(spec) < 0:
             self.model_picker.addItem(spec)
 
     def choose_model_folder(self) -> None:
@@ -670,18 +415,24 @@ class MainWindow(QMainWindow):
     def is_busy(self) -> bool:
         return self._job is not None
 
-    def answer_question(self) -> bool:
-        """Answer the shown question about the shown image in the background; False if not started."""
-        if self.is_busy():
-            return False
+    def _has_image(self) -> bool:
         if self.image is None:
             self.show_error("no image: open one (File > Open image), drop one here or paste one")
-            return False
-        question = self.question_edit.text().strip()
-        spec = self.model_spec()
-        caption = f"{spec} · {self.image_name} · {question}"
+        return self.image is not None
+
+    def _caption(self, question: str) -> str:
+        """The Answer tab's caption: model, image, question (and a bundled sample's expected answer)."""
+        caption = f"{self.model_spec()} · {self.image_name} · {question}"
         if self._expected is not None:
             caption += f"\nexpected (sample ground truth): {self._expected}"
+        return caption
+
+    def answer_question(self) -> bool:
+        """Answer the shown question about the shown image in the background; False if not started."""
+        if self.is_busy() or not self._has_image():
+            return False
+        spec, question = self.model_spec(), self.question_edit.text().strip()
+        caption = self._caption(question)
         self._start(
             lambda result: self._show_answer(result, caption), answer_job, self.model_cache, spec, self.image, question
         )
@@ -717,18 +468,16 @@ class MainWindow(QMainWindow):
     def _targets(self) -> tuple[str, str]:
         return self.target_edit.text().strip(), self.foil_edit.text().strip()
 
+    def _ask(self) -> Ask:
+        """The shown model, image, question and target tokens, for a follow-up job."""
+        return Ask(self.model_spec(), self.image, self.question_edit.text().strip(), *self._targets())
+
     def run_readout(self) -> bool:
         """Answer and read out the shown pair in the background; False if not started."""
-        if self.is_busy():
+        if self.is_busy() or not self._has_image():
             return False
-        if self.image is None:
-            self.show_error("no image: open one (File > Open image), drop one here or paste one")
-            return False
-        question = self.question_edit.text().strip()
-        spec = self.model_spec()
-        caption = f"{spec} · {self.image_name} · {question}"
-        if self._expected is not None:
-            caption += f"\nexpected (sample ground truth): {self._expected}"
+        spec, question = self.model_spec(), self.question_edit.text().strip()
+        caption = self._caption(question)
         image = self.image
         answer, foil = self._targets()
 
@@ -739,7 +488,7 @@ class MainWindow(QMainWindow):
             self._show_answer(answered, caption)
             self.analysis_inputs = (spec, image, question)
             self._show_analysis(analysis)
-            self._record("analyze", analysis, audits=analysis.get("audit"), parameters={"question": question})
+            self._record(analysis, parameters={"question": question})
 
         self._start(show, readout_job, self.model_cache, spec, image, question, answer, foil)
         return True
@@ -767,35 +516,16 @@ class MainWindow(QMainWindow):
         """Fill the painted region and re-run the model (Counterfactual tab)."""
         if self.is_busy() or self.image is None:
             return False
-        question = self.question_edit.text().strip()
-        answer, foil = self._targets()
+        ask = self._ask()
         self.counterfactual_panel.set_busy(True)
 
         def show(result) -> None:
             self.last_counterfactual = result
             self.counterfactual_panel.set_result(result)
-            self._record(
-                "counterfactual",
-                result.to_dict(),
-                audits=[a.to_dict() for a in result.audit],
-                mask=mask,
-                parameters={"question": question, "fill": fill, **{k: str(v) for k, v in options.items()}},
-            )
+            options_text = {k: str(v) for k, v in options.items()}
+            self._record(result, mask=mask, parameters={"question": ask.question, "fill": fill, **options_text})
 
-        self._start(
-            show,
-            counterfactual_job,
-            self.model_cache,
-            self.model_spec(),
-            self.image,
-            question,
-            mask,
-            fill,
-            dict(options),
-            answer,
-            foil,
-            clear=False,
-        )
+        self._start(show, counterfactual_job, self.model_cache, ask, mask, fill, dict(options), clear=False)
         return True
 
     def run_sweep(self, k: int) -> bool:
@@ -803,30 +533,16 @@ class MainWindow(QMainWindow):
         if self.is_busy() or self.image is None:
             return False
         fill, options = self.counterfactual_panel.fill_choice()
-        question = self.question_edit.text().strip()
-        answer, foil = self._targets()
+        ask = self._ask()
         self.counterfactual_panel.set_busy(True)
 
         def show(result) -> None:
             if result is None:
                 return
             self.counterfactual_panel.set_sweep(result)
-            self._record("sweep", result.to_dict(), audits=[a.to_dict() for a in getattr(result, "audit", []) or []])
+            self._record(result, parameters={"question": ask.question})
 
-        self._start(
-            show,
-            sweep_job,
-            self.model_cache,
-            self.model_spec(),
-            self.image,
-            question,
-            int(k),
-            fill,
-            dict(options),
-            answer,
-            foil,
-            clear=False,
-        )
+        self._start(show, sweep_job, self.model_cache, ask, int(k), fill, dict(options), clear=False)
         return True
 
     def attention_statistics(self, items: list) -> bool:
@@ -837,11 +553,9 @@ class MainWindow(QMainWindow):
 
         def show(stats) -> None:
             self.attention_panel.set_statistics(stats)
-            self._record(
-                "statistics",
-                {"n_samples": stats.n_samples, "heads": [h.to_dict() for h in stats.heads]},
-                audits=[stats.audit.to_dict()],
-            )
+            doc = {"n_samples": stats.n_samples, "heads": [h.to_dict() for h in stats.heads]}
+            line = f"answer-row attention of {len(stats.heads)} heads over {stats.n_samples} samples"
+            self._record(RecordedResult("statistics", doc, line, audits=[stats.audit]))
 
         self._start(show, statistics_job, self.model_cache, self.model_spec(), list(items), clear=False)
         return True
@@ -864,27 +578,14 @@ class MainWindow(QMainWindow):
             self.show_error("select a head in the Attention tab first (Read out, then click a cell)")
             return False
         block, head = selected
-        question = self.question_edit.text().strip()
-        answer, foil = self._targets()
+        ask = self._ask()
 
         def show(result) -> None:
             self.last_intervention = result
             self._show_intervention(result.rows[0].label, result.rows[0].effect, result.rows[0])
-            self._record("intervention", result.to_dict(), audits=[result.audit.to_dict()])
+            self._record(result, parameters={"question": ask.question})
 
-        self._start(
-            show,
-            ablation_job,
-            self.model_cache,
-            self.model_spec(),
-            self.image,
-            question,
-            block,
-            head,
-            answer,
-            foil,
-            clear=False,
-        )
+        self._start(show, ablation_job, self.model_cache, ask, block, head, clear=False)
         return True
 
     def patch_region(self, source) -> bool:
@@ -895,33 +596,18 @@ class MainWindow(QMainWindow):
         if not mask.any():
             self.show_error("paint a region in the Counterfactual tab first")
             return False
-        try:
-            source_image = core.load_image(source)
-        except core.ImageLoadError as e:
-            self.show_error(str(e))
+        source_image = self._read_image(source)
+        if source_image is None:
             return False
-        question = self.question_edit.text().strip()
-        answer, foil = self._targets()
+        ask = self._ask()
 
         def show(result) -> None:
             self.last_intervention = result
             row = result.rows[0]
             self._show_intervention(f"{row.name} patched at {result.site}", row.forward.effect, row.forward)
-            self._record("intervention", result.to_dict(), audits=[result.audit.to_dict()], mask=mask)
+            self._record(result, mask=mask, parameters={"question": ask.question})
 
-        self._start(
-            show,
-            patch_job,
-            self.model_cache,
-            self.model_spec(),
-            self.image,
-            question,
-            source_image,
-            mask,
-            answer,
-            foil,
-            clear=False,
-        )
+        self._start(show, patch_job, self.model_cache, ask, source_image, mask, clear=False)
         return True
 
     def patch_region_dialog(self) -> None:
@@ -1080,97 +766,6 @@ class MainWindow(QMainWindow):
         block = next((row["block"] for row in rows if row["layer"] == layer), f"block {layer}")
         self.canvas.set_heatmap(np.asarray(values), label=f"{block}.H{head}: frozen-scale DLA per source token")
 
-    # ----- session ------------------------------------------------------
-
-    def _record(self, kind: str, result: dict, *, audits=None, mask=None, parameters: dict | None = None) -> None:
-        """Record a run in the session (autosaved) and refresh the audit table."""
-        try:
-            self.session.record(
-                kind,
-                result,
-                audits=audits or [],
-                image=self.image,
-                mask=mask,
-                parameters=parameters,
-                model=self.model_cache.get(self.model_spec()) or self.model_spec(),
-            )
-        except core.ReadoutError as e:
-            self.show_error(f"not saved in the session: {e}")
-        self._refresh_audit()
-
-    def _refresh_audit(self) -> None:
-        summaries = {info.id: info.summary for info in self.session.runs()}
-        rows = []
-        for row in self.session.audit_table():
-            rows.append({**row, "run": row.get("run_id"), "summary": summaries.get(row.get("run_id"), "")})
-        self.audit_panel.set_rows(rows)
-
-    def _show_session(self, problem: str | None = None) -> None:
-        """The session line: the file the runs are saved in, or (red) why it is not the one asked for."""
-        if problem:
-            self.session_label.setStyleSheet("color: #c00000;")
-            self.session_label.setText(" ".join(problem.split()))
-        else:
-            self.session_label.setStyleSheet("color: #555555;")
-            self.session_label.setText(f"session: {self.session.path}")
-
-    def export_audit(self, fmt: str, path: str) -> bool:
-        from core.export import export_session
-
-        notes: list[str] = []
-        try:
-            written = export_session(self.session, fmt, path, notes=notes)
-        except core.ReadoutError as e:
-            self.show_error(str(e))
-            return False
-        self.statusBar().showMessage(f"exported {', '.join(str(p) for p in written)}")
-        if notes:  # exported; some pictures could not be drawn as recorded
-            more = f" (and {len(notes) - 1} more)" if len(notes) > 1 else ""
-            self.show_error(f"exported, but {notes[0]}{more}")
-        return True
-
-    def open_session(self, path: str | Path) -> bool:
-        """Switch to another session file and show its last read-out and audit
-        table. A file that cannot be opened or read leaves the current session
-        as it was, with the reason in the error line."""
-        if self.is_busy():
-            self.show_error("a job is running: wait for it or cancel it before opening a session")
-            return False
-        try:
-            session = Session.open(path)
-        except (core.ReadoutError, OSError) as e:
-            self.show_error(f"cannot open the session: {e}")
-            return False
-        try:  # read it before switching: a file whose runs cannot be read is refused whole
-            runs = session.runs()
-            analyzes = [r for r in runs if r.kind == "analyze"]
-            last = session.run(analyzes[-1].id).result if analyzes else None
-            session.audit_table()
-        except core.ReadoutError as e:
-            session.close()
-            self.show_error(f"cannot open the session: {e}")
-            return False
-        self.session.close()
-        self.session = session
-        self._show_session()
-        self.show_error("")
-        if last is not None:
-            try:
-                self._show_analysis(last)
-            except (KeyError, TypeError, ValueError, IndexError) as e:  # a result of another shape or version
-                self._show_analysis(None)
-                self.show_error(f"the session's last analyze run cannot be shown ({type(e).__name__}: {e})")
-        self._refresh_audit()
-        self.statusBar().showMessage(f"session {Path(path).name}: {len(runs)} runs")
-        return True
-
-    def open_session_dialog(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(
-            self, "Open session", "", "VLM Readout sessions (*.vlmr *.sqlite *.db);;All files (*)"
-        )
-        if path:
-            self.open_session(path)
-
     def _fill_table(self, headers: list[str], rows: list[tuple[str, ...]]) -> None:
         """Rows of text; the first column takes the spare width, the others fit their contents."""
         self.top_table.setColumnCount(len(headers))
@@ -1189,5 +784,5 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event) -> None:
         """Cancel running jobs and join their threads before the window goes."""
         self.workers.shutdown()
-        self.session.close()
+        self._close_session()
         super().closeEvent(event)

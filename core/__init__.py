@@ -10,8 +10,6 @@ arguments are refused, or ``--help``, answers without importing torch (about
 a second and a half; bench/startup.py).
 """
 
-import importlib
-
 from core.errors import (
     ImageLoadError,
     ModelLoadError,
@@ -21,6 +19,7 @@ from core.errors import (
     UnsafeCheckpointError,
     UnsupportedArchitectureError,
 )
+from core.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -37,15 +36,9 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'core' has no attribute {name!r}")
-    module = importlib.import_module(_LAZY[name])
-    # ``core.answer`` and ``core.capture`` stay their (callable) modules: importing a
-    # submodule binds the package attribute to it (core/lazy.py)
-    value = module if name in ("answer", "capture") else getattr(module, name)
-    globals()[name] = value
-    return value
+# ``core.answer`` and ``core.capture`` stay their (callable) modules: importing a
+# submodule binds the package attribute to it (core/lazy.py)
+__getattr__ = lazy_getattr(__name__, _LAZY, modules=frozenset({"answer", "capture"}))
 
 
 __all__ = [

@@ -1,33 +1,148 @@
-"""``analyze``: one capture, every text-side read-out, the analyze JSON of
-docs/ARCHITECTURE.md (schema version 1)."""
+"""``analyze``: one capture, every read-out of :data:`core.readouts.ANALYZE_READOUTS`,
+the analyze JSON of docs/ARCHITECTURE.md (schema version 1) as an :class:`AnalyzeResult`.
+
+The read-outs are the registry's (:mod:`core.readouts`), the ones the dataset
+audit runs on batches: this module is the one-sample driver that builds
+their :class:`~core.readouts.base.SampleContext` and places their sections.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from core.answer import answer_from_logits
+from core.audit import AuditRecord
 from core.capture import capture
 from core.errors import QuestionError
 from core.images import image_sha256, load_image
-from core.methods.logit_lens import logit_lens
-from core.methods.patterns import (
-    FULL_PATTERN_LIMIT,  # re-exported: core.analyze.FULL_PATTERN_LIMIT
-    primary_image,
-    rollout_audit,
-    rollout_visual_mass,
-    summarize_heads,
-    text_patterns,
-    text_positions,
-    tokens_of_ids,
-)
-from core.methods.residual import decompose
+from core.methods.patterns import FULL_PATTERN_LIMIT  # re-exported: core.analyze.FULL_PATTERN_LIMIT
+from core.readout import Target, jsonable
+from core.readouts import ANALYZE_READOUTS, READOUTS, TEXT_PATTERN_LIMIT, ReadoutOptions, SampleContext
+
+__all__ = ["FULL_PATTERN_LIMIT", "SCHEMA_VERSION", "TEXT_PATTERN_LIMIT", "TOP_K", "AnalyzeResult", "analyze"]
 
 SCHEMA_VERSION = 1
-# Text tokens in the text-text patterns (those nearest the answer): bounds the JSON,
-# which holds blocks x heads x TEXT_PATTERN_LIMIT^2 weights at most.
-TEXT_PATTERN_LIMIT = 48
 # Alternatives listed in ``target.top`` (as many as core.answer lists by default).
 TOP_K = 5
+# Tokens per logit-lens row (``logit_lens[l].top``).
+LENS_TOP_K = 5
+# Progress steps reported before a read-out runs: (step of 4, message).
+_STEPS = {"dla": (1, "decomposing the residual"), "attention": (2, "summarising attention"), "rollout": (3, "rollout")}
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class AnalyzeResult(dict):
+    """One ``analyze`` run: a :class:`core.readout.Readout` (``kind``
+    "analyze", :meth:`to_dict`, :meth:`from_dict`, :meth:`summary`,
+    :meth:`parameters`, :meth:`audit_records`).
+
+    It also reads as the analyze JSON document itself: the instance is a
+    ``dict`` (so a ``collections.abc.Mapping``) holding :meth:`to_dict`'s
+    strict JSON, computed once at construction, so the callers that read the
+    result as that document (``result["target"]["prob"]``, ``json.dumps(result)``,
+    the app's panels, a session's ``record``) keep working. Treat it as
+    read-only: the fields are the result; the mapping is their JSON.
+
+    ``target`` is the answer position's :class:`core.readout.Target`; ``top``
+    the model's alternatives there (``[[token, prob], ...]``), kept in the
+    JSON's ``target`` dict. ``rollout_alpha`` is the weight the run was given
+    (the JSON holds it in ``rollout`` only when rollout ran).
+    """
+
+    model: dict
+    input: dict
+    target: Target
+    top: list
+    residual_decomposition: dict
+    logit_lens: list
+    tuned_lens: dict | None
+    attention: list
+    rollout: dict | None
+    text_patterns: dict
+    audit: list[AuditRecord]
+    rollout_alpha: float | None = None
+    schema_version: int = SCHEMA_VERSION
+    kind: ClassVar[str] = "analyze"
+
+    def __post_init__(self) -> None:
+        target = self.target.to_dict()
+        doc = {
+            "schema_version": self.schema_version,
+            "model": self.model,
+            "input": self.input,
+            "target": {"position": target.pop("position"), **target, "top": self.top},
+            "residual_decomposition": self.residual_decomposition,
+            "logit_lens": self.logit_lens,
+            "tuned_lens": self.tuned_lens,
+            "attention": self.attention,
+            "rollout": self.rollout,
+            "text_patterns": self.text_patterns,
+            "audit": [a.to_dict() for a in self.audit],
+        }
+        dict.update(self, jsonable(doc))
+
+    def __repr__(self) -> str:
+        return f"AnalyzeResult({self.summary()})"
+
+    def to_dict(self) -> dict:
+        """The analyze JSON (strict: non-finite floats are ``None``)."""
+        return dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AnalyzeResult:
+        """The result an analyze JSON (:meth:`to_dict`, or a session's stored result) describes."""
+        target = dict(d["target"])
+        top = target.pop("top", [])
+        rollout = d.get("rollout")
+        return cls(
+            model=d["model"],
+            input=d["input"],
+            target=Target.from_dict(target),
+            top=top,
+            residual_decomposition=d["residual_decomposition"],
+            logit_lens=d["logit_lens"],
+            tuned_lens=d.get("tuned_lens"),
+            attention=d["attention"],
+            rollout=rollout,
+            text_patterns=d.get("text_patterns"),
+            audit=[AuditRecord.from_dict(a) for a in d.get("audit", [])],
+            rollout_alpha=rollout["alpha"] if rollout else None,
+            schema_version=d.get("schema_version", SCHEMA_VERSION),
+        )
+
+    def summary(self) -> str:
+        """One line: the answer (p, predicted, logit difference vs the foil), the
+        most visual head, the largest frozen-scale DLA component, the reconstruction error."""
+        parts = ["answer " + self.target.line()]
+        heads = [h for h in self.attention if h.get("visual_mass") is not None]
+        if heads:
+            h = max(heads, key=lambda h: h["visual_mass"])
+            parts.append(f"most visual head L{h['layer']}.H{h['head']} {h['visual_mass']:.2f}")
+        comps = self.residual_decomposition["components"]
+        if comps:
+            c = max(comps, key=lambda c: abs(c["dla_frozen"]))
+            parts.append(f"largest frozen-scale DLA {c['name']} {c['dla_frozen']:+.2f}")
+        parts.append(f"reconstruction error {self.residual_decomposition['reconstruction_max_abs_err']:.2e}")
+        return "; ".join(parts)
+
+    def parameters(self) -> dict:
+        """What the run was called with: question, answer and foil tokens,
+        rollout weight; ``raw_prompt`` and ``tuned_lens`` only when used."""
+        out: dict[str, Any] = {
+            "question": self.input["question"],
+            "answer": self.target.answer,
+            "foil": self.target.foil,
+            "rollout_alpha": self.rollout_alpha,
+        }
+        if self.input.get("raw_prompt"):
+            out["raw_prompt"] = True
+        if self.tuned_lens is not None:
+            out["tuned_lens"] = True
+        return out
+
+    def audit_records(self) -> list[AuditRecord]:
+        return list(self.audit)
 
 
 def analyze(
@@ -41,7 +156,7 @@ def analyze(
     tuned=None,
     raw_prompt: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
-) -> dict:
+) -> AnalyzeResult:
     """Run the model once and read it out. ``answer`` defaults to the model's
     own top token; ``foil`` is optional (then ``u`` is the answer's column).
     ``tuned``: a :class:`core.methods.tuned_lens.TunedLens` of this model; its
@@ -65,88 +180,63 @@ def analyze(
     query_positions = range(n_tokens) if full else _non_visual_rows(adapter, inputs)
     trace = capture(loaded, img, question, query_positions=query_positions, inputs=inputs)
     pos = int(trace.answer_positions[0])
-    logits = trace.logits[0, pos].float()
-    probs = logits.softmax(-1)
+    logits = trace.logits[0, pos].float().cpu()
     predicted = int(logits.argmax())
     answer_id = adapter.token_id(answer) if answer else predicted
     foil_id = adapter.token_id(foil) if foil else None
     if foil_id == answer_id:
         raise QuestionError("the foil must differ from the answer")
-    step(1, 4, "decomposing the residual")
-    residual = decompose(adapter, trace, answer_id, foil_id)
-    lens = logit_lens(adapter, trace, answer_id, foil_id)
-    step(2, 4, "summarising attention")
     tokens = adapter.visual_tokens(img.size, trace.visual_positions[0].tolist())
-    heads = summarize_heads(adapter, trace, tokens, query_index=trace.query_positions.tolist().index(pos))
-    primary = primary_image(tokens)
-    ids = trace.input_ids[0].tolist()
-    strings = tokens_of_ids(adapter, ids)
-    kept = set(trace.query_positions.tolist())
-    n_text_rows = sum(p in kept for p in text_positions(adapter, trace))
-    text = text_patterns(adapter, trace, strings, max_tokens=min(TEXT_PATTERN_LIMIT, n_text_rows))
-    audits = [residual.audit, lens.audit, heads.audit]
-    tuned_json = None
-    if tuned is not None:
-        from core.methods.tuned_lens.readers import lens_audit, tuned_lens_readers
-
-        tuned.check_model(loaded)
-        tuned.to(adapter.device)  # a lens read from disk is on the CPU; the model may not be
-        tuned_json = tuned_lens_readers(tuned, adapter, trace, answer_id, foil_id)
-        audits.append(lens_audit(tuned, positions="answer"))
-    rollout_json = None
-    if full:
-        step(3, 4, "rollout")
-        grids = rollout_visual_mass(trace, tokens, rollout_alpha)
-        rollout_json = {
-            "alpha": rollout_alpha,
-            "visual_patch_mass": dict(grids)[primary].tolist(),
-            "primary_image": primary,
-        }
-        if len(grids) > 1:
-            rollout_json["visual_patch_mass_by_image"] = [{"image": im, "grid": g.tolist()} for im, g in grids]
-        audits.append(rollout_audit(rollout_alpha, "mean"))
-    audits.append(text.audit)
+    options = ReadoutOptions(rollout_alpha=rollout_alpha, lens_top_k=LENS_TOP_K, answer_top_k=TOP_K, tuned=tuned)
+    ctx = SampleContext(
+        loaded,
+        None,
+        img,
+        None,
+        trace,
+        0,
+        trace.query_positions.tolist().index(pos),
+        full,
+        logits,
+        answer_id,
+        foil_id,
+        predicted,
+        options,
+        tokens,
+        position=pos,
+        question=question,
+    )
+    sections: dict[str, Any] = {}
+    audits: list[AuditRecord] = []
+    for name in ANALYZE_READOUTS:
+        if name in _STEPS and (name != "rollout" or full):
+            done, message = _STEPS[name]
+            step(done, 4, message)
+        readout = READOUTS[name]
+        sections[readout.analyze_key], audit = readout.run(ctx)
+        if audit is not None:
+            audits.append(audit)
     step(4, 4, "done")
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "model": {"spec": loaded.spec, "fingerprint": loaded.fingerprint, **adapter.describe()},
-        "input": {
+    target = sections.pop("target")
+    top = target.pop("top")
+    return AnalyzeResult(
+        model={"spec": loaded.spec, "fingerprint": loaded.fingerprint, **adapter.describe()},
+        input={
             "question": question,
             "prompt": adapter.prompt(question),
             "raw_prompt": raw_prompt,
-            "input_ids": ids,
-            "tokens": strings,
+            "input_ids": trace.input_ids[0].tolist(),
+            "tokens": ctx.token_strings,
             "image_sha256": image_sha256(img),
             "image_size": list(img.size),
             "visual_tokens": [t.to_dict() for t in tokens],
         },
-        "target": {
-            "position": pos,
-            "answer": adapter.token_str(answer_id),
-            "answer_id": answer_id,
-            "foil": adapter.token_str(foil_id) if foil_id is not None else None,
-            "foil_id": foil_id,
-            "logit": float(logits[answer_id]),
-            "logit_diff": float(logits[answer_id] - logits[foil_id]) if foil_id is not None else None,
-            "prob": float(probs[answer_id]),
-            "predicted": adapter.token_str(predicted),
-            "predicted_id": predicted,
-            # the model's answer and alternatives at this position: what core.answer gives, from this forward
-            "top": [[t, p] for t, p in answer_from_logits(adapter, logits, TOP_K).top],
-        },
-        "residual_decomposition": {
-            "reconstruction_max_abs_err": residual.reconstruction_max_abs_err,
-            "target_logit": residual.target_logit,
-            "frozen_sum_expected": residual.frozen_sum_expected,
-            "components": [c.to_dict() for c in residual.components],
-        },
-        "logit_lens": [r.to_dict() for r in lens.rows],
-        "tuned_lens": tuned_json,
-        "attention": [h.to_dict() for h in heads.heads],
-        "rollout": rollout_json,
-        "text_patterns": text.to_dict(),
-        "audit": [a.to_dict() for a in audits],
-    }
+        target=Target.from_dict(target),
+        top=top,
+        audit=audits,
+        rollout_alpha=rollout_alpha,
+        **sections,
+    )
 
 
 def _non_visual_rows(adapter, inputs) -> list[int]:
@@ -157,17 +247,3 @@ def _non_visual_rows(adapter, inputs) -> list[int]:
     visual = set(adapter.visual_positions(inputs)[0].tolist())
     rows = [p for p in range(answer + 1) if p not in visual]
     return rows[-TEXT_PATTERN_LIMIT:]
-
-
-def summary(result: dict) -> str:
-    """A few human lines about an analyze result."""
-    t = result["target"]
-    top_heads = sorted(result["attention"], key=lambda h: -h["visual_mass"])[:3]
-    dla = sorted(result["residual_decomposition"]["components"], key=lambda c: -abs(c["dla_frozen"]))[:3]
-    lines = [
-        f"answer {t['answer']!r} p={t['prob']:.3f} (predicted {t['predicted']!r})",
-        "most visual attention: " + ", ".join(f"{h['block']}.H{h['head']} {h['visual_mass']:.2f}" for h in top_heads),
-        "largest frozen-scale DLA: " + ", ".join(f"{c['name']} {c['dla_frozen']:+.2f}" for c in dla),
-        f"reconstruction error {result['residual_decomposition']['reconstruction_max_abs_err']:.2e}",
-    ]
-    return "\n".join(lines)

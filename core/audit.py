@@ -2,7 +2,10 @@
 
 Every method returns one with its numbers. The fixed columns come from the
 chapter's audit table; ``controls`` and ``parameters`` say what this call
-actually did.
+actually did. :func:`audit_csv` and :func:`audit_markdown` are the one pair of
+table writers (the session export's audit table, the dataset audit's
+``audit.csv`` / ``audit.md`` and its per-sample tables), with one cell
+escaping (:func:`cell`, :func:`markdown_cell`).
 """
 
 from __future__ import annotations

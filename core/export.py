@@ -29,7 +29,6 @@ The command line: ``vlm-readout export --session FILE --format csv|md|html|json|
 from __future__ import annotations
 
 import base64
-import csv
 import html
 import io
 import json
@@ -38,6 +37,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.audit_tables import audit_csv as table_csv
+from core.audit_tables import audit_markdown as table_markdown
+from core.audit_tables import cell as _cell
 from core.session import AUDIT_COLUMNS, METHOD_COLUMNS, Run, Session, SessionError, jsonable
 
 SCHEMA_VERSION = 1
@@ -49,40 +51,14 @@ MAX_HEAD_FIGURES = 2  # per analyze run: rollout plus the heads with the most vi
 # ---------------------------------------------------------------- the table as text
 
 
-def _cell(v) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        return repr(v) if math.isfinite(v) else ""
-    if isinstance(v, list) and all(isinstance(x, str) for x in v):
-        return "; ".join(v)
-    if isinstance(v, (dict, list)):
-        return json.dumps(jsonable(v), sort_keys=True)
-    return str(v)
-
-
 def audit_csv(rows: Sequence[dict], columns: Sequence[str] = AUDIT_COLUMNS) -> str:
-    """The audit table as CSV (header row, then one row per audit record)."""
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(columns)
-    for r in rows:
-        w.writerow([_cell(r.get(c)) for c in columns])
-    return buf.getvalue()
-
-
-def _md(v) -> str:
-    return _cell(v).replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+    """The session's audit table as CSV (:func:`core.audit_tables.audit_csv` with the session's columns)."""
+    return table_csv(rows, columns)
 
 
 def audit_markdown(rows: Sequence[dict], columns: Sequence[str] = AUDIT_COLUMNS, *, title: str | None = None) -> str:
-    """The audit table as a GitHub-flavoured Markdown table (pipes escaped)."""
-    lines = [f"# {title}", ""] if title else []
-    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_md(r.get(c)) for c in columns) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    """The session's audit table as Markdown (:func:`core.audit_tables.audit_markdown` with the session's columns)."""
+    return table_markdown(rows, columns, title=title)
 
 
 def session_header(session: Session) -> dict:

@@ -1,9 +1,24 @@
-"""Pairs files: JSONL of ``{"image", "question"[, "answer"]}`` lines.
+"""Pairs files: JSONL of ``{"image", "question"[, "answer", "foil", ...]}`` lines.
 
-Reading one (:func:`read_jsonl`, :func:`text_field`, :func:`read_pairs`) and
-loading the image of one pair (:func:`load_pair_image`). Below the command
-line and the methods, both of which read pairs files; :mod:`core.cli`
-re-exports these names.
+One reader, :func:`read_pairs`, for every command that reads image-question
+pairs (``answer --pairs``, ``audit --dataset``, the tuned lens's corpus): a
+JSONL file, or a folder holding ``dataset.jsonl`` or exactly one ``*.jsonl``
+(:func:`pairs_file`); each line is one :class:`Pair`. The line-level parts
+are :func:`read_jsonl` and :func:`text_field`. :func:`load_pair_image`,
+:func:`check_pair_image` and :func:`load_pair_mask` load a pair's files,
+naming its line when they fail.
+
+A line's fields (paths are relative to the JSONL file's folder)::
+
+    image (required), question (required), answer, foil, target_mask,
+    id, kind, template (free-text labels: any JSON scalar)
+
+``target_mask`` is the one mask convention: a PNG of the image's size, white
+(luminance >= 128, and alpha >= 128 where it has alpha) inside the region
+(:func:`core.images.load_mask`). Other keys (``core.zoo.dataset`` writes
+``objects``, ``distractor_masks``, ...) are ignored here.
+
+Below the command line and the methods, both of which read pairs files.
 """
 
 from __future__ import annotations
@@ -14,9 +29,17 @@ import os
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from core.errors import InputFileError
+from core.errors import ImageLoadError, InputFileError
+
+if TYPE_CHECKING:
+    import numpy as np
+    from PIL import Image
+
+DATASET_JSONL = "dataset.jsonl"  # the file a dataset folder holds (core.zoo.dataset writes it)
 
 
 def _json_type(v) -> str:
@@ -118,59 +141,147 @@ def resolve_beside(path: Path, name: str) -> Path:
     return p if p.is_absolute() else path.parent / p
 
 
-def read_pairs(path: Path) -> list[dict]:
-    """JSONL of {"image": path, "question": text[, "answer": token]}; image
-    paths are relative to the file. Each pair: ``image`` (as written),
-    ``image_path`` (resolved), ``question``, ``answer`` (or None), ``where``
-    (``file:line``, for messages)."""
-    path = Path(path)
-    pairs = []
-    for n, row in read_jsonl(path, "pairs file"):
-        where = f"{path}:{n}"
+@dataclass(frozen=True)
+class Pair:
+    """One image-question pair of a pairs file.
+
+    Attributes:
+        index: 0-based position among the file's pairs (the order of every output).
+        line: the line number in the file; ``where`` is ``file:line``, for messages.
+        image: the image path as the file wrote it; ``image_path`` resolved.
+        question: the question text.
+        answer, foil: target and competing token, or None.
+        target_mask: resolved path of the region mask (white = region, the
+            image's size; :func:`load_pair_mask`), or None.
+        id, kind, template: free-text labels, or None.
+    """
+
+    index: int
+    line: int
+    where: str
+    image: str
+    image_path: Path
+    question: str
+    answer: str | None = None
+    foil: str | None = None
+    target_mask: Path | None = None
+    id: str | None = None
+    kind: str | None = None
+    template: str | None = None
+
+    def to_dict(self) -> dict:
+        """The fields as a plain dict (paths stay :class:`~pathlib.Path`)."""
+        return asdict(self)
+
+
+def pairs_file(path: str | Path, what: str = "pairs file") -> Path:
+    """The JSONL file of ``path``: the file itself, or in a folder its
+    ``dataset.jsonl`` or its one ``*.jsonl``. A missing file is left to
+    :func:`read_jsonl` to name."""
+    p = Path(path)
+    if not p.is_dir():
+        return p
+    if (p / DATASET_JSONL).is_file():
+        return p / DATASET_JSONL
+    found = sorted(f for f in p.glob("*.jsonl") if f.is_file())
+    if len(found) != 1:
+        raise InputFileError(
+            f"{p}: is a folder, not a {what}; expected {DATASET_JSONL} or exactly one *.jsonl in it, found {len(found)}"
+        )
+    return found[0]
+
+
+def _label(row: dict, key: str) -> str | None:
+    """A free-text label (id, kind, template): any JSON scalar, as text."""
+    v = row.get(key)
+    return None if v is None else str(v)
+
+
+def read_pairs(path: str | Path, *, limit: int | None = None, what: str = "pairs file") -> list[Pair]:
+    """The pairs of a JSONL file or folder (:func:`pairs_file`), in file order.
+
+    Args:
+        limit: only the first N pairs (later lines are not checked).
+        what: the file's role in messages ("pairs file", "dataset file").
+
+    Every problem is one :class:`InputFileError` naming the file and the line;
+    a file without any pair is one too.
+    """
+    f = pairs_file(path, what)
+    pairs: list[Pair] = []
+    for n, row in read_jsonl(f, what):
+        if limit is not None and len(pairs) >= limit:
+            break
+        where = f"{f}:{n}"
         image = text_field(row, "image", where)
         question = text_field(row, "question", where)
         answer = text_field(row, "answer", where, required=False)
+        foil = text_field(row, "foil", where, required=False)
+        mask = text_field(row, "target_mask", where, required=False)
         pairs.append(
-            {
-                "image": image,
-                "image_path": resolve_beside(path, image),
-                "question": question,
-                "answer": answer,
-                "where": where,
-            }
+            Pair(
+                index=len(pairs),
+                line=n,
+                where=where,
+                image=image,
+                image_path=resolve_beside(f, image),
+                question=question,
+                answer=answer,
+                foil=foil,
+                target_mask=resolve_beside(f, mask) if mask else None,
+                id=_label(row, "id"),
+                kind=_label(row, "kind"),
+                template=_label(row, "template"),
+            )
         )
     if not pairs:
-        raise InputFileError(f"{path}: no pairs (the file has no non-blank line)")
+        raise InputFileError(f"{f}: no pairs (the file has no non-blank line)")
     return pairs
 
 
 @contextmanager
-def _naming_the_line(pair: dict):
+def _naming_the_line(pair: Pair):
     """An ImageLoadError inside names the pairs file's line
     (``pairs.jsonl:3: images/a.png: no such file``)."""
-    from core.errors import ImageLoadError
-
     try:
         yield
     except ImageLoadError as e:
-        if pair.get("where") is None:
+        if pair.where is None:
             raise
-        raise ImageLoadError(f"{pair['where']}: {e}") from None
+        raise ImageLoadError(f"{pair.where}: {e}") from None
 
 
-def load_pair_image(pair: dict):
-    """The image of one pair of :func:`read_pairs`, decoded; a failure names the line."""
-    from core.images import load_image
+def load_pair_image(pair: Pair) -> Image.Image:
+    """The image of one pair, decoded (:func:`core.images.load_image`); a failure names the line."""
+    from core.images import load_image  # function-local: PIL, off the parser's path
 
     with _naming_the_line(pair):
-        return load_image(pair["image_path"])
+        return load_image(pair.image_path)
 
 
-def check_pair_image(pair: dict) -> Path:
+def check_pair_image(pair: Pair) -> Path:
     """The image path of one pair after its header's checks
     (:func:`core.images.check_image_file`, no decoding); a failure names the line."""
-    from core.images import check_image_file
+    from core.images import check_image_file  # function-local: PIL, off the parser's path
 
     with _naming_the_line(pair):
-        check_image_file(pair["image_path"])
-    return pair["image_path"]
+        check_image_file(pair.image_path)
+    return pair.image_path
+
+
+def load_pair_mask(pair: Pair, size: tuple[int, int]) -> np.ndarray | None:
+    """The pair's region mask as ``(H, W)`` bool (white is inside), or None
+    without one. It must have the image's ``size = (width, height)``; an empty
+    mask is allowed. A failure names the line."""
+    if pair.target_mask is None:
+        return None
+    from core.images import load_mask  # function-local: numpy and PIL, off the parser's path
+
+    with _naming_the_line(pair):
+        mask = load_mask(pair.target_mask)
+        if (mask.shape[1], mask.shape[0]) != tuple(size):
+            raise ImageLoadError(
+                f"{pair.target_mask}: mask is {mask.shape[1]}x{mask.shape[0]}, the image is "
+                f"{size[0]}x{size[1]}; they must match"
+            )
+    return mask

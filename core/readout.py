@@ -20,10 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-
-if TYPE_CHECKING:
-    from core.audit import AuditRecord
+from typing import Any, Protocol, runtime_checkable
 
 
 def jsonable(x):
@@ -127,10 +124,59 @@ class Readout(Protocol):
         """What the run was called with (question, tokens, fill, sizes...)."""
         ...
 
-    def audit_records(self) -> list[AuditRecord]: ...
+    def audit_records(self) -> list:
+        """The :class:`core.audit.AuditRecord` rows (core.audit imports this module, so no import here)."""
+        ...
 
 
 def from_dict_fields(cls, d: dict[str, Any]):
     """``cls(**d)`` keeping only ``cls``'s dataclass fields (a stored JSON may hold more)."""
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class RecordedResult:
+    """A :class:`Readout` said outright, for a result without a class of its own
+    (a note, the dataset audit's summary run, a test's hand-made document) or
+    for a method's result recorded with a larger document (the CLI's JSON adds
+    the model and input header to the method's dict: :meth:`of`).
+
+    ``doc`` is what the session stores as the run's result; ``audits`` are
+    :class:`core.audit.AuditRecord` s or their dicts.
+    """
+
+    __slots__ = ("kind", "doc", "_summary", "_parameters", "_audits")
+
+    def __init__(self, kind: str, doc: Any, summary: str = "", parameters: dict | None = None, audits=()):
+        self.kind = kind
+        self.doc = doc
+        self._summary = str(summary)
+        self._parameters = dict(parameters or {})
+        self._audits = list(audits or [])
+
+    @classmethod
+    def of(cls, readout: Readout, doc: Any = None) -> RecordedResult:
+        """``readout``'s own kind, summary, parameters and audit rows, stored as
+        ``doc`` (default: its ``to_dict()``)."""
+        return cls(
+            readout.kind,
+            readout.to_dict() if doc is None else doc,
+            readout.summary(),
+            readout.parameters(),
+            readout.audit_records(),
+        )
+
+    def to_dict(self) -> Any:
+        return self.doc
+
+    def summary(self) -> str:
+        return self._summary
+
+    def parameters(self) -> dict:
+        return dict(self._parameters)
+
+    def audit_records(self) -> list:
+        return list(self._audits)
+
+    def __repr__(self) -> str:
+        return f"RecordedResult({self.kind!r}, summary={self._summary!r})"

@@ -25,11 +25,16 @@ def ranks(x) -> np.ndarray:
     return out
 
 
-def pearson(x, y) -> float | None:
-    """Pearson's correlation of ``x`` and ``y`` ``(n,)`` (float64)."""
+def _paired(x, y, what: str) -> tuple[np.ndarray, np.ndarray]:
     a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1:
-        raise ValueError(f"pearson needs two vectors of one length, got {a.shape} and {b.shape}")
+        raise ValueError(f"{what} needs two vectors of one length, got {a.shape} and {b.shape}")
+    return a, b
+
+
+def pearson(x, y) -> float | None:
+    """Pearson's correlation of ``x`` and ``y`` ``(n,)`` (float64)."""
+    a, b = _paired(x, y, "pearson")
     if len(a) < MIN_PAIRS:
         return None
     a, b = a - a.mean(), b - b.mean()
@@ -39,9 +44,7 @@ def pearson(x, y) -> float | None:
 
 def spearman(x, y) -> float | None:
     """Spearman's rank correlation of ``x`` and ``y`` ``(n,)``."""
-    a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    if a.shape != b.shape or a.ndim != 1:
-        raise ValueError(f"spearman needs two vectors of one length, got {a.shape} and {b.shape}")
+    a, b = _paired(x, y, "spearman")
     if len(a) < MIN_PAIRS:
         return None
     return pearson(ranks(a), ranks(b))

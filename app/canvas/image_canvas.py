@@ -29,13 +29,13 @@ from PySide6.QtWidgets import (
     QGraphicsItem,
     QGraphicsRectItem,
     QHBoxLayout,
-    QLabel,
     QSizePolicy,
     QVBoxLayout,
     QWidget,
 )
 
 from app.canvas.brush import MaskPainter
+from app.widgets import plain_label
 from core.methods.counterfactual import INTERPOLATED_FLAG
 
 INTERPOLATED_TEXT = f"interpolated: {INTERPOLATED_FLAG}"
@@ -214,6 +214,13 @@ def _rect(box) -> QRectF:
     return QRectF(x0, y0, x1 - x0, y1 - y0)
 
 
+def _cosmetic_pen(color: QColor, width: float, style: Qt.PenStyle = Qt.PenStyle.SolidLine) -> QPen:
+    """A pen whose width is in screen pixels, whatever the zoom."""
+    pen = QPen(color, width, style)
+    pen.setCosmetic(True)
+    return pen
+
+
 class _CanvasViewBox(pg.ViewBox):
     """A ViewBox that hands left-button drags and clicks to the canvas's tool
     while a paint tool is active; otherwise it pans and zooms as usual."""
@@ -296,10 +303,9 @@ class ImageCanvas(QWidget):
             "show an upsampled, smoothed heatmap (display only: " + INTERPOLATED_FLAG + ")"
         )
         self.interpolated_check.toggled.connect(self.set_interpolated)
-        self.heatmap_title = _plain_label()
-        self.heatmap_title.setStyleSheet("font-weight: bold;")
         # long titles wrap instead of widening the window (1280 px must hold every panel)
-        self.heatmap_title.setWordWrap(True)
+        self.heatmap_title = plain_label(wrap=True)
+        self.heatmap_title.setStyleSheet("font-weight: bold;")
         self.heatmap_title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         top = QHBoxLayout()
         top.setContentsMargins(0, 0, 0, 0)
@@ -309,8 +315,7 @@ class ImageCanvas(QWidget):
         top.addSpacing(12)
         top.addWidget(self.heatmap_title, stretch=1)
 
-        self.note_label = _plain_label()
-        self.note_label.setWordWrap(True)
+        self.note_label = plain_label(wrap=True)
         self.note_label.setStyleSheet("background: #fff3cd; color: #664d03; padding: 3px; border: 1px solid #e0c060;")
         self.note_label.hide()
 
@@ -329,40 +334,18 @@ class ImageCanvas(QWidget):
         self.viewbox.setBackgroundColor("#e6e6e6")  # shows the image's edges
         self.image_item = pg.ImageItem(axisOrder="row-major")
         self.plot.addItem(self.image_item)
-        self.heatmap_item = PatchHeatmapItem()
-        self.heatmap_item.setZValue(10)
-        self.heatmap_item.setOpacity(0.55)
-        self.plot.addItem(self.heatmap_item)
-        self.smooth_item = pg.ImageItem(axisOrder="row-major")
-        self.smooth_item.setZValue(10)
-        self.smooth_item.setOpacity(0.55)
-        self.smooth_item.hide()
-        self.plot.addItem(self.smooth_item)
-        self.grid_item = GridItem()
-        self.grid_item.setZValue(20)
-        self.plot.addItem(self.grid_item)
-        self.hover_item = QGraphicsRectItem()
-        pen = QPen(QColor(255, 200, 0), 2)
-        pen.setCosmetic(True)
-        self.hover_item.setPen(pen)
-        self.hover_item.setZValue(40)
-        self.hover_item.hide()
-        self.plot.addItem(self.hover_item)
-        self.cursor_item = QGraphicsEllipseItem()
-        cpen = QPen(QColor(20, 20, 20), 1)
-        cpen.setCosmetic(True)
-        self.cursor_item.setPen(cpen)
-        self.cursor_item.setZValue(50)
-        self.cursor_item.hide()
-        self.plot.addItem(self.cursor_item)
-        self.box_item = QGraphicsRectItem()
-        bpen = QPen(QColor(255, 0, 170), 2, Qt.PenStyle.DashLine)
-        bpen.setCosmetic(True)
-        self.box_item.setPen(bpen)
+        # overlays above the image, by depth: heatmaps, the patch grid, hover box, brush cursor and box tool
+        self.heatmap_item = self._overlay(PatchHeatmapItem(), 10, opacity=0.55)
+        self.smooth_item = self._overlay(pg.ImageItem(axisOrder="row-major"), 10, opacity=0.55, hidden=True)
+        self.grid_item = self._overlay(GridItem(), 20)
+        self.hover_item = self._overlay(QGraphicsRectItem(), 40, pen=_cosmetic_pen(QColor(255, 200, 0), 2), hidden=True)
+        self.cursor_item = self._overlay(
+            QGraphicsEllipseItem(), 50, pen=_cosmetic_pen(QColor(20, 20, 20), 1), hidden=True
+        )
+        self.box_item = self._overlay(
+            QGraphicsRectItem(), 50, pen=_cosmetic_pen(QColor(255, 0, 170), 2, Qt.PenStyle.DashLine), hidden=True
+        )
         self.box_item.setBrush(QBrush(QColor(255, 0, 170, 40)))
-        self.box_item.setZValue(50)
-        self.box_item.hide()
-        self.plot.addItem(self.box_item)
 
         self.colorbar = pg.ColorBarItem(
             values=(0, 1), width=14, colorMap=pg.colormap.get(SEQUENTIAL_MAP), interactive=False, colorMapMenu=False
@@ -373,8 +356,7 @@ class ImageCanvas(QWidget):
 
         # The banner lives on the view itself (a child widget over the viewport): it stays put
         # whatever the zoom, and shows in screenshots.
-        self.interpolated_label = QLabel(INTERPOLATED_TEXT, self.view)
-        self.interpolated_label.setTextFormat(Qt.TextFormat.PlainText)
+        self.interpolated_label = plain_label(INTERPOLATED_TEXT, parent=self.view)
         self.interpolated_label.setStyleSheet(
             "background: rgba(255, 235, 150, 235); color: #5a3b00; font-weight: bold; padding: 3px 6px;"
             "border: 1px solid #b8860b;"
@@ -383,11 +365,9 @@ class ImageCanvas(QWidget):
         self.interpolated_label.adjustSize()
         self.interpolated_label.hide()
 
-        self.hover_label = _plain_label("hover over the image for a token")
+        self.hover_label = plain_label("hover over the image for a token", wrap=True, selectable=True)
         self.hover_label.setStyleSheet("color: #333;")
-        self.hover_label.setWordWrap(True)
         self.hover_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self.hover_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -398,6 +378,18 @@ class ImageCanvas(QWidget):
         layout.addWidget(self.hover_label)
 
         self.view.scene().sigMouseMoved.connect(self._on_mouse_moved)
+
+    def _overlay(
+        self, item: QGraphicsItem, z: float, *, opacity: float = 1.0, pen: QPen | None = None, hidden: bool = False
+    ) -> QGraphicsItem:
+        """``item`` added to the plot at depth ``z`` (the image is at 0), with its opacity, pen and visibility."""
+        item.setZValue(z)
+        item.setOpacity(opacity)
+        if pen is not None:
+            item.setPen(pen)
+        item.setVisible(not hidden)
+        self.plot.addItem(item)
+        return item
 
     # ----- data in -------------------------------------------------------
 
@@ -751,9 +743,3 @@ class ImageCanvas(QWidget):
         self._place_cursor(p.x(), p.y())
         if ev.isFinish():
             self.end_stroke()
-
-
-def _plain_label(text: str = "") -> QLabel:
-    label = QLabel(text)
-    label.setTextFormat(Qt.TextFormat.PlainText)
-    return label

@@ -12,8 +12,10 @@ row put on image / BOS / special keys stated beside it, since those keys are not
 drawn. A second tab shows per-head distributions over a dataset run
 (:func:`core.methods.patterns.pattern_statistics`) as box plots.
 
-The helpers :class:`HeatGrid`, :func:`style_plot` and :func:`token_grid` are
-shared with the other panels.
+:class:`HeatGrid` and :func:`token_grid` are shared with the other panels; the
+plain widgets (:func:`~app.widgets.plain_label`, :func:`~app.widgets.stacked`,
+:func:`~app.widgets.style_plot`, :func:`~app.widgets.set_title`) are in
+:mod:`app.widgets`.
 """
 
 from __future__ import annotations
@@ -29,49 +31,19 @@ from PySide6.QtWidgets import (
     QComboBox,
     QGraphicsRectItem,
     QHBoxLayout,
-    QLabel,
     QSizePolicy,
-    QSplitter,
     QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
+from app.widgets import FOREGROUND, box, plain_label, set_title, split, stacked, style_plot
 from core.methods.patterns import display_token, head_text_pattern
 
-FOREGROUND = "#202020"
 MASS_MAP = "viridis"
 SINK_MAP = "CET-L12"  # light to dark blue: the sink grid never looks like the visual grid
 SIGNED_MAP = "CET-D1"  # blue - white - red, for signed values
 MAX_ANNOTATED_CELLS = 256  # cells get their value written in them up to this many
-
-
-def stacked(*items: tuple[QWidget, int]) -> QWidget:
-    """A widget holding ``(widget, stretch)`` pairs top to bottom, without margins."""
-    holder = QWidget()
-    layout = QVBoxLayout(holder)
-    layout.setContentsMargins(0, 0, 0, 0)
-    for widget, stretch in items:
-        layout.addWidget(widget, stretch)
-    return holder
-
-
-def plain_label(text: str = "", *, wrap: bool = False) -> QLabel:
-    """A label that never interprets its text as HTML (tokens like ``<image>``)."""
-    label = QLabel(text)
-    label.setTextFormat(Qt.TextFormat.PlainText)
-    label.setWordWrap(wrap)
-    label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-    return label
-
-
-def style_plot(plot: pg.PlotItem) -> None:
-    """Dark axes and labels, readable on the panels' white plot background."""
-    for name in ("left", "bottom", "right", "top"):
-        axis = plot.getAxis(name)
-        axis.setPen(pg.mkPen(FOREGROUND))
-        axis.setTextPen(pg.mkPen(FOREGROUND))
-    plot.titleLabel.setAttr("color", FOREGROUND)
 
 
 NO_TEXT_HEAD = "click a head to see its text-side pattern (question tokens x question tokens)"
@@ -144,30 +116,6 @@ def token_grid(values: Sequence[float], visual_tokens: Sequence[dict], image: in
     for k, t in mine:
         grid[t["row"], t["col"]] = values[k]
     return grid
-
-
-def _lenient_update_min(label: pg.LabelItem) -> None:
-    """LabelItem.updateMin without the minimum width: the title may be clipped, the plot is not."""
-    bounds = label.itemRect()
-    label.setMinimumWidth(0)
-    label.setMinimumHeight(bounds.height())
-    label._sizeHint = {
-        Qt.SizeHint.MinimumSize: (0, bounds.height()),
-        Qt.SizeHint.PreferredSize: (bounds.width(), bounds.height()),
-        Qt.SizeHint.MaximumSize: (-1, -1),
-        Qt.SizeHint.MinimumDescent: (0, 0),
-    }
-    label.updateGeometry()
-
-
-def set_title(plot: pg.PlotItem, text: str, size: str = "10pt") -> None:
-    """A plot title that does not set the plot's minimum width (a long title
-    would otherwise push the plot wider than a narrow dock and clip it)."""
-    label = plot.titleLabel
-    if getattr(label, "updateMin", None) is not None and not getattr(label, "_lenient", False):
-        label.updateMin = lambda: _lenient_update_min(label)  # LabelItem calls it on every text change and resize
-        label._lenient = True
-    plot.setTitle(text, size=size)
 
 
 class HeatGrid(pg.PlotWidget):
@@ -468,12 +416,12 @@ class AttentionPanel(QWidget):
         self.cells: dict[tuple[int, int], dict] = {}  # (layer, head) -> attention row
         self.selected: tuple[int, int] | None = None
 
-        self.title = plain_label("no analysis yet: press Run")
+        self.title = plain_label("no analysis yet: press Run", selectable=True)
         self.visual_grid = HeatGrid("mass on visual tokens")
         self.sink_grid = HeatGrid("BOS / sink mass (separate)", color_map=SINK_MAP)
         self.patch_map = HeatGrid("selected head: patch map", annotate=False)
         self.patch_map.setMinimumWidth(200)
-        self.details = plain_label("click a cell to select a head", wrap=True)
+        self.details = plain_label("click a cell to select a head", wrap=True, selectable=True)
         self.details.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
         self.details.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Expanding)
         self.visual_grid.cell_clicked.connect(self._on_cell)
@@ -482,37 +430,26 @@ class AttentionPanel(QWidget):
         self.details.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
         self.text_grid = TokenGrid("selected head: text-side pattern")
         self.text_grid.setMinimumSize(240, 200)
-        self.text_note = plain_label(NO_TEXT_HEAD, wrap=True)
+        self.text_note = plain_label(NO_TEXT_HEAD, wrap=True, selectable=True)
         self.text_note.setStyleSheet("color: #404040;")
         side = stacked((self.patch_map, 3), (self.details, 2))
-        head_grids = QSplitter(Qt.Orientation.Horizontal)
-        head_grids.addWidget(self.visual_grid)
-        head_grids.addWidget(self.sink_grid)
+        head_grids = split(Qt.Orientation.Horizontal, self.visual_grid, self.sink_grid)
         text_side = stacked((self.text_grid, 1), (self.text_note, 0))
-        grids = QSplitter(Qt.Orientation.Vertical)
-        grids.addWidget(head_grids)
-        grids.addWidget(text_side)
-        grids.setSizes([340, 420])
-        this_input = QSplitter(Qt.Orientation.Horizontal)
-        this_input.addWidget(grids)
-        this_input.addWidget(side)
-        this_input.setSizes([760, 420])
+        grids = split(Qt.Orientation.Vertical, head_grids, text_side, sizes=[340, 420])
+        this_input = split(Qt.Orientation.Horizontal, grids, side, sizes=[760, 420])
 
         self.metric_combo = QComboBox()
         self.metric_combo.addItems(list(STAT_METRICS))
         self.metric_combo.currentTextChanged.connect(self._draw_statistics)
-        self.stats_note = plain_label("no dataset run loaded", wrap=True)
+        self.stats_note = plain_label("no dataset run loaded", wrap=True, selectable=True)
         self.box_plot = BoxPlot()
-        dataset = QWidget()
-        d = QVBoxLayout(dataset)
-        d.setContentsMargins(0, 0, 0, 0)
-        row = QHBoxLayout()
-        row.addWidget(plain_label("per-head distribution over samples:"))
-        row.addWidget(self.metric_combo)
-        row.addStretch(1)
-        d.addLayout(row)
-        d.addWidget(self.box_plot, 1)
-        d.addWidget(self.stats_note)
+        metric_row = box(
+            QHBoxLayout(),
+            plain_label("per-head distribution over samples:", selectable=True),
+            self.metric_combo,
+            end_stretch=True,
+        )
+        dataset = stacked(metric_row, (self.box_plot, 1), self.stats_note)
 
         self.tabs = QTabWidget()
         self.tabs.addTab(this_input, "this input")

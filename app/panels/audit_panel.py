@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.panels.attention_panel import plain_label
+from app.widgets import plain_label
 
 COLUMNS = (
     "run",
@@ -125,11 +125,11 @@ class AuditPanel(QWidget):
         self.filter_edit.setPlaceholderText("filter: matches any column (method, control, parameter, ...)")
         self.filter_edit.setClearButtonEnabled(True)
         self.filter_edit.textChanged.connect(self._on_filter)
-        self.count_label = plain_label("0 rows")
+        self.count_label = plain_label("0 rows", selectable=True)
         self.export_button = QPushButton("Export…")
         self.export_button.setToolTip("write the audit table as CSV, Markdown, HTML or JSON")
         self.export_button.clicked.connect(self.choose_export)
-        self.message = plain_label("")
+        self.message = plain_label("", selectable=True)
         self.message.setStyleSheet("color: #b00020;")
 
         top = QHBoxLayout()

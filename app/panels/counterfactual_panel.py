@@ -32,11 +32,9 @@ from PySide6.QtWidgets import (
     QGroupBox,
     QHBoxLayout,
     QHeaderView,
-    QLabel,
     QPushButton,
     QSlider,
     QSpinBox,
-    QSplitter,
     QStackedWidget,
     QTableWidget,
     QTableWidgetItem,
@@ -46,16 +44,11 @@ from PySide6.QtWidgets import (
 )
 
 from app.canvas import ImageCanvas
+from app.widgets import box, boxed, plain_label, split, stacked
 from core.methods.counterfactual import FILLS
 
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp);;All files (*)"
 TOOLS = (("brush", "Brush", "B"), ("eraser", "Eraser", "E"), ("box", "Box", "R"), ("view", "Pan", "H"))
-
-
-def _plain_label(text: str = "") -> QLabel:
-    label = QLabel(text)
-    label.setTextFormat(Qt.TextFormat.PlainText)
-    return label
 
 
 def _fmt(v: Any, signed: bool = False) -> str:
@@ -167,7 +160,7 @@ class CounterfactualPanel(QWidget):
         self.size_slider.setMinimumWidth(90)
         self.size_slider.setToolTip("brush and eraser diameter, in image pixels")
         self.size_slider.valueChanged.connect(self._on_size)
-        self.size_label = _plain_label(f"size {int(self.canvas.brush_size())} px")
+        self.size_label = plain_label(f"size {int(self.canvas.brush_size())} px")
         self.size_label.setMinimumWidth(70)
         tools.addSpacing(6)
         tools.addWidget(self.size_slider, stretch=1)
@@ -219,7 +212,7 @@ class CounterfactualPanel(QWidget):
         self.paste_button = QPushButton("Image…")
         self.paste_button.setToolTip("the image whose same region is pasted in (resized to this image)")
         self.paste_button.clicked.connect(self._pick_paste_source)
-        self.paste_label = _plain_label("no image chosen")
+        self.paste_label = plain_label("no image chosen")
         self.paste_label.setStyleSheet("color: #555;")
         self._option_pages["paste"] = self._add_option_page(self.paste_button, self.paste_label)
         self.fill_combo.currentTextChanged.connect(self._on_fill_changed)
@@ -237,21 +230,12 @@ class CounterfactualPanel(QWidget):
         self.sweep_button.setToolTip("fill every k x k block of patches in turn: a map of the answer effect")
         self.sweep_button.clicked.connect(self.request_sweep)
 
-        fill_row = QHBoxLayout()
-        fill_row.addWidget(_plain_label("Fill"))
-        fill_row.addWidget(self.fill_combo)
-        fill_row.addWidget(self.fill_options, stretch=1)
-        fill_row.addWidget(self.run_button)
-        sweep_row = QHBoxLayout()
-        self.region_label = _plain_label()
+        fill_row = box(QHBoxLayout(), plain_label("Fill"), self.fill_combo, (self.fill_options, 1), self.run_button)
+        self.region_label = plain_label()
         self.region_label.setStyleSheet("color: #333;")
-        sweep_row.addWidget(self.region_label, stretch=1)
-        sweep_row.addWidget(self.sweep_k)
-        sweep_row.addWidget(self.sweep_button)
+        sweep_row = box(QHBoxLayout(), (self.region_label, 1), self.sweep_k, self.sweep_button)
 
-        self.message_label = _plain_label()
-        self.message_label.setWordWrap(True)
-        self.message_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.message_label = plain_label(wrap=True, selectable=True)
 
         left = QWidget()
         left_layout = QVBoxLayout(left)
@@ -265,31 +249,20 @@ class CounterfactualPanel(QWidget):
         # results: pictures on top, numbers below
         self.edited_view = _ImagePreview("edited image")
         self.sweep_canvas = ImageCanvas()
-        self.sweep_title = _plain_label("occlusion sweep: not run")
+        self.sweep_title = plain_label("occlusion sweep: not run")
         self.sweep_title.setStyleSheet("font-weight: bold;")
-        self.sweep_summary = _plain_label()
-        self.sweep_summary.setWordWrap(True)
+        self.sweep_summary = plain_label(wrap=True)
         self.sweep_summary.setStyleSheet("color: #333;")
-        sweep_box = QWidget()
-        sweep_layout = QVBoxLayout(sweep_box)
-        sweep_layout.setContentsMargins(0, 0, 0, 0)
-        sweep_layout.addWidget(self.sweep_title)
-        sweep_layout.addWidget(self.sweep_canvas, stretch=1)
-        sweep_layout.addWidget(self.sweep_summary)
-        pictures = QSplitter(Qt.Orientation.Horizontal)
-        pictures.addWidget(self.edited_view)
-        pictures.addWidget(sweep_box)
-        pictures.setSizes([300, 360])
+        sweep_box = stacked(self.sweep_title, (self.sweep_canvas, 1), self.sweep_summary)
+        pictures = split(Qt.Orientation.Horizontal, self.edited_view, sweep_box, sizes=[300, 360])
 
         self.answer_group = QGroupBox("Answer change")
-        self.tokens_label = _plain_label("no run yet")
-        self.tokens_label.setWordWrap(True)
-        self.flip_label = _plain_label()
+        self.tokens_label = plain_label("no run yet", wrap=True)
+        self.flip_label = plain_label(wrap=True)
         font = self.flip_label.font()
         font.setBold(True)
         font.setPointSizeF(font.pointSizeF() * 1.15)
         self.flip_label.setFont(font)
-        self.flip_label.setWordWrap(True)
         self.answer_table = _readonly_table(4, ["original", "edited", "change"])
         self.answer_table.setVerticalHeaderLabels(["predicted", "answer prob", "answer logit", "logit diff"])
         self.answer_table.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -297,8 +270,7 @@ class CounterfactualPanel(QWidget):
         height = self.answer_table.horizontalHeader().sizeHint().height() + 4
         height += sum(self.answer_table.rowHeight(r) for r in range(self.answer_table.rowCount()))
         self.answer_table.setFixedHeight(height)
-        self.fill_summary = _plain_label()
-        self.fill_summary.setWordWrap(True)
+        self.fill_summary = plain_label(wrap=True)
         self.fill_summary.setStyleSheet("color: #555;")
         answer_layout = QVBoxLayout(self.answer_group)
         answer_layout.addWidget(self.tokens_label)
@@ -314,9 +286,9 @@ class CounterfactualPanel(QWidget):
         self.top_k.setPrefix("top ")
         self.top_k.valueChanged.connect(lambda _: self._show_routing())
         self.routing_numbers = QGridLayout()
-        self.rollout_value = _plain_label("—")
-        self.dla_value = _plain_label("—")
-        self.mean_mass_value = _plain_label("—")
+        self.rollout_value = plain_label("—")
+        self.dla_value = plain_label("—")
+        self.mean_mass_value = plain_label("—")
         for r, (name, widget) in enumerate(
             (
                 ("rollout mass", self.rollout_value),
@@ -324,41 +296,28 @@ class CounterfactualPanel(QWidget):
                 ("mean head mass", self.mean_mass_value),
             )
         ):
-            self.routing_numbers.addWidget(_plain_label(name), r, 0)
+            self.routing_numbers.addWidget(plain_label(name), r, 0)
             self.routing_numbers.addWidget(widget, r, 1)
-        self.heads_title = _plain_label("attention mass per head")
+        self.heads_title = plain_label("attention mass per head")
         self.heads_table = _readonly_table(0, ["head", "block", "mass"])
         self.heads_table.verticalHeader().setVisible(False)
-        routing_caption = _plain_label(
+        routing_caption = plain_label(
             "attention, rollout and DLA show routing and the direct write from one capture of the original; "
-            "the answer change is the causal read-out"
+            "the answer change is the causal read-out",
+            wrap=True,
         )
-        routing_caption.setWordWrap(True)
         routing_caption.setStyleSheet("color: #666; font-size: 9pt;")
-        heads_row = QHBoxLayout()
-        heads_row.addWidget(self.heads_title, stretch=1)
-        heads_row.addWidget(self.top_k)
+        heads_row = box(QHBoxLayout(), (self.heads_title, 1), self.top_k)
         routing_layout = QVBoxLayout(self.routing_group)
         routing_layout.addLayout(self.routing_numbers)
         routing_layout.addLayout(heads_row)
         routing_layout.addWidget(self.heads_table, stretch=1)
         routing_layout.addWidget(routing_caption)
 
-        numbers = QHBoxLayout()
-        numbers.addWidget(self.answer_group, stretch=1)
-        numbers.addWidget(self.routing_group, stretch=1)
-        numbers_box = QWidget()
-        numbers_box.setLayout(numbers)
-        numbers.setContentsMargins(0, 0, 0, 0)
+        numbers_box = boxed(QHBoxLayout(), (self.answer_group, 1), (self.routing_group, 1))
 
-        right = QSplitter(Qt.Orientation.Vertical)
-        right.addWidget(pictures)
-        right.addWidget(numbers_box)
-        right.setSizes([330, 400])
-
-        splitter = QSplitter(Qt.Orientation.Horizontal)
-        splitter.addWidget(left)
-        splitter.addWidget(right)
+        right = split(Qt.Orientation.Vertical, pictures, numbers_box, sizes=[330, 400])
+        splitter = split(Qt.Orientation.Horizontal, left, right)
         splitter.setStretchFactor(0, 1)
         splitter.setStretchFactor(1, 1)
         splitter.setSizes([560, 700])
@@ -368,13 +327,7 @@ class CounterfactualPanel(QWidget):
         self._clear_numbers()
 
     def _add_option_page(self, *widgets: QWidget) -> int:
-        page = QWidget()
-        row = QHBoxLayout(page)
-        row.setContentsMargins(0, 0, 0, 0)
-        for w in widgets:
-            row.addWidget(w)
-        row.addStretch(1)
-        return self.fill_options.addWidget(page)
+        return self.fill_options.addWidget(boxed(QHBoxLayout(), *widgets, end_stretch=True))
 
     # ----- data in -------------------------------------------------------
 

@@ -31,23 +31,12 @@ from PySide6.QtWidgets import (
     QLabel,
     QPushButton,
     QSpinBox,
-    QSplitter,
     QVBoxLayout,
     QWidget,
 )
 
-from app.panels.attention_panel import (
-    FOREGROUND,
-    SIGNED_MAP,
-    HeatGrid,
-    block_names,
-    is_cross_block,
-    plain_label,
-    set_title,
-    stacked,
-    style_plot,
-    token_grid,
-)
+from app.panels.attention_panel import SIGNED_MAP, HeatGrid, block_names, is_cross_block, token_grid
+from app.widgets import FOREGROUND, plain_label, set_title, split, stacked, style_plot
 
 # convention shown in the combo -> (field, axis label, caveat)
 CONVENTIONS: dict[str, tuple[str, str, str]] = {
@@ -182,10 +171,10 @@ class DLAPanel(QWidget):
         controls.addStretch(1)
         controls.addWidget(self.sources_button)
 
-        self.target_label = plain_label("no analysis yet: press Run")
-        self.error_label = plain_label("")
-        self.sum_label = plain_label("", wrap=True)
-        self.caveat_label = plain_label("", wrap=True)
+        self.target_label = plain_label("no analysis yet: press Run", selectable=True)
+        self.error_label = plain_label("", selectable=True)
+        self.sum_label = plain_label("", wrap=True, selectable=True)
+        self.caveat_label = plain_label("", wrap=True, selectable=True)
         self.caveat_label.setStyleSheet("color: #704000;")
 
         self.plot_widget = pg.PlotWidget(background="w")
@@ -217,12 +206,9 @@ class DLAPanel(QWidget):
         self.plot_widget.scene().sigMouseClicked.connect(self._on_click)
 
         self.source_grid = HeatGrid("per-source contribution", color_map=SIGNED_MAP, annotate=False)
-        self.source_label = plain_label("select a head's bar, then ask for its sources", wrap=True)
+        self.source_label = plain_label("select a head's bar, then ask for its sources", wrap=True, selectable=True)
         side = stacked((self.source_grid, 1), (self.source_label, 0))
-        splitter = QSplitter(Qt.Orientation.Horizontal)
-        splitter.addWidget(self.plot_widget)
-        splitter.addWidget(side)
-        splitter.setSizes([880, 360])
+        splitter = split(Qt.Orientation.Horizontal, self.plot_widget, side, sizes=[880, 360])
 
         layout = QVBoxLayout(self)
         layout.addLayout(controls)

@@ -23,14 +23,14 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QHeaderView,
     QLabel,
-    QSplitter,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
     QWidget,
 )
 
-from app.panels.attention_panel import block_names, plain_label, set_title, style_plot
+from app.panels.attention_panel import block_names
+from app.widgets import box, plain_label, set_title, split, stacked, style_plot
 
 LOGIT_LENS = "logit lens"
 READER_COLORS = ["#1f5fb4", "#e0701b", "#2a9d3a", "#c0392b", "#8e44ad", "#7f7f7f", "#b8860b", "#17becf"]
@@ -83,7 +83,7 @@ class LensPanel(QWidget):
         self.readers: dict[str, list[dict]] = {}
         self.curves: dict[str, dict[str, pg.PlotDataItem]] = {p: {} for p in PLOTS}
 
-        self.title = plain_label("no analysis yet: press Run")
+        self.title = plain_label("no analysis yet: press Run", selectable=True)
         self.graphics = pg.GraphicsLayoutWidget()
         self.graphics.setBackground("w")
         self.plots: dict[str, pg.PlotItem] = {}
@@ -119,25 +119,12 @@ class LensPanel(QWidget):
         for c in range(4):
             header.setSectionResizeMode(c, QHeaderView.ResizeMode.ResizeToContents)
         header.setSectionResizeMode(4, QHeaderView.ResizeMode.Stretch)
-        self.note = plain_label(NOTE, wrap=True)
+        self.note = plain_label(NOTE, wrap=True, selectable=True)
 
-        side = QWidget()
-        s = QVBoxLayout(side)
-        s.setContentsMargins(0, 0, 0, 0)
-        row = QHBoxLayout()
-        row.addWidget(QLabel("top tokens per layer of:"))
-        row.addWidget(self.reader_combo, 1)
-        s.addLayout(row)
-        s.addWidget(self.table, 1)
-        splitter = QSplitter(Qt.Orientation.Horizontal)
-        plots = QWidget()
-        p = QVBoxLayout(plots)
-        p.setContentsMargins(0, 0, 0, 0)
-        p.addWidget(self.legend)
-        p.addWidget(self.graphics, 1)
-        splitter.addWidget(plots)
-        splitter.addWidget(side)
-        splitter.setSizes([720, 520])
+        reader_row = box(QHBoxLayout(), QLabel("top tokens per layer of:"), (self.reader_combo, 1))
+        side = stacked(reader_row, (self.table, 1))
+        plots = stacked(self.legend, (self.graphics, 1))
+        splitter = split(Qt.Orientation.Horizontal, plots, side, sizes=[720, 520])
         layout = QVBoxLayout(self)
         layout.addWidget(self.title)
         layout.addWidget(splitter, 1)

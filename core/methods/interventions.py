@@ -33,45 +33,15 @@ from core.audit import AuditRecord
 from core.capture import Trace, capture, hooks
 from core.edits import Edit
 from core.errors import InterventionError
+from core.readout import Target
 
 # ---------------------------------------------------------------- answer read-outs
 
 
-@dataclass
-class AnswerValues:
-    """The answer position's numbers in one run (the same answer and foil
-    tokens are used for every run that is compared)."""
-
-    answer: str
-    answer_id: int
-    foil: str | None
-    foil_id: int | None
-    logit: float
-    logit_diff: float | None  # answer minus foil logit; None without a foil
-    prob: float
-    predicted: str
-    predicted_id: int
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-def answer_values(adapter, trace: Trace, answer_id: int, foil_id: int | None = None, batch: int = 0) -> AnswerValues:
-    """:class:`AnswerValues` of ``trace`` at its answer position (row ``batch``)."""
+def answer_values(adapter, trace: Trace, answer_id: int, foil_id: int | None = None, batch: int = 0) -> Target:
+    """The :class:`Target` of ``trace`` at its answer position (row ``batch``; float64 arithmetic)."""
     pos = int(trace.answer_positions[batch])
-    logits = trace.logits[batch, pos].double()  # (vocab,)
-    predicted = int(logits.argmax())
-    return AnswerValues(
-        adapter.token_str(answer_id),
-        int(answer_id),
-        adapter.token_str(foil_id) if foil_id is not None else None,
-        None if foil_id is None else int(foil_id),
-        float(logits[answer_id]),
-        float(logits[answer_id] - logits[foil_id]) if foil_id is not None else None,
-        float(logits.softmax(-1)[answer_id]),
-        adapter.token_str(predicted),
-        predicted,
-    )
+    return Target.from_logits(adapter, trace.logits[batch, pos], answer_id, foil_id, position=pos)
 
 
 @dataclass
@@ -88,8 +58,8 @@ class InterventionEffect:
 
     label: str
     edits: list[dict]
-    original: AnswerValues
-    edited: AnswerValues
+    original: Target
+    edited: Target
     effect: dict
 
     def to_dict(self) -> dict:
@@ -102,7 +72,20 @@ class InterventionEffect:
         }
 
 
-def effect_of(label: str, edits: Sequence[Edit], original: AnswerValues, edited: AnswerValues) -> InterventionEffect:
+def _effect_line(label: str, effect: InterventionEffect) -> str:
+    """``label: 'blue' logit diff +3.210 -> +0.500, p 0.912 -> 0.300; predicted 'blue' -> 'red' (flipped)``."""
+    o, e = effect.original, effect.edited
+    score, before, after = "logit diff", o.logit_diff, e.logit_diff
+    if before is None or after is None:
+        score, before, after = "logit", o.logit, e.logit
+    flipped = " (flipped)" if effect.effect["flipped"] else ""
+    return (
+        f"{label}: {o.answer!r} {score} {before:+.3f} -> {after:+.3f}, p {o.prob:.3f} -> {e.prob:.3f}; "
+        f"predicted {o.predicted!r} -> {e.predicted!r}{flipped}"
+    )
+
+
+def effect_of(label: str, edits: Sequence[Edit], original: Target, edited: Target) -> InterventionEffect:
     diff = None
     if original.logit_diff is not None and edited.logit_diff is not None:
         diff = edited.logit_diff - original.logit_diff
@@ -145,9 +128,28 @@ class InterventionResult:
 
     method: str
     position: int
-    original: AnswerValues
+    original: Target
     rows: list[InterventionEffect]
     audit: AuditRecord = field(repr=False, default=None)
+
+    kind = "intervention"  # the session's run kind (core.readout.Readout)
+
+    def summary(self) -> str:
+        """``ablation at position 12: L1.H2 zero: 'blue' logit diff +3.210 -> +0.500; predicted ...``."""
+        rows = "; ".join(_effect_line(r.label, r) for r in self.rows) or "no edit set ran"
+        return f"{self.method} at position {self.position}: {rows}"
+
+    def parameters(self) -> dict:
+        return {
+            "method": self.method,
+            "position": self.position,
+            "answer": self.original.answer,
+            "foil": self.original.foil,
+            "edit_sets": [r.label for r in self.rows],
+        }
+
+    def audit_records(self) -> list[AuditRecord]:
+        return [self.audit] if self.audit else []
 
     def to_dict(self) -> dict:
         return {
@@ -537,10 +539,34 @@ class VisualPatchResult:
 
     site: str
     layer: int | None
-    original: AnswerValues
-    source: AnswerValues
+    original: Target
+    source: Target
     rows: list[VisualPatchRow]
     audit: AuditRecord = field(repr=False, default=None)
+
+    kind = "intervention"  # the session's run kind, as the app records it (core.readout.Readout)
+
+    def summary(self) -> str:
+        """``visual-feature patching at projector_out: painted region forward: 'blue' logit diff ...``."""
+        where = self.site if self.layer is None else f"{self.site} block {self.layer}"
+        rows = []
+        for r in self.rows:
+            rows.append(_effect_line(f"{r.name} forward", r.forward))
+            if r.reverse is not None:
+                rows.append(_effect_line(f"{r.name} reverse", r.reverse))
+        return f"visual-feature patching at {where}: " + ("; ".join(rows) or "no token set ran")
+
+    def parameters(self) -> dict:
+        return {
+            "site": self.site,
+            "layer": self.layer,
+            "answer": self.original.answer,
+            "foil": self.original.foil,
+            "token_sets": {r.name: r.tokens for r in self.rows},
+        }
+
+    def audit_records(self) -> list[AuditRecord]:
+        return [self.audit] if self.audit else []
 
     def to_dict(self) -> dict:
         return {

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.audit import AuditRecord
+from core.stats import spearman
 
 
 @dataclass
@@ -188,12 +189,9 @@ class RerunComparison:
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
-    if len(a) < 3:
-        return float("nan")
-    ra = torch.tensor(a).argsort().argsort().double()
-    rb = torch.tensor(b).argsort().argsort().double()
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra @ rb) / (ra.norm() * rb.norm()).clamp_min(1e-12))
+    """:func:`core.stats.spearman` (ties given their mean rank), NaN where undefined."""
+    rho = spearman(a, b)
+    return float("nan") if rho is None else rho
 
 
 @torch.no_grad()

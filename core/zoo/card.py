@@ -18,10 +18,6 @@ from core.zoo import scenes, vocab
 from core.zoo.evaluate import markdown_table
 
 
-def _params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def _command(args: dict) -> str:
     """The exact training command (resumable; deterministic data from the seed)."""
     cmd = (
@@ -142,9 +138,9 @@ def _curve_table(curve: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def _architecture(family: str, model) -> str:
+def _architecture(family: str, adapter, model_dir: Path) -> str:
     if family == "llava":
-        c = model.config
+        c = adapter.model_config
         v, t = c.vision_config, c.text_config
         return "\n".join(
             [
@@ -162,7 +158,7 @@ def _architecture(family: str, model) -> str:
                 f"- {c.image_seq_length} visual tokens per image, placed where the `<image>` token stands",
             ]
         )
-    cfg = json.loads((Path(model._card_dir) / "open_clip_config.json").read_text())["model_cfg"]
+    cfg = json.loads((Path(model_dir) / "open_clip_config.json").read_text())["model_cfg"]
     v, t, m = cfg["vision_cfg"], cfg["text_cfg"], cfg["multimodal_cfg"]
     return "\n".join(
         [
@@ -197,9 +193,7 @@ def _alt_section(model_dir: Path, name: str) -> str:
 def write_card(family: str, model_dir: Path) -> None:
     from core.models.loading import load_model
 
-    loaded = load_model(model_dir)
-    model = loaded.model
-    model._card_dir = str(model_dir)
+    adapter = load_model(model_dir).adapter
     training = json.loads((model_dir / "training.json").read_text())
     curve = _read_curve(model_dir / "learning_curve.jsonl")
     finetune = _finetune_section(training, curve, model_dir)
@@ -240,9 +234,9 @@ A small {"LLaVA" if family == "llava" else "CoCa"} trained from scratch on the s
 `core/zoo/scenes.py`, shipped as VLM Readout's default model so every read-out
 has a model whose ground truth is known exactly. It answers one word.
 
-## Architecture ({_params(model):,} parameters)
+## Architecture ({adapter.parameter_count():,} parameters)
 
-{_architecture(family, model)}
+{_architecture(family, adapter, model_dir)}
 
 ## Vocabulary
 

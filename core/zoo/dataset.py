@@ -35,7 +35,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from core.arguments import Parser, non_negative_int, positive_int
 from core.atomic import make_folder, write_bytes_atomic, write_text_atomic
+from core.errors import ReadoutError
 from core.zoo import scenes
 
 SCHEMA_VERSION = 1
@@ -153,9 +155,6 @@ def write_dataset(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.cli import Parser, non_negative_int, positive_int
-    from core.errors import ReadoutError
-
     p = Parser(prog="python -m core.zoo.dataset", description="Write synthetic scenes as an audit dataset.")
     p.add_argument("--split", default="heldout", choices=sorted(scenes.SPLIT_SEEDS))
     p.add_argument("--n", type=positive_int, default=100)

@@ -1,7 +1,7 @@
 """Accuracy of a model on held-out synthetic scenes, per question kind.
 
-``vlm-readout evaluate-zoo --model shapes-llava --n 2000 --json OUT`` (or
-``python -m core.zoo.evaluate ...``) runs the model through the public path
+``vlm-readout evaluate-zoo --model shapes-llava --n 2000 --json OUT`` (the
+command is :mod:`core.cli.evaluate_zoo`) runs the model through the public path
 (``load_model`` + the model's own processor) on samples ``0..n-1`` of the
 ``heldout`` split, whose seeds training never reads, and reports exact-match
 accuracy per question kind and per template. The numbers in each model card
@@ -9,10 +9,6 @@ come from this command.
 """
 
 from __future__ import annotations
-
-import json
-import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -89,32 +85,3 @@ def markdown_table(result: dict) -> str:
         rows.append(f"| {k} | {v['accuracy']:.4f} | {v['n']} | {v['bar']:.2f} ({mark}) |")
     rows.append(f"| overall | {result['overall']:.4f} | {result['n']} | |")
     return "\n".join(rows)
-
-
-def main(args) -> int:
-    from tqdm import tqdm
-
-    from core.atomic import check_output_file, write_text_atomic
-    from core.cli import _load
-    from core.errors import ReadoutError
-
-    if args.renderer == "main" and args.split not in scenes.SPLIT_SEEDS:
-        raise ReadoutError(f"unknown split {args.split!r}; expected one of {', '.join(scenes.SPLIT_SEEDS)}")
-    if args.json:
-        check_output_file(args.json)  # fail fast, before the model loads
-    loaded = _load(args)
-    bar = tqdm(total=args.n, desc="evaluating", file=sys.stderr, disable=args.quiet)
-    result = evaluate(
-        loaded, args.n, args.split, args.batch_size, lambda d, t: bar.update(d - bar.n), renderer=args.renderer
-    )
-    bar.close()
-    print(markdown_table(result))
-    if args.json:
-        write_text_atomic(Path(args.json), json.dumps(result, indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    from core.cli import main as cli_main
-
-    sys.exit(cli_main(["evaluate-zoo", *sys.argv[1:]]))

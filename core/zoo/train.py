@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from core.models.families.llava import LlavaAdapter
 from core.zoo import build, scenes, vocab
 
 N_COLOR = len(scenes.COLORS) + 1
@@ -267,6 +268,8 @@ class LlavaTrainer:
     def __init__(self, seed: int):
         self.model = build.build_llava(seed)
         self.tok = vocab.build_tokenizer()
+        # the canonical view of the model being trained: its vision side, projector and decoder
+        self.adapter = LlavaAdapter(self.model, build.llava_processor(), vocab.build_hf_tokenizer())
         prompt = vocab.LLAVA_PROMPT
         head, tail = prompt.split(vocab.IMAGE)
         # "<s> user :" before the image; the question and "assistant :" after.
@@ -282,31 +285,31 @@ class LlavaTrainer:
 
     def patch_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) -> (B, patches, vision width), the vision tower's last layer."""
-        return self.model.model.vision_tower(pixel_values=pixels).last_hidden_state[:, 1:]
+        return self.adapter.vision_features(pixels)
 
     def project(self, patches: torch.Tensor) -> torch.Tensor:
         """(B, patches, vision width) -> (B, patches, text width): what the language model reads."""
-        return self.model.model.multi_modal_projector(patches)
+        return self.adapter.project_visual(patches)
 
     def answer_logits(self, pixels, questions, k, patches=None, hidden=False, projected=None):
         """Logits at the answer position, (B*k, vocab), with a shared image prefix.
         With ``hidden`` also the residual after each language layer at the
         question's tokens, a list of (B*k, pos, width), and those tokens' ids (B*k, pos).
         ``projected``: :meth:`project` of ``patches`` when the caller already has it."""
-        m = self.model.model
+        lm = self.adapter.language_model
         if projected is None:
             projected = self.project(patches if patches is not None else self.patch_tokens(pixels))
         feats = projected
         b = feats.shape[0]
-        pre = m.language_model.embed_tokens(torch.tensor(self.prefix_ids)).unsqueeze(0).expand(b, -1, -1)
-        out = m.language_model(inputs_embeds=torch.cat([pre, feats], 1), use_cache=True)
+        pre = lm.embed_tokens(torch.tensor(self.prefix_ids)).unsqueeze(0).expand(b, -1, -1)
+        out = lm(inputs_embeds=torch.cat([pre, feats], 1), use_cache=True)
         cache = out.cache
         cache.batch_repeat_interleave(k)
         suffix = [self.tok.encode(self.tail.format(question=q), add_special_tokens=False).ids for q in questions]
         ids, last = _pad(suffix)
-        out2 = m.language_model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=hidden)
+        out2 = lm(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=hidden)
         h = out2.last_hidden_state[torch.arange(len(last)), last]
-        logits = self.model.lm_head(h)
+        logits = self.adapter.lm_head(h)
         if not hidden:
             return logits
         return logits, list(out2.hidden_states[1:]), ids

@@ -386,3 +386,40 @@ def test_heat_grid_cell_values_follow_each_new_grid(qtbot):
             assert text.toPlainText() == f"{values[r, c]:.2f}"
             assert (text.pos().x(), text.pos().y()) == (c + 0.5, r + 0.5)
         assert all(t.scene() is grid.scene() for t in grid._texts)
+
+
+def test_shared_widgets_keep_text_plain_and_boxes_bare(qtbot):
+    """app.widgets: a label shows markup-looking tokens as text (selectable only on
+    request), a box has no margins and keeps the stretches asked for, a splitter
+    holds its widgets in order."""
+    from PySide6.QtWidgets import QHBoxLayout, QLabel
+
+    from app.widgets import box, boxed, plain_label, split, stacked
+
+    label = plain_label("<b>image</b> <image>", wrap=True)
+    qtbot.addWidget(label)
+    assert label.textFormat() == Qt.TextFormat.PlainText and label.text() == "<b>image</b> <image>"
+    assert label.wordWrap()
+    assert not label.textInteractionFlags() & Qt.TextInteractionFlag.TextSelectableByMouse
+    chosen = plain_label("x", selectable=True)
+    qtbot.addWidget(chosen)
+    assert chosen.textInteractionFlags() & Qt.TextInteractionFlag.TextSelectableByMouse
+    assert not chosen.wordWrap()
+
+    first, second = QLabel("a"), QLabel("b")
+    row = box(QHBoxLayout(), first, (second, 3), end_stretch=True)
+    assert [row.stretch(i) for i in range(row.count())] == [0, 3, 1]
+    holder = stacked(row, QLabel("c"))
+    qtbot.addWidget(holder)
+    margins = holder.layout().contentsMargins()
+    assert (margins.left(), margins.top(), margins.right(), margins.bottom()) == (0, 0, 0, 0)
+    assert first.parent() is holder and second.parent() is holder
+    wide = boxed(QHBoxLayout(), QLabel("d"))
+    qtbot.addWidget(wide)
+    assert wide.layout().contentsMargins().left() == 0
+
+    left, right = QLabel("left"), QLabel("right")
+    splitter = split(Qt.Orientation.Vertical, left, right, sizes=[30, 70])
+    qtbot.addWidget(splitter)
+    assert splitter.orientation() == Qt.Orientation.Vertical
+    assert [splitter.widget(i) for i in range(splitter.count())] == [left, right]

@@ -13,6 +13,7 @@ import pytest
 from PySide6.QtGui import QImage
 
 from app.main_window import MainWindow
+from core.readout import RecordedResult
 from core.session import Session
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +64,7 @@ def test_unusable_session_at_start_opens_the_window_and_names_the_new_one(qtbot,
         fallback = win.session.path
         assert fallback.parent == home / ".local" / "share" / "vlm-readout" / "sessions" and fallback.is_file()
         assert line.endswith(f"recording into a new session {fallback} instead")
-        win.session.record("note", {"summary": "kept"})
+        win.session.record(RecordedResult("note", {}, "kept"))
         assert [r.summary for r in win.session.runs()] == ["kept"]
     finally:
         win.close()
@@ -78,7 +79,7 @@ def test_no_session_file_anywhere_records_in_memory_and_says_so(qtbot, model_cac
     try:
         line = win.session_label.text()
         assert "no such folder" in line and line.endswith("recording into a temporary session that is not saved")
-        win.session.record("note", {"summary": "in memory"})
+        win.session.record(RecordedResult("note", {}, "in memory"))
         assert len(win.session.runs()) == 1
     finally:
         win.close()
@@ -107,11 +108,11 @@ def test_main_starts_with_a_bad_session_and_shows_it(tmp_path, home):
 
 
 def test_open_session_with_a_bad_file_keeps_the_current_session(qtbot, window, tmp_path):
-    window.session.record("note", {"summary": "current work"})
+    window.session.record(RecordedResult("note", {}, "current work"))
     current, label = window.session, window.session_label.text()
     broken = tmp_path / "broken.vlmr"
     with Session.create(broken) as s:
-        s.record("analyze", {"summary": "x"})
+        s.record(RecordedResult("analyze", {}, "x"))
     with closing(sqlite3.connect(broken)) as c:
         c.execute("UPDATE runs SET result = '{not json'")
         c.commit()

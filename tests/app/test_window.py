@@ -130,6 +130,33 @@ def test_close_while_running_joins_the_worker(qtbot, window):
     assert window.workers.running() == []
 
 
+def test_the_audit_table_follows_the_sessions_events(qtbot, window, tmp_path):
+    """The Audit tab is a view of the session: a run recorded in another thread
+    (as a worker would) reaches it on the GUI thread through the session's
+    on_recorded event, with no refresh by hand; a replaced session no longer drives it."""
+    from core.readout import RecordedResult
+    from core.session import Session
+
+    before = len(window.audit_panel.rows())
+    seen_on: list[bool] = []
+    watch = window.session_watch
+    watch.recorded.connect(lambda _info: seen_on.append(threading.current_thread() is threading.main_thread()))
+    note = RecordedResult("note", {}, "from a thread")
+    job = Worker(lambda *, progress, cancel: window.session.record(note))  # as a job that records would
+    with qtbot.waitSignal(job.finished, timeout=TIMEOUT_MS):
+        window.workers.start(job)
+    qtbot.waitUntil(lambda: len(window.audit_panel.rows()) == before + 1, timeout=5_000)
+    assert window.audit_panel.rows()[-1]["summary"] == "from a thread" and seen_on == [True]  # on the GUI thread
+
+    old = window.session
+    other = tmp_path / "other.vlmr"
+    Session.create(other).close()
+    assert window.open_session(other) and old.closed and window.audit_panel.rows() == []
+    assert old._callbacks == []  # unsubscribed when replaced
+    window.session.record(RecordedResult("note", {}, "in the new one"))  # on the GUI thread: shown at once
+    assert [r["summary"] for r in window.audit_panel.rows()] == ["in the new one"]
+
+
 def test_drop_and_paste_set_the_image(qtbot, window):
     sample = bundled_samples()[1]
     mime = QMimeData()
@@ -228,4 +255,3 @@ def test_none_survives_many_windows(qtbot, model_cache, tmp_path):
         for singleton in (None, True, False):  # pinned: PySide6's extra releases cannot reach zero
             assert sys.getrefcount(singleton) > 1 << 39
     assert sys.getrefcount(None) > before - 1_000_000
-

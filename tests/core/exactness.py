@@ -548,3 +548,26 @@ def noise_image(size: tuple[int, int], seed: int = 0) -> Image.Image:
 def module_hook_counts(model) -> list[tuple[int, int]]:
     """(forward hooks, forward pre-hooks) of every module: equal before and after a capture."""
     return [(len(mod._forward_hooks), len(mod._forward_pre_hooks)) for mod in model.modules()]
+
+
+def invert_around_box_centre(pixels: np.ndarray, box, shrink: int = 5) -> np.ndarray:
+    """A copy of ``pixels (height, width, 3)`` with the patch around ``box``'s
+    centre inverted: half-extents of ``1 / shrink`` of the box (at least a pixel),
+    clipped at the image's top-left edge. The geometry experiments' probe."""
+    x0, y0, x1, y1 = box
+    cx, cy = int((x0 + x1) / 2), int((y0 + y1) / 2)
+    rx, ry = max(1, int((x1 - x0) / shrink)), max(1, int((y1 - y0) / shrink))
+    out = pixels.copy()
+    ys, xs = slice(max(0, cy - ry), cy + ry), slice(max(0, cx - rx), cx + rx)
+    out[ys, xs] = 255 - out[ys, xs]
+    return out
+
+
+def projected_visual_tokens(loaded, image: Image.Image, question: str, *tensor_names: str) -> torch.Tensor:
+    """``(n_visual, d_model)``: ``image``'s visual tokens as the decoder receives them
+    (the library's ``get_image_features`` on the prepared tensors ``tensor_names``,
+    in its argument order; every frame or tile in order)."""
+    inputs = loaded.adapter.prepare([image], [question])
+    with torch.no_grad():
+        out = loaded.model.model.get_image_features(*(inputs.tensors.get(n) for n in tensor_names), return_dict=True)
+    return torch.cat(list(out.pooler_output), dim=0)

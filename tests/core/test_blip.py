@@ -4,30 +4,26 @@ forward, autograd, or a recomputation from canonical weights), the
 post-LayerNorm frozen-scale bookkeeping is checked to be exact, and the
 geometry is checked by experiment."""
 
+import functools
 import inspect
 import math
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from core.capture import capture
-from core.errors import QuestionError, UnsupportedArchitectureError
 from core.methods import contributions, residual
 from core.methods.logit_lens import logit_lens
 from core.methods.residual import target_direction
+from core.models.families.blip import BlipAdapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
     assert_decomposition_is_exact,
-    assert_heads_sum_to_attention_output,
     assert_jacobian_dla_is_autograd,
     assert_lens_last_row_is_the_model,
-    forwards_tol,
     frozen_map_terms,
     frozen_sum_tol,
     jacobian_tol,
-    module_hook_counts,
     noise_image,
     norm_output_tol,
     norm_replay_tol,
@@ -123,13 +119,23 @@ def tiny_blip_float64() -> LoadedModel:
     return LoadedModel("tiny-blip", adapter.family, model, processor, processor.tokenizer, adapter)
 
 
-@pytest.fixture(scope="module")
-def traced():
+@functools.cache
+def traced_case(kind: str = "blip"):
+    """``(model, trace)``: one capture, every query position kept; built once per
+    session (this file's tests and tests/core/test_family_conformance.py share it)."""
     m = tiny_blip_float64()
     image = noise_image(IMAGE_SIZE)
     n_pos = m.adapter.prepare([image], [PREFIX]).input_ids.shape[1]
     tr = capture(m, image, PREFIX, query_positions=range(n_pos))
     return m, tr
+
+
+CASES = ("blip",)  # the conformance module's cases of this file (traced_case keys)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    return traced_case()
 
 
 def ids(m):
@@ -145,29 +151,42 @@ def wired(module, hook: str) -> bool:
 # ---- registry, weights, inputs
 
 
-def test_registry_description_and_unknown_architecture(traced):
-    from core.models import registry
-    from core.models.families.blip import BlipAdapter
+# ---- this family's parts of the conformance checks (tests/core/test_family_conformance.py)
 
-    m, _ = traced
-    assert registry.adapter_for_hf("BlipForConditionalGeneration") is BlipAdapter
-    with pytest.raises(UnsupportedArchitectureError, match="BlipForConditionalGeneration"):
-        registry.adapter_for_hf("BlipForQuestionAnswering")  # VQA: text encoder + decoder, not mapped
-    d = m.adapter.describe()
-    assert (d["n_layers"], d["n_heads"], d["d_model"]) == (3, 4, 32)
-    assert d["attention_kind"] == "cross" and d["position_scheme"] == "absolute"
-    assert d["final_transform"] == "dense+gelu+layernorm" and d["norm_placement"] == "post"
+ADAPTERS = {"BlipForConditionalGeneration": BlipAdapter}
+UNKNOWN_ARCHITECTURE = "BlipForQuestionAnswering"  # VQA: text encoder + decoder, not mapped
+DESCRIPTION = {
+    "n_layers": 3,
+    "n_heads": 4,
+    "d_model": 32,
+    "attention_kind": "cross",
+    "position_scheme": "absolute",
+    "final_transform": "dense+gelu+layernorm",
+    "norm_placement": "post",
+}
+CROSS_KEYS = 17  # the vision tower's CLS + 4 x 4 patches, cross-attended by every text position
+PADDED_BATCH = ([(130, 70), (40, 90)], ["a cat", "a picture of the red circle"])
+APPENDED_WORD = "cat"
+BAD_QUESTIONS = (("vocabulary", "a picture of zebras"), ("too long", " ".join(["a cat"] * 8)))  # 16 words + BOS
+PERTURB_SIZES = [(150, 90)]
+
+
+def output_embeddings(model):
+    """The decoder's unembedding (the captioner itself does not expose it)."""
+    return model.text_decoder.get_output_embeddings()
+
+
+def check_registry_and_description(m, tr) -> None:
+    """Each layer is a self block then a cross block."""
     assert m.adapter.blocks == [(f"L{i}{s}", k) for i in range(3) for s, k in (("", "self"), (".xattn", "cross"))]
 
 
-def test_canonical_weights_match_the_projections(traced):
-    """q/k/v/o of self and cross blocks (cross k/v read the vision width); W_U tied."""
-    m, _ = traced
+def check_canonical_weights(m, x) -> None:
+    """q/k/v/o of self and cross blocks (cross k/v read the vision width); W_U tied, b_U nonzero."""
     a = m.adapter
     for block in (2, 3):
         attn = a._attention(block)
         d_in = 24 if block % 2 else 32
-        x = torch.randn(5, 32, dtype=torch.float64)
         kv = torch.randn(5, d_in, dtype=torch.float64)
         torch.testing.assert_close(
             torch.einsum("pm,hmd->phd", x, a.W_Q(block)) + a.b_Q(block),
@@ -193,6 +212,36 @@ def test_canonical_weights_match_the_projections(traced):
     assert a.b_U.abs().sum() > 0
 
 
+def check_padded_batch(m, batch) -> None:
+    """[SEP] is dropped from every row (generate decodes without it)."""
+    mask = batch.tensors["attention_mask"]
+    assert mask.shape[1] == 7
+    assert m.adapter.tokenizer.sep_token_id not in batch.input_ids[mask.bool()].tolist()
+
+
+def check_appended_token(m, inputs, longer) -> None:
+    assert int(longer.answer_positions[0]) == 4  # [DEC] a picture of cat
+
+
+def check_question_errors(m, monkeypatch) -> None:
+    m.adapter.check_question(" ".join(["a"] * 15))  # BOS + 15 = 16: fits ([SEP] is dropped)
+
+
+def perturbation_features(m, image) -> tuple[torch.Tensor]:
+    """``((n_keys, d_vision),)``: the vision tower's output, the keys the decoder cross-attends to."""
+    inputs = m.adapter.prepare([image], [PREFIX])
+    with torch.no_grad():
+        return (m.model.vision_model(inputs.tensors["pixel_values"]).last_hidden_state[0],)
+
+
+def perturbation_probes(m, size, tokens) -> list:
+    return [tokens[i] for i in (1, 4, 6, 11, 13, 16)]  # corners, centre, edges
+
+
+def perturbation_rivals(tokens, t) -> list[torch.Tensor]:
+    return [torch.arange(1, len(tokens))]  # the patch keys (not CLS)
+
+
 def test_prepare_mirrors_generate(traced):
     """generate() puts BOS ([DEC]) first and drops [SEP]: our input is exactly what
     it decodes from, and its greedy first token is our answer position's argmax."""
@@ -214,51 +263,6 @@ def test_prepare_mirrors_generate(traced):
     assert out[0, :-1].tolist() == inputs.input_ids[0].tolist()
     with torch.no_grad():
         assert int(out[0, -1]) == int(a.next_token_logits(inputs)[0].argmax())
-
-
-def test_right_padded_batch_matches_single_runs(traced):
-    m, _ = traced
-    a = m.adapter
-    images = [noise_image((130, 70), 1), noise_image((40, 90), 2)]
-    questions = ["a cat", "a picture of the red circle"]
-    batch = a.prepare(images, questions)
-    assert a.tokenizer.padding_side == "left"  # restored
-    mask = batch.tensors["attention_mask"]
-    assert mask[0, -1] == 0 and mask[1, -1] == 1 and mask.shape[1] == 7
-    assert a.tokenizer.sep_token_id not in batch.input_ids[mask.bool()].tolist()
-    with torch.no_grad():
-        logits = a.next_token_logits(batch)
-        for i in range(2):
-            single = a.prepare([images[i]], [questions[i]])
-            assert int(batch.answer_positions[i]) == single.input_ids.shape[1] - 1
-            want = a.next_token_logits(single)[0]
-            torch.testing.assert_close(logits[i], want, atol=forwards_tol(a, want, 17), rtol=0)
-
-
-def test_append_token_continues_the_text(traced):
-    m, _ = traced
-    a = m.adapter
-    inputs = a.prepare([noise_image(IMAGE_SIZE)], [PREFIX])
-    cat = a.token_id("cat")
-    longer = a.append_token(inputs, cat)
-    assert int(longer.answer_positions[0]) == 4 and int(longer.input_ids[0, -1]) == cat
-    with torch.no_grad():
-        before = a.forward_logits(inputs)
-        torch.testing.assert_close(a.forward_logits(longer)[:, :-1], before, atol=forwards_tol(a, before, 17), rtol=0)
-
-
-def test_question_errors(traced):
-    m, _ = traced
-    a = m.adapter
-    with pytest.raises(QuestionError, match="empty"):
-        a.check_question("  ")
-    with pytest.raises(QuestionError, match="vocabulary"):
-        a.check_question("a picture of zebras")
-    with pytest.raises(QuestionError, match="too long"):
-        a.check_question(" ".join(["a cat"] * 8))  # 16 words + BOS > 16 positions
-    a.check_question(" ".join(["a"] * 15))  # BOS + 15 = 16: fits ([SEP] is dropped)
-    with pytest.raises(QuestionError):
-        a.prepare([noise_image(IMAGE_SIZE)], [""])
 
 
 # ---- capture and exactness
@@ -297,12 +301,11 @@ def test_capture_records_the_library_stream(traced):
         torch.testing.assert_close(norms[key](x), tr.resid_pre[block], atol=norm_output_tol(norms[key], x), rtol=0)
 
 
-def test_heads_sum_to_attention_output(traced):
-    """sum_h W_O z + b_O equals the output projection's output before the residual add
-    and LayerNorm (post-LN: that is what attn_out holds), self and cross blocks."""
+def test_attn_out_enters_its_layernorm_with_the_blocks_input(traced):
+    """Post-LN: attn_out (the output projection's output, before the residual add)
+    enters its LayerNorm with the block's input, self and cross blocks (the heads
+    summing to attn_out is a conformance check)."""
     m, tr = traced
-    assert_heads_sum_to_attention_output(m.adapter, tr)
-    # and attn_out enters its LayerNorm with the block's input: the recorded LayerNorm input
     for block in range(tr.n_blocks):
         layer, cross = divmod(block, 2)
         key = f"L{layer}.ln_cross" if cross else f"L{layer}.ln_self"
@@ -463,14 +466,19 @@ def _recompute(a, tr, block: int):
     return pattern, torch.einsum("hqk,khd->qhd", pattern, v), rtol, z_tol
 
 
-def test_patterns_and_values_recomputed_from_canonical_weights(traced):
-    m, tr = traced
+def recompute_patterns(a, tr, block: int) -> tuple[torch.Tensor, float]:
+    """The conformance check's recomputation of one block's pattern (see ``_recompute``)."""
+    pattern, _, rtol, _ = _recompute(a, tr, block)
+    return pattern, rtol
+
+
+def check_patterns_and_values(m, tr) -> None:
+    """Cross blocks read CLS + 4 x 4 patches; z from the recomputed patterns too."""
     a = m.adapter
     for block in range(tr.n_blocks):
         pattern, z, rtol, z_tol = _recompute(a, tr, block)
         n_keys = 17 if block % 2 else tr.input_ids.shape[1]  # CLS + 4 x 4 patches
         assert tr.patterns[block].shape == (1, 4, tr.input_ids.shape[1], n_keys)
-        torch.testing.assert_close(pattern[:, tr.query_positions], tr.patterns[block][0], atol=0, rtol=rtol)
         torch.testing.assert_close(z, tr.z[block][0], atol=z_tol, rtol=0)
 
 
@@ -549,62 +557,3 @@ def test_visual_tokens_are_the_cross_keys_in_order(traced):
     assert tokens[1].box == [0.0, 0.0, 32.5, 17.5]  # the stretch: 130 / 4 x 70 / 4
     assert tokens[-1].box == pytest.approx([97.5, 52.5, 130.0, 70.0])
     assert a.cross_key_roles(tr, 1) == ["visual_global"] + ["visual"] * 16
-
-
-def test_perturbing_a_box_centre_moves_its_own_token_most(traced):
-    """Geometry by experiment on a non-square image: inverting the pixels around a
-    patch's box centre changes that key (the vision tower's output the decoder
-    cross-attends to) more than any other patch key."""
-    m, _ = traced
-    a = m.adapter
-    size = (150, 90)
-    base = np.asarray(noise_image(size, 3)).copy()
-    tokens = a.visual_tokens(size)
-
-    def keys(arr):
-        inputs = a.prepare([Image.fromarray(arr)], [PREFIX])
-        with torch.no_grad():
-            return m.model.vision_model(inputs.tensors["pixel_values"]).last_hidden_state[0]
-
-    ref = keys(base)
-    for t in [tokens[i] for i in (1, 4, 6, 11, 13, 16)]:  # corners, centre, edges
-        x0, y0, x1, y1 = t.box
-        cx, cy = int((x0 + x1) / 2), int((y0 + y1) / 2)
-        rx, ry = max(1, int((x1 - x0) / 5)), max(1, int((y1 - y0) / 5))
-        arr = base.copy()
-        arr[cy - ry : cy + ry, cx - rx : cx + rx] = 255 - arr[cy - ry : cy + ry, cx - rx : cx + rx]
-        change = (keys(arr) - ref).norm(dim=-1)
-        assert int(change[1:].argmax()) + 1 == t.index, (t, change.topk(3))
-
-
-def test_hooks_are_removed_and_attention_restored(traced):
-    m, _ = traced
-    before = m.model.config._attn_implementation
-
-    image = noise_image(IMAGE_SIZE)
-    counts = module_hook_counts(m.model)
-    assert all(c == (0, 0) for c in counts)
-    capture(m, image, PREFIX)
-    assert m.model.config._attn_implementation == before
-    assert module_hook_counts(m.model) == counts
-    with pytest.raises(IndexError):
-        capture(m, image, PREFIX, query_positions=[10_000])
-    assert module_hook_counts(m.model) == counts
-
-
-def test_saved_folder_loads_with_this_adapter(tmp_path):
-    """load_model on a saved folder picks this adapter and runs the same model."""
-    from core import load_model
-
-    m = tiny_blip_float64()
-    image = noise_image(IMAGE_SIZE)
-    with torch.no_grad():
-        want = m.adapter.next_token_logits(m.adapter.prepare([image], [PREFIX])).float()
-    m.model.float().save_pretrained(tmp_path, safe_serialization=True)
-    m.processor.save_pretrained(tmp_path)
-    loaded = load_model(tmp_path)
-    assert loaded.family == "blip" and type(loaded.adapter) is type(m.adapter)
-    with torch.no_grad():
-        got = loaded.adapter.next_token_logits(loaded.adapter.prepare([image], [PREFIX]))
-    # float64 against float32 weights and arithmetic: as far as two forwards in float32 may differ
-    torch.testing.assert_close(got, want, atol=forwards_tol(loaded.adapter, want, 17), rtol=0)

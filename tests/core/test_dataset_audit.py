@@ -16,8 +16,8 @@ from PIL import Image
 
 from core import load_model
 from core.analyze import analyze
-from core.audit_cli import cmd_audit
 from core.cli import build_parser, main
+from core.cli.audit import run as cmd_audit
 from core.dataset_audit import (
     METHODS,
     AuditOptions,
@@ -342,10 +342,10 @@ def test_parquet_is_written_when_pyarrow_is_there(reference):
 def test_first_ctrl_c_asks_to_stop_after_the_batch():
     import signal
 
-    from core.audit_cli import _cancel_on_sigint
+    from core.cli.audit import cancel_on_sigint
 
     before = signal.getsignal(signal.SIGINT)
-    with _cancel_on_sigint() as cancelled:
+    with cancel_on_sigint() as cancelled:
         assert not cancelled()
         os.kill(os.getpid(), signal.SIGINT)
         assert cancelled()

@@ -4,32 +4,21 @@ autograd, or a recomputation from canonical weights and the adapter's RoPE),
 and the tiled geometry by experiment."""
 
 import contextlib
+import functools
 import math
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from core.capture import capture, eager_attention
-from core.errors import QuestionError, UnsupportedArchitectureError
-from core.methods.logit_lens import logit_lens
-from core.methods.residual import decompose
+from core.capture import capture
+from core.errors import QuestionError
+from core.models.families.idefics3 import Idefics3Adapter, SmolVLMAdapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
-    assert_canonical_projections,
-    assert_decomposition_is_exact,
-    assert_heads_sum_to_attention_output,
-    assert_jacobian_dla_is_autograd,
-    assert_lens_last_row_is_the_model,
-    assert_reconstruction_and_lens_at_last_layer,
-    assert_source_contributions_sum_to_each_heads_terms,
-    forwards_tol,
-    module_hook_counts,
     noise_image,
     pattern_rtol,
+    projected_visual_tokens,
     scores_tol,
-    values_tol,
 )
 
 SPECIAL = [
@@ -189,13 +178,12 @@ def tiny_model_float64(kind: str = "idefics3", tie: bool = False, bias: bool = T
     return LoadedModel(f"tiny-{kind}", adapter.family, model, processor, processor.tokenizer, adapter)
 
 
-@pytest.fixture(
-    scope="module",
-    params=[("idefics3", False, True), ("smolvlm", True, False)],
-    ids=["idefics3", "smolvlm"],
-)
-def traced(request):
-    kind, tie, bias = request.param
+@functools.cache
+def traced_case(kind: str):
+    """``(model, trace)`` of ``kind`` ("idefics3": untied, o_proj bias; "smolvlm": tied,
+    no bias): one capture, every query position kept; built once per session (this
+    file's tests and tests/core/test_family_conformance.py share it)."""
+    tie, bias = {"idefics3": (False, True), "smolvlm": (True, False)}[kind]
     m = tiny_model_float64(kind, tie, bias)
     image = noise_image(IMAGE_SIZE)
     inputs = m.adapter.prepare([image], [QUESTION])
@@ -203,19 +191,67 @@ def traced(request):
     return m, tr
 
 
-def test_registry_and_description(traced):
-    from core.models import registry
-    from core.models.families.idefics3 import Idefics3Adapter, SmolVLMAdapter
+CASES = ("idefics3", "smolvlm")  # the conformance module's cases of this file (traced_case keys)
 
-    m, _ = traced
-    assert registry.adapter_for_hf("Idefics3ForConditionalGeneration") is Idefics3Adapter
-    assert registry.adapter_for_hf("SmolVLMForConditionalGeneration") is SmolVLMAdapter
-    with pytest.raises(UnsupportedArchitectureError, match="SmolVLMForConditionalGeneration"):
-        registry.adapter_for_hf("Idefics2ForConditionalGeneration")
-    d = m.adapter.describe()
-    assert d["position_scheme"] == "rope" and d["final_norm"] == "rmsnorm" and d["attention_kind"] == "self"
-    assert (d["n_layers"], d["n_heads"], d["d_model"]) == (3, 4, 64)
-    assert m.adapter.n_kv_heads == 2 and m.adapter.d_head == 16 and m.adapter.kv_group(3) == 1
+
+@pytest.fixture(scope="module", params=CASES)
+def traced(request):
+    return traced_case(request.param)
+
+
+# ---- this family's parts of the conformance checks (tests/core/test_family_conformance.py)
+
+ADAPTERS = {"Idefics3ForConditionalGeneration": Idefics3Adapter, "SmolVLMForConditionalGeneration": SmolVLMAdapter}
+UNKNOWN_ARCHITECTURE = "Idefics2ForConditionalGeneration"
+DESCRIPTION = {
+    "position_scheme": "rope",
+    "final_norm": "rmsnorm",
+    "attention_kind": "self",
+    "n_layers": 3,
+    "n_heads": 4,
+    "d_model": 64,
+}
+KV_LAYOUT = (2, 16, 1)  # n_kv_heads, d_head, kv_group(3)
+CANONICAL_LAYERS = {1: 1.0}
+# Images tiled differently (2 x 3 and 3 x 3: a zero frame pads row 0) and questions of different lengths.
+PADDED_BATCH = ([(100, 60), (50, 50)], [QUESTION, "what color is the square of the blue circle?"])
+ANSWER_TOKEN = ":"
+BAD_QUESTIONS = (
+    ("vocabulary", "is there a zebra?"),
+    ("image markup", "is there a <image> circle?"),
+    ("too long", "red " * 600),
+)
+PERTURB_SIZES = [IMAGE_SIZE]
+loading_context = num2words_stub
+
+
+def check_canonical_weights(m, x) -> None:
+    """Biases where the config has them; W_U tied or not."""
+    a = m.adapter
+    has_bias = a._attn(1).q_proj.bias is not None
+    assert (a.b_Q(1).abs().sum() > 0) == has_bias and (a.b_O(1).abs().sum() > 0) == has_bias
+    emb = a.language_model.embed_tokens.weight
+    assert (a.W_U.data_ptr() == emb.data_ptr()) == bool(m.model.config.tie_word_embeddings)
+    assert a.W_U.shape == (a.d_model, emb.shape[0]) and torch.all(a.b_U == 0)
+
+
+def check_loaded(m, loaded) -> None:
+    assert len(loaded.adapter.visual_tokens(IMAGE_SIZE)) == 7 * GRID * GRID
+
+
+def check_padded_batch(m, batch) -> None:
+    a = m.adapter
+    assert batch.tensors["pixel_values"].shape[1] == 10 and torch.all(batch.tensors["pixel_values"][0, 7] == 0)
+    with pytest.raises(ValueError, match="different numbers of visual tokens"):
+        a.visual_positions(batch)
+
+
+def check_question_errors(m, monkeypatch) -> None:
+    a = m.adapter
+    # short enough as text, too long once the 7 frames' tokens are in
+    a.check_question("red " * 450)
+    with pytest.raises(QuestionError, match="with the image"):
+        a.prepare([noise_image(IMAGE_SIZE)], ["red " * 450])
 
 
 def test_prompt_template_and_fallback_agree(traced):
@@ -227,104 +263,43 @@ def test_prompt_template_and_fallback_agree(traced):
     assert bare.prompt(QUESTION) == a.prompt(QUESTION)
 
 
-def test_canonical_weights_match_the_projections(traced):
-    """Grouped K/V expanded to each query head; biases where the config has them; W_U tied or not."""
-    m, _ = traced
-    a = m.adapter
-    attn = a._attn(1)
-    x = torch.randn(5, a.d_model, dtype=torch.float64)
-    z = torch.randn(5, a.n_heads, a.d_head, dtype=torch.float64)
-    assert_canonical_projections(a, attn, 1, x, z)
-    has_bias = attn.q_proj.bias is not None
-    assert (a.b_Q(1).abs().sum() > 0) == has_bias and (a.b_O(1).abs().sum() > 0) == has_bias
-    emb = a.language_model.embed_tokens.weight
-    assert (a.W_U.data_ptr() == emb.data_ptr()) == bool(m.model.config.tie_word_embeddings)
-    assert a.W_U.shape == (a.d_model, emb.shape[0]) and torch.all(a.b_U == 0)
-
-
-def test_heads_sum_to_attention_output(traced):
-    m, tr = traced
-    assert_heads_sum_to_attention_output(m.adapter, tr)
-
-
-def _lm_visual_inputs(m, inputs) -> torch.Tensor:
+def visual_inputs(m, image) -> torch.Tensor:
     """``(n_visual, d_model)``: the projected visual tokens (all frames, in order)
     as the decoder receives them."""
-    with torch.no_grad():
-        out = m.model.model.get_image_features(
-            inputs.tensors["pixel_values"], inputs.tensors.get("pixel_attention_mask"), return_dict=True
-        )
-    return torch.cat(list(out.pooler_output), dim=0)
+    return projected_visual_tokens(m, image, QUESTION, "pixel_values", "pixel_attention_mask")
 
 
-def test_residual_reconstruction_and_lens_at_last_layer(traced):
-    m, tr = traced
+def perturbation_features(m, image) -> tuple[torch.Tensor]:
+    return (visual_inputs(m, image),)
+
+
+def perturbation_probes(m, size, tokens) -> list:
+    """A corner of tile (0, 0), inner tokens of tiles (0, 1), (1, 0) and (1, 2), and the
+    global image's corners and an inner token (2 x 3 tiles + global)."""
+    per, last = GRID * GRID, GRID - 1
+    picks = [(0, 0, 0), (1, 1, 2), (3, 2, 1), (5, last, last), (6, 0, 0), (6, last, 0), (6, 2, 1), (6, last, last)]
+    probes = []
+    for image, r, c in picks:
+        t = tokens[image * per + r * GRID + c]
+        assert (t.image, t.row, t.col, t.index) == (image, r, c, image * per + r * GRID + c)
+        probes.append(t)
+    return probes
+
+
+def perturbation_rivals(tokens, t) -> list[torch.Tensor]:
+    """The other tokens of its frame; for tile tokens every visual token at all (the
+    global image sees the same spot at a third of the resolution)."""
+    per = GRID * GRID
+    frame = torch.arange(t.image * per, (t.image + 1) * per)
+    return [frame, torch.arange(len(tokens))] if t.image < 6 else [frame]
+
+
+def check_decomposition(m, tr, r) -> None:
+    """This family's part of the conformance check of the frozen decomposition ``r``:
+    embed, per layer the heads and the MLP, and the o_proj bias where there is one."""
     a = m.adapter
-    assert_reconstruction_and_lens_at_last_layer(a, tr)
-    # the residual entering block 0: token embeddings, with the projected frames scattered in
-    vis = tr.visual_positions[0]
-    text = torch.ones(tr.input_ids.shape[1], dtype=torch.bool)
-    text[vis] = False
-    emb = a.language_model.embed_tokens(tr.input_ids[0])
-    torch.testing.assert_close(tr.resid_pre[0][0, text], emb[text], atol=0, rtol=0)
-    inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
-    with eager_attention(m.model):  # as in the capture (the vision tower's eager softmax is float32)
-        projected = _lm_visual_inputs(m, inputs)
-    torch.testing.assert_close(tr.resid_pre[0][0, vis], projected, atol=0, rtol=0)
-
-
-def test_captured_logits_are_a_plain_forward(traced):
-    """The capture's logits equal the library model's own forward, without any hook:
-    eager attention exactly (the same ops in the same order), the default (sdpa)
-    attention (a float64 softmax, not eager's float32) as far as two forwards may differ."""
-    m, tr = traced
-    inputs = m.adapter.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
-    with torch.no_grad():
-        plain = m.model(**inputs.tensors).logits
-        with eager_attention(m.model):
-            plain_eager = m.model(**inputs.tensors).logits
-    torch.testing.assert_close(plain_eager, tr.logits, atol=0, rtol=0)
-    torch.testing.assert_close(
-        plain, tr.logits, atol=forwards_tol(m.adapter, plain_eager, tr.input_ids.shape[1]), rtol=0
-    )
-
-
-def test_logit_lens_last_row_is_the_model(traced):
-    m, tr = traced
-    a = m.adapter
-    a_id, f_id = a.token_id("yes"), a.token_id("no")
-    lens = logit_lens(a, tr, a_id, f_id)
-    assert [r.layer for r in lens.rows] == list(range(a.n_layers + 1))
-    p = lens.position
-    assert p == int(tr.answer_positions[0]) == tr.input_ids.shape[1] - 1
-    assert_lens_last_row_is_the_model(a, tr, lens, a_id, f_id)
-
-
-def test_frozen_dla_sums_to_logit_difference_minus_bias(traced):
-    m, tr = traced
-    a = m.adapter
-    # Llama's RMSNorm takes its statistics in float32 even in a float64 model
-    r = assert_decomposition_is_exact(a, tr, a.token_id("yes"), a.token_id("no"))
     has_bias = a._attn(0).o_proj.bias is not None
     assert len(r.components) == 1 + a.n_layers * (a.n_heads + 1) + (a.n_layers if has_bias else 0)
-
-
-def test_jacobian_dla_equals_autograd_directional_derivative(traced):
-    m, tr = traced
-    a = m.adapter
-    assert_jacobian_dla_is_autograd(a, tr, a.token_id("yes"), a.token_id("no"))
-
-
-def test_source_contributions_sum_to_each_heads_output(traced):
-    """Summed over sources, each head's contributions equal its residual
-    component (u . W_O^h z^h at the answer position), every convention."""
-    from core.methods.contributions import source_contributions
-
-    m, tr = traced
-    a = m.adapter
-    a_id, f_id = a.token_id("yes"), a.token_id("no")
-    sc = source_contributions(a, tr, a_id, f_id)
-    assert_source_contributions_sum_to_each_heads_terms(a, tr, sc, decompose(a, tr, a_id, f_id))
 
 
 def _recompute_patterns(a, tr, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -340,19 +315,15 @@ def _recompute_patterns(a, tr, layer: int, positions: torch.Tensor) -> tuple[tor
     return scores.softmax(-1), pattern_rtol(a, tr, scores, error)
 
 
-def test_patterns_and_values_recomputed_from_canonical_weights(traced):
-    m, tr = traced
+def recompute_patterns(a, tr, layer: int) -> tuple[torch.Tensor, float]:
+    """The conformance check's recomputation: RoPE at the sequence index."""
+    return _recompute_patterns(a, tr, layer, a.rope_positions(tr))
+
+
+def check_patterns_and_values(m, tr) -> None:
     a = m.adapter
     positions = a.rope_positions(tr)
     assert torch.equal(positions, torch.arange(tr.input_ids.shape[1]))
-    for layer in range(a.n_layers):
-        pattern, rtol = _recompute_patterns(a, tr, layer, positions)
-        torch.testing.assert_close(pattern[:, tr.query_positions], tr.patterns[layer][0], atol=0, rtol=rtol)
-        x = a.attn_norm(layer)(tr.resid_pre[layer][0])
-        v = torch.einsum("pm,hmd->phd", x, a.W_V(layer)) + a.b_V(layer)
-        z = torch.einsum("hqk,khd->qhd", tr.patterns[layer][0], v)
-        tol = values_tol(tr.patterns[layer][0], x, a.W_V(layer), a.b_V(layer))
-        torch.testing.assert_close(z, tr.z[layer][0, tr.query_positions], atol=tol, rtol=0)
     # not vacuous: without the rotation the patterns differ
     unrotated, _ = _recompute_patterns(a, tr, 1, torch.zeros_like(positions))
     assert (unrotated[:, tr.query_positions] - tr.patterns[1][0]).abs().max() > 1e-3
@@ -440,128 +411,3 @@ def test_untiled_processor_gives_one_frame(traced):
         assert tokens[1].box == pytest.approx([100 / GRID, 0, 200 / GRID, 60 / GRID])
     finally:
         ip.do_image_splitting = True
-
-
-def test_perturbing_a_box_centre_moves_its_own_token_most(traced):
-    """Geometry by experiment on a non-square image (2 x 3 tiles + global):
-    inverting the pixels around a token's box centre in the ORIGINAL image
-    changes that token's input to the language model more than any other
-    token of its frame; for tile tokens, more than any other visual token at
-    all (the global image sees the same spot at a third of the resolution)."""
-    m, _ = traced
-    a = m.adapter
-    size = IMAGE_SIZE
-    base = np.asarray(noise_image(size, 3)).copy()
-    tokens = a.visual_tokens(size)
-    ref = _lm_visual_inputs(m, a.prepare([Image.fromarray(base)], [QUESTION]))
-    assert ref.shape[0] == len(tokens)
-    per = GRID * GRID
-    last = GRID - 1
-    # a corner of tile (0, 0), inner tokens of tiles (0, 1), (1, 0) and (1, 2), and the
-    # global image's corners and an inner token
-    picks = [(0, 0, 0), (1, 1, 2), (3, 2, 1), (5, last, last), (6, 0, 0), (6, last, 0), (6, 2, 1), (6, last, last)]
-    for image, r, c in picks:
-        t = tokens[image * per + r * GRID + c]
-        assert (t.image, t.row, t.col) == (image, r, c)
-        x0, y0, x1, y1 = t.box
-        cx, cy = int((x0 + x1) / 2), int((y0 + y1) / 2)
-        rx, ry = max(1, int((x1 - x0) / 5)), max(1, int((y1 - y0) / 5))
-        arr = base.copy()
-        arr[cy - ry : cy + ry, cx - rx : cx + rx] = 255 - arr[cy - ry : cy + ry, cx - rx : cx + rx]
-        change = (_lm_visual_inputs(m, a.prepare([Image.fromarray(arr)], [QUESTION])) - ref).norm(dim=-1)
-        frame = change[image * per : (image + 1) * per]
-        assert int(frame.argmax()) == r * GRID + c, (t, frame.view(GRID, GRID))
-        if image < 6:
-            assert int(change.argmax()) == t.index, (t, change.topk(3))
-
-
-def test_right_padded_batch_matches_single_runs(traced):
-    """Images tiled differently (2 x 3 and 3 x 3: a zero frame pads row 0) and
-    questions of different lengths: right padding, the answer position is the
-    last real token, each row's next-token logits equal its own run."""
-    m, _ = traced
-    a = m.adapter
-    images = [noise_image((100, 60), 1), noise_image((50, 50), 2)]
-    questions = [QUESTION, "what color is the square of the blue circle?"]
-    batch = a.prepare(images, questions)
-    assert a.tokenizer.padding_side == "left"  # restored
-    assert batch.tensors["pixel_values"].shape[1] == 10 and torch.all(batch.tensors["pixel_values"][0, 7] == 0)
-    mask = batch.tensors["attention_mask"]
-    assert mask[0, -1] == 0 and mask[1, -1] == 1
-    logits = a.next_token_logits(batch)
-    for i in range(2):
-        single = a.prepare([images[i]], [questions[i]])
-        assert int(batch.answer_positions[i]) == int(single.answer_positions[0]) == single.input_ids.shape[1] - 1
-        assert a.token_str(int(batch.input_ids[i, batch.answer_positions[i]])) == ":"
-        want = a.next_token_logits(single)[0]
-        torch.testing.assert_close(logits[i], want, atol=forwards_tol(a, want, mask.shape[1]), rtol=0)
-    with pytest.raises(ValueError, match="different numbers of visual tokens"):
-        a.visual_positions(batch)
-
-
-def test_append_token_continues_the_text(traced):
-    m, _ = traced
-    a = m.adapter
-    inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
-    yes = a.token_id("yes")
-    longer = a.append_token(inputs, yes)
-    assert int(longer.answer_positions[0]) == int(inputs.answer_positions[0]) + 1
-    assert int(longer.input_ids[0, -1]) == yes
-    with torch.no_grad():
-        before, after = a.forward_logits(inputs), a.forward_logits(longer)
-    tol = forwards_tol(a, before, longer.input_ids.shape[1])
-    torch.testing.assert_close(after[:, :-1], before, atol=tol, rtol=0)  # causal: the prefix is unchanged
-
-
-def test_question_errors(traced):
-    m, _ = traced
-    a = m.adapter
-    with pytest.raises(QuestionError, match="empty"):
-        a.check_question("  ")
-    with pytest.raises(QuestionError, match="vocabulary"):
-        a.check_question("is there a zebra?")
-    with pytest.raises(QuestionError, match="image markup"):
-        a.check_question("is there a <image> circle?")
-    with pytest.raises(QuestionError, match="too long"):
-        a.check_question("red " * 600)
-    # short enough as text, too long once the 7 frames' tokens are in
-    a.check_question("red " * 450)
-    with pytest.raises(QuestionError, match="with the image"):
-        a.prepare([noise_image(IMAGE_SIZE)], ["red " * 450])
-
-
-def test_hooks_are_removed_and_attention_restored(traced):
-    m, _ = traced
-    before = m.model.config._attn_implementation
-
-    image = noise_image(IMAGE_SIZE)
-    capture(m, image, QUESTION)
-    counts = module_hook_counts(m.model)
-    capture(m, image, QUESTION)
-    assert m.model.config._attn_implementation == before
-    assert module_hook_counts(m.model) == counts
-    with pytest.raises(IndexError):
-        capture(m, image, QUESTION, query_positions=[10_000])
-    assert module_hook_counts(m.model) == counts
-    assert m.model.config._attn_implementation == before
-
-
-@pytest.mark.parametrize("kind", ["idefics3", "smolvlm"])
-def test_saved_folder_loads_with_this_adapter(tmp_path, kind):
-    """load_model on a saved folder picks this adapter and runs the same model."""
-    from core import load_model
-
-    m = tiny_model_float64(kind)
-    m.model.float().save_pretrained(tmp_path, safe_serialization=True)
-    m.processor.save_pretrained(tmp_path)
-    with num2words_stub():
-        loaded = load_model(tmp_path)
-    assert loaded.family == kind and type(loaded.adapter) is type(m.adapter)
-    image = noise_image(IMAGE_SIZE)
-    with torch.no_grad():
-        want = m.adapter.next_token_logits(m.adapter.prepare([image], [QUESTION]))
-        got = loaded.adapter.next_token_logits(loaded.adapter.prepare([image], [QUESTION]))
-    n_keys = loaded.adapter.prepare([image], [QUESTION]).input_ids.shape[1]
-    torch.testing.assert_close(got, want, atol=forwards_tol(loaded.adapter, want, n_keys), rtol=0)
-    assert loaded.adapter.prompt(QUESTION) == m.adapter.prompt(QUESTION)
-    assert len(loaded.adapter.visual_tokens(IMAGE_SIZE)) == 7 * GRID * GRID

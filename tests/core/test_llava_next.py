@@ -4,30 +4,22 @@ autograd, or a recomputation from canonical weights and the adapter's RoPE),
 and the any-resolution geometry by experiment (pixels perturbed in the
 original image move the token whose box holds them)."""
 
+import functools
 import math
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from core.capture import capture
-from core.errors import QuestionError, UnsupportedArchitectureError
-from core.methods.residual import decompose
+from core.errors import QuestionError
+from core.models.families.llava_next import LlavaNextAdapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
-    assert_canonical_projections,
-    assert_decomposition_is_exact,
-    assert_heads_sum_to_attention_output,
-    assert_jacobian_dla_is_autograd,
-    assert_reconstruction_and_lens_at_last_layer,
-    assert_source_contributions_sum_to_each_heads_terms,
     forwards_tol,
-    module_hook_counts,
     noise_image,
     pattern_rtol,
+    projected_visual_tokens,
     scores_tol,
-    values_tol,
 )
 
 SPECIAL = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
@@ -160,8 +152,10 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def traced():
+@functools.cache
+def traced_case(kind: str = "llava_next"):
+    """``(model, trace)``: one capture, every query position kept; built once per
+    session (this file's tests and tests/core/test_family_conformance.py share it)."""
     m = tiny_llava_next_float64()
     image = noise_image(IMAGE_SIZE)
     n_pos = m.adapter.prepare([image], [QUESTION]).input_ids.shape[1]
@@ -169,112 +163,108 @@ def traced():
     return m, tr
 
 
+CASES = ("llava_next",)  # the conformance module's cases of this file (traced_case keys)
+# The components the conformance Jacobian check differentiates (autograd per component is slow here).
+JACOBIAN_COMPONENTS = (0, 1, 4, 5, 6, 17)
+# transformers keeps hooks of its own on this model: the conformance hooks check compares counts only.
+LIBRARY_HOOKS = True
+
+
+@pytest.fixture(scope="module")
+def traced():
+    return traced_case()
+
+
 def image_features(m, image) -> torch.Tensor:
     """``(n_visual, d_model)``: the image's tokens as the decoder receives them (after the projector)."""
-    inputs = m.adapter.prepare([image], [QUESTION])
-    with torch.no_grad():
-        out = m.model.model.get_image_features(
-            inputs.tensors["pixel_values"], inputs.tensors["image_sizes"], return_dict=True
-        )
-    return out.pooler_output[0]
+    return projected_visual_tokens(m, image, QUESTION, "pixel_values", "image_sizes")
 
 
-# ------------------------------------------------------------ registry, weights
+# ---- this family's parts of the conformance checks (tests/core/test_family_conformance.py)
+
+ADAPTERS = {"LlavaNextForConditionalGeneration": LlavaNextAdapter}
+DESCRIPTION = {
+    "family": "llava_next",
+    "position_scheme": "rope",
+    "final_norm": "rmsnorm",
+    "n_layers": 3,
+    "n_heads": 4,
+    "d_model": 64,
+}
+KV_LAYOUT = (2, 16, 1)  # n_kv_heads, d_head, kv_group(3)
+CANONICAL_LAYERS = {1: 1.0}
+BAD_QUESTIONS = (("vocabulary", "is there a purple circle?"), ("too long", " ".join(["red"] * 300)))
+PERTURB_SIZES = [(90, 50), (50, 90), (100, 40)]
+PERTURB_SEED, PERTURB_SHRINK = 4, 6
 
 
-def test_registry_and_description(traced):
-    from core.models import registry
-    from core.models.families.llava_next import LlavaNextAdapter
-
-    m, _ = traced
-    assert registry.adapter_for_hf("LlavaNextForConditionalGeneration") is LlavaNextAdapter
-    with pytest.raises(UnsupportedArchitectureError, match="LlavaNextForConditionalGeneration"):
-        registry.adapter_for_hf("NoSuchVLMForConditionalGeneration")
-    d = m.adapter.describe()
-    assert d["family"] == "llava_next" and d["position_scheme"] == "rope" and d["final_norm"] == "rmsnorm"
-    assert (d["n_layers"], d["n_heads"], d["d_model"]) == (3, 4, 64)
-    assert m.adapter.n_kv_heads == 2 and m.adapter.d_head == 16 and m.adapter.kv_group(3) == 1
-
-
-def test_canonical_weights_match_the_projections(traced):
-    """q/k/v/o biases present; grouped K/V expanded to each query head; W_U untied."""
-    m, _ = traced
+def check_canonical_weights(m, x) -> None:
+    """q/k/v/o biases present; W_U untied; the norms RMSNorms with the config's eps."""
     a = m.adapter
-    x = torch.randn(5, a.d_model, dtype=torch.float64)
-    z = torch.randn(5, a.n_heads, a.d_head, dtype=torch.float64)
-    assert_canonical_projections(a, a._attn(1), 1, x, z)
     assert a.b_O(1).abs().sum() > 0
     assert a.W_U.shape == (a.d_model, a.language_model.embed_tokens.weight.shape[0]) and torch.all(a.b_U == 0)
     norm = a.attn_norm(2)
     assert norm.kind == "rmsnorm" and norm.eps == 1e-6
 
 
+def check_question_errors(m, monkeypatch) -> None:
+    a = m.adapter
+    # fits with the base image alone but not with the tiles: prepare sees the real count
+    n = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION]).input_ids.shape[1]
+    monkeypatch.setattr(a, "_max_positions", lambda: n - 1)
+    a.check_question(QUESTION)
+    with pytest.raises(QuestionError, match=f"{n} tokens with the image"):
+        a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
+
+
+visual_inputs = image_features
+
+
+def perturbation_features(m, image) -> tuple[torch.Tensor]:
+    return (image_features(m, image),)
+
+
+def perturbation_probes(m, size, tokens) -> list:
+    """Every token (not a newline) whose box centre lies inside the image: every base
+    token, and all but at most the edge rows and columns of the high-res ones."""
+    w, h = size
+    probes = []
+    for t in tokens:
+        x0, y0, x1, y1 = t.box
+        cx, cy = int((x0 + x1) / 2), int((y0 + y1) / 2)
+        if t.col >= 0 and 0 <= cx < w and 0 <= cy < h:  # else the centre lies in the padding: nothing to perturb
+            probes.append(t)
+    lay = m.adapter.anyres_layout(size)
+    n_hi = sum(t.image == 1 for t in probes)
+    assert len(probes) - n_hi == lay.n_base and n_hi >= lay.rows * lay.cols - 2 * max(lay.rows, lay.cols)
+    return probes
+
+
+def perturbation_rivals(tokens, t) -> list[torch.Tensor]:
+    return [torch.tensor([u.index for u in tokens if u.image == t.image and u.col >= 0])]  # its view's tokens
+
+
+def check_perturbation(tokens, t, changes) -> None:
+    """Every newline token and, for high-res tokens, every token of the other tiles, exactly unchanged."""
+    (change,) = changes
+    newline = torch.tensor([u.index for u in tokens if u.col < 0])
+    assert torch.all(change[newline] == 0)
+    if t.image == 1:
+        other_tiles = torch.tensor([u.index for u in tokens if u.image == 1 and u.col >= 0 and u.tile != t.tile])
+        assert torch.all(change[other_tiles] == 0), t
+
+
 # ------------------------------------------------------------ exactness
 
 
-def test_heads_sum_to_attention_output(traced):
-    m, tr = traced
-    assert_heads_sum_to_attention_output(m.adapter, tr)
-
-
-def test_residual_reconstruction_and_lens_at_last_layer(traced):
-    m, tr = traced
+def check_decomposition(m, tr, r) -> None:
+    """This family's part of the conformance check of the frozen decomposition ``r``."""
     a = m.adapter
-    assert_reconstruction_and_lens_at_last_layer(a, tr)
-    # the captured logits are those of a plain forward with no hook of ours: the
-    # same under eager attention (the same ops in the same order), and under sdpa
-    # (a float64 softmax, not eager's float32) as far as two forwards may differ
-    from core.capture import eager_attention
-
-    inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
-    with torch.no_grad():
-        sdpa = m.model(**inputs.tensors).logits
-        with eager_attention(m.model):
-            eager = m.model(**inputs.tensors).logits
-    torch.testing.assert_close(tr.logits, eager, atol=0, rtol=0)
-    torch.testing.assert_close(tr.logits, sdpa, atol=forwards_tol(a, eager, tr.input_ids.shape[1]), rtol=0)
-    # block 0 reads the token embeddings with the packed image features scattered
-    # into the <image> positions, in the order visual_tokens lists them
-    vis = tr.visual_positions[0]
-    text = torch.ones(tr.input_ids.shape[1], dtype=torch.bool)
-    text[vis] = False
-    emb = a.language_model.embed_tokens(tr.input_ids[0])
-    torch.testing.assert_close(tr.resid_pre[0][0, text], emb[text], atol=0, rtol=0)
-    with eager_attention(m.model):  # the capture ran the vision tower eager too
-        features = image_features(m, noise_image(IMAGE_SIZE))
-    torch.testing.assert_close(tr.resid_pre[0][0, vis], features, atol=0, rtol=0)
-
-
-def test_frozen_dla_sums_to_logit_difference_minus_bias(traced):
-    m, tr = traced
-    a = m.adapter
-    # Llama's RMSNorm normalises in float32 even in a float64 model: the frozen sum
-    # is exact up to float32 rounding of the logit's terms
-    r = assert_decomposition_is_exact(a, tr, a.token_id("yes"), a.token_id("no"))
     assert len(r.components) == 1 + a.n_layers * (a.n_heads + 2)  # embed; per layer heads, o_proj bias, mlp
     assert sum(c.name.startswith("bias.") for c in r.components) == a.n_layers
 
 
-def test_jacobian_dla_equals_autograd_directional_derivative(traced):
-    m, tr = traced
-    a = m.adapter
-    a_id, f_id = a.token_id("yes"), a.token_id("no")
-    assert_jacobian_dla_is_autograd(a, tr, a_id, f_id, which=(0, 1, 4, 5, 6, 17))
-
-
-def test_source_contributions_sum_to_each_heads_output(traced):
-    """Summed over sources, each head's projections equal u . (W_O^h z^h) at the
-    answer position (the value path with the q/k/v biases included)."""
-    from core.methods.contributions import source_contributions
-
-    m, tr = traced
-    a = m.adapter
-    a_id, f_id = a.token_id("yes"), a.token_id("no")
-    sc = source_contributions(a, tr, a_id, f_id)
-    assert_source_contributions_sum_to_each_heads_terms(a, tr, sc, decompose(a, tr, a_id, f_id))
-
-
-def _recompute_patterns(a, tr, layer: int, batch: int = 0) -> tuple[torch.Tensor, float]:
+def recompute_patterns(a, tr, layer: int, batch: int = 0) -> tuple[torch.Tensor, float]:
     """``(heads, pos, pos)`` from canonical weights, adapter.rotate, rope_positions
     and allowed_keys, and how far (relative) the model's eager float32 softmax may be from it."""
     x = a.attn_norm(layer)(tr.resid_pre[layer][batch])  # (pos, d_model)
@@ -286,19 +276,6 @@ def _recompute_patterns(a, tr, layer: int, batch: int = 0) -> tuple[torch.Tensor
     scores = scores.masked_fill(~a.allowed_keys(tr, layer, batch), float("-inf"))
     error = scores_tol(x, x, a.W_Q(layer), a.b_Q(layer), a.W_K(layer), a.b_K(layer), a.d_head**-0.5, True)
     return scores.softmax(-1), pattern_rtol(a, tr, scores, error)
-
-
-def test_patterns_and_values_recomputed_from_canonical_weights(traced):
-    m, tr = traced
-    a = m.adapter
-    for layer in range(a.n_layers):
-        pattern, rtol = _recompute_patterns(a, tr, layer)
-        torch.testing.assert_close(pattern[:, tr.query_positions], tr.patterns[layer][0], atol=0, rtol=rtol)
-        x = a.attn_norm(layer)(tr.resid_pre[layer][0])
-        v = torch.einsum("pm,hmd->phd", x, a.W_V(layer)) + a.b_V(layer)
-        z = torch.einsum("hqk,khd->qhd", tr.patterns[layer][0], v)
-        tol = values_tol(tr.patterns[layer][0], x, a.W_V(layer), a.b_V(layer))
-        torch.testing.assert_close(z, tr.z[layer][0, tr.query_positions], atol=tol, rtol=0)
 
 
 def test_right_padded_batch(traced):
@@ -323,7 +300,7 @@ def test_right_padded_batch(traced):
     n = batch.input_ids.shape[1]
     tr = capture(m, None, None, inputs=batch, query_positions=range(n))
     for layer in range(a.n_layers):
-        pattern, rtol = _recompute_patterns(a, tr, layer, batch=0)
+        pattern, rtol = recompute_patterns(a, tr, layer, batch=0)
         real = mask[0].bool()
         torch.testing.assert_close(pattern[:, real], tr.patterns[layer][0][:, real], atol=0, rtol=rtol)
     roles = a.token_roles(tr, 0)
@@ -345,19 +322,6 @@ def test_different_image_sizes_in_one_batch(traced):
         torch.testing.assert_close(logits[i], want, atol=forwards_tol(a, want, batch.input_ids.shape[1]), rtol=0)
     with pytest.raises(ValueError, match="different numbers of visual tokens"):
         a.visual_positions(batch)
-
-
-def test_append_token_continues_the_text(traced):
-    m, _ = traced
-    a = m.adapter
-    inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
-    yes = a.token_id("yes")
-    longer = a.append_token(inputs, yes)
-    assert int(longer.answer_positions[0]) == int(inputs.answer_positions[0]) + 1
-    assert int(longer.input_ids[0, -1]) == yes
-    with torch.no_grad():
-        before, after = a.forward_logits(inputs), a.forward_logits(longer)
-    torch.testing.assert_close(after[:, :-1], before, atol=forwards_tol(a, before, longer.input_ids.shape[1]), rtol=0)
 
 
 # ------------------------------------------------------------ roles and geometry
@@ -421,46 +385,6 @@ def test_token_count_and_boxes_follow_the_layout(traced, size):
     assert abs(hi[-1].box[2] - w) < tol_x and abs(hi[-1].box[3] - h) < tol_y
 
 
-@pytest.mark.parametrize("size", [(90, 50), (50, 90), (100, 40)])
-def test_perturbing_a_box_centre_moves_its_own_token_most(traced, size):
-    """Geometry by experiment on non-square images: inverting the pixels
-    around a token's box centre in the ORIGINAL image changes that token's
-    input to the language model more than any other token of its view (base
-    or high-res), leaves every token of the other tiles and every newline
-    token exactly unchanged (high-res tokens), for every token whose box
-    centre lies inside the image."""
-    m, _ = traced
-    a = m.adapter
-    base_arr = np.asarray(noise_image(size, 4)).copy()
-    tokens = a.visual_tokens(size)
-    ref = image_features(m, Image.fromarray(base_arr))
-    views = {v: torch.tensor([t.index for t in tokens if t.image == v and t.col >= 0]) for v in (0, 1)}
-    newline = torch.tensor([t.index for t in tokens if t.col < 0])
-    w, h = size
-    checked = {0: 0, 1: 0}
-    for t in tokens:
-        if t.col < 0:
-            continue
-        x0, y0, x1, y1 = t.box
-        cx, cy = int((x0 + x1) / 2), int((y0 + y1) / 2)
-        if not (0 <= cx < w and 0 <= cy < h):
-            continue  # the centre lies in the padding: nothing to perturb
-        rx, ry = max(1, int((x1 - x0) / 6)), max(1, int((y1 - y0) / 6))
-        arr = base_arr.copy()
-        ys, xs = slice(max(0, cy - ry), cy + ry), slice(max(0, cx - rx), cx + rx)
-        arr[ys, xs] = 255 - arr[ys, xs]
-        change = (image_features(m, Image.fromarray(arr)) - ref).norm(dim=-1)
-        own = views[t.image]
-        assert int(own[change[own].argmax()]) == t.index, (t, change[own].topk(3))
-        assert torch.all(change[newline] == 0)
-        if t.image == 1:
-            other_tiles = torch.tensor([u.index for u in tokens if u.image == 1 and u.col >= 0 and u.tile != t.tile])
-            assert torch.all(change[other_tiles] == 0), t
-        checked[t.image] += 1
-    lay = a.anyres_layout(size)
-    assert checked[0] == lay.n_base and checked[1] >= lay.rows * lay.cols - 2 * max(lay.rows, lay.cols)
-
-
 # ------------------------------------------------------------ text, errors, hooks, loading
 
 
@@ -470,23 +394,6 @@ def test_prompt_template_and_fallback(traced):
     assert m.adapter.prompt(QUESTION) == expected
     bare = tiny_llava_next_float64(chat_template=None)
     assert bare.adapter.prompt(QUESTION) == expected  # the documented fallback
-
-
-def test_question_errors(traced, monkeypatch):
-    m, _ = traced
-    a = m.adapter
-    with pytest.raises(QuestionError, match="empty"):
-        a.check_question("   ")
-    with pytest.raises(QuestionError, match="vocabulary"):
-        a.check_question("is there a purple circle?")
-    with pytest.raises(QuestionError, match="too long"):
-        a.check_question(" ".join(["red"] * 300))
-    # fits with the base image alone but not with the tiles: prepare sees the real count
-    n = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION]).input_ids.shape[1]
-    monkeypatch.setattr(a, "_max_positions", lambda: n - 1)
-    a.check_question(QUESTION)
-    with pytest.raises(QuestionError, match=f"{n} tokens with the image"):
-        a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
 
 
 def test_geometry_refuses_processors_it_does_not_undo():
@@ -501,37 +408,3 @@ def test_geometry_refuses_processors_it_does_not_undo():
     # the token layout (newline positions) and the question check need the model only
     assert m.adapter.anyres_layout(IMAGE_SIZE, pixels=False).n_tokens == 52
     m.adapter.check_question(QUESTION)
-
-
-def test_hooks_are_removed_and_attention_restored(traced):
-    m, _ = traced
-    before = m.model.config._attn_implementation
-
-    image = noise_image(IMAGE_SIZE)
-    capture(m, image, QUESTION)
-    counts = module_hook_counts(m.model)
-    capture(m, image, QUESTION)
-    assert m.model.config._attn_implementation == before
-    assert module_hook_counts(m.model) == counts
-    with pytest.raises(IndexError):
-        capture(m, image, QUESTION, query_positions=[10_000])
-    assert module_hook_counts(m.model) == counts
-
-
-def test_saved_folder_loads_with_this_adapter(tmp_path):
-    """load_model on a saved folder picks this adapter and runs the same model."""
-    from core import load_model
-
-    m = tiny_llava_next_float64()
-    m.model.float().save_pretrained(tmp_path, safe_serialization=True)
-    m.processor.save_pretrained(tmp_path)
-    loaded = load_model(tmp_path)
-    assert loaded.family == "llava_next" and type(loaded.adapter) is type(m.adapter)
-    image = noise_image(IMAGE_SIZE)
-    with torch.no_grad():
-        want = m.adapter.next_token_logits(m.adapter.prepare([image], [QUESTION]))
-        got = loaded.adapter.next_token_logits(loaded.adapter.prepare([image], [QUESTION]))
-    n_keys = loaded.adapter.prepare([image], [QUESTION]).input_ids.shape[1]
-    torch.testing.assert_close(got, want, atol=forwards_tol(loaded.adapter, want, n_keys), rtol=0)
-    assert loaded.adapter.prompt(QUESTION) == m.adapter.prompt(QUESTION)
-    assert len(loaded.adapter.visual_tokens(IMAGE_SIZE)) == len(m.adapter.visual_tokens(IMAGE_SIZE))

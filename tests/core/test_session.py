@@ -33,6 +33,7 @@ from core.errors import ReadoutError
 from core.export import audit_csv, audit_html, audit_json, audit_markdown, export_session, run_figures
 from core.images import image_sha256, load_image
 from core.models.loading import resources_dir
+from core.readout import RecordedResult
 from core.session import (
     APPLICATION_ID,
     AUDIT_COLUMNS,
@@ -83,7 +84,7 @@ def test_analyze_result_round_trips_identically(tmp_path, llava, analyzed):
     path = tmp_path / "rt.vlmr"
     with Session.create(path, llava) as s:
         assert s.journal_mode == "wal" and s.schema_version == SCHEMA_VERSION
-        rid = s.record("analyze", analyzed, image=IMAGE)
+        rid = s.record(analyzed, image=IMAGE)
     assert (tmp_path / "rt.vlmr").exists()
     with Session.open(path) as s:
         assert s.check() == "ok"
@@ -109,13 +110,15 @@ def test_analyze_result_round_trips_identically(tmp_path, llava, analyzed):
 
 
 def test_audit_table_columns_and_rows(session, analyzed):
-    a = session.record("analyze", analyzed, image=IMAGE)
+    a = session.record(analyzed, image=IMAGE)
     rec = AuditRecord.for_method(
         "region counterfactual", controls=["matched-area control"], parameters={"fill": "mean"}
     )
     m = np.asarray(Image.open(MASK).convert("L")) >= 128
-    b = session.record("counterfactual", {"fill": "mean", "x": np.float32(1.5)}, [rec], IMAGE, m, {"fill": "mean"})
-    c = session.record("note", {"text": "looked at L1.H1"}, parameters={"who": "me"})
+    doc = {"fill": "mean", "x": np.float32(1.5)}
+    painted = RecordedResult("counterfactual", doc, "painted", audits=[rec])
+    b = session.record(painted, image=IMAGE, mask=m, parameters={"fill": "mean"})
+    c = session.record(RecordedResult("note", {"text": "looked at L1.H1"}, parameters={"who": "me"}))
     table = session.audit_table()
     assert tuple(table[0]) == AUDIT_COLUMNS and set(CHAPTER_COLUMNS) == set(METHOD_COLUMNS)
     assert [r["run_id"] for r in table] == [a] * len(analyzed["audit"]) + [b, c]
@@ -134,10 +137,10 @@ def test_audit_table_columns_and_rows(session, analyzed):
 def test_recorded_events_and_other_writers(tmp_path, session):
     seen: list[RunInfo] = []
     unsubscribe = session.on_recorded(seen.append)
-    rid = session.record("note", {"a": 1})
+    rid = session.record(RecordedResult("note", {"a": 1}, "note: a=1"))
     assert [r.id for r in seen] == [rid] and seen[0].summary == "note: a=1"
     with Session.open(session.path) as other:  # e.g. a CLI --session run into the open file
-        other_id = other.record("note", {"b": 2})
+        other_id = other.record(RecordedResult("note", {"b": 2}))
     assert [r.id for r in session.poll()] == [other_id] and seen[-1].id == other_id and session.poll() == []
 
     def broken(info):
@@ -145,18 +148,23 @@ def test_recorded_events_and_other_writers(tmp_path, session):
 
     unsubscribe_broken = session.on_recorded(broken)
     with pytest.warns(UserWarning, match="listener bug"):
-        third = session.record("note", {"c": 3})
+        third = session.record(RecordedResult("note", {"c": 3}))
     unsubscribe_broken()
     assert session.run(third).result == {"c": 3}  # the run is saved all the same
     unsubscribe()
-    session.record("note", {"d": 4}, summary="  two\nlines ")
+    session.record(RecordedResult("note", {"d": 4}, summary="  two\nlines "))
     assert seen[-1].id == third and session.runs()[-1].summary == "two lines"
 
 
 def test_bad_records_are_one_line_errors_and_leave_nothing(session):
-    _one_line_session_error(lambda: session.record("Bad Kind", {}), "kind")
-    _one_line_session_error(lambda: session.record("note", {"x": object()}), "cannot record the result")
-    _one_line_session_error(lambda: session.record("note", {}, image=IMAGE, mask=np.zeros((5, 5), bool)), "5x5")
+    _one_line_session_error(lambda: session.record(RecordedResult("Bad Kind", {})), "kind")
+    unserialisable = RecordedResult("note", {"x": object()})
+    _one_line_session_error(lambda: session.record(unserialisable), "cannot record the result")
+    note = RecordedResult("note", {})
+    _one_line_session_error(lambda: session.record(note, image=IMAGE, mask=np.zeros((5, 5), bool)), "5x5")
+    # a plain dict says nothing about itself (kind, summary, parameters): refused, naming what to pass
+    _one_line_session_error(lambda: session.record({"fill": "mean"}), "RecordedResult")
+    _one_line_session_error(lambda: session.record("note"), "takes a Readout")  # the old (kind, result) call
     assert session.runs() == [] and session.images() == []
 
 
@@ -164,8 +172,9 @@ def test_bad_records_are_one_line_errors_and_leave_nothing(session):
 
 
 def test_every_export_format(tmp_path, session, analyzed, llava):
-    session.record("analyze", analyzed, image=IMAGE)
-    session.record("counterfactual", {"fill": "blur"}, [], IMAGE, MASK, {"fill": "blur"})
+    session.record(analyzed, image=IMAGE)
+    painted = RecordedResult("counterfactual", {"fill": "blur"})
+    session.record(painted, image=IMAGE, mask=MASK, parameters={"fill": "blur"})
     rows = session.audit_table()
 
     parsed = list(csv.DictReader(io.StringIO(audit_csv(rows))))
@@ -295,7 +304,7 @@ def test_v0_and_v1_files_migrate_forward(tmp_path):
     empty.touch()  # v0: what a crash during the very first create can leave
     with Session.open(empty) as s:
         assert s.schema_version == SCHEMA_VERSION and [v for v, _ in s.schema_history()] == [1, 2]
-        assert s.record("note", {"ok": True}) == 1
+        assert s.record(RecordedResult("note", {"ok": True})) == 1
 
     old = tmp_path / "v1.vlmr"
     _v1_session(old)
@@ -305,7 +314,7 @@ def test_v0_and_v1_files_migrate_forward(tmp_path):
         assert "logit diff +9.500 -> +0.500" in info.summary and "(flipped)" in info.summary  # backfilled
         assert s.mask(1)[20:40, 30:60].all() and s.mask(1).sum() == 20 * 30
         assert s.audit_table()[0]["controls"] == ["c"] and s.image(info.image_sha256).pixels() is None
-        s.record("counterfactual", s.run(1).result, image=IMAGE, mask=s.mask(1))
+        s.record(RecordedResult("counterfactual", s.run(1).result, info.summary), image=IMAGE, mask=s.mask(1))
         assert s.image(info.image_sha256).pixels() is not None  # v2 adds the pixels to the old image row
         assert len(s.runs()) == 2 and s.runs()[1].mask_id == 1  # the same mask is not stored twice
     with Session.open(old) as s:  # a migrated file opens without migrating again
@@ -335,7 +344,7 @@ def test_bad_files_are_one_line_session_errors(tmp_path, capsys):
     damaged = tmp_path / "damaged.vlmr"
     with Session.create(damaged) as s:
         for i in range(10):
-            s.record("note", {"x": list(range(1000)), "i": i})
+            s.record(RecordedResult("note", {"x": list(range(1000)), "i": i}))
     data = bytearray(damaged.read_bytes())
     for page in range(1, len(data) // 4096):  # smash every b-tree page header after the first
         data[page * 4096 : page * 4096 + 16] = b"\xff" * 16
@@ -397,6 +406,7 @@ import os, random, sys, types
 root, path, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 pkg = types.ModuleType("core"); pkg.__path__ = [os.path.join(root, "core")]; sys.modules["core"] = pkg
 import numpy as np
+from core.readout import RecordedResult
 from core.session import Session
 s = Session.open_or_create(path)
 rng = random.Random(seed)
@@ -408,8 +418,8 @@ while True:
     audits = [{"method": f"m{j}", "question": "q", "controls": ["c"] * j, "parameters": {"j": j}} for j in range(k)]
     img = np.random.default_rng(seed * 100000 + i).integers(0, 256, (48, 64, 3), dtype=np.uint8)
     print("writing", flush=True)
-    rid = s.record("note", {"seq": i, "n": len(payload), "payload": payload}, audits, img, img[..., 0] > 127,
-                   {"n_audits": k, "seed": seed, "seq": i})
+    note = RecordedResult("note", {"seq": i, "n": len(payload), "payload": payload}, f"note {i}", audits=audits)
+    rid = s.record(note, image=img, mask=img[..., 0] > 127, parameters={"n_audits": k, "seed": seed, "seq": i})
     print(rid, flush=True)
     i += 1
 """

@@ -21,12 +21,14 @@ from pathlib import Path
 import pytest
 
 import core.atomic
+from core.arguments import Number
 from core.atomic import check_output_file, check_output_folder, write_text_atomic
-from core.cli import Number, build_parser, main, read_pairs
+from core.cli import build_parser, main
 from core.dataset_audit import read_dataset
 from core.errors import ImageLoadError, InputFileError, OutputError, ReadoutError
 from core.methods.tuned_lens import read_pairs as read_lens_pairs
 from core.models.loading import resources_dir
+from core.pairs import load_pair_image, read_pairs
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = resources_dir() / "samples"
@@ -233,9 +235,9 @@ def test_bom_and_line_separators_inside_strings_are_read(tmp_path):
     row = json.dumps({"image": "sample_00.png", "question": question, "answer": "square"}, ensure_ascii=False)
     path = _pairs(tmp_path, codecs.BOM_UTF8 + row.encode() + b"\r\n\r\n" + GOOD)
     pairs = read_pairs(path)
-    assert [p["question"] for p in pairs] == [question, "what shape is the blue object?"]
-    assert pairs[0]["answer"] == "square" and pairs[1]["answer"] is None
-    assert pairs[0]["image_path"] == tmp_path / "sample_00.png" and pairs[1]["where"] == f"{path}:3"
+    assert [p.question for p in pairs] == [question, "what shape is the blue object?"]
+    assert pairs[0].answer == "square" and pairs[1].answer is None
+    assert pairs[0].image_path == tmp_path / "sample_00.png" and pairs[1].where == f"{path}:3"
 
 
 def test_missing_image_names_the_pairs_line(tmp_path, capsys):
@@ -243,8 +245,6 @@ def test_missing_image_names_the_pairs_line(tmp_path, capsys):
     path = _pairs(tmp_path, GOOD + b'{"image": "gone.png", "question": "q?"}\n')
     _refused(capsys, ["answer", "--pairs", str(path)], f"{path}:2:", "gone.png")
     with pytest.raises(ImageLoadError, match=":2:"):
-        from core.cli import load_pair_image
-
         [load_pair_image(p) for p in read_pairs(path)]
 
 

@@ -358,12 +358,13 @@ def test_baseline_jpeg_still_loads_from_a_path(tmp_path):
 )
 def test_mask_files_go_through_the_same_checks(tmp_path, name, data, named):
     """Region masks (counterfactual --mask, dataset masks) are image files too."""
-    from core.dataset_audit import load_mask as dataset_mask
     from core.methods.counterfactual import mask_from_png
+    from core.pairs import Pair, load_pair_mask
 
     path = tmp_path / name
     path.write_bytes(data)
-    for read in (lambda: mask_from_png(path, (4, 4)), lambda: dataset_mask(path, (4, 4))):
+    pair = Pair(0, 1, "pairs.jsonl:1", "a.png", tmp_path / "a.png", "q", target_mask=path)
+    for read in (lambda: mask_from_png(path, (4, 4)), lambda: load_pair_mask(pair, (4, 4))):
         with pytest.raises(ImageLoadError, match=named) as e:
             read()
         assert "\n" not in str(e.value)

@@ -16,6 +16,7 @@ import pytest
 import core.cli
 from core.cli import main
 from core.models.loading import resources_dir
+from core.readout import RecordedResult
 from core.session import Session, SessionError, check_session_file
 from tests.core.test_session import _v1_session
 from tests.core.test_trust_cli import BITS_DENY
@@ -39,8 +40,8 @@ def _session_with_pictures(path: Path) -> Path:
     mask = np.zeros((128, 128), bool)
     mask[10:40, 20:60] = True
     with Session.create(path, "shapes-llava") as s:
-        s.record("sweep", SWEEP, image=IMAGE)
-        s.record("counterfactual", {"fill": "mean", "summary": "painted"}, image=IMAGE, mask=mask)
+        s.record(RecordedResult("sweep", SWEEP, "a 2x2 sweep"), image=IMAGE)
+        s.record(RecordedResult("counterfactual", {"fill": "mean"}, "painted"), image=IMAGE, mask=mask)
     return path
 
 
@@ -89,12 +90,12 @@ def test_export_reads_a_session_another_program_has_open(capsys, home, outdir):
     the committed runs through SQLite's read-only mode, without taking it over."""
     session = _session_with_pictures(home / "s.vlmr")
     with Session.open(session) as writer:
-        writer.record("note", {"summary": "recorded while open"})
+        writer.record(RecordedResult("note", {}, "recorded while open"))
         before = set(os.listdir(home))
         code, err, out = _export(capsys, session, "json", outdir / "a.json")
         assert code == 0 and err == [] and set(os.listdir(home)) == before
         assert [r["summary"] for r in json.loads((outdir / "a.json").read_text())["runs"]][-1] == "recorded while open"
-        writer.record("note", {"summary": "and after"})  # the writer is not blocked by the export
+        writer.record(RecordedResult("note", {}, "and after"))  # the writer is not blocked by the export
     assert len(Session.open(session, read_only=True).runs()) == 4
 
 
@@ -163,7 +164,7 @@ def test_read_only_session_refuses_to_record(home):
     with Session.open(session, read_only=True) as s:
         assert s.read_only and len(s.runs()) == 2 and s.image(s.runs()[0].image_sha256).pixels().size == (128, 128)
         with pytest.raises(SessionError, match="opened read-only"):
-            s.record("note", {"x": 1})
+            s.record(RecordedResult("note", {"x": 1}))
         with pytest.raises(SessionError, match="opened read-only"):
             s.set_model("shapes-coca")
     assert len(Session.open(session, read_only=True).runs()) == 2

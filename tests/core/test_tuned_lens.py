@@ -250,12 +250,11 @@ def test_position_selection_visual_text_answer(tiny):
 def test_train_lens_cli_on_a_tiny_model(tiny, tmp_path):
     import argparse
 
-    from core import lens_cli
-    from core.cli import _add_model_args
+    from core.cli import lens
 
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="command")
-    lens_cli.add_command(sub, _add_model_args, lambda args: tiny)
+    lens.add_command(sub, lambda args: tiny)
     out = tmp_path / "tiny-lens"
     args = p.parse_args(["train-lens", "--out", str(out), "--steps", "2", "--batch-size", "2", "--no-eval", "--quiet"])
     assert args.func(args) == 0

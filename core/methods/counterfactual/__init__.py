@@ -44,7 +44,6 @@ from core.methods.counterfactual.effect import (
     SCHEMA_VERSION,
     TOKEN_WEIGHT,
     AnswerEffect,
-    AnswerNumbers,
     Cancel,
     Progress,
     RegionAgreement,
@@ -57,11 +56,9 @@ from core.methods.counterfactual.effect import (
     answer_numbers,
     counterfactual_audit,
     overlap_weights,
-    pearson,
     region_agreement,
     region_counterfactual,
     resolve_tokens,
-    spearman,
     token_routing,
 )
 from core.methods.counterfactual.fills import (
@@ -90,6 +87,7 @@ from core.methods.counterfactual.sweep import (
     occlusion_sweep,
     sweep_cells,
 )
+from core.stats import pearson, spearman  # re-exported: region_agreement's correlations
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -112,7 +110,6 @@ __all__ = [
     "mean_color",
     "as_fill",
     "fill_region",
-    "AnswerNumbers",
     "AnswerEffect",
     "answer_numbers",
     "answer_effect",

@@ -1,9 +1,10 @@
 """The counterfactual and its read-outs: the answer numbers of an image
-(:class:`AnswerNumbers`) and the effect of an edit on them
+(a :class:`core.readout.Target`) and the effect of an edit on them
 (:class:`AnswerEffect`), the routing read-outs of a region from one capture
 of the original (:class:`TokenRouting`, :class:`RegionRouting`), one region
 filled (:func:`region_counterfactual`), and many regions set against their
-routing (:func:`region_agreement`, with :func:`pearson` and :func:`spearman`).
+routing (:func:`region_agreement`, with :func:`core.stats.pearson` and
+:func:`core.stats.spearman`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from core.audit import AuditRecord
 from core.errors import QuestionError, oom_guard
 from core.methods.counterfactual.fills import Fill, as_fill
 from core.methods.counterfactual.regions import RegionError, check_mask
+from core.readout import Target
+from core.stats import pearson, ranks, spearman
 
 SCHEMA_VERSION = 1
 TOKEN_WEIGHT = "area(token box & mask) / area(token box), in original-image pixels"
@@ -33,24 +36,6 @@ Cancel = Callable[[], bool] | None
 
 
 # ---------------------------------------------------------------- answer numbers
-
-
-@dataclass
-class AnswerNumbers:
-    """The answer position's numbers on one image (the "counterfactual" JSON of docs/ARCHITECTURE.md)."""
-
-    answer: str
-    answer_id: int
-    foil: str | None
-    foil_id: int | None
-    logit: float
-    logit_diff: float | None  # answer logit minus foil logit (None without a foil)
-    prob: float
-    predicted: str
-    predicted_id: int
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -72,25 +57,12 @@ class AnswerEffect:
         return -(self.logit_diff_change if self.logit_diff_change is not None else self.logit_change)
 
 
-def answer_numbers(adapter, logits: torch.Tensor, answer_id: int, foil_id: int | None) -> AnswerNumbers:
-    """Numbers from the answer position's logits ``(vocab,)`` (float64 arithmetic)."""
-    z = logits.detach().double().cpu()
-    probs = z.softmax(-1)
-    pred = int(z.argmax())
-    return AnswerNumbers(
-        adapter.token_str(answer_id),
-        int(answer_id),
-        adapter.token_str(foil_id) if foil_id is not None else None,
-        int(foil_id) if foil_id is not None else None,
-        float(z[answer_id]),
-        float(z[answer_id] - z[foil_id]) if foil_id is not None else None,
-        float(probs[answer_id]),
-        adapter.token_str(pred),
-        pred,
-    )
+def answer_numbers(adapter, logits: torch.Tensor, answer_id: int, foil_id: int | None) -> Target:
+    """The :class:`Target` of the answer position's logits ``(vocab,)`` (float64 arithmetic)."""
+    return Target.from_logits(adapter, logits, answer_id, foil_id)
 
 
-def answer_effect(original: AnswerNumbers, edited: AnswerNumbers) -> AnswerEffect:
+def answer_effect(original: Target, edited: Target) -> AnswerEffect:
     return AnswerEffect(
         edited.logit - original.logit,
         edited.logit_diff - original.logit_diff if original.logit_diff is not None else None,
@@ -346,18 +318,48 @@ def counterfactual_audit(fill: Fill, parameters: dict, notes: Sequence[str] = ()
     )
 
 
+def fill_run_parameters(original: Target, fill: Fill) -> dict:
+    """What a fill run was called with (its session parameters): the answer and foil tokens, the fill."""
+    return {"answer": original.answer, "foil": original.foil, "fill": fill.kind, "fill_parameters": fill.parameters()}
+
+
 @dataclass
 class RegionCounterfactual:
     """One region, one fill: the answer effect with the routing read-outs beside it."""
 
     fill: Fill
     mask_area_px: int
-    original: AnswerNumbers
-    edited: AnswerNumbers
+    original: Target
+    edited: Target
     effect: AnswerEffect
     routing: RegionRouting | None
     audit: list[AuditRecord] = field(default_factory=list, repr=False)
     edited_image: np.ndarray | None = field(default=None, repr=False)
+
+    kind = "counterfactual"  # the session's run kind (core.readout.Readout)
+
+    def summary(self) -> str:
+        return self.summary_of(self.to_dict())
+
+    @staticmethod
+    def summary_of(doc: Mapping) -> str:
+        """The one line of a ``counterfactual`` JSON: this result's, or a stored
+        run's (the session's v2 migration backfills v1 runs with it)."""
+        o, e = doc["original"], doc["edited"]
+        score, before, after = "logit diff", o["logit_diff"], e["logit_diff"]
+        if before is None:
+            score, before, after = "logit", o["logit"], e["logit"]
+        flipped = " (flipped)" if doc["effect"].get("flipped") else ""
+        return (
+            f"fill {doc.get('fill')}: {o['answer']!r} {score} {before:+.3f} -> {after:+.3f}, p {o['prob']:.3f} -> "
+            f"{e['prob']:.3f}; predicted {o['predicted']!r} -> {e['predicted']!r}{flipped}"
+        )
+
+    def parameters(self) -> dict:
+        return {**fill_run_parameters(self.original, self.fill), "mask_area_px": self.mask_area_px}
+
+    def audit_records(self) -> list[AuditRecord]:
+        return list(self.audit)
 
     def to_dict(self) -> dict:
         """The ``counterfactual`` JSON of docs/ARCHITECTURE.md (schema version 1)."""
@@ -427,34 +429,6 @@ def region_counterfactual(
 # ---------------------------------------------------------------- many regions: does attention predict the effect?
 
 
-def _ranks(x: np.ndarray) -> np.ndarray:
-    """Ranks 0..n-1 with ties averaged."""
-    order = np.argsort(x, kind="mergesort")
-    ranks = np.empty(len(x))
-    ranks[order] = np.arange(len(x), dtype=np.float64)
-    for v in np.unique(x):
-        tie = x == v
-        if tie.sum() > 1:
-            ranks[tie] = ranks[tie].mean()
-    return ranks
-
-
-def pearson(x, y) -> float | None:
-    """Pearson correlation; None with fewer than 3 points or a constant input."""
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    if len(x) < 3 or x.std() == 0 or y.std() == 0:
-        return None
-    return float(np.corrcoef(x, y)[0, 1])
-
-
-def spearman(x, y) -> float | None:
-    """Spearman rank correlation (Pearson of tie-averaged ranks)."""
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    if len(x) < 3:
-        return None
-    return pearson(_ranks(x), _ranks(y))
-
-
 @dataclass
 class RegionRow:
     name: str
@@ -484,7 +458,7 @@ class RegionAgreement:
             most (``rank_gap``: attention rank minus drop rank, as a share of n - 1).
     """
 
-    original: AnswerNumbers
+    original: Target
     fill: Fill
     rows: list[RegionRow]
     correlations: dict[str, dict[str, float | None]]
@@ -580,7 +554,7 @@ def region_agreement(
     disagreements = []
     if len(rows) >= 2:
         scale = len(rows) - 1
-        gap = (_ranks(np.array([r.attention_mass for r in rows])) - _ranks(drop)) / scale
+        gap = (ranks(np.array([r.attention_mass for r in rows])) - ranks(drop)) / scale
         for i in np.argsort(-np.abs(gap), kind="mergesort")[:n_disagreements]:
             disagreements.append(
                 {

@@ -7,6 +7,7 @@ flagged as visual smoothing (:class:`InterpolatedHeatmap`).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,15 +18,16 @@ from core.audit import AuditRecord
 from core.errors import oom_guard
 from core.methods.counterfactual.effect import (
     SCHEMA_VERSION,
-    AnswerNumbers,
     Cancel,
     Progress,
     answer_numbers,
     counterfactual_audit,
+    fill_run_parameters,
     resolve_tokens,
 )
 from core.methods.counterfactual.fills import Fill, as_fill
 from core.methods.counterfactual.regions import RegionError, mask_from_boxes
+from core.readout import Target
 
 INTERPOLATED_FLAG = "visual smoothing, not a causal pixel mask"
 
@@ -99,7 +101,7 @@ class OcclusionMap:
     k: int
     fill: Fill
     image_size: tuple[int, int]
-    original: AnswerNumbers
+    original: Target
     logit_diff_change: np.ndarray | None
     logit_change: np.ndarray
     prob_change: np.ndarray
@@ -107,6 +109,30 @@ class OcclusionMap:
     cells: list[dict]
     complete: bool = True
     audit: list[AuditRecord] = field(default_factory=list, repr=False)
+
+    kind = "sweep"  # the session's run kind (core.readout.Readout)
+
+    def summary(self) -> str:
+        return self.summary_of(self.to_dict())
+
+    @staticmethod
+    def summary_of(doc: Mapping) -> str:
+        """The one line of a sweep JSON (:meth:`to_dict`): this result's, or a stored run's."""
+        s = doc["sweep"]
+        grid = s["logit_diff_change"] if s.get("logit_diff_change") is not None else s["logit_change"]
+        cells = [(v, i, j) for i, row in enumerate(grid) for j, v in enumerate(row) if v is not None]
+        n_flip = sum(bool(v) for row in s["flipped"] for v in row)
+        line = f"occlusion sweep {s['grid_shape'][0]}x{s['grid_shape'][1]} cells (k={s['k']}, fill {s['fill']})"
+        if cells:
+            v, i, j = min(cells)
+            line += f"; largest drop {-v:.3f} at cell [{i}, {j}]"
+        return line + f"; {n_flip} cells flip the answer"
+
+    def parameters(self) -> dict:
+        return {**fill_run_parameters(self.original, self.fill), "k": self.k}
+
+    def audit_records(self) -> list[AuditRecord]:
+        return list(self.audit)
 
     @property
     def effect(self) -> np.ndarray:

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
-import torch
 
 from core.audit import AuditRecord
 from core.errors import ReadoutError
+from core.readout import jsonable
 
 SCHEMA_VERSION = 1
 CHAIN_STATUSES = ("not a candidate", "mechanism candidate", "candidate with intervention", "supported")
@@ -44,21 +41,6 @@ BASELINE_KINDS = (
 
 class LabelError(ReadoutError):
     """A label or chain was built without what it needs (its input condition, a valid step)."""
-
-
-def _clean(x: Any) -> Any:
-    """JSON-safe copy: NaN / inf -> None, tuples -> lists, numpy / torch scalars -> Python."""
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
-    if isinstance(x, torch.Tensor):
-        return _clean(x.tolist())
-    if isinstance(x, np.generic):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
 
 
 def _finite(v):
@@ -112,7 +94,7 @@ class InputCondition:
         )
 
     def to_dict(self) -> dict:
-        return _clean(
+        return jsonable(
             {
                 "dataset": self.dataset,
                 "split": self.split,
@@ -191,7 +173,7 @@ class Label:
         return claim if self.supported else f"[{self.status}, not a supported label] {claim}"
 
     def to_dict(self) -> dict:
-        return _clean(
+        return jsonable(
             {
                 "schema_version": self.schema_version,
                 "name": self.name,
@@ -249,7 +231,7 @@ class Baseline:
         self.value = _finite(self.value)
 
     def to_dict(self) -> dict:
-        return _clean(
+        return jsonable(
             {
                 "kind": self.kind,
                 "subjects": list(self.subjects),
@@ -313,7 +295,7 @@ class ChainStep:
         return f"{out}: {self.why}" if self.why else out
 
     def to_dict(self) -> dict:
-        return _clean(
+        return jsonable(
             {
                 "number": self.number,
                 "title": self.title,
@@ -450,9 +432,25 @@ class ValidationChain:
             row[str(k)] = x.status + (v if x.status != "not-run" else "")
         return row
 
+    kind = "label"  # the session's run kind (core.readout.Readout)
+
+    def summary(self) -> str:
+        """``L2.H1 'color' (head): mechanism candidate; steps pass 1, 2, 3, 4``."""
+        passed = [str(k) for k, x in self.steps.items() if x.status == "pass"]
+        return (
+            f"{self.subject} {self.relation!r} ({self.subject_kind}): {self.status().status}; "
+            f"steps pass {', '.join(passed) or 'none'} of {len(self.steps)}"
+        )
+
+    def parameters(self) -> dict:
+        return {"subject": self.subject, "relation": self.relation, "condition": self.condition.to_dict()}
+
+    def audit_records(self) -> list[AuditRecord]:
+        return [self.audit] if self.audit else []
+
     def to_dict(self) -> dict:
         st = self.status()
-        return _clean(
+        return jsonable(
             {
                 "schema_version": self.schema_version,
                 "subject": self.subject,

@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+from core.stats import pearson, spearman
+
 
 def _stats(x) -> dict:
     """n, mean, standard error and a normal 95% interval of the finite values."""
@@ -25,15 +27,15 @@ def _lower(st: dict) -> float:
     return float("nan") if lo is None else float(lo)
 
 
+def _nan_if_none(r: float | None) -> float:
+    return float("nan") if r is None else r
+
+
 def _pearson(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if a.size < 3 or a.std() == 0 or b.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(a, b)[0, 1])
+    """:func:`core.stats.pearson`, NaN where undefined (the steps compare it with thresholds)."""
+    return _nan_if_none(pearson(np.ravel(a), np.ravel(b)))
 
 
 def _spearman(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if a.size < 3:
-        return float("nan")
-    return _pearson(a.argsort().argsort(), b.argsort().argsort())
+    """:func:`core.stats.spearman` (ties given their mean rank), NaN where undefined."""
+    return _nan_if_none(spearman(np.ravel(a), np.ravel(b)))

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from core.methods.tuned_lens.lens import POSITION_SETS, LensError
+from core.pairs import Pair, load_pair_image
+from core.pairs import read_pairs as read_pair_file
 
 
 def position_mask(adapter, trace, positions: str) -> torch.Tensor:
@@ -61,8 +63,6 @@ class PairsCorpus:
         return torch.randperm(len(self.pairs), generator=g).tolist()
 
     def batch(self, step: int, batch_size: int) -> Batch:
-        from core.pairs import load_pair_image
-
         n = len(self.pairs)
         out, orders = [], {}
         for k in range(step * batch_size, (step + 1) * batch_size):
@@ -70,15 +70,13 @@ class PairsCorpus:
             if epoch not in orders:  # one shuffle per epoch the batch touches, not one per item
                 orders[epoch] = self._order(epoch)
             out.append(self.pairs[orders[epoch][i]])
-        return Batch([load_pair_image(p) for p in out], [p["question"] for p in out], [p.get("answer") for p in out])
+        return Batch([load_pair_image(p) for p in out], [p.question for p in out], [p.answer for p in out])
 
     def take(self, n: int | None = None) -> Batch:
-        from core.pairs import load_pair_image
-
         ps = self.pairs[:n] if n else self.pairs
         if len(ps) not in self._taken:
             self._taken[len(ps)] = Batch(
-                [load_pair_image(p) for p in ps], [p["question"] for p in ps], [p.get("answer") for p in ps]
+                [load_pair_image(p) for p in ps], [p.question for p in ps], [p.answer for p in ps]
             )
         return self._taken[len(ps)]
 
@@ -86,12 +84,10 @@ class PairsCorpus:
         return {"source": self.source or "image-question pairs", "n_pairs": len(self.pairs), "order": "seeded shuffle"}
 
 
-def read_pairs(path: Path) -> list[dict]:
+def read_pairs(path: Path) -> list[Pair]:
     """Pairs from a JSONL file (as ``vlm-readout answer --pairs``: one
     ``{"image", "question"[, "answer"]}`` per line, image paths relative to the
     file) or from a folder (every ``*.jsonl`` in it, sorted)."""
-    from core.pairs import read_pairs as read_jsonl
-
     path = Path(path)
     if path.is_dir():
         files = sorted(path.glob("*.jsonl"))
@@ -101,7 +97,7 @@ def read_pairs(path: Path) -> list[dict]:
         files = [path]
     pairs = []
     for f in files:
-        pairs += read_jsonl(f)
+        pairs += read_pair_file(f)
     return pairs
 
 

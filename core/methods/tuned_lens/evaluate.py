@@ -110,6 +110,25 @@ class LensEvaluation:
     def readers(self) -> list[str]:
         return list(self.layers[0]["readers"]) if self.layers else []
 
+    kind = "lens"  # the session's run kind (core.readout.Readout)
+
+    def summary(self) -> str:
+        """``lens on 64 samples (answer): mean KL over layers, bits: trained 0.412, identity 2.310, ...``."""
+        means = []
+        for reader, col in self.kl_table().items():
+            if reader in ("layer", "block"):
+                continue
+            vals = [v for v in col if v is not None]
+            means.append(f"{reader} {sum(vals) / len(vals):.3f}" if vals else f"{reader} n/a")
+        n = self.data.get("n_samples")
+        return f"lens on {n} samples ({self.primary}): mean KL over layers, bits: " + ", ".join(means)
+
+    def parameters(self) -> dict:
+        return {"positions": self.primary, **self.data}
+
+    def audit_records(self) -> list[AuditRecord]:
+        return [self.audit] if self.audit else []
+
     def to_dict(self) -> dict:
         return {
             "schema_version": SCHEMA_VERSION,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,19 +64,6 @@ def _make_optimizer(lens: TunedLens, cfg: LensConfig):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, _schedule(cfg))
 
 
-@contextmanager
-def _frozen(model):
-    """The model's parameters without gradients for the duration (restored after)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    for p_ in trainable:
-        p_.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p_ in trainable:
-            p_.requires_grad_(True)
-
-
 def _save_checkpoint(path: Path, state: dict) -> None:
     from core.atomic import write_bytes_atomic
 
@@ -127,7 +113,7 @@ def train_lens(
     cfg.check()
     adapter = loaded.adapter
     n, d = len(adapter.blocks), adapter.d_model
-    dtype = torch.float64 if next(loaded.model.parameters()).dtype == torch.float64 else torch.float32
+    dtype = torch.float64 if adapter.parameters_dtype == torch.float64 else torch.float32
     torch.manual_seed(cfg.seed)
     lens = TunedLens(n, d, cfg.form, rank=cfg.rank, hidden=cfg.hidden, seed=cfg.seed, dtype=dtype)
     lens.to(adapter.device)
@@ -177,7 +163,7 @@ def train_lens(
     step = start_step
     cancelled = False
     t0 = time.perf_counter()
-    with _frozen(loaded.model):  # the model's own weights get no gradients: only the translators train
+    with adapter.frozen():  # the model's own weights get no gradients: only the translators train
         try:
             while step < end:
                 if cancel is not None and cancel():

@@ -1,19 +1,30 @@
 """Canonical weights shared by Llama-style decoders (q/k/v/o_proj, RMSNorm,
-lm_head): LLaVA's and Qwen2-VL's language models. Not a family: adapters
-mix it in and define ``d_head``."""
+lm_head, RoPE): the language models of LLaVA, LLaVA-NeXT, Idefics3, Qwen2-VL,
+PaliGemma and Mllama. Not a family: adapters mix it in and define ``d_head``."""
 
 from __future__ import annotations
 
 import torch
 
 from core.errors import QuestionError
-from core.models.adapter import ModelInputs, config_int
+from core.models.adapter import config_int
 
 
-class LlamaStyleWeights:
-    """Per-head W_Q/W_K/W_V/W_O (grouped K/V expanded), norms, unembedding
-    and capture hooks of ``self.model.model.language_model`` (decoder layers
-    with ``self_attn.o_proj`` and ``mlp``) and ``self.model.lm_head``."""
+def pattern_hook(trace, layer: int):
+    """A forward hook on an eager attention module that keeps block ``layer``'s
+    pattern rows of ``trace.query_positions`` ``(batch, heads, queries, keys)``."""
+
+    def pattern(module, args, out):
+        weights = out[1]
+        if weights is None:
+            raise RuntimeError("attention weights missing: the model is not running eager attention")
+        trace.patterns[layer] = weights[:, :, trace.query_positions.to(weights.device)]
+
+    return pattern
+
+
+class TextConfigSizes:
+    """The sizes of a decoder described by the model config's ``text_config``."""
 
     @property
     def text_config(self):
@@ -31,8 +42,15 @@ class LlamaStyleWeights:
     def d_model(self) -> int:
         return self.text_config.hidden_size
 
+
+class LlamaStyleWeights(TextConfigSizes):
+    """Per-head W_Q/W_K/W_V/W_O (grouped K/V expanded), norms, unembedding
+    and capture hooks of ``self.model.model.language_model`` (decoder layers
+    with ``self_attn.o_proj`` and ``mlp``) and ``self.model.lm_head``."""
+
     # ---- prompts and batches through the model's own Hugging Face processor
     fallback_prompt: str = "{question}"  # used when the processor has no chat template
+    forward_options = {"use_cache": False}  # one full run: no key / value cache
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -46,6 +64,14 @@ class LlamaStyleWeights:
     def _max_positions(self) -> int:
         """The decoder's position limit (10**9 when the config sets none)."""
         return int(getattr(self.text_config, "max_position_embeddings", None) or 10**9)
+
+    def check_fits(self, question: str, ids: list[int]) -> None:
+        """QuestionError for a prompt whose own tokens cannot fit the decoder;
+        where the image's token count follows its size, :meth:`prepare` checks
+        the real total (:meth:`Adapter.batch_inputs`)."""
+        total = len(self.tokenizer.encode(self.prompt(question), add_special_tokens=False))
+        if total > self._max_positions():
+            raise QuestionError(f"the question is too long: {total} tokens, the model takes {self._max_positions()}")
 
     @property
     def prompt_field(self) -> str:
@@ -65,41 +91,14 @@ class LlamaStyleWeights:
                 raise QuestionError(f"chat_template: cannot render the prompt ({type(e).__name__}: {first})") from None
         return self.fallback_prompt.format(question=question)
 
-    def _processed_batch(
-        self, images: list, questions: list[str], raw_prompt: bool = False
-    ) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """Check the questions, render the prompts and run the processor with
-        right padding (so each row's answer position is its last real token);
-        tensors on the model's device, pixels in its dtype. Images may be
-        paths, arrays or PIL images."""
-        images, prompts = self.checked_batch(images, questions, raw_prompt)
-        tok = self.processor.tokenizer
-        old_side = tok.padding_side
-        tok.padding_side = "right"
-        try:
-            batch = self.processor(images=images, text=prompts, padding=True, return_tensors="pt")
-        finally:
-            tok.padding_side = old_side
-        tensors = {k: v.to(self.device) for k, v in batch.items()}
-        if "pixel_values" in tensors:
-            tensors["pixel_values"] = tensors["pixel_values"].to(next(self.model.parameters()).dtype)
-        return tensors, prompts
-
-    def _batch_inputs(self, tensors: dict[str, torch.Tensor], prompts: list[str]) -> ModelInputs:
-        """The :class:`ModelInputs` of a right-padded processed batch (answer
-        position: each row's last real token), after checking that its longest
-        row fits the decoder (visual token counts may follow the image size)."""
-        mask = tensors["attention_mask"]
-        longest = int(mask.sum(dim=1).max())
-        if longest > self._max_positions():
-            raise QuestionError(
-                f"the question is too long: {longest} tokens with the image, the model takes {self._max_positions()}"
-            )
-        return ModelInputs(tensors, mask.sum(dim=1) - 1, tensors["input_ids"], prompts)
-
     @property
     def language_model(self):
         return self.model.model.language_model
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        """The unembedding module (``W_U`` / ``b_U`` are its weight and bias)."""
+        return self.model.lm_head
 
     def _attn(self, layer: int):
         return self.language_model.layers[layer].self_attn
@@ -176,11 +175,11 @@ class LlamaStyleWeights:
 
     @property
     def W_U(self) -> torch.Tensor:
-        return self.model.lm_head.weight.T
+        return self.lm_head.weight.T
 
     @property
     def b_U(self) -> torch.Tensor:
-        head = self.model.lm_head
+        head = self.lm_head
         return head.bias if head.bias is not None else torch.zeros(head.weight.shape[0], dtype=head.weight.dtype)
 
     def capture_hooks(self, layer: int, trace, keep_pattern: bool) -> list:
@@ -201,12 +200,6 @@ class LlamaStyleWeights:
         def mlp_out(module, args, out):
             trace.mlp_out[layer] = out
 
-        def pattern(module, args, out):
-            weights = out[1]
-            if weights is None:
-                raise RuntimeError("attention weights missing: the model is not running eager attention")
-            trace.patterns[layer] = weights[:, :, trace.query_positions.to(weights.device)]
-
         regs = [
             (block, "pre_kw", resid_pre),
             (attn.o_proj, "pre", z_in),
@@ -214,5 +207,20 @@ class LlamaStyleWeights:
             (block.mlp, "fwd", mlp_out),
         ]
         if keep_pattern:
-            regs.append((attn, "fwd", pattern))
+            regs.append((attn, "fwd", pattern_hook(trace, layer)))
         return regs
+
+    def final_hooks(self, trace) -> list:
+        def final(module, args):
+            trace.final_resid = args[0]
+
+        return [(self.language_model.norm, "pre", final)]
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Apply RoPE to queries or keys ``(..., pos, heads, d_head)`` at
+        ``positions (pos,)`` with the decoder's own rotary embedding."""
+        from transformers.models.llama.modeling_llama import rotate_half
+
+        cos, sin = self.language_model.rotary_emb(x, positions.to(x.device).view(1, -1))
+        cos, sin = cos[0].to(x.dtype).unsqueeze(-2), sin[0].to(x.dtype).unsqueeze(-2)  # (pos, 1, d_head)
+        return x * cos + rotate_half(x) * sin

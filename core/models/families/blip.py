@@ -50,9 +50,9 @@ import torch
 from PIL import Image
 
 from core.errors import QuestionError
-from core.models.adapter import Adapter, ModelInputs, config_int
+from core.models.adapter import Adapter, ModelInputs, config_int, size_value
+from core.models.families._decoder import TextConfigSizes
 from core.models.norms import IdentityNorm, Norm
-from core.models.registry import register
 
 
 class HeadTransform:
@@ -152,8 +152,7 @@ class HeadTransform:
         return (self.act_derivative(y) * self.ln.vjp(self.act(y), u)) @ self.dense.weight.to(u.dtype)
 
 
-@register(hf=("BlipForConditionalGeneration",))
-class BlipAdapter(Adapter):
+class BlipAdapter(TextConfigSizes, Adapter):
     """The canonical view of a BLIP captioning model (see the module docstring).
 
     Prompt: BLIP captions continue a text prefix ("a picture of"), so the
@@ -166,6 +165,8 @@ class BlipAdapter(Adapter):
     and the answer position is the last prefix token.
     """
 
+    hf_architectures = ("BlipForConditionalGeneration",)
+
     frozen_convention = (
         "every LayerNorm scale frozen at its value in this run; LM-head transform linearised (GELU gain frozen)"
     )
@@ -174,11 +175,7 @@ class BlipAdapter(Adapter):
     attention_kind = "cross"
     position_scheme = "absolute"
 
-    # ---- sizes
-    @property
-    def text_config(self):
-        return self.model.config.text_config
-
+    # ---- sizes (n_layers, n_heads, d_model: TextConfigSizes)
     @property
     def decoder(self):
         """``BlipTextLMHeadModel``."""
@@ -187,18 +184,6 @@ class BlipAdapter(Adapter):
     @property
     def layers(self):
         return self.decoder.bert.encoder.layer
-
-    @property
-    def n_layers(self) -> int:
-        return self.text_config.num_hidden_layers
-
-    @property
-    def n_heads(self) -> int:
-        return self.text_config.num_attention_heads
-
-    @property
-    def d_model(self) -> int:
-        return self.text_config.hidden_size
 
     def describe(self) -> dict:
         return {**super().describe(), "final_transform": "dense+gelu+layernorm", "norm_placement": "post"}
@@ -233,14 +218,7 @@ class BlipAdapter(Adapter):
         """One right-padded batch: ``pixel_values (batch, 3, H, W)``,
         ``input_ids`` / ``attention_mask (batch, pos)`` as ``generate`` feeds
         the decoder (BOS first, no [SEP])."""
-        images, prompts = self.checked_batch(images, questions, raw_prompt)
-        tok = self.processor.tokenizer
-        old_side = tok.padding_side
-        tok.padding_side = "right"
-        try:
-            batch = self.processor(images=images, text=prompts, padding=True, return_tensors="pt")
-        finally:
-            tok.padding_side = old_side
+        batch, prompts = self.processed_batch(images, questions, raw_prompt)
         ids, mask = batch["input_ids"].clone(), batch["attention_mask"].clone()
         ids[:, 0] = self.text_config.bos_token_id  # generate(): input_ids[:, 0] = bos_token_id
         pad = self.text_config.pad_token_id if self.text_config.pad_token_id is not None else 0
@@ -249,28 +227,16 @@ class BlipAdapter(Adapter):
                 ids[row, n - 1], mask[row, n - 1] = pad, 0
         width = int(mask.sum(1).max())
         ids, mask = ids[:, :width], mask[:, :width]
-        dtype = next(self.model.parameters()).dtype
-        tensors = {
-            "pixel_values": batch["pixel_values"].to(self.device, dtype),
-            "input_ids": ids.to(self.device),
-            "attention_mask": mask.to(self.device),
-        }
+        tensors = {"pixel_values": batch["pixel_values"], "input_ids": ids, "attention_mask": mask}
         last = tensors["attention_mask"].sum(dim=1) - 1
         return ModelInputs(tensors, last, tensors["input_ids"], prompts)
 
-    def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
-        """``(batch, pos, vocab)``; padding is after each row's last real token,
-        so causal attention keeps it out of every real position."""
-        return self.model(**inputs.tensors).logits
-
+    # forward_logits (the base's): ``(batch, pos, vocab)``; padding is after each
+    # row's last real token, so causal attention keeps it out of every real position.
     def append_token(self, inputs: ModelInputs, token_id: int) -> ModelInputs:
-        t = dict(inputs.tensors)
-        if t["input_ids"].shape[1] + 1 > int(self.text_config.max_position_embeddings):
+        if inputs.tensors["input_ids"].shape[1] + 1 > int(self.text_config.max_position_embeddings):
             raise QuestionError("the text reached the model's maximum length")
-        new = torch.tensor([[token_id]], device=t["input_ids"].device)
-        t["input_ids"] = torch.cat([t["input_ids"], new], dim=1)
-        t["attention_mask"] = torch.cat([t["attention_mask"], torch.ones_like(new)], dim=1)
-        return ModelInputs(t, inputs.answer_positions + 1, t["input_ids"], inputs.prompts)
+        return super().append_token(inputs, token_id)
 
     # ---- blocks: "L{l}" (self-attention) and "L{l}.xattn" (cross-attention + FFN)
     @property
@@ -378,11 +344,8 @@ class BlipAdapter(Adapter):
             ]
         return out
 
-    # ---- capture: hooks around the library's forward
-    def visual_positions(self, inputs: ModelInputs) -> torch.Tensor:
-        """Cross-attention model: no visual tokens in the text sequence, ``(batch, 0)``."""
-        return torch.zeros(inputs.input_ids.shape[0], 0, dtype=torch.long)
-
+    # ---- capture: hooks around the library's forward (visual_positions: the base's, none
+    # in the text sequence)
     def run_capture(self, inputs: ModelInputs, trace, keep: set[int]) -> None:
         """Hooks around the library's forward; also records every stream
         LayerNorm's input as ``trace.norm_inputs`` (the frozen bookkeeping needs
@@ -554,9 +517,7 @@ class BlipAdapter(Adapter):
         ip = self.processor.image_processor
         if getattr(ip, "do_center_crop", False) or getattr(ip, "do_pad", False):
             raise NotImplementedError("BLIP geometry is mapped for the plain resize (no crop, no pad)")
-        size = ip.size
-        height = getattr(size, "height", None) or size["height"]
-        width = getattr(size, "width", None) or size["width"]
+        height, width = size_value(ip.size, "height"), size_value(ip.size, "width")
         patch = self.model.config.vision_config.patch_size
         patch = patch[0] if isinstance(patch, (tuple, list)) else patch
         w, h = image_size

@@ -8,13 +8,13 @@ from PIL import Image
 
 from core.errors import QuestionError
 from core.models.adapter import Adapter, ModelInputs
-from core.models.registry import register
 
 
-@register(open_clip=("CoCa",))
 class CocaAdapter(Adapter):
     """``processor`` is open_clip's image transform; ``tokenizer`` a Hugging
     Face tokenizer (the default models) or open_clip's tokenizer."""
+
+    open_clip_classes = ("CoCa",)
 
     records_qk = True  # the replay fills trace.q / trace.k itself
     edit_sites = ("z", "mlp", "resid", "knockout", "kv_source")  # applied in the replay (run_capture)
@@ -186,10 +186,6 @@ class CocaAdapter(Adapter):
     # ---- capture: a replay of the text path from canonical weights, checked
     # against open_clip's own forward on every run (nn.MultiheadAttention
     # computes heads internally, so hooks cannot see z or the weights).
-    def visual_positions(self, inputs: ModelInputs) -> torch.Tensor:
-        """Cross-attention models have no visual tokens in the text sequence."""
-        return torch.zeros(inputs.input_ids.shape[0], 0, dtype=torch.long)
-
     def run_capture(self, inputs: ModelInputs, trace, keep: set[int]) -> None:
         import math
 

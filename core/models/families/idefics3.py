@@ -50,25 +50,13 @@ from __future__ import annotations
 import math
 import re
 
-import torch
-from PIL import Image
-
-from core.errors import QuestionError
-from core.models.adapter import ModelInputs, config_int
+from core.models.adapter import config_int, size_value
+from core.models.families._decoder import LlamaStyleWeights
 from core.models.families.llava import LlavaAdapter
-from core.models.registry import register
 
 # transformers' image_processing_idefics3.MAX_IMAGE_SIZE: no resized edge exceeds it.
 MAX_IMAGE_SIZE = 4096
 _ROW_COL = re.compile(r"^<row_\d+_col_\d+>$")
-
-
-def _size_value(size, key: str):
-    """``size[key]`` for a dict or a transformers ``SizeDict`` (None if absent)."""
-    value = getattr(size, key, None)
-    if value is None and hasattr(size, "get"):
-        value = size.get(key)
-    return value
 
 
 def longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]:
@@ -114,7 +102,6 @@ def tile_multiple_size(height: int, width: int, tile: int) -> tuple[int, int]:
     return height, width
 
 
-@register(hf=("Idefics3ForConditionalGeneration",))
 class Idefics3Adapter(LlavaAdapter):
     """The canonical view of an Idefics3 model (see the module docstring).
 
@@ -131,6 +118,8 @@ class Idefics3Adapter(LlavaAdapter):
       ``<row_r_col_c>``, ``<global-img>``, the newlines after each tile row)
       are :meth:`visual_delimiter_positions`.
     """
+
+    hf_architectures = ("Idefics3ForConditionalGeneration",)
 
     family = "idefics3"
     final_norm = "rmsnorm"
@@ -152,82 +141,22 @@ class Idefics3Adapter(LlavaAdapter):
         config_int(config, "scale_factor", minimum=1, required=True)
         config_int(config, "vision_config.patch_size", minimum=1, required=True)
 
+    # The image's token count follows its size: the prompt's own tokens are checked
+    # first, prepare() checks the real total.
+    check_fits = LlamaStyleWeights.check_fits
+
+    # ---- running: prepare (the base's) gives ``input_ids`` and ``attention_mask``
+    # ``(batch, pos)``, ``pixel_values`` ``(batch, max_frames, 3, M, M)`` in the model's
+    # dtype (all-zero frames pad rows with fewer tiles) and ``pixel_attention_mask``
+    # ``(batch, max_frames, M, M)``. The images go to the processor one list per
+    # prompt: SmolVLM's processor reads a flat list as one sample holding every image.
+    images_per_prompt = True
+
     def extra_markup(self) -> list[str]:
         """The tile markers ``<row_r_col_c>`` the processor writes, whether or not
         the tokenizer marks them special."""
         added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
         return [str(t) for t in added.values() if _ROW_COL.match(str(t))]
-
-    def check_fits(self, question: str, ids: list[int]) -> None:
-        # The image's token count follows its size; prepare() checks the real total.
-        total = len(self.tokenizer.encode(self.prompt(question), add_special_tokens=False))
-        if total > self._max_positions():
-            raise QuestionError(f"the question is too long: {total} tokens, the model takes {self._max_positions()}")
-
-    # ---- running
-    def _processed_batch(
-        self, images: list, questions: list[str], raw_prompt: bool = False
-    ) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """As :meth:`LlamaStyleWeights._processed_batch`, but the images go to the
-        processor nested one list per prompt: SmolVLM's processor reads a flat
-        list as one sample holding every image."""
-        images, prompts = self.checked_batch(images, questions, raw_prompt)
-        tok = self.processor.tokenizer
-        old_side = tok.padding_side
-        tok.padding_side = "right"
-        try:
-            batch = self.processor(images=[[im] for im in images], text=prompts, padding=True, return_tensors="pt")
-        finally:
-            tok.padding_side = old_side
-        tensors = {k: v.to(self.device) for k, v in batch.items()}
-        tensors["pixel_values"] = tensors["pixel_values"].to(next(self.model.parameters()).dtype)
-        return tensors, prompts
-
-    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
-        """One right-padded batch (one image per question).
-
-        ``tensors`` holds ``input_ids`` and ``attention_mask`` ``(batch, pos)``,
-        ``pixel_values`` ``(batch, max_frames, 3, M, M)`` in the model's dtype
-        (all-zero frames pad rows with fewer tiles) and ``pixel_attention_mask``
-        ``(batch, max_frames, M, M)``.
-        """
-        return self._batch_inputs(*self._processed_batch(images, questions, raw_prompt))
-
-    def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
-        return self.model(**inputs.tensors, use_cache=False).logits
-
-    def append_token(self, inputs: ModelInputs, token_id: int) -> ModelInputs:
-        t = dict(inputs.tensors)
-        new = torch.tensor([[token_id]], device=t["input_ids"].device, dtype=t["input_ids"].dtype)
-        t["input_ids"] = torch.cat([t["input_ids"], new], dim=1)
-        t["attention_mask"] = torch.cat([t["attention_mask"], torch.ones_like(new)], dim=1)
-        if "mm_token_type_ids" in t:
-            t["mm_token_type_ids"] = torch.cat([t["mm_token_type_ids"], torch.zeros_like(new)], dim=1)
-        return ModelInputs(t, inputs.answer_positions + 1, t["input_ids"], inputs.prompts)
-
-    # ---- capture
-    def visual_positions(self, inputs: ModelInputs) -> torch.Tensor:
-        """``(batch, n_visual)`` positions of the image tokens (all frames, in order).
-
-        Raises:
-            ValueError: the rows hold different numbers of visual tokens
-                (images tiled differently), which no rectangular tensor holds.
-        """
-        mask = inputs.input_ids == self.model.config.image_token_id
-        rows = [row.nonzero().flatten() for row in mask]
-        if len({len(r) for r in rows}) > 1:
-            raise ValueError(
-                "the batch rows hold different numbers of visual tokens "
-                f"({[len(r) for r in rows]}): Idefics3's token count follows the image's tiling"
-            )
-        return torch.stack(rows)
-
-    def _token_id_or_none(self, token: str | None) -> int | None:
-        """The id of a whole token string; None if the vocabulary lacks it."""
-        if not token:
-            return None
-        i = self.tokenizer.convert_tokens_to_ids(token)
-        return None if i is None or i == getattr(self.tokenizer, "unk_token_id", None) else int(i)
 
     def _is_blank(self, token_id: int) -> bool:
         return self.tokenizer.decode([int(token_id)]).strip() == ""
@@ -240,9 +169,9 @@ class Idefics3Adapter(LlavaAdapter):
         token or two depending on the tokenizer)."""
         ids = [int(i) for i in trace.input_ids[batch].tolist()]
         image_id = int(self.model.config.image_token_id)
-        fake = self._token_id_or_none(getattr(self.processor, "fake_image_token", None))
+        fake = self.vocab_id(getattr(self.processor, "fake_image_token", None))
         glob = getattr(self.processor, "global_image_token", None) or getattr(self.processor, "global_image_tag", None)
-        marks = {t for t in (fake, self._token_id_or_none(glob)) if t is not None}
+        marks = {t for t in (fake, self.vocab_id(glob)) if t is not None}
         strings = self.tokenizer.convert_ids_to_tokens(ids)
         out = set()
         for i, (t, s) in enumerate(zip(ids, strings)):
@@ -263,12 +192,12 @@ class Idefics3Adapter(LlavaAdapter):
         when it is not tiled: one ``M x M`` frame) and the size of the image it
         cuts (``(rows * M, cols * M)``; ``(M, M)`` when not tiled)."""
         ip = self.processor.image_processor
-        tile = int(_size_value(ip.max_image_size, "longest_edge"))
+        tile = int(size_value(ip.max_image_size, "longest_edge"))
         w, h = image_size
         if not getattr(ip, "do_image_splitting", True):
             return 0, 0, tile, tile
         if getattr(ip, "do_resize", True):
-            h, w = longest_edge_size(h, w, int(_size_value(ip.size, "longest_edge")))
+            h, w = longest_edge_size(h, w, int(size_value(ip.size, "longest_edge")))
         rh, rw = tile_multiple_size(h, w, tile)
         if rh > tile or rw > tile:
             return rh // tile, rw // tile, rh, rw
@@ -277,7 +206,7 @@ class Idefics3Adapter(LlavaAdapter):
     def frame_grid(self) -> int:
         """``g``: each ``M x M`` frame gives a ``g x g`` grid of visual tokens."""
         ip = self.processor.image_processor
-        tile = int(_size_value(ip.max_image_size, "longest_edge"))
+        tile = int(size_value(ip.max_image_size, "longest_edge"))
         patch = int(self.model.config.vision_config.patch_size)
         scale = int(self.model.config.scale_factor)
         g = tile // patch // scale
@@ -306,7 +235,7 @@ class Idefics3Adapter(LlavaAdapter):
 
         rows, cols, rh, rw = self.tiling(image_size)
         g = self.frame_grid()
-        tile = int(_size_value(self.processor.image_processor.max_image_size, "longest_edge"))
+        tile = int(size_value(self.processor.image_processor.max_image_size, "longest_edge"))
         cell = tile / g
         w, h = image_size
         frames = []  # (x offset, y offset, x scale, y scale) of each frame in original pixels
@@ -332,10 +261,11 @@ class Idefics3Adapter(LlavaAdapter):
         return out
 
 
-@register(hf=("SmolVLMForConditionalGeneration",))
 class SmolVLMAdapter(Idefics3Adapter):
     """SmolVLM / SmolVLM2: Idefics3's modules, processor and markup; only the
     chat template's BOS differs."""
+
+    hf_architectures = ("SmolVLMForConditionalGeneration",)
 
     family = "smolvlm"
     fallback_prompt = "<|im_start|>User:<image>{question}<end_of_utterance>\nAssistant:"

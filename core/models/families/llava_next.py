@@ -51,13 +51,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image
 
 from core.errors import ModelLoadError, QuestionError
 from core.geometry import VisualToken
-from core.models.adapter import ModelInputs, config_int
+from core.models.adapter import ModelInputs, config_int, size_value
 from core.models.families.llava import LlavaAdapter
-from core.models.registry import register
 
 
 @dataclass
@@ -121,17 +119,6 @@ class AnyResLayout:
         return (x - left) * w / rw, (y - top) * h / rh
 
 
-def _size_value(size, key: str):
-    """``size[key]`` for a dict or a transformers ``SizeDict`` (None if absent)."""
-    if size is None:
-        return None
-    value = getattr(size, key, None)
-    if value is None and hasattr(size, "get"):
-        value = size.get(key)
-    return value
-
-
-@register(hf=("LlavaNextForConditionalGeneration",))
 class LlavaNextAdapter(LlavaAdapter):
     """The canonical view of a LLaVA-NeXT model (see the module docstring).
 
@@ -140,6 +127,8 @@ class LlavaNextAdapter(LlavaAdapter):
     size, newline tokens sit among them, and the geometry undoes the
     any-resolution tiling.
     """
+
+    hf_architectures = ("LlavaNextForConditionalGeneration",)
 
     family = "llava_next"
 
@@ -160,10 +149,10 @@ class LlavaNextAdapter(LlavaAdapter):
                 f"processor image_grid_pinpoints {ip.image_grid_pinpoints} differ from the model's {pinpoints}"
             )
         size, crop = ip.size, getattr(ip, "crop_size", None)
-        h, w, short = _size_value(size, "height"), _size_value(size, "width"), _size_value(size, "shortest_edge")
+        h, w, short = size_value(size, "height"), size_value(size, "width"), size_value(size, "shortest_edge")
         base = (h, w) if h and w else (short, short)
-        tile_px = _size_value(crop, "height") or h or short
-        crop_hw = (_size_value(crop, "height"), _size_value(crop, "width"))
+        tile_px = size_value(crop, "height") or h or short
+        crop_hw = (size_value(crop, "height"), size_value(crop, "width"))
         # The base image and every tile must leave the processor as they were cut:
         # tile x tile, untouched by the second resize and the centre crop.
         supported = (
@@ -306,36 +295,12 @@ class LlavaNextAdapter(LlavaAdapter):
                 f"the model takes {self._max_positions()}"
             )
 
-    # ---- running
-    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
-        """One right-padded batch (one image per question).
-
-        ``tensors`` holds ``input_ids``, ``attention_mask`` ``(batch, pos)``,
-        ``pixel_values`` ``(batch, 1 + max_tiles, C, tile, tile)`` in the
-        model's dtype (rows with fewer tiles zero-padded) and ``image_sizes``
-        ``(batch, 2)`` as (height, width) of the original images."""
-        return self._batch_inputs(*self._processed_batch(images, questions, raw_prompt))
-
-    def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
-        return self.model(**inputs.tensors, use_cache=False).logits
-
-    # ---- capture
-    def visual_positions(self, inputs: ModelInputs) -> torch.Tensor:
-        """``(batch, n_visual)`` positions of every ``<image>`` token, newline tokens included.
-
-        Raises:
-            ValueError: the rows hold different numbers of visual tokens
-                (images whose sizes give different layouts).
-        """
-        mask = inputs.input_ids == self.model.config.image_token_id
-        rows = [row.nonzero().flatten() for row in mask]
-        if len({len(r) for r in rows}) > 1:
-            raise ValueError(
-                "the batch rows hold different numbers of visual tokens "
-                f"({[len(r) for r in rows]}): LLaVA-NeXT's token count follows the image size"
-            )
-        return torch.stack(rows)
-
+    # ---- running: prepare (the base's) gives ``input_ids``, ``attention_mask``
+    # ``(batch, pos)``, ``pixel_values`` ``(batch, 1 + max_tiles, C, tile, tile)`` in
+    # the model's dtype (rows with fewer tiles zero-padded) and ``image_sizes``
+    # ``(batch, 2)`` as (height, width) of the original images. visual_positions
+    # (the base's) returns every ``<image>`` token, newline tokens included, and
+    # refuses a batch whose rows hold different numbers of them.
     def run_capture(self, inputs: ModelInputs, trace, keep: set[int]) -> None:
         """The default hooked forward; also records ``trace.image_sizes``
         ``(batch, 2)`` (height, width), which places the newline tokens."""

@@ -71,13 +71,11 @@ tests/core/test_mllama.py):
 from __future__ import annotations
 
 import torch
-from PIL import Image
 
-from core.errors import ModelLoadError, QuestionError
-from core.models.adapter import Adapter, ModelInputs, config_int, config_value
-from core.models.families._decoder import LlamaStyleWeights
+from core.errors import ModelLoadError
+from core.models.adapter import Adapter, ModelInputs, config_int, config_value, size_value
+from core.models.families._decoder import LlamaStyleWeights, pattern_hook
 from core.models.norms import IdentityNorm, Norm
-from core.models.registry import register
 
 # What Llama 3.2 Vision Instruct's chat template renders for one user turn
 # holding an image then the question, with the generation prompt (used when
@@ -86,14 +84,6 @@ MLLAMA_PROMPT = (
     "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<|image|>{question}<|eot_id|>"
     "<|start_header_id|>assistant<|end_header_id|>\n\n"
 )
-
-
-def _size_value(size, key: str):
-    """``size[key]`` for a dict or a transformers ``SizeDict`` (None if absent)."""
-    value = getattr(size, key, None)
-    if value is None and hasattr(size, "get"):
-        value = size.get(key)
-    return value
 
 
 def _canvas_functions():
@@ -111,9 +101,10 @@ def _canvas_functions():
     return get_optimal_tiled_canvas, get_image_size_fit_to_canvas
 
 
-@register(hf=("MllamaForConditionalGeneration",))
 class MllamaAdapter(LlamaStyleWeights, Adapter):
     """The canonical view of an Mllama model (see the module docstring)."""
+
+    hf_architectures = ("MllamaForConditionalGeneration",)
 
     family = "mllama"
     final_norm = "rmsnorm"
@@ -172,61 +163,27 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
                 f"0..{n - 1}, got {layers!r}"[:300]
             )
 
-    def check_fits(self, question: str, ids: list[int]) -> None:
-        total = len(self.tokenizer.encode(self.prompt(question), add_special_tokens=False))
-        if total > self._max_positions():
-            raise QuestionError(f"the question is too long: {total} tokens, the model takes {self._max_positions()}")
+    # ---- running: prepare (the base's, LlamaStyleWeights' check_fits) gives one
+    # right-padded batch, one image per question: ``input_ids`` and ``attention_mask``
+    # ``(batch, pos)``, ``pixel_values`` ``(batch, 1, max_tiles, C, tile, tile)`` in the
+    # model's dtype, ``aspect_ratio_ids`` ``(batch, 1)``, ``aspect_ratio_mask``
+    # ``(batch, 1, max_tiles)`` and ``cross_attention_mask`` ``(batch, pos, 1, max_tiles)``.
+    images_per_prompt = True
 
-    def _processed_batch(
-        self, images: list, questions: list[str], raw_prompt: bool = False
-    ) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """As :meth:`LlamaStyleWeights._processed_batch`, but the tokenizer adds no
-        BOS when the rendered prompt already starts with one (Llama 3's tokenizer
-        prepends ``<|begin_of_text|>`` and so does the chat template)."""
-        images, prompts = self.checked_batch(images, questions, raw_prompt)
-        tok = self.processor.tokenizer
-        bos = getattr(tok, "bos_token", None)
-        has_bos = bool(bos) and all(p.startswith(bos) for p in prompts)
-        old_side = tok.padding_side
-        tok.padding_side = "right"
-        try:
-            batch = self.processor(
-                images=[[im] for im in images],
-                text=prompts,
-                padding=True,
-                return_tensors="pt",
-                add_special_tokens=not has_bos,
-            )
-        finally:
-            tok.padding_side = old_side
-        tensors = {k: v.to(self.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-        tensors["pixel_values"] = tensors["pixel_values"].to(next(self.model.parameters()).dtype)
-        return tensors, prompts
-
-    # ---- running
-    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
-        """One right-padded batch, one image per question.
-
-        ``tensors``: ``input_ids`` and ``attention_mask`` ``(batch, pos)``,
-        ``pixel_values`` ``(batch, 1, max_tiles, C, tile, tile)`` in the model's
-        dtype, ``aspect_ratio_ids`` ``(batch, 1)``, ``aspect_ratio_mask``
-        ``(batch, 1, max_tiles)`` and ``cross_attention_mask``
-        ``(batch, pos, 1, max_tiles)``."""
-        return self._batch_inputs(*self._processed_batch(images, questions, raw_prompt))
-
-    def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
-        return self.model(**inputs.tensors, use_cache=False).logits
+    def processor_options(self, prompts: list[str]) -> dict:
+        """No BOS from the tokenizer when the rendered prompts already start with
+        one (Llama 3's tokenizer prepends ``<|begin_of_text|>`` and so does the chat
+        template)."""
+        bos = getattr(self.processor.tokenizer, "bos_token", None)
+        return {"add_special_tokens": not (bool(bos) and all(p.startswith(bos) for p in prompts))}
 
     def append_token(self, inputs: ModelInputs, token_id: int) -> ModelInputs:
         """The batch (of one) with a token appended; its cross-attention mask row
         repeats the last one, as transformers' generation does."""
-        t = dict(inputs.tensors)
-        new = torch.tensor([[token_id]], device=t["input_ids"].device, dtype=t["input_ids"].dtype)
-        t["input_ids"] = torch.cat([t["input_ids"], new], dim=1)
-        t["attention_mask"] = torch.cat([t["attention_mask"], torch.ones_like(new)], dim=1)
-        cam = t["cross_attention_mask"]
-        t["cross_attention_mask"] = torch.cat([cam, cam[:, -1:]], dim=1)
-        return ModelInputs(t, inputs.answer_positions + 1, t["input_ids"], inputs.prompts)
+        longer = super().append_token(inputs, token_id)
+        cam = longer.tensors["cross_attention_mask"]
+        longer.tensors["cross_attention_mask"] = torch.cat([cam, cam[:, -1:]], dim=1)
+        return longer
 
     # ---- canonical weights: LlamaStyleWeights on self or cross attention, gates folded in
     def W_O(self, layer: int) -> torch.Tensor:
@@ -343,21 +300,8 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
             regs += [(layer, "pre_kw", row_mask), (layer.mlp, "fwd", mlp)]
         return regs
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Apply RoPE to queries or keys ``(..., pos, heads, d_head)`` at ``positions (pos,)``.
-
-        Self-attention blocks only: cross blocks have no RoPE (see :meth:`queries`)."""
-        from transformers.models.mllama.modeling_mllama import rotate_half
-
-        cos, sin = self.language_model.rotary_emb(x, positions.to(x.device).view(1, -1))
-        cos, sin = cos[0].to(x.dtype).unsqueeze(-2), sin[0].to(x.dtype).unsqueeze(-2)  # (pos, 1, d_head)
-        return x * cos + rotate_half(x) * sin
-
-    # ---- capture
-    def visual_positions(self, inputs: ModelInputs) -> torch.Tensor:
-        """Cross-attention model: no visual token sits in the text sequence, ``(batch, 0)``."""
-        return torch.zeros(inputs.input_ids.shape[0], 0, dtype=torch.long)
-
+    # ---- capture (visual_positions: the base's, none in the text sequence; rotate:
+    # LlamaStyleWeights' RoPE, self-attention blocks only, see queries())
     def visual_delimiter_positions(self, trace, batch: int = 0) -> list[int]:
         """The ``<|image|>`` placeholders: they mark where an image's cross-attention
         starts but carry no patch."""
@@ -438,12 +382,6 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
                 "transformers' MllamaCrossAttentionDecoderLayer changed"
             )
 
-        def pattern(module, args, out):
-            weights = out[1]
-            if weights is None:
-                raise RuntimeError("attention weights missing: the model is not running eager attention")
-            trace.patterns[layer] = weights[:, :, trace.query_positions.to(weights.device)]
-
         regs = [
             (block, "pre_kw", resid_pre),
             (attn.o_proj, "pre", z_in),
@@ -453,14 +391,8 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
         if cross:
             regs.append((block, "fwd", layer_out))
         if keep_pattern:
-            regs.append((attn, "fwd", pattern))
+            regs.append((attn, "fwd", pattern_hook(trace, layer)))
         return regs
-
-    def final_hooks(self, trace) -> list:
-        def final(module, args):
-            trace.final_resid = args[0]
-
-        return [(self.language_model.norm, "pre", final)]
 
     # ---- masks
     def _key_mask(self, trace, batch: int) -> torch.Tensor | None:
@@ -503,7 +435,7 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
         (top-left, aspect kept; the rest of the canvas is zero padding) and the
         tile side in pixels."""
         ip = self.processor.image_processor
-        tile = int(_size_value(ip.size, "height"))
+        tile = int(size_value(ip.size, "height"))
         vision = self.model.config.vision_config
         size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
         if tile != size:

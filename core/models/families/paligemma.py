@@ -45,13 +45,11 @@ and the additive DLA cannot reproduce.
 from __future__ import annotations
 
 import torch
-from PIL import Image
 
 from core.errors import QuestionError, UnsupportedArchitectureError
-from core.models.adapter import Adapter, ModelInputs, config_int
+from core.models.adapter import Adapter, ModelInputs, config_int, size_value
 from core.models.families._decoder import LlamaStyleWeights
 from core.models.norms import Norm
-from core.models.registry import register
 
 IMAGE_TOKEN = "<image>"
 
@@ -70,14 +68,6 @@ class GemmaNorm(Norm):
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         y = y * (self.weight_offset + self.weight.to(dt))
         return y.to(x.dtype)
-
-
-def _size_value(size, key: str):
-    """``size[key]`` for a dict or a transformers ``SizeDict`` (None if absent)."""
-    value = getattr(size, key, None)
-    if value is None and hasattr(size, "get"):
-        value = size.get(key)
-    return value
 
 
 def prefix_lm_allowed(
@@ -106,11 +96,12 @@ def prefix_lm_allowed(
     return allowed
 
 
-@register(hf=("PaliGemmaForConditionalGeneration",))
 class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
     """The canonical view of a PaliGemma (Gemma 1 decoder) model; see the
     module docstring for the prefix-LM mask, the scaled embeddings and what is
     refused."""
+
+    hf_architectures = ("PaliGemmaForConditionalGeneration",)
 
     family = "paligemma"
     final_norm = "rmsnorm"
@@ -167,34 +158,15 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
                 f"the question is too long: {total} tokens with the image, the model takes {self._max_positions()}"
             )
 
-    # ---- running
-    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
-        """One right-padded batch (one image per question).
-
-        ``tensors`` holds ``input_ids``, ``attention_mask``, ``token_type_ids``
-        (0 prefix, 1 suffix: every prompt token is prefix) ``(batch, pos)`` and
-        ``pixel_values`` ``(batch, 3, S, S)`` in the model's dtype. The
-        processor's ``labels`` (all -100 without a suffix) are dropped: they
-        would make the forward compute a loss.
-        """
-        tensors, prompts = self._processed_batch(images, questions, raw_prompt)
-        tensors.pop("labels", None)
-        return self._batch_inputs(tensors, prompts)
-
-    def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
-        return self.model(**inputs.tensors, use_cache=False).logits
-
-    def append_token(self, inputs: ModelInputs, token_id: int) -> ModelInputs:
-        """The batch (of one) with ``token_id`` appended as a *suffix* token
-        (``token_type_ids`` 1: causal, as in generation), so the prefix's
-        logits are unchanged."""
-        t = dict(inputs.tensors)
-        new = torch.tensor([[token_id]], device=t["input_ids"].device, dtype=t["input_ids"].dtype)
-        t["input_ids"] = torch.cat([t["input_ids"], new], dim=1)
-        t["attention_mask"] = torch.cat([t["attention_mask"], torch.ones_like(new)], dim=1)
-        if "token_type_ids" in t:
-            t["token_type_ids"] = torch.cat([t["token_type_ids"], torch.ones_like(new)], dim=1)
-        return ModelInputs(t, inputs.answer_positions + 1, t["input_ids"], inputs.prompts)
+    # ---- running: prepare (the base's) gives ``input_ids``, ``attention_mask``,
+    # ``token_type_ids`` (0 prefix, 1 suffix: every prompt token is prefix) ``(batch,
+    # pos)`` and ``pixel_values`` ``(batch, 3, S, S)`` in the model's dtype. The
+    # processor's ``labels`` (all -100 without a suffix) are dropped: they would make
+    # the forward compute a loss. append_token appends a *suffix* token
+    # (``token_type_ids`` 1: causal, as in generation), so the prefix's logits are
+    # unchanged. visual_positions (the base's): the first ``n_image_tokens`` positions.
+    dropped_tensors = ("labels",)
+    appended_token_types = {"token_type_ids": 1}
 
     # ---- canonical weights (LlamaStyleWeights) with Gemma's norms and embeddings
     def _norm(self, module):  # GemmaRMSNorm keeps eps as .eps and scales by (1 + w) in float32
@@ -206,25 +178,7 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
         emb = self.language_model.embed_tokens
         return emb.weight * emb.embed_scale.to(emb.weight.dtype)
 
-    def attention_module(self, block: int):
-        return self._attn(block)
-
-    def z_module(self, block: int):
-        return self._attn(block).o_proj
-
-    def mlp_module(self, block: int):
-        return self.language_model.layers[block].mlp
-
-    def score_scale(self, block: int) -> float:
-        return float(self._attn(block).scaling)
-
     # ---- capture
-    def visual_positions(self, inputs: ModelInputs) -> torch.Tensor:
-        """``(batch, n_visual)`` positions of the image tokens (the first
-        ``n_image_tokens`` positions of each row)."""
-        mask = inputs.input_ids == self.model.config.image_token_id
-        return torch.stack([row.nonzero().flatten() for row in mask])
-
     def run_capture(self, inputs: ModelInputs, trace, keep: set[int]) -> None:
         """The default hooked forward; also keeps ``trace.token_type_ids``
         ``(batch, pos)`` (prefix 0 / suffix 1) for :meth:`allowed_keys`."""
@@ -255,12 +209,6 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
 
         regs.append((self.language_model.layers[layer], "pre_kw", inputs))
         return regs
-
-    def final_hooks(self, trace) -> list:
-        def final(module, args):
-            trace.final_resid = args[0]
-
-        return [(self.language_model.norm, "pre", final)]
 
     def rope_positions(self, trace, batch: int = 0) -> torch.Tensor:
         """``(pos,)`` the RoPE positions of one batch row: the recorded
@@ -298,16 +246,6 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
                 break
         return roles
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Apply Gemma's RoPE to queries or keys ``(..., pos, heads, d_head)``
-        at ``positions (pos,)`` (PaliGemma's are 1-indexed: use :meth:`rope_positions`)."""
-        from transformers.models.gemma.modeling_gemma import rotate_half
-
-        positions = positions.to(x.device)
-        cos, sin = self.language_model.rotary_emb(x, positions.view(1, -1))
-        cos, sin = cos[0].to(x.dtype).unsqueeze(-2), sin[0].to(x.dtype).unsqueeze(-2)  # (pos, 1, d_head)
-        return x * cos + rotate_half(x) * sin
-
     # ---- geometry
     def resized_size(self) -> int:
         """``S``: the square side the processor resizes every image to (checked
@@ -315,7 +253,7 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
         ip = self.processor.image_processor
         if not getattr(ip, "do_resize", True):
             raise NotImplementedError("PaliGemma geometry is mapped for resizing processors")
-        h, w = _size_value(ip.size, "height"), _size_value(ip.size, "width")
+        h, w = size_value(ip.size, "height"), size_value(ip.size, "width")
         side = self.model.config.vision_config.image_size
         if h is None or w is None or h != w or h != side:
             raise ValueError(f"processor size {ip.size} does not match the vision tower's {side}x{side} input")

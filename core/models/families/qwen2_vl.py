@@ -26,12 +26,9 @@ inputs.
 from __future__ import annotations
 
 import torch
-from PIL import Image
 
-from core.errors import QuestionError
 from core.models.adapter import Adapter, ModelInputs
 from core.models.families._decoder import LlamaStyleWeights
-from core.models.registry import register
 
 # What Qwen's own chat template renders for one user turn holding an image
 # then the question, with the generation prompt (used when the processor has
@@ -43,7 +40,6 @@ QWEN_PROMPT = (
 )
 
 
-@register(hf=("Qwen2VLForConditionalGeneration",))
 class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
     """The canonical view of a Qwen2-VL model (see the module docstring).
 
@@ -60,6 +56,8 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
       positions.
     """
 
+    hf_architectures = ("Qwen2VLForConditionalGeneration",)
+
     family = "qwen2_vl"
     final_norm = "rmsnorm"
     attention_kind = "self"
@@ -68,36 +66,12 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
     # ---- text
     fallback_prompt = QWEN_PROMPT
 
-    def check_fits(self, question: str, ids: list[int]) -> None:
-        # The image's token count depends on its size; prepare() checks the real total.
-        total = len(self.tokenizer.encode(self.prompt(question), add_special_tokens=False))
-        if total > self._max_positions():
-            raise QuestionError(f"the question is too long: {total} tokens, the model takes {self._max_positions()}")
-
-    # ---- running
-    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
-        """One right-padded batch (one image per question).
-
-        ``tensors`` holds ``input_ids``, ``attention_mask``, ``mm_token_type_ids``
-        (0 text, 1 image), ``pixel_values`` ``(n_patches_total, C * T * P * P)``
-        in the model's dtype and ``image_grid_thw`` ``(n_images, 3)`` in patches.
-        """
-        return self._batch_inputs(*self._processed_batch(images, questions, raw_prompt))
-
-    def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
-        return self.model(**inputs.tensors, use_cache=False).logits
-
-    def append_token(self, inputs: ModelInputs, token_id: int) -> ModelInputs:
-        """The batch (of one) with a text token appended; the model recomputes
-        the M-RoPE positions (the new token gets the next text position)."""
-        t = dict(inputs.tensors)
-        new = torch.tensor([[token_id]], device=t["input_ids"].device, dtype=t["input_ids"].dtype)
-        t["input_ids"] = torch.cat([t["input_ids"], new], dim=1)
-        t["attention_mask"] = torch.cat([t["attention_mask"], torch.ones_like(new)], dim=1)
-        if "mm_token_type_ids" in t:
-            t["mm_token_type_ids"] = torch.cat([t["mm_token_type_ids"], torch.zeros_like(new)], dim=1)
-        return ModelInputs(t, inputs.answer_positions + 1, t["input_ids"], inputs.prompts)
-
+    # ---- running: prepare (the base's, LlamaStyleWeights' check_fits) gives one
+    # right-padded batch, one image per question: ``input_ids``, ``attention_mask``,
+    # ``mm_token_type_ids`` (0 text, 1 image; append_token extends it with 0),
+    # ``pixel_values`` ``(n_patches_total, C * T * P * P)`` in the model's dtype and
+    # ``image_grid_thw`` ``(n_images, 3)`` in patches; the model recomputes the
+    # M-RoPE positions of an appended token (the next text position).
     def positions_for_inputs(self, inputs: ModelInputs) -> torch.Tensor:
         """``(3, batch, pos)`` the M-RoPE position ids (temporal, height, width)
         the model computes for ``inputs`` (padding positions get 0)."""
@@ -124,22 +98,7 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
         # Qwen2-VL's attention uses hidden_size // num_heads whatever the config says.
         return self._attn(0).head_dim
 
-    # ---- capture
-    def visual_positions(self, inputs: ModelInputs) -> torch.Tensor:
-        """``(batch, n_visual)`` positions of the image tokens in the sequence.
-
-        Raises:
-            ValueError: the rows hold different numbers of visual tokens
-                (images of different sizes), which no rectangular tensor holds.
-        """
-        mask = inputs.input_ids == self.model.config.image_token_id
-        rows = [row.nonzero().flatten() for row in mask]
-        if len({len(r) for r in rows}) > 1:
-            raise ValueError(
-                "the batch rows hold different numbers of visual tokens "
-                f"({[len(r) for r in rows]}): Qwen2-VL's token count follows the image size"
-            )
-        return torch.stack(rows)
+    # ---- capture (visual_positions: the base's, which refuses ragged batches)
 
     def final_hooks(self, trace) -> list:
         """Hooks that record ``trace.final_resid`` (the final norm's input) and
@@ -259,9 +218,10 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
         return out
 
 
-@register(hf=("Qwen2_5_VLForConditionalGeneration",))
 class Qwen2_5_VLAdapter(Qwen2VLAdapter):
     """Qwen2.5-VL: the same decoder, processor and token order as Qwen2-VL
     (the windowed vision tower restores row-major order after its merger)."""
+
+    hf_architectures = ("Qwen2_5_VLForConditionalGeneration",)
 
     family = "qwen2_5_vl"

@@ -14,13 +14,14 @@ the rest is exported.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+from core.arguments import LazyChoices
 
-def add_command(subparsers, add_model_args, load) -> None:
-    """The ``export`` subcommand (it needs no model: ``add_model_args`` and ``load`` are unused)."""
-    from core.export import FORMATS  # core.export imports no torch until it draws
 
+def add_command(subparsers, load=None) -> None:
+    """The ``export`` subcommand (it needs no model: ``load`` is unused)."""
     p = subparsers.add_parser(
         "export",
         help="write a session's audit table (csv, md, html, json) or its figures (png)",
@@ -29,15 +30,15 @@ def add_command(subparsers, add_model_args, load) -> None:
         "pictures; png writes them into the folder --out.",
     )
     p.add_argument("--session", required=True, help="session file (SQLite)")
-    p.add_argument("--format", required=True, choices=FORMATS)
+    # read from core.export (and core.session) only when checked: the other commands' parsers never import them
+    formats = LazyChoices("core.export", "FORMATS")
+    p.add_argument("--format", required=True, choices=formats, metavar="FORMAT", help="%(choices)s")
     p.add_argument("--out", required=True, help="output file (a folder for --format png)")
     p.add_argument("--kind", action="append", help="only runs of this kind (repeatable)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    import sys
-
     from core.export import export_session
     from core.session import Session
 

@@ -20,9 +20,20 @@ and exit status 2.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+from core.arguments import (
+    LazyChoices,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    seed_int,
+    share_below_one,
+)
+from core.cli.args import add_model_args
+from core.cli.loading import load_from_args
+from core.cli.progress import progress_bar
 from core.errors import ReadoutError
 
 # Options that are LensConfig fields default to None here and take LensConfig's
@@ -43,17 +54,7 @@ _CONFIG_OPTIONS = (
 )
 
 
-def add_command(subparsers, add_model_args, load) -> None:
-    from core.cli import (
-        LazyChoices,
-        non_negative_float,
-        non_negative_int,
-        positive_float,
-        positive_int,
-        seed_int,
-        share_below_one,
-    )
-
+def add_command(subparsers, load=load_from_args) -> None:
     forms = LazyChoices("core.methods.tuned_lens", "FORMS")
     position_sets = LazyChoices("core.methods.tuned_lens", "POSITION_SETS")
     t = subparsers.add_parser(
@@ -135,28 +136,15 @@ def _check_split(split: str) -> None:
         raise ReadoutError(f"unknown split {split!r}; expected one of {', '.join([*SPLIT_SEEDS, 'alt'])}")
 
 
-def _bar(args, desc: str):
-    from tqdm import tqdm
-
-    bar = tqdm(total=1, desc=desc, file=sys.stderr, disable=args.quiet)
-
-    def progress(done: int, total: int, message: str) -> None:
-        if bar.total != total:
-            bar.reset(total=total)
-        bar.set_description(message)
-        bar.update(done - bar.n)
-
-    return bar, progress
-
-
 def _threads(args) -> None:
     if args.threads:
-        import torch
+        import torch  # function-local: only a run that asks for threads needs it
 
         torch.set_num_threads(args.threads)
 
 
-def run_train(args, load) -> int:
+def run_train(args, load=load_from_args) -> int:
+    # function-local (here and in run_eval): the lens and the zoo import torch, not needed for --help
     from core.atomic import check_output_file, check_output_folder
     from core.methods.tuned_lens import LensConfig, PairsCorpus, build_lens, read_pairs
     from core.zoo.lens_corpus import SyntheticCorpus, default_eval_sets
@@ -184,18 +172,17 @@ def run_train(args, load) -> int:
             eval_sets = default_eval_sets(args.eval_n, args.shifted_n)
     _threads(args)
     loaded = load(args)
-    bar, progress = _bar(args, "training lens")
-    lens, evaluations, result = build_lens(
-        loaded,
-        corpus,
-        cfg,
-        out=Path(args.out),
-        eval_sets=eval_sets,
-        checkpoint=Path(args.checkpoint) if args.checkpoint else None,
-        resume=args.resume,
-        progress=progress,
-    )
-    bar.close()
+    with progress_bar("training lens", quiet=args.quiet, total=1, messages=True) as progress:
+        lens, evaluations, result = build_lens(
+            loaded,
+            corpus,
+            cfg,
+            out=Path(args.out),
+            eval_sets=eval_sets,
+            checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+            resume=args.resume,
+            progress=progress,
+        )
     print(
         f"{lens.form} lens, {lens.n_parameters} parameters, {result.steps_done} steps in {result.seconds:.1f} s "
         f"-> {args.out}"
@@ -209,7 +196,7 @@ def run_train(args, load) -> int:
     return 0
 
 
-def run_eval(args, load) -> int:
+def run_eval(args, load=load_from_args) -> int:
     from core.atomic import check_output_file, write_text_atomic
     from core.methods.tuned_lens import PairsCorpus, evaluate_lens, load_lens, read_pairs
     from core.zoo.lens_corpus import SyntheticCorpus
@@ -228,9 +215,10 @@ def run_eval(args, load) -> int:
     loaded = load(args)
     lens.check_model(loaded)
     lens.to(loaded.adapter.device)
-    bar, progress = _bar(args, "evaluating lens")
-    ev = evaluate_lens(loaded, lens, corpus, n, primary=args.positions, batch_size=args.batch_size, progress=progress)
-    bar.close()
+    with progress_bar("evaluating lens", quiet=args.quiet, total=1, messages=True) as progress:
+        ev = evaluate_lens(
+            loaded, lens, corpus, n, primary=args.positions, batch_size=args.batch_size, progress=progress
+        )
     write_text_atomic(Path(args.json), json.dumps(ev.to_dict()) + "\n")
     print(f"KL(final || lens) in bits ({ev.data.get('n_samples')} pairs, positions {ev.primary}):")
     print(ev.markdown())

@@ -1,487 +1,42 @@
-"""The session store: one SQLite file per session.
-
-A session keeps everything a user (the app, the CLI, a notebook) ran on a
-model: the model spec and fingerprint, the images (hash, path, size and,
-by default, the pixels as PNG), the painted masks, and every run with its
-parameters, its result JSON, a one-line summary and its audit rows (the
-audit columns of docs/ARCHITECTURE.md, "Audit rows": :class:`core.audit.AuditRecord`). Reopening the file
-gives the same state back; :meth:`Session.audit_table` is the table the app's
-audit panel shows and :mod:`core.export` writes.
-
-    s = Session.open_or_create("work.vlmr")
-    run_id = s.record("analyze", result, image=img)     # one transaction: autosave
-    s.runs(); s.run(run_id).result; s.audit_table(); s.close()
-
-Durability:
-
-* WAL journal (``PRAGMA journal_mode=WAL``): a writer appends whole
-  transactions to the ``-wal`` file; readers (the app while the CLI records
-  into the same file) are not blocked, and a process killed mid-write leaves
-  at most an uncommitted tail that the next open ignores.
-* ``PRAGMA synchronous=FULL``: every commit is fsynced before
-  :meth:`Session.record` returns. ``NORMAL`` is already safe against a
-  killed *process* in WAL mode, but can lose the last commits on a power
-  cut or OS crash; a recorded run is the user's work and runs come at the
-  pace of model forwards, so one fsync per run costs nothing that shows.
-* Each :meth:`Session.record` is one ``BEGIN IMMEDIATE`` ... ``COMMIT``: the
-  run, its audit rows, its image and mask land together or not at all.
-
-Schema: the ``schema_version`` table lists every version applied; opening an
-older file migrates it forward in one transaction (:data:`MIGRATIONS`). v0 is
-an empty database (what a crash during the very first create can leave);
-v1 had no image pixels, no mask hashes and no run summaries; v2 (current) adds
-them (summaries and hashes are backfilled). A file written by a newer version
-is refused, never rewritten. The header's ``application_id`` marks the file
-as a session, so another program's SQLite file is refused untouched.
-
-Reading only: ``Session.open(path, read_only=True)`` (what ``export`` uses)
-never writes to the file or beside it: SQLite's ``mode=ro``, plus
-``immutable=1`` when no ``-wal`` file shows another connection, so no
-``-shm`` is made and a session in a read-only folder reads; an older schema
-is migrated in a copy in memory; an empty file is refused, not made a session.
-
-Events: :meth:`Session.on_recorded` registers a plain callback (no Qt) called
-with the new :class:`RunInfo` after each commit, in the thread that
-recorded (the app forwards it to its GUI thread); :meth:`Session.poll`
-reports runs committed by other processes (a CLI run into the open session).
-A Session may be used from several threads: calls are serialised by a lock.
-
-The ``audit`` CLI command records ONE run per invocation (kind ``audit``:
-the summary with its distributions, the output folder, one audit row per
-method), not one per sample: the per-sample numbers stay in the run's
-``samples.jsonl`` / ``samples.csv``, and one row per method keeps the audit
-table readable next to single-image runs.
+"""The :class:`Session` object: opening, creating and migrating a session file,
+recording a run in one transaction, the recorded-run events and the queries
+(see :mod:`core.session`); :func:`check_session_file` and :func:`record_into`
+for the command lines' ``--session FILE``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
-import math
 import os
-import re
 import sqlite3
 import threading
 import warnings
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
-from core.errors import ImageLoadError, ReadoutError
-
-SCHEMA_VERSION = 2
-APPLICATION_ID = 0x564C4D52  # "VLMR" in the SQLite header: this file is a session
-SQLITE_MAGIC = b"SQLite format 3\x00"
-BUSY_TIMEOUT_S = 10.0
-SYNCHRONOUS = "FULL"
-
-KINDS = (
-    "analyze",
-    "counterfactual",
-    "sweep",
-    "intervention",
-    "audit",
-    "nonunique",
-    "label",
-    "lens",
-    "note",
+from core.errors import ImageLoadError
+from core.readout import Readout, jsonable
+from core.session.records import (
+    _KIND_RE,
+    AUDIT_COLUMNS,
+    KINDS,
+    ImageInfo,
+    Run,
+    RunInfo,
+    SessionError,
+    _as_mask,
+    _dumps,
+    _exists,
+    _mask_array,
+    _mask_png,
+    _mask_sha,
+    _model_fields,
+    _now,
+    _prepare_image,
+    _sqlite_problem,
 )
-_KIND_RE = re.compile(r"^[a-z][a-z0-9_\-]{0,39}$")
-
-# The audit-table columns (docs/ARCHITECTURE.md, "Audit rows") as AuditRecord names them.
-METHOD_COLUMNS = ("method", "question", "operation", "controls", "supports", "cannot_support")
-# One row of Session.audit_table(): run identity, the audit columns, the audit
-# record's own parameters and notes, then the run's parameters and summary.
-AUDIT_COLUMNS = (
-    "run_id",
-    "kind",
-    "created",
-    "model",
-    *METHOD_COLUMNS,
-    "parameters",
-    "notes",
-    "run_parameters",
-    "summary",
-)
-
-
-class SessionError(ReadoutError):
-    """A session file that cannot be opened or written (missing, corrupt, not
-    a session, written by a newer version, busy)."""
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """One run as :meth:`Session.runs` lists it (no result JSON).
-
-    Attributes:
-        created: ISO 8601 UTC time of the commit.
-        model: the model spec the run used, or None.
-        image_sha256: :func:`core.images.image_sha256` of the run's image, or None.
-    """
-
-    id: int
-    kind: str
-    created: str
-    summary: str
-    model: str | None
-    image_sha256: str | None
-    mask_id: int | None
-    n_audits: int
-
-
-@dataclass
-class Run:
-    """One run in full (:meth:`Session.run`).
-
-    Attributes:
-        parameters: what the run was called with.
-        result: the result JSON as recorded.
-        audits: the audit rows (``AuditRecord.to_dict()`` form), in order.
-        model: ``{"id", "spec", "fingerprint", "family", "info"}`` or None.
-    """
-
-    id: int
-    kind: str
-    created: str
-    summary: str
-    parameters: dict
-    result: Any
-    audits: list[dict]
-    model: dict | None
-    image_sha256: str | None
-    mask_id: int | None
-
-    @property
-    def info(self) -> RunInfo:
-        return RunInfo(
-            self.id,
-            self.kind,
-            self.created,
-            self.summary,
-            self.model["spec"] if self.model else None,
-            self.image_sha256,
-            self.mask_id,
-            len(self.audits),
-        )
-
-
-@dataclass
-class ImageInfo:
-    """A session image: hash, where it came from, size, and the PNG if stored."""
-
-    sha256: str
-    path: str | None
-    size: tuple[int, int] | None
-    png: bytes | None = field(default=None, repr=False)
-
-    def pixels(self):
-        """The stored image as an RGB ``PIL.Image`` (None when only the hash was kept).
-
-        Raises:
-            SessionError: the stored bytes are not an image PIL can read.
-        """
-        if self.png is None:
-            return None
-        from core.images import load_image
-
-        try:  # a shared session is a file from elsewhere: its pictures get every check a user's image gets
-            return load_image(self.png)
-        except ImageLoadError as e:
-            reason = str(e).removeprefix("image bytes: ")
-            raise SessionError(f"the stored image {self.sha256[:12]} is unreadable ({reason})") from None
-
-
-# ---------------------------------------------------------------- schema and migrations
-
-# Frozen: the statements that made a v1 file. Never edit; add a migration.
-_V1 = [
-    "CREATE TABLE schema_version (version INTEGER NOT NULL, applied TEXT NOT NULL)",
-    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)",
-    "CREATE TABLE model (id INTEGER PRIMARY KEY, spec TEXT NOT NULL, fingerprint TEXT, family TEXT, "
-    "added TEXT NOT NULL)",
-    "CREATE TABLE images (sha256 TEXT PRIMARY KEY, path TEXT, width INTEGER, height INTEGER, added TEXT NOT NULL)",
-    "CREATE TABLE masks (id INTEGER PRIMARY KEY, image_sha256 TEXT REFERENCES images(sha256), png BLOB NOT NULL, "
-    "added TEXT NOT NULL)",
-    "CREATE TABLE runs (id INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, created TEXT NOT NULL, "
-    "model_id INTEGER REFERENCES model(id), image_sha256 TEXT REFERENCES images(sha256), "
-    "mask_id INTEGER REFERENCES masks(id), parameters TEXT NOT NULL, result TEXT NOT NULL)",
-    "CREATE TABLE audit_rows (run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE, ord INTEGER NOT NULL, "
-    "method TEXT, question TEXT, operation TEXT, controls TEXT, supports TEXT, cannot_support TEXT, "
-    "parameters TEXT, notes TEXT, PRIMARY KEY (run_id, ord))",
-    f"PRAGMA application_id = {APPLICATION_ID}",
-]
-
-
-def _to_v1(conn: sqlite3.Connection) -> None:
-    for stmt in _V1:
-        conn.execute(stmt)
-
-
-def _to_v2(conn: sqlite3.Connection) -> None:
-    """Image pixels, mask hashes and sizes, model info, run summaries (backfilled)."""
-    conn.execute("ALTER TABLE images ADD COLUMN png BLOB")
-    conn.execute("ALTER TABLE masks ADD COLUMN sha256 TEXT")
-    conn.execute("ALTER TABLE masks ADD COLUMN width INTEGER")
-    conn.execute("ALTER TABLE masks ADD COLUMN height INTEGER")
-    conn.execute("ALTER TABLE model ADD COLUMN info TEXT")
-    conn.execute("ALTER TABLE runs ADD COLUMN summary TEXT NOT NULL DEFAULT ''")
-    for mask_id, png in conn.execute("SELECT id, png FROM masks").fetchall():
-        try:
-            m = _mask_array(png)
-        except Exception:  # noqa: BLE001 - a mask v1 kept that PIL cannot read stays without a hash
-            continue
-        conn.execute(
-            "UPDATE masks SET sha256 = ?, width = ?, height = ? WHERE id = ?",
-            (_mask_sha(m), int(m.shape[1]), int(m.shape[0]), mask_id),
-        )
-    for run_id, kind, result in conn.execute("SELECT id, kind, result FROM runs").fetchall():
-        try:
-            text = summarize_result(kind, json.loads(result))
-        except ValueError:
-            text = ""
-        conn.execute("UPDATE runs SET summary = ? WHERE id = ?", (text, run_id))
-    conn.execute("CREATE INDEX runs_kind ON runs(kind)")
-    conn.execute("CREATE INDEX masks_sha ON masks(sha256)")
-
-
-# MIGRATIONS[v] takes a file from version v to v + 1.
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {0: _to_v1, 1: _to_v2}
-assert len(MIGRATIONS) == SCHEMA_VERSION
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
-
-
-def jsonable(x):
-    """Strict-JSON-ready: numpy values to Python, non-finite floats to None,
-    objects with ``to_dict`` to their dict."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if x is None or isinstance(x, (str, int, bool)):
-        return x
-    if hasattr(x, "to_dict"):
-        return jsonable(x.to_dict())
-    if hasattr(x, "tolist"):  # numpy arrays and scalars, torch tensors
-        return jsonable(x.tolist())
-    if isinstance(x, Path):
-        return str(x)
-    raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
-
-
-def _dumps(x, what: str) -> str:
-    try:
-        return json.dumps(jsonable(x), allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError) as e:
-        raise SessionError(f"cannot record the {what}: {e}") from None
-
-
-def _mask_sha(mask) -> str:
-    import numpy as np
-
-    h = hashlib.sha256(f"{mask.shape[1]}x{mask.shape[0]}:".encode())
-    h.update(np.packbits(mask.astype(bool)).tobytes())
-    return h.hexdigest()
-
-
-def _mask_array(png: bytes):
-    from core.images import load_mask  # imported here: numpy and PIL load only when a mask is read
-
-    return load_mask(png)
-
-
-def _mask_png(mask) -> bytes:
-    import numpy as np
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(np.where(mask, 255, 0).astype(np.uint8), "L").save(buf, "PNG")
-    return buf.getvalue()
-
-
-def _as_mask(mask, size: tuple[int, int] | None):
-    """``(H, W)`` bool from an array, a PIL image, PNG bytes or a PNG path (white = region)."""
-    import numpy as np
-    from PIL import Image
-
-    if isinstance(mask, (str, Path, bytes)):
-        try:
-            data = Path(mask).read_bytes() if not isinstance(mask, bytes) else mask
-            m = _mask_array(data)
-        except (OSError, ValueError) as e:
-            raise SessionError(f"cannot read the mask ({type(e).__name__}: {e})") from None
-    elif isinstance(mask, Image.Image):
-        m = np.asarray(mask.convert("L")) >= 128
-    else:
-        m = np.asarray(mask)
-        if m.ndim != 2:
-            raise SessionError(f"a mask is an (H, W) array, got shape {m.shape}")
-        m = m.astype(bool) if m.dtype == bool or m.max(initial=0) <= 1 else m >= 128
-    if size is not None and (m.shape[1], m.shape[0]) != tuple(size):
-        raise SessionError(f"the mask is {m.shape[1]}x{m.shape[0]}, the image {size[0]}x{size[1]}")
-    return m
-
-
-def _exists(p: Path) -> bool:
-    """Whether ``p`` exists; a path that cannot even be looked at (a folder
-    without search permission) is a :class:`SessionError`."""
-    try:
-        return p.exists()
-    except OSError as e:
-        raise SessionError(f"{p}: cannot look at it ({os.strerror(e.errno) if e.errno else e})") from None
-
-
-def _sqlite_problem(p: Path, e: sqlite3.Error) -> str:
-    """One line for an SQLite failure while opening ``p``: not a database,
-    cannot be written, busy, or corrupt (SQLite's words in brackets)."""
-    text = str(e)
-    if "not a database" in text:
-        return f"{p}: not a session file (not an SQLite database)"
-    if "readonly" in text or "read-only" in text or "unable to open" in text:
-        return f"{p}: cannot be opened for writing: the file or its folder is read-only ({text})"
-    if "locked" in text or "busy" in text:
-        return f"{p}: busy (another process holds the session); try again"
-    return f"{p}: corrupt session file ({text})"
-
-
-# ---------------------------------------------------------------- summaries and parameters
-
-
-def _q(x) -> str:
-    return "n/a" if x is None else f"{x:.3g}" if isinstance(x, float) else str(x)
-
-
-def summarize_result(kind: str, result: Any) -> str:
-    """One human line about a run's result (what the audit table shows beside
-    the method's columns). Never raises: an unknown shape gives its keys."""
-    try:
-        return _summarize(kind, result)
-    except Exception:  # noqa: BLE001 - a summary must not sink a record
-        if isinstance(result, dict):
-            return f"{kind}: " + ", ".join(list(result)[:6])
-        return kind
-
-
-def _summarize(kind: str, r: Any) -> str:
-    if not isinstance(r, dict):
-        return f"{kind}: {json.dumps(r)[:120]}"
-    if "summary" in r and isinstance(r["summary"], str):
-        return r["summary"]
-    if "target" in r and "attention" in r:  # analyze
-        t = r["target"]
-        line = f"answer {t['answer']!r} p={t['prob']:.3f} (predicted {t['predicted']!r})"
-        if t.get("logit_diff") is not None:
-            line += f", logit diff vs {t['foil']!r} {t['logit_diff']:+.3f}"
-        heads = [h for h in r["attention"] if h.get("visual_mass") is not None]
-        if heads:
-            h = max(heads, key=lambda h: h["visual_mass"])
-            line += f"; most visual head L{h['layer']}.H{h['head']} {h['visual_mass']:.2f}"
-        return line
-    if "effect" in r and "original" in r and "edited" in r:  # region counterfactual
-        o, e = r["original"], r["edited"]
-        score, a, b = ("logit diff", o["logit_diff"], e["logit_diff"])
-        if a is None:
-            score, a, b = "logit", o["logit"], e["logit"]
-        flipped = " (flipped)" if r["effect"].get("flipped") else ""
-        return (
-            f"fill {r.get('fill')}: {o['answer']!r} {score} {a:+.3f} -> {b:+.3f}, p {o['prob']:.3f} -> "
-            f"{e['prob']:.3f}; predicted {o['predicted']!r} -> {e['predicted']!r}{flipped}"
-        )
-    if "sweep" in r:  # occlusion sweep
-        s = r["sweep"]
-        grid = s["logit_diff_change"] if s.get("logit_diff_change") is not None else s["logit_change"]
-        cells = [(v, i, j) for i, row in enumerate(grid) for j, v in enumerate(row) if v is not None]
-        n_flip = sum(bool(v) for row in s["flipped"] for v in row)
-        line = f"occlusion sweep {s['grid_shape'][0]}x{s['grid_shape'][1]} cells (k={s['k']}, fill {s['fill']})"
-        if cells:
-            v, i, j = min(cells)
-            line += f"; largest drop {-v:.3f} at cell [{i}, {j}]"
-        return line + f"; {n_flip} cells flip the answer"
-    if "n_samples" in r and "n_ok" in r:  # dataset audit summary
-        line = f"{r['n_samples']} samples: {r['n_ok']} ok, {r['n_errors']} errors; accuracy {_q(r.get('accuracy'))}"
-        return line + (" (cancelled)" if r.get("cancelled") else "")
-    scalars = [(k, v) for k, v in r.items() if isinstance(v, (str, int, float, bool)) and k != "schema_version"]
-    if scalars:
-        return f"{kind}: " + ", ".join(f"{k}={_q(v)}" for k, v in scalars[:5])
-    return f"{kind}: " + ", ".join(list(r)[:6])
-
-
-def default_parameters(kind: str, result: Any) -> dict:
-    """What a run was called with, read back from a result dict that does not
-    say it separately (question, answer and foil tokens, fill, sweep size)."""
-    if not isinstance(result, dict):
-        return {}
-    out: dict[str, Any] = {}
-    inp = result.get("input")
-    if isinstance(inp, dict) and "question" in inp:
-        out["question"] = inp["question"]
-    t = result.get("target") or result.get("original")
-    if isinstance(t, dict):
-        out["answer"], out["foil"] = t.get("answer"), t.get("foil")
-    if isinstance(result.get("rollout"), dict):
-        out["rollout_alpha"] = result["rollout"].get("alpha")
-    s = result.get("sweep") if isinstance(result.get("sweep"), dict) else result
-    for key in ("fill", "fill_parameters", "mask_area_px", "k"):
-        if key in s:
-            out[key] = s[key]
-    if isinstance(result.get("parameters"), dict):
-        out.update(result["parameters"])
-    return out
-
-
-def _model_fields(model) -> dict | None:
-    """``{"spec", "fingerprint", "family", "info"}`` from a LoadedModel, a dict
-    (an analyze result's ``model``) or a spec string."""
-    if model is None:
-        return None
-    if isinstance(model, str):
-        return {"spec": model, "fingerprint": None, "family": None, "info": None}
-    if isinstance(model, dict):
-        if not model.get("spec"):
-            return None
-        info = {k: v for k, v in model.items() if k not in ("spec", "fingerprint", "family")}
-        return {
-            "spec": str(model["spec"]),
-            "fingerprint": model.get("fingerprint") or None,
-            "family": model.get("family"),
-            "info": info or None,
-        }
-    spec = getattr(model, "spec", None)
-    if spec is None:
-        raise SessionError(f"model must be a spec, a dict or a LoadedModel, got {type(model).__name__}")
-    adapter = getattr(model, "adapter", None)
-    info = adapter.describe() if adapter is not None and hasattr(adapter, "describe") else None
-    return {
-        "spec": str(spec),
-        "fingerprint": getattr(model, "fingerprint", None) or None,
-        "family": getattr(model, "family", None),
-        "info": info,
-    }
-
-
-def _prepare_image(image, image_path, store: bool):
-    """``(sha256, path, (w, h), png or None)`` from a path, bytes, PIL image or array."""
-    from core.images import image_sha256, load_image
-
-    if isinstance(image, (str, Path)) and image_path is None:
-        image_path = str(image)
-    img = load_image(image)
-    png = None
-    if store:
-        buf = io.BytesIO()
-        img.save(buf, "PNG")
-        png = buf.getvalue()
-    return image_sha256(img), (str(image_path) if image_path is not None else None), img.size, png
-
+from core.session.schema import APPLICATION_ID, BUSY_TIMEOUT_S, MIGRATIONS, SCHEMA_VERSION, SQLITE_MAGIC, SYNCHRONOUS
 
 # ---------------------------------------------------------------- the session
 
@@ -845,56 +400,50 @@ class Session:
 
     def record(
         self,
-        kind: str,
-        result: Any,
-        audits: Iterable | None = None,
+        readout: Readout,
+        *,
         image=None,
         mask=None,
-        parameters: dict | None = None,
-        *,
-        summary: str | None = None,
         model=None,
         image_path: str | Path | None = None,
         store_image: bool | None = None,
+        parameters: dict | None = None,
     ) -> int:
         """Record one run in one transaction (autosave) and return its id.
 
+        The run is what ``readout`` says about itself (:class:`core.readout.Readout`):
+        its ``kind``, its ``to_dict()`` as the result JSON (numpy values are
+        converted; non-finite floats are stored as null, as in every JSON the
+        engine writes), its ``summary()``, ``parameters()`` and ``audit_records()``.
+
         Args:
-            kind: ``analyze``, ``counterfactual``, ``sweep``, ``intervention``,
-                ``audit``, ``nonunique``, ``label``, ... (:data:`KINDS`; any
-                lower-case identifier is accepted).
-            result: the run's JSON-able result (numpy values are converted;
-                non-finite floats are stored as null, as in every JSON the
-                engine writes).
-            audits: AuditRecords or their dicts; default: ``result["audit"]``.
+            readout: a method's result, or :class:`core.readout.RecordedResult`
+                for a document without a class of its own (a plain dict is refused).
             image: path, bytes, PIL image or ``(H, W, 3)`` uint8 array.
             mask: ``(H, W)`` bool array, PIL image, PNG bytes or PNG path
                 (white = region); the image's size when an image is given.
-            parameters: what the run was called with; default: read from the
-                result (:func:`default_parameters`).
-            summary: one line; default :func:`summarize_result`.
-            model: LoadedModel, model dict or spec; default: ``result["model"]``.
+            model: LoadedModel, model dict or spec; default: the result's ``"model"``.
             image_path: where a PIL/array image came from.
             store_image: keep the pixels; default: the session's setting.
+            parameters: added to the readout's own (e.g. the CLI's ``paste_from``).
 
         Raises:
-            SessionError: unserialisable result, bad mask, busy or closed file.
+            SessionError: not a Readout, a bad kind, an unserialisable result, a
+                bad mask, a busy or closed file.
         """
+        if not isinstance(readout, Readout):
+            raise SessionError(
+                "Session.record takes a Readout (a method's result, or core.readout.RecordedResult(kind, doc, "
+                f"summary=...) for a plain document), not a {type(readout).__name__}"
+            )
+        kind = readout.kind
         if not isinstance(kind, str) or not _KIND_RE.match(kind):
             raise SessionError(f"run kind must be a short lower-case name like {', '.join(KINDS[:4])}; got {kind!r}")
+        result = readout.to_dict()
         result_json = _dumps(result, "result")
-        if audits is None:
-            audits = result.get("audit", []) if isinstance(result, dict) else []
-        audit_dicts = []
-        for a in audits or []:
-            d = a.to_dict() if hasattr(a, "to_dict") else dict(a)
-            audit_dicts.append(d)
-        if parameters is None:
-            parameters = default_parameters(kind, result)
-        params_json = _dumps(parameters, "parameters")
-        if summary is None:
-            summary = summarize_result(kind, result)
-        summary = " ".join(str(summary).split())
+        audit_dicts = [a.to_dict() if hasattr(a, "to_dict") else dict(a) for a in readout.audit_records() or []]
+        params_json = _dumps({**readout.parameters(), **(parameters or {})}, "parameters")
+        summary = " ".join(str(readout.summary()).split())
         if model is None and isinstance(result, dict):
             model = result.get("model")
         model_fields = _model_fields(model)
@@ -1145,8 +694,8 @@ def check_session_file(path: str | Path) -> None:
         raise SessionError(f"{p}: cannot create the session file (its folder is not writable)")
 
 
-def record_into(path: str | Path, kind: str, result: Any, **kwargs) -> int:
+def record_into(path: str | Path, readout: Readout, **kwargs) -> int:
     """Open (or create) the session at ``path``, :meth:`Session.record` one
-    run, close. For ``--session FILE`` on the CLI commands."""
+    readout, close. For ``--session FILE`` on the CLI commands."""
     with Session.open_or_create(path) as s:
-        return s.record(kind, result, **kwargs)
+        return s.record(readout, **kwargs)

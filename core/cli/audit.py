@@ -1,5 +1,8 @@
 """``vlm-readout audit``: the command over :mod:`core.dataset_audit` (its parser,
-its launcher handling, Ctrl-C, ``run.json`` and the session record)."""
+its launcher handling, Ctrl-C, ``run.json`` and the session record).
+
+Building the parser does not import :mod:`core.dataset_audit` (numpy, and the
+read-outs' registry): the ``--methods`` help is read from it only when shown."""
 
 from __future__ import annotations
 
@@ -11,26 +14,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from core.dataset_audit import (
-    DEFAULT_METHODS,
-    METHODS,
-    SCHEMA_VERSION,
-    AuditOptions,
-    _clean,
-    _fmt,
-    _gather,
-    audit_table,
-    dataset_file,
-    dist_env,
-    merge_shards,
-    parse_methods,
-    read_dataset,
-    run_shard,
-    shard_chunks,
-    summarize,
-    write_outputs,
-)
+from core.arguments import LazyHelp, positive_int, positive_share, probability
+from core.cli.args import add_model_args
+from core.cli.loading import load_from_args
+from core.cli.progress import progress_bar
 from core.errors import ReadoutError
+from core.pairs import pairs_file, read_pairs
 
 # ---------------------------------------------------------------- command
 
@@ -50,17 +39,32 @@ def run_params_for(loaded, dataset: Path, methods, args, n_items: int) -> dict:
     }
 
 
-def cmd_audit(args, load) -> int:
-    import torch
-    from tqdm import tqdm
-
+def run(args, load=load_from_args) -> int:
     started = time.time()
-    from core.atomic import check_output_folder
+    # function-local: torch and the dataset audit (numpy) load when the command runs, not for --help
+    import torch
 
-    methods = parse_methods(args.methods)
+    from core.atomic import check_output_folder
+    from core.dataset_audit import (
+        DEFAULT_METHODS,
+        SCHEMA_VERSION,
+        AuditOptions,
+        audit_table,
+        dist_env,
+        format_number,
+        gather,
+        merge_shards,
+        parse_methods,
+        run_shard,
+        shard_chunks,
+        summarize,
+        write_outputs,
+    )
+
+    methods = parse_methods(args.methods if args.methods is not None else DEFAULT_METHODS)
     check_output_folder(args.out)  # fail fast, before the model loads
-    dataset = dataset_file(args.dataset)
-    items = read_dataset(dataset, args.limit)
+    dataset = pairs_file(args.dataset, "dataset file")
+    items = read_pairs(dataset, limit=args.limit, what="dataset file")
     if args.session:
         from core.session import check_session_file
 
@@ -95,12 +99,10 @@ def cmd_audit(args, load) -> int:
             counterfactual_fill=args.fill,
         )
         n_mine = sum(len(c) for c in shard_chunks(len(items), args.batch_size, rank, world))
-        bar = tqdm(total=n_mine, desc="audit", file=sys.stderr, disable=args.quiet or rank != 0)
-
-        def progress(done: int, total: int, message: str) -> None:
-            bar.update(done - bar.n)
-
-        with _cancel_on_sigint() as cancelled:
+        with (
+            progress_bar("audit", quiet=args.quiet or rank != 0, total=n_mine) as progress,
+            cancel_on_sigint() as cancelled,
+        ):
             shard = run_shard(
                 loaded,
                 items,
@@ -112,8 +114,7 @@ def cmd_audit(args, load) -> int:
                 progress=progress,
                 cancel=cancelled,
             )
-        bar.close()
-        shards = [shard] if world == 1 else _gather(shard, rank, world)
+        shards = [shard] if world == 1 else gather(shard, rank, world)
         if rank != 0:
             return 0
         merged = merge_shards(shards)
@@ -121,16 +122,22 @@ def cmd_audit(args, load) -> int:
         files = write_outputs(args.out, merged, methods, run_params, options, len(items))
         _write_run_json(args.out, started, world, backend, args.device, complete=not merged.cancelled, files=files)
         if args.session:  # one summary run per audit (per-sample numbers stay in samples.jsonl): core/session.py
+            from core.readout import RecordedResult, jsonable
             from core.session import record_into
 
             summary_doc = summarize(merged.records, methods, len(items), merged.cancelled)
             doc = {"schema_version": SCHEMA_VERSION, "parameters": run_params, **summary_doc, "out": str(args.out)}
             audits = audit_table(methods, merged.first_audits, run_params, options)
-            record_into(args.session, "audit", _clean(doc), audits=audits, parameters=run_params, model=loaded)
+            line = (
+                f"{doc['n_samples']} samples: {doc['n_ok']} ok, {doc['n_errors']} errors; "
+                f"accuracy {format_number(doc.get('accuracy')) or 'n/a'}" + (" (cancelled)" if merged.cancelled else "")
+            )
+            run = RecordedResult("audit", jsonable(doc), line, run_params, audits)
+            record_into(args.session, run, model=loaded)
         s = summarize(merged.records, [], len(items), merged.cancelled)
         print(
-            f"{s['n_samples']} samples: {s['n_ok']} ok, {s['n_errors']} errors; accuracy {_fmt(s['accuracy'])}; "
-            f"wrote {Path(args.out)}"
+            f"{s['n_samples']} samples: {s['n_ok']} ok, {s['n_errors']} errors; "
+            f"accuracy {format_number(s['accuracy'])}; wrote {Path(args.out)}"
         )
         if merged.cancelled:
             print(
@@ -146,7 +153,7 @@ def cmd_audit(args, load) -> int:
 
 
 @contextmanager
-def _cancel_on_sigint():
+def cancel_on_sigint():
     """Within the block, the first Ctrl-C asks the run to stop after the
     current batch (yields the ``cancel()`` callable); a second one interrupts
     at once. The previous handler comes back on exit."""
@@ -169,10 +176,11 @@ def _cancel_on_sigint():
 
 
 def _write_run_json(out, started, world, backend, device, *, complete: bool, files: list[str]) -> None:
-    import torch
+    import torch  # function-local: the versions of the run's libraries, read when it ends
     import transformers
 
     from core.atomic import write_text_atomic
+    from core.dataset_audit import SCHEMA_VERSION
 
     doc = {
         "schema_version": SCHEMA_VERSION,
@@ -189,19 +197,19 @@ def _write_run_json(out, started, world, backend, device, *, complete: bool, fil
     write_text_atomic(Path(out) / "run.json", json.dumps(doc, indent=1) + "\n")
 
 
-def add_command(subparsers, add_model_args, load) -> None:
-    from core.cli import positive_int, positive_share, probability
+def _methods_help() -> str:
+    from core.dataset_audit import DEFAULT_METHODS, METHODS  # the registry: imports numpy
 
+    return f"comma-separated read-outs (default {','.join(DEFAULT_METHODS)}; available: {', '.join(METHODS)})"
+
+
+def add_command(subparsers, load=load_from_args) -> None:
     p = subparsers.add_parser(
         "audit", help="run read-outs over a dataset of image-question pairs; distributions and the audit table"
     )
     add_model_args(p)
     p.add_argument("--dataset", required=True, help="a JSONL of samples, or a folder with dataset.jsonl")
-    p.add_argument(
-        "--methods",
-        default=",".join(DEFAULT_METHODS),
-        help=f"comma-separated read-outs (available: {', '.join(METHODS)})",
-    )
+    p.add_argument("--methods", default=None, help=LazyHelp(_methods_help))
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--limit", type=positive_int, help="only the first N samples")
     p.add_argument("--batch-size", type=positive_int, default=8)
@@ -222,4 +230,4 @@ def add_command(subparsers, add_model_args, load) -> None:
         "row per method; the per-sample rows stay in the output folder",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=lambda a: cmd_audit(a, load))
+    p.set_defaults(func=lambda a: run(a, load))

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from core.cli import LazyChoices, Number, positive_int, seed_int
+from core.arguments import LazyChoices, Number, positive_int, seed_int
+from core.cli.args import add_model_args
+from core.cli.loading import load_from_args
+from core.cli.progress import progress_bar
 from core.errors import ReadoutError
 
 # a Gaussian sigma in pixels; past this the blur is flat over any image and its kernel only costs memory
@@ -34,7 +36,7 @@ def _color(text: str) -> tuple[int, int, int]:
     return parts
 
 
-def add_command(subparsers, add_model_args, load) -> None:
+def add_command(subparsers, load=load_from_args) -> None:
     p = subparsers.add_parser(
         "counterfactual",
         help="fill an image region (or sweep every patch) and measure the answer effect",
@@ -73,7 +75,8 @@ def add_command(subparsers, add_model_args, load) -> None:
     p.set_defaults(func=lambda args: run(args, load))
 
 
-def run(args, load) -> int:
+def run(args, load=load_from_args) -> int:
+    # function-local: the counterfactual methods import torch, not needed for --help
     from core.atomic import check_output_file, write_text_atomic
     from core.images import image_sha256, load_image
     from core.methods.counterfactual import Fill, mask_from_png, occlusion_sweep, region_counterfactual
@@ -115,26 +118,18 @@ def run(args, load) -> int:
         },
     }
     if args.sweep is not None:
-        from tqdm import tqdm
-
-        bar = tqdm(desc="occlusion sweep", file=sys.stderr, disable=args.quiet)
-
-        def progress(done: int, total: int, message: str) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
-
-        result = occlusion_sweep(
-            loaded,
-            image,
-            args.question,
-            k=args.sweep,
-            fill=fill,
-            answer=args.answer,
-            foil=args.foil,
-            batch_size=args.batch_size,
-            progress=progress,
-        )
-        bar.close()
+        with progress_bar("occlusion sweep", quiet=args.quiet) as progress:
+            result = occlusion_sweep(
+                loaded,
+                image,
+                args.question,
+                k=args.sweep,
+                fill=fill,
+                answer=args.answer,
+                foil=args.foil,
+                batch_size=args.batch_size,
+                progress=progress,
+            )
         out = result.to_dict(interpolated=args.interpolated)
         eff = result.effect
         worst = divmod(int(eff.argmin()), eff.shape[1])
@@ -166,10 +161,17 @@ def run(args, load) -> int:
     doc = {**out, **header}
     write_text_atomic(Path(args.json), json.dumps(doc, allow_nan=False) + "\n")
     if args.session:
-        from core.session import default_parameters, record_into
+        from core.readout import RecordedResult
+        from core.session import record_into
 
-        kind = "sweep" if args.sweep is not None else "counterfactual"
-        params = {**default_parameters(kind, doc), "paste_from": args.paste_from}
-        record_into(args.session, kind, doc, image=image, image_path=args.image, mask=mask, parameters=params)
+        extra = {"question": args.question, "paste_from": args.paste_from}  # the stored doc has the header too
+        record_into(
+            args.session,
+            RecordedResult.of(result, doc),
+            image=image,
+            image_path=args.image,
+            mask=mask,
+            parameters=extra,
+        )
     print(line)
     return 0

@@ -1,0 +1,103 @@
+"""``vlm-readout`` command line (the console entry point is ``core.cli:main``).
+
+One module per command, each with ``add_command(subparsers, load)`` (its
+parser) and ``run(args, load) -> int``:
+
+    answer.py          answer            analyze.py      analyze
+    evaluate_zoo.py    evaluate-zoo      audit.py        audit
+    counterfactual.py  counterfactual    export.py       export
+    lens.py            train-lens, eval-lens
+
+and the pieces they share: :mod:`core.cli.args` (the model options),
+:mod:`core.cli.loading` (the model they name), :mod:`core.cli.progress` (the
+bar); the number validators and :class:`Parser` are in :mod:`core.arguments`.
+
+Every expected failure (bad image, bad model folder, refused checkpoint,
+question that does not fit, an option out of range, a bad line in a pairs
+file, an output that cannot be written) prints one line ``error: ...`` to
+stderr and exits with status 2; nothing prints a traceback for them. Numeric
+options are checked when the command line is parsed, so ``--top-k 0`` is
+refused before anything loads. Building the parser imports neither torch nor
+transformers nor numpy (tests/core/test_cli_layout.py): a command imports them
+in its ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from core.arguments import (  # noqa: F401  (re-exported: callers import them from core.cli)
+    INT_MAX,
+    LazyChoices,
+    Number,
+    Parser,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    positive_share,
+    probability,
+    seed_int,
+    share_below_one,
+)
+from core.cli import analyze, answer, audit, counterfactual, evaluate_zoo, export, lens
+from core.cli.args import add_model_args, add_raw_prompt_arg  # noqa: F401
+from core.cli.loading import load_from_args
+from core.errors import ReadoutError
+from core.pairs import check_pair_image, load_pair_image, read_jsonl, read_pairs, text_field  # noqa: F401
+
+# The old names of the model options and the loader, kept for the callers that use them.
+# Tests replace core.cli._load (monkeypatch): build_parser hands the current one to every command.
+_add_model_args = add_model_args
+_load = load_from_args
+
+# In the order of `vlm-readout --help`.
+COMMANDS = (answer, analyze, evaluate_zoo, audit, counterfactual, export, lens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="vlm-readout", description="Read out what a vision-language model computed.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_command(sub, _load)
+    return p
+
+
+def _stdout_gone() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush at exit
+    raises nothing after a write to it failed."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # -h (0), or a refused command line (2; its one line is printed)
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
+    try:
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
+    except ReadoutError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of stdout went away (| head): nothing to add
+        _stdout_gone()
+        return 1
+    except OSError as e:
+        try:  # was it stdout (a full disk behind > FILE)? Then the buffer still cannot be flushed
+            sys.stdout.flush()
+        except OSError:
+            _stdout_gone()
+            print(f"error: cannot write to standard output ({os.strerror(e.errno) if e.errno else e})", file=sys.stderr)
+            return 2
+        raise

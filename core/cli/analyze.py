@@ -1,0 +1,62 @@
+"""``vlm-readout analyze``: one capture, every text-side read-out, written as
+the analyze JSON (docs/ARCHITECTURE.md, "One vlm-readout analyze")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core.cli.args import add_model_args, add_raw_prompt_arg
+from core.cli.loading import load_from_args
+from core.cli.progress import progress_bar
+
+
+def add_command(subparsers, load=load_from_args) -> None:
+    an = subparsers.add_parser("analyze", help="capture once and write every text-side read-out as JSON")
+    add_model_args(an)
+    an.add_argument("--image", required=True)
+    an.add_argument("--question", required=True)
+    an.add_argument("--answer", help="answer token (default: the model's top token)")
+    an.add_argument("--foil", help="competing token; u = W_U[answer] - W_U[foil]")
+    an.add_argument("--json", required=True, help="output file")
+    an.add_argument("--session", help="also record the run into this session file (created if missing)")
+    an.add_argument("--quiet", action="store_true")
+    add_raw_prompt_arg(an)
+    an.add_argument("--lens", help="tuned-lens folder: its reader and baselines beside the logit lens")
+    an.set_defaults(func=lambda args: run(args, load))
+
+
+def run(args, load=load_from_args) -> int:
+    # function-local: core.analyze and the session import torch / numpy, not needed for --help
+    from core.analyze import analyze
+    from core.atomic import check_output_file, write_text_atomic
+    from core.images import load_image
+
+    check_output_file(args.json)  # fail fast, before the model loads
+    image = load_image(args.image)
+    if args.session:
+        from core.session import check_session_file, record_into
+
+        check_session_file(args.session)
+    tuned = None
+    if args.lens:
+        from core.methods.tuned_lens.store import load_lens
+
+        tuned = load_lens(args.lens)
+    loaded = load(args)
+    with progress_bar("analyze", quiet=args.quiet, total=4, messages=True) as progress:
+        result = analyze(
+            loaded,
+            image,
+            args.question,
+            answer=args.answer,
+            foil=args.foil,
+            tuned=tuned,
+            raw_prompt=args.raw_prompt,
+            progress=progress,
+        )
+    write_text_atomic(Path(args.json), json.dumps(result.to_dict()) + "\n")
+    if args.session:
+        record_into(args.session, result, image=image, image_path=args.image)
+    print(result.summary())
+    return 0

@@ -1,0 +1,190 @@
+"""One batch of the audit: the samples' files and tokens checked, one forward
+(or capture) for the batch, every read-out on every sample; a sample that
+fails becomes an error row and the run goes on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from core.capture import capture
+from core.dataset_audit.dataset import token_cover
+from core.errors import QuestionError, ReadoutError, oom_guard
+from core.geometry import region_tokens
+from core.methods.patterns import FULL_PATTERN_LIMIT
+from core.pairs import Pair, load_pair_image, load_pair_mask
+from core.readouts import ReadoutMethod, ReadoutOptions, SampleContext
+
+
+def base_record(item: Pair) -> dict:
+    """A sample's record before its read-outs ran (``readouts``: name -> section)."""
+    return {
+        "index": item.index,
+        "id": item.id,
+        "image": item.image,
+        "question": item.question,
+        "answer": item.answer,
+        "foil": item.foil,
+        "kind": item.kind,
+        "template": item.template,
+        "status": "ok",
+        "error": None,
+        "predicted": None,
+        "correct": None,
+        "region": None,
+        "readouts": {},
+    }
+
+
+def error_record(item: Pair, err: Exception) -> dict:
+    rec = base_record(item)
+    rec["status"] = "error"
+    rec["error"] = str(err)
+    return rec
+
+
+@dataclass
+class _Prepared:
+    item: Pair
+    image: Any
+    mask: np.ndarray | None
+    answer_id: int | None
+    foil_id: int | None
+
+
+def _prepare_item(loaded, item: Pair) -> _Prepared:
+    adapter = loaded.adapter
+    image = load_pair_image(item)
+    mask = load_pair_mask(item, image.size)
+    adapter.check_question(item.question)
+    a = adapter.token_id(item.answer) if item.answer is not None else None
+    f = adapter.token_id(item.foil) if item.foil is not None else None
+    if f is not None and f == a:
+        raise QuestionError(f"the foil {item.foil!r} is the same token as the answer")
+    return _Prepared(item, image, mask, a, f)
+
+
+def run_batch(loaded, batch: list[_Prepared], methods: list[ReadoutMethod], options: ReadoutOptions):
+    """One forward (or capture) for the batch, then every method.
+    Returns ``[(record, {method: audit dict})]`` in batch order. A
+    :class:`ReadoutError` of one sample's method makes that sample an error
+    row; one from a batched method (or the forward) propagates."""
+    adapter = loaded.adapter
+    inputs = adapter.prepare([p.image for p in batch], [p.item.question for p in batch])
+    answer_pos = [int(x) for x in inputs.answer_positions.tolist()]
+    n_tokens = inputs.input_ids.shape[1]
+    want = {m.patterns for m in methods}
+    full = "full" in want and n_tokens <= FULL_PATTERN_LIMIT
+    trace = None
+    if any(m.needs_capture for m in methods):
+        qpos = list(range(n_tokens)) if full else sorted(set(answer_pos))
+        layers = None if (want & {"answer", "full"}) else []
+        trace = capture(loaded, None, "", inputs=inputs, query_positions=qpos, pattern_layers=layers)
+        logits = trace.logits[torch.arange(len(batch)), torch.as_tensor(answer_pos)].float().cpu()
+    else:
+        with oom_guard(f"running a batch of {len(batch)}"), torch.no_grad():
+            logits = adapter.next_token_logits(inputs).float().cpu()
+    records: list[dict] = []
+    audits: list[dict] = []
+    contexts: list[SampleContext | None] = []
+    token_cache: dict[tuple, list] = {}
+    for b, p in enumerate(batch):
+        rec = base_record(p.item)
+        ctx = None
+        try:
+            row = logits[b]
+            predicted = int(row.argmax())
+            rec["predicted"] = adapter.token_str(predicted)
+            rec["correct"] = (predicted == p.answer_id) if p.answer_id is not None else None
+            tokens: list = []
+            if trace is not None:
+                vpos = tuple(trace.visual_positions[b].tolist())
+                key = (tuple(p.image.size), vpos)
+                if key not in token_cache:
+                    token_cache[key] = adapter.visual_tokens(p.image.size, list(vpos))
+                tokens = token_cache[key]
+            cover = region = None
+            if p.mask is not None:
+                rec["region"] = {"area_px": int(p.mask.sum()), "n_tokens": None, "token_share": None}
+                if tokens:
+                    cover = token_cover(tokens, p.mask)
+                    region = region_tokens(tokens, p.mask, options.region_min_cover)
+                    n_patch = sum(1 for t in tokens if t.col >= 0)
+                    rec["region"]["n_tokens"] = len(region)
+                    rec["region"]["token_share"] = len(region) / n_patch if n_patch else None
+            ctx = SampleContext(
+                loaded,
+                p.item,
+                p.image,
+                p.mask,
+                trace,
+                b,
+                trace.query_positions.tolist().index(answer_pos[b]) if trace is not None else None,
+                full,
+                row,
+                p.answer_id if p.answer_id is not None else predicted,
+                p.foil_id,
+                predicted,
+                options,
+                tokens,
+                cover,
+                region,
+                position=answer_pos[b],
+                question=p.item.question,
+            )
+        except ReadoutError as e:
+            rec = error_record(p.item, e)
+        records.append(rec)
+        audits.append({})
+        contexts.append(ctx)
+    for m in methods:
+        live = [b for b in range(len(batch)) if records[b]["status"] == "ok"]
+        if not live:
+            break
+        if m.batched:
+            results = m.run_batch([contexts[b] for b in live])
+        else:
+            results = []
+            for b in live:
+                try:
+                    results.append(m.run(contexts[b]))
+                except ReadoutError as e:
+                    records[b] = error_record(batch[b].item, e)
+                    audits[b] = {}
+                    results.append(None)
+        for b, res in zip(live, results):
+            if res is None:
+                continue
+            section, audit = res
+            records[b]["readouts"][m.name] = m.audit_section(section, contexts[b])
+            if audit is not None:
+                audits[b][m.name] = audit.to_dict()
+    return list(zip(records, audits))
+
+
+def run_chunk(loaded, chunk: list[Pair], methods, options) -> list[tuple[dict, dict]]:
+    """Records for one batch of dataset items; unreadable samples become error rows."""
+    results: dict[int, tuple[dict, dict]] = {}
+    ready: list[_Prepared] = []
+    for item in chunk:
+        try:
+            ready.append(_prepare_item(loaded, item))
+        except ReadoutError as e:
+            results[item.index] = (error_record(item, e), {})
+    if ready:
+        try:
+            for rec, audits in run_batch(loaded, ready, methods, options):
+                results[rec["index"]] = (rec, audits)
+        except ReadoutError as e:
+            if len(ready) == 1:
+                results[ready[0].item.index] = (error_record(ready[0].item, e), {})
+            else:  # one sample broke the batch (too long, out of memory): run each alone
+                for p in ready:
+                    try:
+                        results[p.item.index] = run_batch(loaded, [p], methods, options)[0]
+                    except ReadoutError as e1:
+                        results[p.item.index] = (error_record(p.item, e1), {})
+    return [results[item.index] for item in chunk]

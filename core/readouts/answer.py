@@ -1,0 +1,83 @@
+"""The answer read-out: the answer position's numbers in the one forward
+(analyze's ``target``; the audit's ``answer`` section and its ``model output`` row)."""
+
+from __future__ import annotations
+
+from core.readout import Target
+from core.readouts.base import ReadoutMethod, distribution
+
+
+def target_of(adapter, logits, answer_id: int, foil_id: int | None, position: int | None) -> Target:
+    """The :class:`core.readout.Target` of ``logits`` ``(vocab,)`` in their own
+    (float32) arithmetic, the numbers analyze has always written (unlike
+    :meth:`Target.from_logits`, which works in float64)."""
+    probs = logits.softmax(-1)
+    predicted = int(logits.argmax())
+    return Target(
+        answer=adapter.token_str(answer_id),
+        answer_id=answer_id,
+        foil=adapter.token_str(foil_id) if foil_id is not None else None,
+        foil_id=foil_id,
+        logit=float(logits[answer_id]),
+        logit_diff=float(logits[answer_id] - logits[foil_id]) if foil_id is not None else None,
+        prob=float(probs[answer_id]),
+        predicted=adapter.token_str(predicted),
+        predicted_id=predicted,
+        position=position,
+    )
+
+
+def target_section(target: Target, top: list[list]) -> dict:
+    """analyze's ``target`` dict: the position first, the Target's numbers, then ``top``."""
+    d = target.to_dict()
+    return {"position": d.pop("position"), **d, "top": top}
+
+
+class AnswerReadout(ReadoutMethod):
+    name = "answer"
+    audit_method = "model output"
+    analyze_key = "target"
+    needs_capture = False
+
+    def run(self, ctx):
+        # function-local: see core.readouts
+        from core.answer import answer_from_logits
+
+        target = target_of(ctx.adapter, ctx.logits, ctx.answer_id, ctx.foil_id, ctx.position)
+        # the model's answer and alternatives at this position: what core.answer gives, from this forward
+        top = [[t, p] for t, p in answer_from_logits(ctx.adapter, ctx.logits, ctx.options.answer_top_k).top]
+        return target_section(target, top), None
+
+    def audit_section(self, s, ctx):
+        return {
+            "predicted_prob": s["top"][0][1],  # the top token's probability is the predicted token's
+            "answer_id": s["answer_id"],
+            "foil_id": s["foil_id"],
+            "answer_logit": s["logit"],
+            "answer_prob": s["prob"],
+            "logit_diff": s["logit_diff"],
+            "top": s["top"],
+        }
+
+    def csv_columns(self):
+        return ["predicted_prob", "answer_prob", "answer_logit", "logit_diff"]
+
+    def csv_values(self, s):
+        return {k: s[k] for k in self.csv_columns()}
+
+    def summarize(self, sections):
+        return {
+            "answer_prob": distribution([s["answer_prob"] for s in sections], (0.0, 1.0)),
+            "predicted_prob": distribution([s["predicted_prob"] for s in sections], (0.0, 1.0)),
+            "answer_logit": distribution([s["answer_logit"] for s in sections]),
+            "logit_diff": distribution([s["logit_diff"] for s in sections]),
+        }
+
+    def controls(self):
+        return ["dataset answer and foil as the target", "correct = top token equals the dataset answer"]
+
+    def parameters(self, options):
+        return {"top_k": options.answer_top_k}
+
+    def notes(self):
+        return ["accuracy and margins describe behaviour on this sample set; they name no internal route"]

@@ -1,0 +1,445 @@
+"""The checks every family's adapter passes, one parametrised test each over
+the tiny random-weight float64 models of the family test files
+(tests/core/test_<family>.py). Each family file's ``traced_case(kind)`` builds
+its model and capture once per session (cached), so these tests and the
+family's own share them. A test runs over the families whose files hold it
+(``_case_fixture``); a family's specific expectations live in its file as plain
+constants and functions these tests call through :meth:`Case.hook` (e.g.
+``check_decomposition``, ``JACOBIAN_COMPONENTS``, ``BAD_QUESTIONS``,
+``visual_inputs``, ``recompute_patterns``)."""
+
+import contextlib
+import copy
+import importlib
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from core import load_model
+from core.capture import capture, eager_attention
+from core.errors import QuestionError, UnsupportedArchitectureError
+from core.methods.contributions import source_contributions
+from core.methods.logit_lens import logit_lens
+from core.methods.residual import decompose
+from core.models import registry
+from tests.core.exactness import (
+    assert_canonical_projections,
+    assert_decomposition_is_exact,
+    assert_heads_sum_to_attention_output,
+    assert_jacobian_dla_is_autograd,
+    assert_lens_last_row_is_the_model,
+    assert_reconstruction_and_lens_at_last_layer,
+    assert_source_contributions_sum_to_each_heads_terms,
+    forwards_tol,
+    invert_around_box_centre,
+    module_hook_counts,
+    noise_image,
+    values_tol,
+)
+
+FAMILY_FILES = ("blip", "idefics3", "llava_next", "mllama", "paligemma", "qwen2_vl")
+
+
+def _module(family: str):
+    return importlib.import_module(f"tests.core.test_{family}")
+
+
+CASES = [(family, kind) for family in FAMILY_FILES for kind in _module(family).CASES]
+
+
+def _id(case) -> str:
+    family, kind = case[:2]
+    name = kind if kind.startswith(family.split("_")[0]) or family == "blip" else f"{family}-{kind}"
+    return name if len(case) == 2 else f"{name}-{case[2]}"
+
+
+class Case:
+    """One family file's case: its module, model, trace and the question and image size it uses."""
+
+    def __init__(self, family: str, kind: str):
+        self.family, self.kind = family, kind
+        self.module = _module(family)
+        traced = self.module.traced_case(kind)
+        self.m, self.trace = traced[:2]
+        self.traced_inputs = traced[2] if len(traced) > 2 else None  # the inputs where the case built its own
+        self.question = getattr(self.module, "QUESTION", None) or self.module.PREFIX
+        self.image_size = self.module.IMAGE_SIZE
+
+    def hook(self, name: str, default=None):
+        """The family file's own part of a check (``default`` where it has none)."""
+        return getattr(self.module, name, default)
+
+    def n_keys(self, n_positions: int) -> int:
+        """The most keys a softmax reads: the text, or the family's cross-attended keys (``CROSS_KEYS``)."""
+        return max(n_positions, self.hook("CROSS_KEYS", 0))
+
+    def inputs(self):
+        """The inputs of the case's capture: its own, or the question on its noise image."""
+        if self.traced_inputs is not None:
+            return self.traced_inputs
+        return self.m.adapter.prepare([noise_image(self.image_size)], [self.question])
+
+
+def _cases(families, per_model: bool) -> list[tuple[str, str]]:
+    """The cases of ``families``; with ``per_model``, one per distinct model
+    (a family file's ``MODEL_CASES``: its cases that differ in the model, not only the trace)."""
+    out = []
+    for family in families:
+        module = _module(family)
+        kinds = getattr(module, "MODEL_CASES", module.CASES) if per_model else module.CASES
+        out += [(family, kind) for kind in kinds]
+    return out
+
+
+def _case_fixture(name: str, families=FAMILY_FILES, per_model: bool = False):
+    """A fixture ``name`` giving a :class:`Case` of each family in ``families`` (the files holding the test)."""
+    cases = _cases(families, per_model)
+
+    @pytest.fixture(name=name, params=cases, ids=[_id(c) for c in cases])
+    def _fixture(request) -> Case:
+        return Case(*request.param)
+
+    return _fixture
+
+
+case = _case_fixture("case")
+# Families whose tiny models answer "yes" / "no" (BLIP's captioner reads its own pair
+# in tests/core/test_blip.py).
+yes_no_case = _case_fixture("yes_no_case", [f for f in FAMILY_FILES if f != "blip"])
+model_case = _case_fixture("model_case", per_model=True)
+decoder_case = _case_fixture("decoder_case", ["idefics3", "llava_next", "mllama", "paligemma", "qwen2_vl"])
+padded_case = _case_fixture("padded_case", ["blip", "idefics3", "mllama", "paligemma", "qwen2_vl"], per_model=True)
+question_case = _case_fixture("question_case", ["blip", "idefics3", "llava_next", "mllama", "paligemma"], True)
+append_case = _case_fixture("append_case", per_model=True)
+values_case = _case_fixture("values_case", ["mllama", "paligemma", "qwen2_vl"])
+patterns_case = _case_fixture("patterns_case", ["blip", "idefics3", "llava_next"])
+lens_case = _case_fixture("lens_case", ["idefics3", "paligemma", "qwen2_vl"])
+
+_PERTURBED = [
+    (family, kind, size)
+    for family, kind in _cases(["blip", "idefics3", "llava_next", "paligemma", "qwen2_vl"], per_model=True)
+    for size in _module(family).PERTURB_SIZES
+]
+
+
+@pytest.fixture(params=_PERTURBED, ids=[_id(c) for c in _PERTURBED])
+def perturbed_case(request) -> tuple[Case, tuple[int, int]]:
+    family, kind, size = request.param
+    return Case(family, kind), size
+
+
+# ---- registry, weights, loading
+
+
+def test_registry_and_description(model_case):
+    """The registry maps each of the family's architectures to its adapter and
+    names them when it refuses one it does not know; the description and head
+    layout are the tiny config's."""
+    c = model_case
+    a = c.m.adapter
+    adapters = c.hook("ADAPTERS")
+    for architecture, cls in adapters.items():
+        assert registry.adapter_for_hf(architecture) is cls
+    with pytest.raises(UnsupportedArchitectureError) as refused:
+        registry.adapter_for_hf(c.hook("UNKNOWN_ARCHITECTURE", "NoSuchVLMForConditionalGeneration"))
+    assert all(architecture in str(refused.value) for architecture in adapters)
+    d = a.describe()
+    want = c.hook("DESCRIPTION")
+    assert {key: d[key] for key in want} == want
+    kv = c.hook("KV_LAYOUT")  # (n_kv_heads, d_head, kv_group(3)) of grouped-query decoders
+    if kv is not None:
+        assert (a.n_kv_heads, a.d_head, a.kv_group(3)) == kv
+    extra = c.hook("check_registry_and_description")
+    if extra is not None:
+        extra(c.m, c.trace)
+
+
+def test_canonical_weights_match_the_projections(model_case):
+    """W_U is the output embedding (transposed) and b_U its bias (or zero); the
+    family's q/k/v/o projections are its canonical weights (grouped K/V expanded
+    per query head, gates folded into W_O), as its file lists them."""
+    c = model_case
+    m, a = c.m, c.m.adapter
+    out = c.hook("output_embeddings", type(m.model).get_output_embeddings)(m.model)  # the unembedding module
+    assert a.W_U.shape == (a.d_model, out.weight.shape[0]) and torch.equal(a.W_U, out.weight.T)
+    if out.bias is None:
+        assert torch.all(a.b_U == 0)
+    else:
+        assert torch.equal(a.b_U, out.bias)
+    x = torch.randn(5, a.d_model, dtype=torch.float64)
+    z = torch.randn(5, a.n_heads, a.d_head, dtype=torch.float64)
+    for layer, out_gain in c.hook("CANONICAL_LAYERS", {}).items():  # {layer: the gain folded into its W_O}
+        assert_canonical_projections(a, a._attn(layer), layer, x, z, out_gain=out_gain)
+    c.hook("check_canonical_weights")(m, x)
+
+
+def test_saved_folder_loads_with_this_adapter(model_case, tmp_path):
+    """load_model on a saved folder (the model in float32) picks this adapter and
+    runs the same model: as the saved float32 weights do, and as the float64
+    model does up to float32 arithmetic; the same prompt and visual tokens."""
+    c = model_case
+    m = c.m
+    saved = copy.deepcopy(m.model).float()  # the session's float64 model stays as it is
+    saved.save_pretrained(tmp_path, safe_serialization=True)
+    m.processor.save_pretrained(tmp_path)
+    with c.hook("loading_context", contextlib.nullcontext)():
+        loaded = load_model(tmp_path)
+    assert loaded.family == m.family == c.hook("FAMILY", c.kind) and type(loaded.adapter) is type(m.adapter)
+    before = type(m.adapter)(saved, m.processor, m.tokenizer)
+    image, q = noise_image(c.image_size), c.question
+    with torch.no_grad():
+        got_inputs = loaded.adapter.prepare([image], [q])
+        got = loaded.adapter.next_token_logits(got_inputs)
+        want = before.next_token_logits(before.prepare([image], [q]))
+        want64 = m.adapter.next_token_logits(m.adapter.prepare([image], [q])).float()
+    n_keys = c.n_keys(got_inputs.input_ids.shape[1])
+    torch.testing.assert_close(got, want, atol=forwards_tol(loaded.adapter, want, n_keys), rtol=0)
+    # float64 against float32 weights and arithmetic: as far as two forwards in float32 may differ
+    torch.testing.assert_close(got, want64, atol=forwards_tol(loaded.adapter, want64, n_keys), rtol=0)
+    assert loaded.adapter.prompt(q) == m.adapter.prompt(q)
+    assert len(loaded.adapter.visual_tokens(c.image_size)) == len(m.adapter.visual_tokens(c.image_size))
+    extra = c.hook("check_loaded")
+    if extra is not None:
+        extra(m, loaded)
+
+
+# ---- inputs
+
+
+def test_right_padded_batch_matches_single_runs(padded_case):
+    """Two images and questions of different lengths (the family's PADDED_BATCH):
+    right padding (the tokenizer's left padding restored), the answer position
+    is the last real token, each row's next-token logits equal its own run."""
+    c = padded_case
+    m, a = c.m, c.m.adapter
+    sizes, questions = c.hook("PADDED_BATCH")
+    images = [noise_image(size, i + 1) for i, size in enumerate(sizes)]
+    batch = a.prepare(images, questions)
+    assert a.tokenizer.padding_side == "left"  # restored
+    mask = batch.tensors["attention_mask"]
+    assert mask[0, -1] == 0 and mask[1, -1] == 1  # row 0 is right-padded
+    answer_token = c.hook("ANSWER_TOKEN")  # the prompt's last token, where the family's prompt ends in one
+    with torch.no_grad():
+        logits = a.next_token_logits(batch)
+        for i in range(2):
+            single = a.prepare([images[i]], [questions[i]])
+            assert int(batch.answer_positions[i]) == int(single.answer_positions[0]) == single.input_ids.shape[1] - 1
+            if answer_token is not None:
+                last = int(batch.input_ids[i, batch.answer_positions[i]])
+                assert a.tokenizer.convert_ids_to_tokens(last) == answer_token
+            want = a.next_token_logits(single)[0]
+            torch.testing.assert_close(logits[i], want, atol=forwards_tol(a, want, c.n_keys(mask.shape[1])), rtol=0)
+    extra = c.hook("check_padded_batch")
+    if extra is not None:
+        extra(m, batch)
+
+
+def test_append_token_continues_the_text(append_case):
+    """The appended token follows the answer position, and the text before it
+    reads as it did (causal, or a prefix that does not read the suffix)."""
+    c = append_case
+    m, a = c.m, c.m.adapter
+    inputs = a.prepare([noise_image(c.image_size)], [c.question])
+    token = a.token_id(c.hook("APPENDED_WORD", "yes"))
+    longer = a.append_token(inputs, token)
+    assert int(longer.answer_positions[0]) == int(inputs.answer_positions[0]) + 1
+    assert int(longer.input_ids[0, -1]) == token
+    with torch.no_grad():
+        before, after = a.forward_logits(inputs), a.forward_logits(longer)
+    tol = forwards_tol(a, before, c.n_keys(longer.input_ids.shape[1]))
+    torch.testing.assert_close(after[:, :-1], before, atol=tol, rtol=0)  # the prefix is unchanged
+    extra = c.hook("check_appended_token")
+    if extra is not None:
+        extra(m, inputs, longer)
+
+
+def test_question_errors(question_case, monkeypatch):
+    """Blank questions, the family's BAD_QUESTIONS (``(message, question)``) and an
+    empty question given to prepare are refused; the family's own limits follow."""
+    c = question_case
+    m, a = c.m, c.m.adapter
+    for blank in ("  ", "   "):
+        with pytest.raises(QuestionError, match="empty"):
+            a.check_question(blank)
+    for message, question in c.hook("BAD_QUESTIONS"):
+        with pytest.raises(QuestionError, match=message):
+            a.check_question(question)
+    with pytest.raises(QuestionError):
+        a.prepare([noise_image(c.image_size)], [""])
+    c.hook("check_question_errors")(m, monkeypatch)
+
+
+# ---- capture and exactness
+
+
+def test_heads_sum_to_attention_output(case):
+    """sum_h W_O z + b_O equals what every block's attention wrote (attn_out)."""
+    assert_heads_sum_to_attention_output(case.m.adapter, case.trace)
+
+
+def test_residual_reconstruction_and_lens_at_last_layer(decoder_case):
+    """x_L = x_0 + sum attn + sum mlp and the lens on x_L is the captured logits,
+    which are a plain forward's (no hook of ours): under eager attention (what a
+    capture runs) exactly, under the default sdpa (a float64 softmax, not eager's
+    float32) as far as two forwards may differ. x_0 is the token embeddings with
+    the family's visual inputs (``visual_inputs``) scattered into their positions."""
+    c = decoder_case
+    m, a, tr = c.m, c.m.adapter, c.trace
+    assert_reconstruction_and_lens_at_last_layer(a, tr)
+    inputs = c.inputs()
+    with torch.no_grad():
+        sdpa = a.forward_logits(inputs)
+        with eager_attention(m.model):
+            eager = a.forward_logits(inputs)
+    torch.testing.assert_close(tr.logits, eager, atol=0, rtol=0)
+    n_keys = c.n_keys(tr.input_ids.shape[1])
+    torch.testing.assert_close(tr.logits, sdpa, atol=forwards_tol(a, eager, n_keys), rtol=0)
+    vis = tr.visual_positions[0]
+    text = torch.ones(tr.input_ids.shape[1], dtype=torch.bool)
+    text[vis] = False
+    emb = a.language_model.embed_tokens(tr.input_ids[0])
+    torch.testing.assert_close(tr.resid_pre[0][0, text], emb[text], atol=0, rtol=0)
+    visual_inputs = c.hook("visual_inputs")
+    if visual_inputs is not None:
+        with eager_attention(m.model):  # as in the capture (the vision tower's eager softmax is float32)
+            projected = visual_inputs(m, noise_image(c.image_size))
+        torch.testing.assert_close(tr.resid_pre[0][0, vis], projected, atol=0, rtol=0)
+    extra = c.hook("check_reconstruction")
+    if extra is not None:
+        extra(m, tr, inputs, sdpa=sdpa, eager=eager)
+
+
+def test_logit_lens_last_row_is_the_model(lens_case):
+    """One row per layer plus x_L, read at the last position; the last row is the
+    model's logit, logit difference and the answer's rank."""
+    c = lens_case
+    a, tr = c.m.adapter, c.trace
+    a_id, f_id = a.token_id("yes"), a.token_id("no")
+    lens = logit_lens(a, tr, a_id, f_id)
+    assert [r.layer for r in lens.rows] == list(range(a.n_layers + 1))
+    p = lens.position
+    assert p == int(tr.answer_positions[0]) == tr.input_ids.shape[1] - 1
+    assert_lens_last_row_is_the_model(a, tr, lens, a_id, f_id)  # logit_lens reports float32 numbers
+    assert lens.rows[-1].answer_rank == int((tr.logits[0, p] > tr.logits[0, p, a_id]).sum())
+
+
+def test_frozen_dla_sums_to_logit_difference_minus_bias(yes_no_case):
+    """The frozen-scale decomposition is exact (RMSNorms that take their statistics
+    in float32 even in a float64 model are allowed their float32 rounding), with the
+    components the family's graph has."""
+    c = yes_no_case
+    a = c.m.adapter
+    r = assert_decomposition_is_exact(a, c.trace, a.token_id("yes"), a.token_id("no"))
+    c.hook("check_decomposition")(c.m, c.trace, r)
+
+
+def test_jacobian_dla_equals_autograd_directional_derivative(yes_no_case):
+    c = yes_no_case
+    a = c.m.adapter
+    a_id, f_id = a.token_id("yes"), a.token_id("no")
+    which = c.hook("JACOBIAN_COMPONENTS")
+    kwargs = {} if which is None else {"which": which}
+    _, names = assert_jacobian_dla_is_autograd(a, c.trace, a_id, f_id, **kwargs)
+    extra = c.hook("check_jacobian")
+    if extra is not None:
+        extra(c.m, c.trace, a_id, f_id, names)
+
+
+def test_source_contributions_sum_to_each_heads_output(yes_no_case):
+    """Summed over sources (visual keys for cross blocks), each head's contributions
+    equal its residual component under every convention (u . W_O^h z^h at the
+    answer position for the projection; the value path with its biases)."""
+    c = yes_no_case
+    a, tr = c.m.adapter, c.trace
+    a_id, f_id = a.token_id("yes"), a.token_id("no")
+    sc = source_contributions(a, tr, a_id, f_id)
+    assert_source_contributions_sum_to_each_heads_terms(a, tr, sc, decompose(a, tr, a_id, f_id))
+    extra = c.hook("check_source_contributions")
+    if extra is not None:
+        extra(c.m, tr, sc)
+
+
+def _assert_values_recomputed(a, tr) -> None:
+    """z = (recorded pattern) @ (norm(source) W_V + b_V) at every query position and
+    block: the stream for self blocks, the cross-attended keys for cross blocks."""
+    for block in range(tr.n_blocks):
+        source = tr.kv_source[block]
+        src = a.kv_norm(block)(tr.resid_pre[block][0] if source is None else source[0])
+        v = torch.einsum("pm,hmd->phd", src, a.W_V(block)) + a.b_V(block)
+        z = torch.einsum("hqk,khd->qhd", tr.patterns[block][0], v)
+        tol = values_tol(tr.patterns[block][0], src, a.W_V(block), a.b_V(block))
+        torch.testing.assert_close(z, tr.z[block][0, tr.query_positions], atol=tol, rtol=0)
+
+
+def test_values_recomputed_from_canonical_weights(values_case):
+    _assert_values_recomputed(values_case.m.adapter, values_case.trace)
+
+
+def test_patterns_and_values_recomputed_from_canonical_weights(patterns_case):
+    """Every block's pattern, recomputed from canonical weights the family's way
+    (``recompute_patterns``: RoPE, masks, cross keys), is the recorded one up to the
+    model's float32 softmax; the values follow from the recorded patterns."""
+    c = patterns_case
+    a, tr = c.m.adapter, c.trace
+    recompute = c.hook("recompute_patterns")
+    for block in range(tr.n_blocks):
+        pattern, rtol = recompute(a, tr, block)
+        torch.testing.assert_close(pattern[:, tr.query_positions], tr.patterns[block][0], atol=0, rtol=rtol)
+    _assert_values_recomputed(a, tr)
+    extra = c.hook("check_patterns_and_values")
+    if extra is not None:
+        extra(c.m, tr)
+
+
+def test_hooks_are_removed_and_attention_restored(case):
+    """A capture leaves no hook behind (none is there before it either) and puts
+    the attention implementation back, also when it fails."""
+    m = case.m
+    before = m.model.config._attn_implementation
+    image = noise_image(case.image_size)
+    capture(m, image, case.question)
+    counts = module_hook_counts(m.model)
+    if not case.hook("LIBRARY_HOOKS"):  # the library keeps hooks of its own on some models
+        assert all(c == (0, 0) for c in counts)
+    capture(m, image, case.question)
+    assert m.model.config._attn_implementation == before
+    assert module_hook_counts(m.model) == counts
+    with pytest.raises(IndexError):
+        capture(m, image, case.question, query_positions=[10_000])
+    assert module_hook_counts(m.model) == counts
+    assert m.model.config._attn_implementation == before
+    extra = case.hook("check_attention_restored")
+    if extra is not None:
+        extra(m, before)
+
+
+# ---- geometry
+
+
+def test_perturbing_a_box_centre_moves_its_own_token_most(perturbed_case):
+    """Geometry by experiment on a non-square image: inverting the pixels around a
+    token's box centre (in the original image) changes that token's features more
+    than any of its rivals'. The family's file names the features
+    (``perturbation_features``: what the decoder reads of each visual token, a
+    tuple), the probed tokens (``perturbation_probes``) and each probe's rivals
+    (``perturbation_rivals``, default every token), and what else must hold."""
+    c, size = perturbed_case
+    m, a = c.m, c.m.adapter
+    base = np.asarray(noise_image(size, c.hook("PERTURB_SEED", 3))).copy()
+    tokens = a.visual_tokens(size)
+    features = c.hook("perturbation_features")
+    ref = features(m, Image.fromarray(base))
+    assert all(r.shape[0] == len(tokens) for r in ref)
+    probes = c.hook("perturbation_probes", lambda m, size, tokens: tokens)(m, size, tokens)
+    rivals = c.hook("perturbation_rivals", lambda tokens, t: [torch.arange(len(tokens))])
+    extra = c.hook("check_perturbation")
+    for t in probes:
+        arr = invert_around_box_centre(base, t.box, c.hook("PERTURB_SHRINK", 5))
+        changes = [(got - want).norm(dim=-1) for got, want in zip(features(m, Image.fromarray(arr)), ref)]
+        for change in changes:
+            for group in rivals(tokens, t):
+                assert int(group[change[group].argmax()]) == t.index, (t, change[group].topk(3))
+        if extra is not None:
+            extra(tokens, t, changes)
