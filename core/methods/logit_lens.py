@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from core.audit import AuditRecord
+from core.capture import capture
+from core.methods.patterns import Distribution
 
 
 @dataclass
@@ -201,8 +203,6 @@ def logit_lens_over_samples(loaded, samples, *, progress=None, cancel=None) -> L
             the lens tracks the correct answer (minus the foil where given).
         progress: ``progress(done, total, message)``; cancel: returns True to stop.
     """
-    from core.capture import capture
-    from core.methods.patterns import Distribution
 
     adapter = loaded.adapter
     samples = list(samples)

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from core.audit import AuditRecord
+from core.capture import capture
+from core.geometry import region_tokens
+from core.images import load_image
 
 FULL_PATTERN_LIMIT = 1024  # longer prompts keep only the answer and text rows (no rollout)
 
@@ -553,9 +556,6 @@ def pattern_statistics(
         progress: ``progress(done, total, message)``.
         cancel: returns True to stop early (what was done so far is kept).
     """
-    from core.capture import capture
-    from core.geometry import region_tokens
-    from core.images import load_image
 
     adapter = loaded.adapter
     samples = list(samples)

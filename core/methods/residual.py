@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from core.audit import AuditRecord
+from core.capture import capture
+from core.edits import Edit
 from core.stats import spearman
 
 
@@ -131,7 +133,6 @@ def component_edit(trace, name: str, positions: tuple[int, ...] | None):
     """The :class:`core.edits.Edit` that removes component ``name`` ("L3.H1",
     "L2.xattn.H0", "L1.mlp") at ``positions``; None for "embed" and biases,
     which no forward can drop."""
-    from core.edits import Edit
 
     block_name, _, part = name.rpartition(".")
     if block_name not in trace.block_names:
@@ -215,7 +216,6 @@ def compare_with_rerun(
     position (adds its effect through other positions' keys and values).
     ``trace`` must be an unedited capture of ``inputs``.
     """
-    from core.capture import capture
 
     if trace.edits:
         raise ValueError("compare against an unedited trace")

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
+from core.capture import run_with_hooks
 from core.errors import ModelLoadError, QuestionError
 from core.models.canonical import CANONICAL, CANONICAL_NAMES, NotMapped
 from core.models.config_fields import config_int, config_key, config_value, size_value
@@ -324,7 +325,6 @@ class Adapter(QuestionChecks, EditSites, ABC):
 
     def run_capture(self, inputs: ModelInputs, trace, keep: set[int]) -> None:
         """Fill ``trace`` with one forward; default: hooks around the library's forward."""
-        from core.capture import run_with_hooks
 
         run_with_hooks(self, inputs, trace, keep)
 

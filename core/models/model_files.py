@@ -11,6 +11,7 @@ import os
 import struct
 from pathlib import Path
 
+from core.atomic import write_text_atomic
 from core.errors import ModelLoadError, UnsafeCheckpointError
 
 MANIFEST = "MANIFEST.sha256"
@@ -114,7 +115,6 @@ def write_manifest(model_dir: Path | str) -> Path:
     model_dir = Path(model_dir)
     lines = [f"{_sha256(f)}  {_relative(f, model_dir)}\n" for f in _folder_files(model_dir)]
     out = model_dir / MANIFEST
-    from core.atomic import write_text_atomic
 
     write_text_atomic(out, "".join(sorted(lines, key=lambda line: line[66:])))
     return out

@@ -12,7 +12,8 @@ from functools import cached_property
 
 from PIL import Image
 
-from core.errors import ModelLoadError, QuestionError, ReadoutError
+from core.errors import ImageLoadError, ModelLoadError, QuestionError, ReadoutError
+from core.images import MAX_PIXELS, load_image
 from core.models.config_fields import size_value
 from core.models.markup import PROBE_QUESTION, PromptMarkup, check_pairs, check_text, first_named, is_markup
 from core.models.words import unknown_words
@@ -220,7 +221,6 @@ class QuestionChecks:
         """``(images as RGB PIL images, rendered prompts)`` for a batch, after
         :meth:`check_question` on every question and :meth:`check_resize` on
         every image; what each family's :meth:`prepare` starts from."""
-        from core.images import load_image
 
         images, questions = list(images), list(questions)
         check_pairs(images, questions)
@@ -279,8 +279,6 @@ class QuestionChecks:
         ``image_size`` past the pixel budget of :data:`core.images.MAX_PIXELS`
         (a processor config can ask for any size; decoding is bounded, the
         resize must be too)."""
-        from core.errors import ImageLoadError
-        from core.images import MAX_PIXELS
 
         estimate = self.resized_pixels(image_size)
         if estimate is not None and estimate[0] > MAX_PIXELS:

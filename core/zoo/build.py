@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from core.models.loading import write_manifest
 from core.zoo import scenes, vocab
 
 IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]  # CLIP's normalisation
@@ -103,7 +104,6 @@ def save_llava(model, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     llava_processor().save_pretrained(out_dir)
-    from core.models.loading import write_manifest
 
     write_manifest(out_dir)
 
@@ -195,6 +195,5 @@ def save_coca(model, out_dir: Path) -> None:
     }
     (out_dir / "open_clip_config.json").write_text(json.dumps(config, indent=2))
     vocab.build_hf_tokenizer().save_pretrained(out_dir)
-    from core.models.loading import write_manifest
 
     write_manifest(out_dir)

@@ -14,6 +14,7 @@ import json
 import platform
 from pathlib import Path
 
+from core.models.loading import load_model
 from core.zoo import scenes, vocab
 from core.zoo.evaluate import markdown_table
 
@@ -191,7 +192,6 @@ def _alt_section(model_dir: Path, name: str) -> str:
 
 
 def write_card(family: str, model_dir: Path) -> None:
-    from core.models.loading import load_model
 
     adapter = load_model(model_dir).adapter
     training = json.loads((model_dir / "training.json").read_text())

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from core.geometry import region_tokens
 from core.methods.labels.chain import InputCondition, LabelError
 from core.methods.labels.context import ChainContext
 from core.methods.labels.observations import _image, _tokens
@@ -35,7 +36,6 @@ def scene_samples(
     distractors and a target covering at least one visual token (region
     cover >= 0.25 of the token's box); other kinds are taken as drawn.
     """
-    from core.geometry import region_tokens
 
     out, indices, skipped = [], [], 0
     limit = max_tries or 20 * n + 100

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from core.methods.tuned_lens.data import Batch
+from core.zoo import scenes
+from core.zoo.altrender import make_alt_sample
 
 
 class SyntheticCorpus:
@@ -27,13 +29,10 @@ class SyntheticCorpus:
         self.split, self.n_objects, self.kinds, self.offset = split, n_objects, kinds, offset
 
     def sample(self, index: int):
-        from core.zoo import scenes
 
         i = self.offset + index
         kind = self.kinds[i % len(self.kinds)] if self.kinds else None
         if self.split == "alt":
-            from core.zoo.altrender import make_alt_sample
-
             return make_alt_sample(i, kind=kind)
         n = self.n_objects[i % len(self.n_objects)] if isinstance(self.n_objects, list | tuple) else self.n_objects
         return scenes.make_sample(self.split, i, kind=kind, n_objects=n)

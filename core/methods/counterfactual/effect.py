@@ -18,9 +18,13 @@ import numpy as np
 import torch
 
 from core.audit import AuditRecord
+from core.capture import capture
 from core.errors import QuestionError, oom_guard
+from core.images import load_image
+from core.methods.contributions import source_contributions
 from core.methods.counterfactual.fills import Fill, as_fill
 from core.methods.counterfactual.regions import RegionError, check_mask
+from core.methods.patterns import FULL_PATTERN_LIMIT, rollout, rollout_audit
 from core.readout import Target
 from core.stats import pearson, ranks, spearman
 
@@ -230,10 +234,6 @@ def token_routing(
     full pattern, for rollout, when the prompt has at most
     ``core.methods.patterns.FULL_PATTERN_LIMIT`` tokens), then per visual token its
     attention weight per head, rollout mass and frozen-scale DLA."""
-    from core.capture import capture
-    from core.images import load_image
-    from core.methods.contributions import source_contributions
-    from core.methods.patterns import FULL_PATTERN_LIMIT, rollout, rollout_audit
 
     adapter = loaded.adapter
     img = load_image(image)
@@ -398,7 +398,6 @@ def region_counterfactual(
         routing: also read the routing for the region from one capture of the original.
         fill_options: ``color``, ``radius``, ``seed``, ``paste_from`` (see :class:`Fill`).
     """
-    from core.images import load_image
 
     adapter = loaded.adapter
     img = load_image(image)
@@ -505,7 +504,6 @@ def region_agreement(
         regions: ``{name: mask}`` or a list of masks (named "0", "1", ...),
             each ``(H, W)`` bool on the original image.
     """
-    from core.images import load_image
 
     adapter = loaded.adapter
     img = load_image(image)

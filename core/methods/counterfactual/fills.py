@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from core.images import load_image
 from core.methods.counterfactual.regions import RegionError, check_mask
 
 FILLS = ("mean", "constant", "blur", "noise", "inpaint", "paste")
@@ -23,7 +24,6 @@ def _as_array(image) -> np.ndarray:
     """``(H, W, 3)`` uint8 from a PIL image, path or array."""
     if isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3:
         return image
-    from core.images import load_image
 
     return np.asarray(load_image(image))
 

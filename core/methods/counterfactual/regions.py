@@ -12,6 +12,7 @@ import numpy as np
 from PIL import Image
 
 from core.errors import ReadoutError
+from core.images import load_mask
 
 
 class RegionError(ReadoutError):
@@ -81,7 +82,6 @@ def mask_from_png(path: str | Path, image_size: tuple[int, int]) -> np.ndarray:
         RegionError: the size differs from ``image_size`` or the mask is empty.
         ImageLoadError: the file is not an image.
     """
-    from core.images import load_mask
 
     p = Path(path)
     mask = load_mask(p)

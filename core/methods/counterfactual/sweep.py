@@ -16,6 +16,7 @@ from PIL import Image
 
 from core.audit import AuditRecord
 from core.errors import oom_guard
+from core.images import load_image
 from core.methods.counterfactual.effect import (
     SCHEMA_VERSION,
     Cancel,
@@ -27,6 +28,7 @@ from core.methods.counterfactual.effect import (
 )
 from core.methods.counterfactual.fills import Fill, as_fill
 from core.methods.counterfactual.regions import RegionError, mask_from_boxes
+from core.methods.patterns import primary_image
 from core.readout import Target
 
 INTERPOLATED_FLAG = "visual smoothing, not a causal pixel mask"
@@ -37,7 +39,6 @@ INTERPOLATED_FLAG = "visual smoothing, not a causal pixel mask"
 
 def _primary_grid(tokens) -> tuple[int, int, int, dict]:
     """``(image, rows, cols, {(row, col): token})`` of the primary image's patch grid."""
-    from core.methods.patterns import primary_image
 
     im = primary_image(tokens)
     cells = {(t.row, t.col): t for t in tokens if t.image == im and t.col >= 0}
@@ -198,7 +199,6 @@ def occlusion_sweep(
         An :class:`OcclusionMap`; cells not run (cancelled) are NaN and
         ``complete`` is False.
     """
-    from core.images import load_image
 
     adapter = loaded.adapter
     img = load_image(image)

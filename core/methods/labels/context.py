@@ -28,6 +28,7 @@ from core.methods.labels.observations import (
 )
 from core.methods.labels.setting import REGION_MIN_COVER, HeadRef, RouteRef, Subject, _members, visual_heads
 from core.methods.labels.stats import _stats
+from core.methods.patterns import pattern_statistics
 
 
 @dataclass
@@ -180,7 +181,6 @@ class ChainContext:
         split with region = the target mask: an independent recomputation of
         step 1's estimator (one unbatched capture per sample). Returns the
         result, or the error's one-line text when it cannot run on this model."""
-        from core.methods.patterns import pattern_statistics
 
         def make():
             items = [(s.image, s.question, s.objects[s.target].mask) for s in self.eval_samples]

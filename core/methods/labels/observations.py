@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from core.capture import capture
+from core.edits import Edit
+from core.geometry import region_tokens
+from core.methods.contributions import source_contributions
 from core.methods.labels.setting import REGION_MIN_COVER, HeadRef, RouteRef, Subject, visual_heads
+from core.methods.patterns import entropy
 
 
 def _image(sample):
@@ -147,10 +152,6 @@ def observe_heads(
     """One capture per sample (batched by prompt length): answer-row
     attention, source DLA, entropy and z of every head in ``heads`` (default
     :func:`visual_heads`), with each sample's target / distractor / background token sets."""
-    from core.capture import capture
-    from core.geometry import region_tokens
-    from core.methods.contributions import source_contributions
-    from core.methods.patterns import entropy
 
     a = loaded.adapter
     heads = heads or visual_heads(loaded)
@@ -234,7 +235,6 @@ def observe_heads(
 def mean_ablation_value(loaded, reference_samples, head: HeadRef, *, batch_size: int = 32) -> torch.Tensor:
     """``(d_head,)`` the mean of the head's z at the answer position over the
     reference samples: what mean ablation writes in place of the head's own z."""
-    from core.capture import capture
 
     a = loaded.adapter
     total = torch.zeros(a.d_head, dtype=torch.float64)
@@ -250,7 +250,6 @@ def mean_ablation_value(loaded, reference_samples, head: HeadRef, *, batch_size:
 def head_edit(head: HeadRef, position: int, value: torch.Tensor | None = None):
     """The :class:`core.edits.Edit` that zeroes (``value=None``) or replaces
     ``(d_head,)`` the head's z at ``position``."""
-    from core.edits import Edit
 
     return Edit(head.block, head.head, (int(position),), None if value is None else value.reshape(1, -1))
 
@@ -267,7 +266,6 @@ class RunNumbers:
 def run_edited(loaded, samples, make_edits: Callable[[int], list], *, batch_size: int = 32, cancel=None) -> RunNumbers:
     """S and correctness of every sample under the edits ``make_edits(answer_position)``
     (an empty list: the model as is). Batched by prompt length."""
-    from core.capture import capture
 
     a = loaded.adapter
     ld = np.zeros(len(samples))
@@ -340,8 +338,6 @@ def observe_swaps(
     with ``image``, ``mask_a``, ``mask_b``, ``answer`` and ``foil``, or None
     when the sample admits no swap) and measure each head's answer-row mass
     on the two swapped locations."""
-    from core.capture import capture
-    from core.geometry import region_tokens
 
     a = loaded.adapter
     out = {k: [] for k in ("rows", "ao", "bo", "as", "bs", "ld", "ok")}

@@ -27,13 +27,13 @@ from core.methods.labels.setting import (
     _members,
 )
 from core.methods.labels.stats import _lower, _pearson, _spearman, _stats
+from core.methods.patterns import Distribution
 
 
 def step1_pattern(ctx: ChainContext, cand: Subject) -> ChainStep:
     """Answer-row argmax over the patch tokens on the target's tokens, against
     chance, on the evaluation split (the estimator of
     :func:`core.methods.patterns.pattern_statistics`, which is run beside it as a check)."""
-    from core.methods.patterns import Distribution
 
     obs, plan = ctx.eval_obs, ctx.plan(cand)
     c = obs.col(cand)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from core.capture import capture
 from core.methods.tuned_lens.lens import POSITION_SETS, LensError
 from core.pairs import Pair, load_pair_image
 from core.pairs import read_pairs as read_pair_file
@@ -103,7 +104,6 @@ def read_pairs(path: Path) -> list[Pair]:
 
 def _captured(loaded, batch: Batch):
     """One frozen, no-grad forward over the batch (no attention patterns kept): a Trace."""
-    from core.capture import capture
 
     adapter = loaded.adapter
     with torch.no_grad():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from core.atomic import write_bytes_atomic, write_text_atomic
 from core.methods.tuned_lens.lens import _EQUATIONS, SCHEMA_VERSION, LensError, TunedLens
 
 LENS_CONFIG = "lens.json"
@@ -22,8 +23,6 @@ def save_lens(lens: TunedLens, directory: Path | str) -> Path:
     (schema version, model fingerprint, form, training, capacity, report) and
     ``REPORT.md`` into ``directory``; each file atomically."""
     from safetensors.torch import save
-
-    from core.atomic import write_bytes_atomic, write_text_atomic
 
     directory = Path(directory)
     tensors = {k: v.detach().cpu().contiguous() for k, v in lens.state_dict().items()}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from core.atomic import write_bytes_atomic
 from core.errors import oom_guard
 from core.methods.logit_lens import lens_logits
 from core.methods.tuned_lens.data import _captured, position_mask
@@ -65,7 +66,6 @@ def _make_optimizer(lens: TunedLens, cfg: LensConfig):
 
 
 def _save_checkpoint(path: Path, state: dict) -> None:
-    from core.atomic import write_bytes_atomic
 
     buf = io.BytesIO()
     torch.save(state, buf)

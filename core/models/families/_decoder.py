@@ -8,6 +8,7 @@ import torch
 
 from core.errors import QuestionError
 from core.models.adapter import config_int
+from core.models.norms import Norm
 
 
 def pattern_hook(trace, layer: int):
@@ -163,7 +164,6 @@ class LlamaStyleWeights(TextConfigSizes):
 
     @staticmethod
     def _norm(module):
-        from core.models.norms import Norm
 
         return Norm("rmsnorm", module.weight, None, module.variance_epsilon, compute_dtype=torch.float32)
 

@@ -49,7 +49,9 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
+from core.capture import run_with_hooks
 from core.errors import QuestionError
+from core.geometry import VisualToken
 from core.models.adapter import Adapter, ModelInputs, config_int, size_value
 from core.models.families._decoder import TextConfigSizes
 from core.models.norms import IdentityNorm, Norm
@@ -350,7 +352,6 @@ class BlipAdapter(TextConfigSizes, Adapter):
         """Hooks around the library's forward; also records every stream
         LayerNorm's input as ``trace.norm_inputs`` (the frozen bookkeeping needs
         each ``sigma``)."""
-        from core.capture import run_with_hooks
 
         trace.norm_inputs = {}
         run_with_hooks(self, inputs, trace, keep)
@@ -512,7 +513,6 @@ class BlipAdapter(TextConfigSizes, Adapter):
         boxes in the original image (``image_size = (width, height)``) after
         undoing the processor's aspect-changing resize. ``position`` is None
         (keys, not sequence positions)."""
-        from core.geometry import VisualToken
 
         ip = self.processor.image_processor
         if getattr(ip, "do_center_crop", False) or getattr(ip, "do_pad", False):

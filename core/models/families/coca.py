@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from core.errors import QuestionError
+from core.errors import InterventionError, QuestionError
+from core.geometry import VisualToken, resize_crop_boxes
 from core.models.adapter import Adapter, ModelInputs
+from core.models.norms import Norm
 
 
 class CocaAdapter(Adapter):
@@ -156,7 +158,6 @@ class CocaAdapter(Adapter):
 
     @staticmethod
     def _norm(ln):
-        from core.models.norms import Norm
 
         return Norm("layernorm", ln.weight, ln.bias, ln.eps)
 
@@ -196,8 +197,6 @@ class CocaAdapter(Adapter):
         blocks = self.blocks
         for e in edits:
             if e.site == "kv_source" and e.block is not None and blocks[e.block][1] != "cross":
-                from core.errors import InterventionError
-
                 raise InterventionError(f"{e.describe()}: block {blocks[e.block][0]} is not a cross-attention block")
         _, visual = self.model._encode_image(image)  # (batch, n_visual, d_model), after ln_post
         for e in edits:  # the image tokens every cross block reads
@@ -270,7 +269,6 @@ class CocaAdapter(Adapter):
     def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
         """Patch boxes of open_clip's resize-shortest + centre-crop transform; the
         tokens are cross-attention keys, so ``position`` is None."""
-        from core.geometry import VisualToken, resize_crop_boxes
 
         visual = self.model.visual
         size = visual.image_size[0] if isinstance(visual.image_size, tuple) else visual.image_size

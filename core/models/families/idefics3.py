@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 import re
 
+from core.geometry import VisualToken
 from core.models.adapter import config_int, size_value
 from core.models.families._decoder import LlamaStyleWeights
 from core.models.families.llava import LlavaAdapter
@@ -231,7 +232,6 @@ class Idefics3Adapter(LlavaAdapter):
         token's box is its cell of the ``M x M`` global image scaled back (it
         covers ``rows x cols`` times the area of a tile token).
         """
-        from core.geometry import VisualToken
 
         rows, cols, rh, rw = self.tiling(image_size)
         g = self.frame_grid()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from core.errors import QuestionError
+from core.geometry import VisualToken, resize_crop_boxes
 from core.models.adapter import Adapter, config_int, size_value
 from core.models.families._decoder import LlamaStyleWeights
 
@@ -71,7 +72,6 @@ class LlavaAdapter(LlamaStyleWeights, Adapter):
     def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
         """The :class:`core.geometry.VisualToken` of every image token, boxes in
         the original image (``image_size = (width, height)``)."""
-        from core.geometry import VisualToken, resize_crop_boxes
 
         ip = self.processor.image_processor
         shortest = size_value(ip.size, "shortest_edge")

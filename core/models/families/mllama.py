@@ -72,7 +72,10 @@ from __future__ import annotations
 
 import torch
 
+from core.capture import run_with_hooks
+from core.edits import Edit
 from core.errors import ModelLoadError
+from core.geometry import VisualToken
 from core.models.adapter import Adapter, ModelInputs, config_int, config_value, size_value
 from core.models.families._decoder import LlamaStyleWeights, pattern_hook
 from core.models.norms import IdentityNorm, Norm
@@ -274,7 +277,6 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
                 state["row"] = kwargs.get("full_text_row_masked_out_mask")
 
             def mlp(module, args, out, e=e, layer=layer, state=state):
-                from core.edits import Edit
 
                 gate = layer.cross_attn_mlp_gate.tanh()
                 value = e.value.to(out.dtype).to(out.device)
@@ -312,7 +314,6 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
         """Hooks around transformers' forward; also records
         ``trace.cross_attention_mask`` ``(batch, pos, images, tiles)`` (what
         :meth:`allowed_keys` reads)."""
-        from core.capture import run_with_hooks
 
         trace.cross_attention_mask = inputs.tensors.get("cross_attention_mask")
         run_with_hooks(self, inputs, trace, keep)
@@ -491,7 +492,6 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
         ``[0, 0, 0, 0]``: they cover no pixel. Patches over the canvas padding
         reach past the image's right or bottom edge.
         """
-        from core.geometry import VisualToken
 
         if positions is not None and any(p is not None for p in positions):
             raise ValueError("Mllama's visual tokens are cross-attention keys: they have no sequence positions")

@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import torch
 
+from core.capture import run_with_hooks
 from core.errors import QuestionError, UnsupportedArchitectureError
+from core.geometry import VisualToken
 from core.models.adapter import Adapter, ModelInputs, config_int, size_value
 from core.models.families._decoder import LlamaStyleWeights
 from core.models.norms import Norm
@@ -182,7 +184,6 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
     def run_capture(self, inputs: ModelInputs, trace, keep: set[int]) -> None:
         """The default hooked forward; also keeps ``trace.token_type_ids``
         ``(batch, pos)`` (prefix 0 / suffix 1) for :meth:`allowed_keys`."""
-        from core.capture import run_with_hooks
 
         trace.token_type_ids = inputs.tensors.get("token_type_ids")
         run_with_hooks(self, inputs, trace, keep)
@@ -270,7 +271,6 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
         token each, in row-major order (no CLS token, no pooling head in
         PaliGemma). Undoing the stretch scales x by ``W / S`` and y by ``H / S``.
         """
-        from core.geometry import VisualToken
 
         side = self.resized_size()
         patch = int(self.model.config.vision_config.patch_size)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from core.errors import ImageLoadError
+from core.geometry import VisualToken
 from core.models.adapter import Adapter, ModelInputs
 from core.models.families._decoder import LlamaStyleWeights
 
@@ -179,8 +181,6 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
             try:
                 rh, rw = smart_resize(h, w, factor=cell, min_pixels=min_pixels, max_pixels=max_pixels)
             except ValueError as e:  # an aspect ratio of 200 or more, or pixel bounds that contradict
-                from core.errors import ImageLoadError
-
                 raise ImageLoadError(f"this model's processor cannot resize the {w}x{h} image ({e})") from None
         else:
             rh, rw = h, w
@@ -202,7 +202,6 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
         tower before the tokens leave it). The resize (no crop, no pad) is
         undone by scaling each axis by original / resized size.
         """
-        from core.geometry import VisualToken
 
         rows, cols, rh, rw = self.visual_grid(image_size)
         cell = int(self.processor.image_processor.patch_size) * int(self.processor.image_processor.merge_size)
