@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from core.models.loading import resources_dir
+from core.pairs import read_pairs
 
 
 @dataclass(frozen=True)
@@ -22,16 +22,9 @@ class Sample:
 
 
 def bundled_samples() -> list[Sample]:
-    """All bundled pairs in file order (the first is the default); [] if none."""
+    """All bundled pairs in file order (the first is the default); [] if none.
+    Read by :func:`core.pairs.read_pairs`, as every pairs file is."""
     pairs_file = resources_dir() / "samples" / "pairs.jsonl"
     if not pairs_file.is_file():
         return []
-    samples = []
-    for line in pairs_file.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            target = row.get("target")
-            masks = row.get("masks") or []
-            mask = pairs_file.parent / masks[target] if target is not None and target < len(masks) else None
-            samples.append(Sample(pairs_file.parent / row["image"], row["question"], row.get("answer"), mask))
-    return samples
+    return [Sample(p.image_path, p.question, p.answer, p.target_mask) for p in read_pairs(pairs_file)]

@@ -55,12 +55,6 @@ def mask_png(mask: np.ndarray) -> bytes:
     return _png_bytes(np.asarray(mask, dtype=bool).astype(np.uint8) * 255)
 
 
-def read_mask(path: str | Path) -> np.ndarray:
-    """A mask PNG -> ``(H, W)`` bool (white, i.e. grey level >= 128, is inside)."""
-    with Image.open(path) as im:
-        return np.asarray(im.convert("L")) >= 128
-
-
 def sample_row(s: scenes.Sample, stem: str) -> dict:
     """The JSONL row of one sample whose files are named after ``stem``."""
     masks = [f"masks/{stem}_obj{k}.png" for k in range(len(s.objects))]

@@ -28,9 +28,10 @@ from core.dataset_audit import (
     shard_chunks,
     write_outputs,
 )
+from core.images import load_mask
 from core.zoo import scenes
 from core.zoo.dataset import main as dataset_main
-from core.zoo.dataset import read_mask, write_dataset
+from core.zoo.dataset import write_dataset
 from tests.core.exactness import forwards_tol
 from tests.tolerances import sum_tol
 
@@ -78,14 +79,14 @@ def test_dataset_writer_round_trips_images_and_masks(tmp_path):
         assert (row["question"], row["answer"], row["foil"], row["kind"]) == (s.question, s.answer, s.foil, s.kind)
         assert np.array_equal(np.asarray(Image.open(tmp_path / row["image"])), s.image)
         for k, o in enumerate(s.objects):
-            assert np.array_equal(read_mask(tmp_path / row["object_masks"][k]), o.mask)
+            assert np.array_equal(load_mask(tmp_path / row["object_masks"][k]), o.mask)
         if s.target is not None:
-            assert np.array_equal(read_mask(tmp_path / row["target_mask"]), s.objects[s.target].mask)
+            assert np.array_equal(load_mask(tmp_path / row["target_mask"]), s.objects[s.target].mask)
         else:
             assert row["target_mask"] is None
         assert row["distractors"] == s.distractors and len(s.distractors) >= 1
         for k, m in zip(s.distractors, row["distractor_masks"]):
-            assert np.array_equal(read_mask(tmp_path / m), s.objects[k].mask)
+            assert np.array_equal(load_mask(tmp_path / m), s.objects[k].mask)
     # the command line writes the same thing
     assert dataset_main(["--split", "heldout", "--n", "2", "--out", str(tmp_path / "cli"), "--quiet"]) == 0
     again = [json.loads(x) for x in (tmp_path / "cli" / "dataset.jsonl").read_text().splitlines()]
@@ -217,7 +218,7 @@ def test_per_sample_readouts_equal_analyze(coca, dataset):
         )
         # region mass: attention weighted by each patch's share inside the target mask
         if item.target_mask is not None:
-            mask = read_mask(item.target_mask)
+            mask = load_mask(item.target_mask)
             cover = mask.reshape(8, 16, 8, 16).mean(axis=(1, 3))  # 16 px patches on 128 px
             for h in ro["attention"]["heads"]:
                 if h["has_visual_keys"]:
@@ -319,7 +320,7 @@ def test_self_attention_model_region_mass_in_a_padded_batch(tmp_path):
     from core.capture import capture
 
     for it, rec in zip(items, recs):
-        mask = read_mask(it.target_mask)
+        mask = load_mask(it.target_mask)
         cover = torch.tensor(mask.reshape(8, 16, 8, 16).mean(axis=(1, 3)).reshape(-1), dtype=torch.float64)
         tr = capture(llava, it.image_path, it.question)
         _, weight, _, n_keys = padded_batch_tols(llava, it)  # a padded batch against this single run
