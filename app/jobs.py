@@ -45,6 +45,11 @@ def _cached_model(model_cache: dict, spec: str, progress) -> core.LoadedModel:
     return model_cache[spec]
 
 
+def model_load_job(model_cache: dict, spec: str, *, progress, cancel) -> core.LoadedModel:
+    """Worker job: load (or reuse) the model of a restored run, so that follow-ups can run on it."""
+    return _cached_model(model_cache, spec, progress)
+
+
 def answer_job(
     model_cache: dict, spec: str, image: Image.Image, question: str, *, progress, cancel
 ) -> core.Answer | None:
@@ -94,9 +99,15 @@ def readout_job(
         tuned=_model_lens(loaded),
         progress=progress,
     )
+    return answer_of(analysis), analysis
+
+
+def answer_of(analysis: dict) -> core.Answer:
+    """The Answer tab's answer of an analyze result: its forward's top token and
+    alternatives (``target.top``), so a restored run shows what the read-out showed."""
     target = analysis["target"]
     top = [(str(t), float(p)) for t, p in target["top"]]
-    return core.Answer(top[0][0], int(target["predicted_id"]), top[0][1], top), analysis
+    return core.Answer(top[0][0], int(target["predicted_id"]), top[0][1], top)
 
 
 _LENSES: dict[tuple, object] = {}  # (lens folder, weights fingerprint, file times) -> TunedLens or None
@@ -183,9 +194,10 @@ def ablation_job(model_cache: dict, ask: Ask, block: int, head: int, *, progress
     )
 
 
-def patch_job(model_cache: dict, ask: Ask, source, mask, *, progress, cancel):
-    """Worker job: patch the painted region's visual tokens from another image,
-    at the earliest visual site the family has (forward and reverse)."""
+def patch_job(model_cache: dict, ask: Ask, source, mask, source_path=None, *, progress, cancel):
+    """Worker job: patch the painted region's visual tokens from another image
+    (``source_path``: the file it was read from, None for pixels), at the earliest
+    visual site the family has (forward and reverse)."""
     from core.geometry import region_tokens
     from core.methods.interventions import patch_visual_features
 
@@ -206,6 +218,7 @@ def patch_job(model_cache: dict, ask: Ask, source, mask, *, progress, cancel):
         site=site,
         layer=0 if site == "resid" else None,
         token_sets={"painted region": region},
+        source_image_path=source_path,
         **ask.tokens(),
     )
 

@@ -24,21 +24,17 @@ from PIL import Image
 from PySide6.QtCore import QBuffer, QByteArray, QIODevice, Qt, Signal
 from PySide6.QtGui import QAction, QImage, QKeySequence
 from PySide6.QtWidgets import (
-    QAbstractItemView,
     QApplication,
     QComboBox,
     QFileDialog,
     QGridLayout,
     QHBoxLayout,
-    QHeaderView,
     QLineEdit,
     QMainWindow,
     QProgressBar,
     QPushButton,
     QScrollArea,
     QSplitter,
-    QTableWidget,
-    QTableWidgetItem,
     QTabWidget,
     QVBoxLayout,
     QWidget,
@@ -46,6 +42,7 @@ from PySide6.QtWidgets import (
 
 import core
 from app.canvas import ImageCanvas, describe_token_layout
+from app.components import ShownRun
 from app.jobs import (
     Ask,
     ablation_job,
@@ -58,16 +55,19 @@ from app.jobs import (
     statistics_job,
     sweep_job,
 )
+from app.panels.answer_panel import AnswerPanel
 from app.panels.attention_panel import AttentionPanel
 from app.panels.audit_panel import AuditPanel
 from app.panels.counterfactual_panel import CounterfactualPanel
 from app.panels.dla_panel import DLAPanel
 from app.panels.lens_panel import LensPanel
 from app.recent_models import BUILTIN_MODELS, recent_models, remember_model
-from app.samples import Sample, bundled_samples
+from app.run_frame import INTERVENTION_HINT, TARGET_PLACEHOLDER, WorkspaceMixin
+from app.samples import Sample, bundled_pairs_file, bundled_samples
 from app.session_view import SessionMixin, SessionWatch, open_start_session
 from app.widgets import plain_label
 from app.workers import Worker, WorkerPool
+from core.images import image_sha256
 from core.readout import RecordedResult
 
 # the formats core.images accepts (ACCEPTED_FORMATS)
@@ -84,7 +84,7 @@ def qimage_to_png(image: QImage) -> bytes:
     return bytes(data.data())
 
 
-class MainWindow(SessionMixin, QMainWindow):
+class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
     """Image + question in, answer + top alternatives out.
 
     Opens on the first bundled sample. Nothing runs until
@@ -118,9 +118,12 @@ class MainWindow(SessionMixin, QMainWindow):
         self.last_answers: list[core.Answer] = []
         self._job: Worker | None = None
         self._expected: str | None = None  # ground truth while a bundled sample is shown unchanged
+        self._focus_before_job = None  # the widget that had the focus when a job disabled it
+        self._use_workspace(model_spec)  # the current input and the run the views show (app.run_frame)
         self.setWindowTitle("VLM Readout")
         self.setAcceptDrops(True)
         self._build_widgets(model_spec)
+        self._follow_fields()
         self._build_menus()
         self._set_busy(False)
         self._clear_answer()
@@ -151,26 +154,9 @@ class MainWindow(SessionMixin, QMainWindow):
         self.image_plot = self.canvas.plot
         self.image_item = self.canvas.image_item
 
-        self.answer_label = plain_label("no answer yet")
-        font = self.answer_label.font()
-        font.setPointSizeF(font.pointSizeF() * 1.5)
-        font.setBold(True)
-        self.answer_label.setFont(font)
-        self.answer_caption = plain_label()
-        self.answer_caption.setWordWrap(True)
-        self.answer_caption.setStyleSheet("color: #555;")
-        self.top_table = QTableWidget(0, 2)
-        self.top_table.verticalHeader().setVisible(False)
-        self.top_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.top_table.setWordWrap(False)
-
-        answer_panel = QWidget()
-        answer_layout = QVBoxLayout(answer_panel)
-        answer_layout.addWidget(self.answer_label)
-        answer_layout.addWidget(self.answer_caption)
-        self.table_title = plain_label()
-        answer_layout.addWidget(self.table_title)
-        answer_layout.addWidget(self.top_table, stretch=1)
+        self.answer_panel = answer_panel = AnswerPanel()
+        self.answer_label, self.answer_caption = answer_panel.label, answer_panel.caption
+        self.table_title, self.top_table = answer_panel.table_title, answer_panel.table
 
         self.attention_panel = AttentionPanel()
         self.attention_panel.head_selected.connect(self.show_head_map)
@@ -193,37 +179,43 @@ class MainWindow(SessionMixin, QMainWindow):
             "copy the painted region's visual-token features from another image into this run (and back)"
         )
         self.patch_button.clicked.connect(self.patch_region_dialog)
-        self.intervention_label = plain_label("interventions: select a head (Attention tab) or paint a region")
+        self.intervention_label = plain_label(INTERVENTION_HINT)
         self.intervention_label.setWordWrap(True)
-        strip = QHBoxLayout()
-        strip.addWidget(self.ablate_button)
-        strip.addWidget(self.patch_button)
-        strip.addWidget(self.intervention_label, stretch=1)
+        # the intervention buttons go in the controls column beside the painter: on screen with it
+        self.counterfactual_panel.add_controls(self.ablate_button, self.patch_button, self.intervention_label)
         counterfactual_tab = QWidget()
         counterfactual_layout = QVBoxLayout(counterfactual_tab)
         counterfactual_layout.setContentsMargins(0, 0, 0, 0)
         counterfactual_layout.addWidget(self.counterfactual_panel, stretch=1)
-        counterfactual_layout.addLayout(strip)
         # A scroll area keeps the painter's width from setting the tab widget's minimum (which
         # would squeeze the image canvas in every other tab); its own tab hides the canvas.
         counterfactual_scroll = QScrollArea()
         counterfactual_scroll.setWidgetResizable(True)
         counterfactual_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
         counterfactual_scroll.setWidget(counterfactual_tab)
+        frames = self._frame_views(
+            canvas=self.canvas,
+            answer=answer_panel,
+            attention=self.attention_panel,
+            dla=self.dla_panel,
+            lens=self.lens_panel,
+            counterfactual=counterfactual_scroll,
+        )
         self.tabs = QTabWidget()
         for widget, title in (
-            (answer_panel, "Answer"),
-            (self.attention_panel, "Attention"),
-            (self.dla_panel, "DLA"),
-            (self.lens_panel, "Lens"),
-            (counterfactual_scroll, "Counterfactual"),
+            (frames["answer"], "Answer"),
+            (frames["attention"], "Attention"),
+            (frames["dla"], "DLA"),
+            (frames["lens"], "Lens"),
+            (frames["counterfactual"], "Counterfactual"),
             (self.audit_panel, "Audit"),
         ):
             self.tabs.addTab(widget, title)
+        self._build_history_tab()  # the session's runs (app.session_view); selecting one restores it
         self.tabs.currentChanged.connect(self._on_tab_changed)
 
         splitter = QSplitter(Qt.Orientation.Horizontal)
-        splitter.addWidget(self.canvas)
+        splitter.addWidget(frames["canvas"])
         splitter.addWidget(self.tabs)
         splitter.setStretchFactor(0, 2)
         splitter.setStretchFactor(1, 3)
@@ -239,7 +231,7 @@ class MainWindow(SessionMixin, QMainWindow):
         self.readout_button.setToolTip("answer, then one capture and every read-out (attention, DLA, lens, rollout)")
         self.readout_button.clicked.connect(self.run_readout)
         self.target_edit = QLineEdit()
-        self.target_edit.setPlaceholderText("answer token (default: the model's top token)")
+        self.target_edit.setPlaceholderText(TARGET_PLACEHOLDER)
         self.foil_edit = QLineEdit()
         self.foil_edit.setPlaceholderText("foil token (optional: u = answer - foil)")
 
@@ -305,6 +297,7 @@ class MainWindow(SessionMixin, QMainWindow):
         open_session = QAction("Open &session…", self)
         open_session.triggered.connect(self.open_session_dialog)
         file_menu.addAction(open_session)
+        file_menu.addAction("Save session &as…", self.save_session_as_dialog)
         export_action = QAction("&Export audit table…", self)
         export_action.triggered.connect(self.audit_panel.choose_export)
         file_menu.addAction(export_action)
@@ -340,16 +333,15 @@ class MainWindow(SessionMixin, QMainWindow):
         if image is None:
             return False
         self.image = image
-        self.image_name = name or (Path(source).name if isinstance(source, (str, Path)) else "image")
+        path = str(source) if isinstance(source, (str, Path)) else None  # None: pasted or dropped pixels
+        self.image_name = name or (Path(source).name if path else "image")
         pixels = np.asarray(image)  # (H, W, 3) uint8
         self.canvas.set_image(pixels)
         self.canvas.set_tokens(None)
         self.counterfactual_panel.set_image(pixels)
-        self.counterfactual_panel.clear_result()
-        self.counterfactual_panel.clear_sweep()
-        self._show_analysis(None)
+        self.workspace.clear_shown()  # every view empties (_on_run_shown)
+        self.workspace.set_input(image_sha256=image_sha256(image), image_path=path)
         self._expected = None
-        self._clear_answer()
         self.show_error("")
         self.statusBar().showMessage(f"{self.image_name}  {image.width}×{image.height}")
         return True
@@ -433,9 +425,14 @@ class MainWindow(SessionMixin, QMainWindow):
             return False
         spec, question = self.model_spec(), self.question_edit.text().strip()
         caption = self._caption(question)
-        self._start(
-            lambda result: self._show_answer(result, caption), answer_job, self.model_cache, spec, self.image, question
-        )
+        asked = self.workspace.input
+
+        def show(result: core.Answer) -> None:
+            self._show_answer(result, caption)
+            # not recorded: the Answer tab names this input; the read-out views compare theirs with it
+            self.workspace.show_run(ShownRun(None, "answer", self._made_for(asked), {"answer": result.to_dict()}))
+
+        self._start(show, answer_job, self.model_cache, spec, self.image, question)
         return True
 
     def answer_pairs(
@@ -480,6 +477,7 @@ class MainWindow(SessionMixin, QMainWindow):
         caption = self._caption(question)
         image = self.image
         answer, foil = self._targets()
+        asked = self.workspace.input
 
         def show(result) -> None:
             if result is None:
@@ -488,7 +486,9 @@ class MainWindow(SessionMixin, QMainWindow):
             self._show_answer(answered, caption)
             self.analysis_inputs = (spec, image, question)
             self._show_analysis(analysis)
-            self._record(analysis, parameters={"question": question})
+            run_id = self._record(analysis, parameters={"question": question})
+            results = {"analyze": analysis, "answer": answered.to_dict()}
+            self.workspace.show_run(ShownRun(run_id, "analyze", self._made_for(asked), results))
 
         self._start(show, readout_job, self.model_cache, spec, image, question, answer, foil)
         return True
@@ -516,14 +516,16 @@ class MainWindow(SessionMixin, QMainWindow):
         """Fill the painted region and re-run the model (Counterfactual tab)."""
         if self.is_busy() or self.image is None:
             return False
-        ask = self._ask()
+        ask, asked = self._ask(), self.workspace.input
         self.counterfactual_panel.set_busy(True)
 
         def show(result) -> None:
             self.last_counterfactual = result
             self.counterfactual_panel.set_result(result)
             options_text = {k: str(v) for k, v in options.items()}
-            self._record(result, mask=mask, parameters={"question": ask.question, "fill": fill, **options_text})
+            parameters = {"question": ask.question, "fill": fill, **options_text}
+            run_id = self._record(result, mask=mask, parameters=parameters)
+            self.workspace.add_result("counterfactual", result.to_dict(), run_id, self._made_for(asked))
 
         self._start(show, counterfactual_job, self.model_cache, ask, mask, fill, dict(options), clear=False)
         return True
@@ -533,21 +535,23 @@ class MainWindow(SessionMixin, QMainWindow):
         if self.is_busy() or self.image is None:
             return False
         fill, options = self.counterfactual_panel.fill_choice()
-        ask = self._ask()
+        ask, asked = self._ask(), self.workspace.input
         self.counterfactual_panel.set_busy(True)
 
         def show(result) -> None:
             if result is None:
                 return
             self.counterfactual_panel.set_sweep(result)
-            self._record(result, parameters={"question": ask.question})
+            run_id = self._record(result, parameters={"question": ask.question})
+            self.workspace.add_result("sweep", result.to_dict(), run_id, self._made_for(asked))
 
         self._start(show, sweep_job, self.model_cache, ask, int(k), fill, dict(options), clear=False)
         return True
 
-    def attention_statistics(self, items: list) -> bool:
+    def attention_statistics(self, items: list, dataset: Path | None = None) -> bool:
         """Distributions of every head's answer-row attention over ``items``
-        (``(image, question, target mask or None)``), shown in the Attention tab."""
+        (``(image, question, target mask or None)``), shown in the Attention tab;
+        ``dataset``: the pairs file they came from (its path and hash go into the audit row)."""
         if self.is_busy():
             return False
 
@@ -555,7 +559,8 @@ class MainWindow(SessionMixin, QMainWindow):
             self.attention_panel.set_statistics(stats)
             doc = {"n_samples": stats.n_samples, "heads": [h.to_dict() for h in stats.heads]}
             line = f"answer-row attention of {len(stats.heads)} heads over {stats.n_samples} samples"
-            self._record(RecordedResult("statistics", doc, line, audits=[stats.audit]))
+            parameters = {"n_samples": stats.n_samples, **({"dataset": str(dataset)} if dataset else {})}
+            self._record(RecordedResult("statistics", doc, line, parameters, audits=[stats.audit]))
 
         self._start(show, statistics_job, self.model_cache, self.model_spec(), list(items), clear=False)
         return True
@@ -567,7 +572,7 @@ class MainWindow(SessionMixin, QMainWindow):
             mask_path = sample.target_mask_path
             mask = np.asarray(Image.open(mask_path)) > 0 if mask_path else None
             items.append((sample.image_path, sample.question, mask))
-        return self.attention_statistics(items)
+        return self.attention_statistics(items, dataset=bundled_pairs_file())
 
     def ablate_selected_head(self) -> bool:
         """Zero the write of the head selected in the Attention tab (answer position) and show the effect."""
@@ -578,12 +583,13 @@ class MainWindow(SessionMixin, QMainWindow):
             self.show_error("select a head in the Attention tab first (Read out, then click a cell)")
             return False
         block, head = selected
-        ask = self._ask()
+        ask, asked = self._ask(), self.workspace.input
 
         def show(result) -> None:
             self.last_intervention = result
-            self._show_intervention(result.rows[0].label, result.rows[0].effect, result.rows[0])
-            self._record(result, parameters={"question": ask.question})
+            self._show_intervention_result(result.to_dict())  # as a restored run shows it
+            run_id = self._record(result, parameters={"question": ask.question})
+            self.workspace.add_result("intervention", result.to_dict(), run_id, self._made_for(asked))
 
         self._start(show, ablation_job, self.model_cache, ask, block, head, clear=False)
         return True
@@ -599,15 +605,18 @@ class MainWindow(SessionMixin, QMainWindow):
         source_image = self._read_image(source)
         if source_image is None:
             return False
-        ask = self._ask()
+        ask, asked = self._ask(), self.workspace.input
+        # the source image as given (None for pixels): the result records it with its hash, so the
+        # audit row names what was patched in
+        source_path = str(source) if isinstance(source, (str, Path)) else None
 
         def show(result) -> None:
             self.last_intervention = result
-            row = result.rows[0]
-            self._show_intervention(f"{row.name} patched at {result.site}", row.forward.effect, row.forward)
-            self._record(result, mask=mask, parameters={"question": ask.question})
+            self._show_intervention_result(result.to_dict())  # as a restored run shows it
+            run_id = self._record(result, mask=mask, parameters={"question": ask.question})
+            self.workspace.add_result("intervention", result.to_dict(), run_id, self._made_for(asked))
 
-        self._start(show, patch_job, self.model_cache, ask, source_image, mask, clear=False)
+        self._start(show, patch_job, self.model_cache, ask, source_image, mask, source_path, clear=False)
         return True
 
     def patch_region_dialog(self) -> None:
@@ -667,7 +676,10 @@ class MainWindow(SessionMixin, QMainWindow):
     def _end_job(self, status: str) -> None:
         self._job = None
         self.counterfactual_panel.set_busy(False)
+        if status != "ready":  # its "running …" line is over; the status and error lines say why
+            self.counterfactual_panel.show_message("")
         self._set_busy(False)
+        self.workspace.set_input(model_fingerprint=self._fingerprint(self.model_spec()))  # known once loaded
         loaded = self.model_cache.get(self.model_spec())
         notes = loaded.info.get("warnings", []) if isinstance(loaded, core.LoadedModel) else []
         # a load warning (e.g. unexpected tensors in the weights) stays beside every status of that model
@@ -675,6 +687,13 @@ class MainWindow(SessionMixin, QMainWindow):
         self.idle.emit()
 
     def _set_busy(self, busy: bool) -> None:
+        # Disabling the focused button would hand the focus to the next field (the Question, its text
+        # selected, so a key press replaces it): park it on the tabs and give it back afterwards.
+        focused = QApplication.focusWidget()
+        buttons = (self.answer_button, self.readout_button, self.ablate_button, self.patch_button)
+        if busy and focused in (*buttons, self.model_folder_button, self.model_picker):
+            self._focus_before_job = focused
+            self.tabs.setFocus(Qt.FocusReason.OtherFocusReason)
         self.answer_button.setEnabled(not busy)
         self.readout_button.setEnabled(not busy)
         self.model_folder_button.setEnabled(not busy)
@@ -684,6 +703,9 @@ class MainWindow(SessionMixin, QMainWindow):
         self.cancel_button.setEnabled(busy)
         self.progress_bar.setRange(0, 0 if busy else 1)
         self.progress_bar.setValue(0)
+        if not busy and self._focus_before_job is not None:
+            self._focus_before_job.setFocus(Qt.FocusReason.OtherFocusReason)
+            self._focus_before_job = None
 
     # ----- output -------------------------------------------------------
 
@@ -694,34 +716,18 @@ class MainWindow(SessionMixin, QMainWindow):
     def _clear_answer(self) -> None:
         self.last_answer = None
         self.last_answers = []
-        self.answer_label.setText("no answer yet")
-        self.answer_caption.setText("")
-        self.table_title.setText("")
-        self._fill_table(["token", "probability"], [])
+        self.answer_panel.clear()
 
     def _show_answer(self, result: core.Answer, caption: str) -> None:
         self.last_answer = result
         self._remember_model(self.model_spec())
-        self.answer_label.setText(f"answer: {result.answer}  (p = {result.prob:.3f})")
-        self.answer_caption.setText(caption)
-        self.table_title.setText("top alternatives")
-        self._fill_table(["token", "probability"], [(token, f"{prob:.3f}") for token, prob in result.top])
+        self.answer_panel.show_answer(result, caption)
 
     def _show_pairs(
         self, questions: Sequence[str], answers: list[core.Answer], expected: Sequence[str | None] | None
     ) -> None:
         self.last_answers = answers
-        expected = list(expected) if expected is not None else [None] * len(answers)
-        known = [(a.answer, e) for a, e in zip(answers, expected, strict=True) if e is not None]
-        self.answer_label.setText(f"{len(answers)} pairs answered")
-        self.table_title.setText("answers")
-        if known:
-            matches = sum(a == e for a, e in known)
-            self.answer_caption.setText(f"{matches} of {len(known)} answers match the expected answer")
-        self._fill_table(
-            ["question", "answer (p)", "expected"],
-            [(q, f"{a.answer} ({a.prob:.3f})", e or "") for q, a, e in zip(questions, answers, expected, strict=True)],
-        )
+        self.answer_panel.show_pairs(questions, answers, expected)
 
     def _show_analysis(self, analysis: dict | None) -> None:
         """Fill the read-out panels and the canvas from one analyze result (None clears)."""
@@ -750,7 +756,7 @@ class MainWindow(SessionMixin, QMainWindow):
 
     def _on_tab_changed(self, index: int) -> None:
         # the painter has its own canvas: give it the whole width instead of showing the image twice
-        self.canvas.setVisible(self.tabs.tabText(index) != "Counterfactual")
+        self.run_frames["canvas"].setVisible(self.tabs.tabText(index) != "Counterfactual")
 
     def show_head_map(self, layer: int, head: int) -> None:
         """Put one head's answer-row attention on the canvas (patch-granular)."""
@@ -765,18 +771,6 @@ class MainWindow(SessionMixin, QMainWindow):
         rows = (self.analysis or {}).get("attention", [])
         block = next((row["block"] for row in rows if row["layer"] == layer), f"block {layer}")
         self.canvas.set_heatmap(np.asarray(values), label=f"{block}.H{head}: frozen-scale DLA per source token")
-
-    def _fill_table(self, headers: list[str], rows: list[tuple[str, ...]]) -> None:
-        """Rows of text; the first column takes the spare width, the others fit their contents."""
-        self.top_table.setColumnCount(len(headers))
-        self.top_table.setHorizontalHeaderLabels(headers)
-        header = self.top_table.horizontalHeader()
-        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        self.top_table.setRowCount(len(rows))
-        for r, row in enumerate(rows):
-            for c, text in enumerate(row):
-                self.top_table.setItem(r, c, QTableWidgetItem(text))
 
     def _forget_expected(self) -> None:
         self._expected = None

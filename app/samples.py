@@ -21,10 +21,15 @@ class Sample:
     target_mask_path: Path | None = None
 
 
+def bundled_pairs_file() -> Path:
+    """The bundled pairs file (it may be missing in a stripped install)."""
+    return resources_dir() / "samples" / "pairs.jsonl"
+
+
 def bundled_samples() -> list[Sample]:
     """All bundled pairs in file order (the first is the default); [] if none.
     Read by :func:`core.pairs.read_pairs`, as every pairs file is."""
-    pairs_file = resources_dir() / "samples" / "pairs.jsonl"
+    pairs_file = bundled_pairs_file()
     if not pairs_file.is_file():
         return []
     return [Sample(p.image_path, p.question, p.answer, p.target_mask) for p in read_pairs(pairs_file)]

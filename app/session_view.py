@@ -1,23 +1,45 @@
-"""The window's session: which file it records into, the audit table that
-follows the session's events, exporting and switching sessions.
+"""The window's session: which file it records into, the audit table and the
+run history that follow the session's events, restoring a recorded run into
+every view, opening (to continue, or read-only), saving a copy, exporting.
 
-The session is the model and the audit panel a view of it: every
-:meth:`core.session.Session.record` fires :meth:`~core.session.Session.on_recorded`
-(in the recording thread), :class:`SessionWatch` brings that to the GUI
-thread as a Qt signal, and the window refreshes its audit table there. Nothing
-refreshes the table by hand after a record.
+The session is the model and the audit and history panels are views of it:
+every :meth:`core.session.Session.record` fires
+:meth:`~core.session.Session.on_recorded` (in the recording thread),
+:class:`SessionWatch` brings that to the GUI thread as a Qt signal, and the
+window refreshes both tables there. Nothing refreshes them by hand after a record.
+
+A run is restored from what the session stored (:meth:`SessionMixin.restore_run`):
+the image (its file when that still holds the same pixels, else the stored
+pixels), the question, the model, the target fields and the panels, drawn from
+the stored result JSON exactly as they were drawn when the run was made.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 from PySide6.QtCore import QObject, Signal
-from PySide6.QtWidgets import QFileDialog
+from PySide6.QtWidgets import QFileDialog, QMessageBox
 
 import core
-from core.session import RunInfo, Session
+from app.components.workspace import RunInput, ShownRun
+from app.jobs import answer_of, model_load_job
+from app.panels.history_panel import THUMBNAIL_PX, HistoryPanel
+from core.images import image_sha256
+from core.readout import Target
+from core.session import Run, RunInfo, Session
+
+SESSION_FILTER = "VLM Readout sessions (*.vlmr *.sqlite *.db);;All files (*)"
+OPEN_MODES = ("append", "read_only")  # continue the file; or read it and record into a temporary copy
+READ_ONLY_NOTE = "read-only; new runs are not saved into it"
+# the run kinds whose panels a restore draws (other kinds restore their input only)
+PANEL_KINDS = ("analyze", "counterfactual", "sweep", "intervention")
 
 
 def default_session_path() -> Path:
@@ -77,46 +99,414 @@ class SessionWatch(QObject):
         self.recorded.emit(info)
 
 
+# ---------------------------------------------------------------- what a stored run holds
+
+
+def unedited_target(kind: str, result) -> dict | None:
+    """The Target (as a dict) of the run before any edit: analyze's ``target``, a counterfactual's,
+    sweep's or intervention's ``original``; None for other kinds or shapes."""
+    if not isinstance(result, dict):
+        return None
+    target = result.get("target") if kind == "analyze" else result.get("original")
+    return target if isinstance(target, dict) else None
+
+
+def intervention_effect(result: dict) -> tuple[str, dict] | None:
+    """``(label, effect dict)`` of an intervention result's first row: an ablation's row, or a visual
+    patch's forward direction (``{original, edited, effect}``); None when it has no rows."""
+    rows = result.get("rows") or []
+    if not rows:
+        return None
+    row = rows[0]
+    if "site" in result:  # VisualPatchResult: token sets patched at a site
+        return f"{row['name']} patched at {result['site']}", row["forward"]
+    return row["label"], row
+
+
+def ablated_head(result: dict) -> tuple[int, int] | None:
+    """``(block, head)`` when an intervention's first edit set edits one head's output (``z``), as an
+    ablation of the head selected in the Attention tab does; else None."""
+    rows = result.get("rows") or []
+    edits = (rows[0].get("edits") or []) if rows else []
+    heads = {(e.get("block"), e.get("head")) for e in edits if e.get("site") == "z" and e.get("head") is not None}
+    if len(heads) != 1:
+        return None
+    block, head = heads.pop()
+    return int(block), int(head)
+
+
+def answer_text(kind: str, result) -> str:
+    """A history row's answer: the prediction (with its probability for analyze; before -> after for
+    an edited run)."""
+    if not isinstance(result, dict):
+        return ""
+    if kind == "analyze":
+        top = (result.get("target") or {}).get("top") or []
+        return f"{top[0][0]} (p {float(top[0][1]):.3f})" if top else ""
+    if kind == "counterfactual":
+        before, after = result.get("original"), result.get("edited")
+    elif kind == "intervention":
+        found = intervention_effect(result)
+        before, after = (found[1]["original"], found[1]["edited"]) if found else (None, None)
+    else:
+        before, after = unedited_target(kind, result), None
+    if not isinstance(before, dict):
+        return ""
+    return before["predicted"] + (f" → {after['predicted']}" if isinstance(after, dict) else "")
+
+
+def question_of(run: Run) -> str:
+    """The run's question: the parameters the app and the CLI record, else the analyze input's."""
+    question = (run.parameters or {}).get("question")
+    if question is None and isinstance(run.result, dict):
+        question = (run.result.get("input") or {}).get("question")
+    return str(question or "")
+
+
+def target_fields(kind: str, result) -> tuple[str, str]:
+    """What the Target and foil fields held for the run: the answer token when it was not the model's
+    own top token (an empty field asks for that), the foil when there was one. Either way a re-run
+    reads the same numbers."""
+    target = unedited_target(kind, result)
+    if target is None:
+        return "", ""
+    answer = target.get("answer") or ""
+    if target.get("answer_id") is not None and target.get("answer_id") == target.get("predicted_id"):
+        answer = ""
+    return answer, target.get("foil") or ""
+
+
+@dataclasses.dataclass
+class RestoredRun:
+    """Everything a restore draws, read from the session before any widget changes."""
+
+    run: Run
+    image: object  # PIL image
+    image_name: str
+    image_path: str | None  # the file the pixels were read from, None for the stored pixels
+    question: str
+    spec: str  # the run's model spec (the shown one for a run recorded without a model)
+    fingerprint: str | None
+    answer: str
+    foil: str
+    analysis: dict | None = None  # the run's own analyze result, or the latest of the same input
+    analysis_id: int | None = None
+    mask: np.ndarray | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def input(self, sha: str) -> RunInput:
+        return RunInput(
+            image_sha256=sha,
+            image_path=self.image_path,
+            question=self.question,
+            model_spec=self.spec,
+            model_fingerprint=self.fingerprint,
+            answer=self.answer or None,
+            foil=self.foil or None,
+        )
+
+
 class SessionMixin:
     """The session half of :class:`app.main_window.MainWindow` (a QMainWindow
-    with ``session``, ``session_watch``, ``audit_panel``, ``session_label``,
-    ``image``, ``model_cache``, ``model_spec()``, ``show_error``,
-    ``is_busy()``, ``_show_analysis`` and ``statusBar()``)."""
+    with ``session``, ``session_watch``, ``workspace``, ``tabs``, ``audit_panel``,
+    ``session_label``, ``image``, ``model_cache``, ``model_picker``,
+    ``question_edit``, ``target_edit``, ``foil_edit``, ``counterfactual_panel``,
+    ``intervention_label``, ``model_spec()``, ``set_image``, ``show_error``,
+    ``is_busy()``, ``_start``, ``_caption``, ``_show_answer``, ``_show_analysis``,
+    ``_show_intervention`` and ``statusBar()``)."""
+
+    read_only_source: Path | None = None  # the file opened read-only, when the session is its copy
+    _scratch_folder: Path | None = None  # where that copy lives (removed with it)
+
+    # ------------------------------------------------------------ the session in use
 
     def _use_session(self, session: Session) -> None:
-        """Record into ``session`` from now on; its audit table follows its events."""
+        """Record into ``session`` from now on; its audit table and history follow its events."""
         self.session = session
+        self._history_rows: dict[int, dict] = {}
+        self._thumbnails: dict[str, np.ndarray | None] = {}
         self.session_watch.watch(session)
         self._refresh_audit()
+        self._refresh_history()
 
-    def _record(self, readout, *, mask=None, parameters: dict | None = None) -> None:
-        """Record a run in the session (autosaved): the readout, the shown image, the model.
-        The audit table refreshes from the session's event."""
+    def _record(self, readout, *, mask=None, parameters: dict | None = None) -> int | None:
+        """Record a run in the session (autosaved): the readout, the shown image with its path as
+        given, the model. Returns the run's id (None, with the reason in the error line, when it
+        could not be saved). The audit table and history refresh from the session's event."""
         try:
-            self.session.record(
+            return self.session.record(
                 readout,
                 image=self.image,
+                image_path=self.workspace.input.image_path,
                 mask=mask,
                 parameters=parameters,
                 model=self.model_cache.get(self.model_spec()) or self.model_spec(),
             )
         except core.ReadoutError as e:
             self.show_error(f"not saved in the session: {e}")
+            return None
 
-    def _on_run_recorded(self, _info: RunInfo) -> None:
+    def _on_run_recorded(self, info: RunInfo) -> None:
         self._refresh_audit()
+        self._refresh_history()
+        self.history_panel.show_current(info.id)  # the app records a run as it shows it
 
     def _refresh_audit(self) -> None:
         self.audit_panel.set_rows([{**row, "run": row["run_id"]} for row in self.session.audit_table()])
 
     def _show_session(self, problem: str | None = None) -> None:
-        """The session line: the file the runs are saved in, or (red) why it is not the one asked for."""
+        """The session line: the file the runs are saved in (or the file opened read-only), or (red)
+        why it is not the one asked for."""
         if problem:
             self.session_label.setStyleSheet("color: #c00000;")
             self.session_label.setText(" ".join(problem.split()))
+        elif self.read_only_source is not None:
+            self.session_label.setStyleSheet("color: #8a5a00;")
+            self.session_label.setText(f"session: {self.read_only_source} ({READ_ONLY_NOTE})")
         else:
             self.session_label.setStyleSheet("color: #555555;")
             self.session_label.setText(f"session: {self.session.path}")
+
+    def _switch_session(self, session: Session, read_only_source: Path | None = None) -> None:
+        """Close the current session (and a read-only copy's folder) and continue in ``session``."""
+        self.session_watch.stop()
+        self.session.close()
+        self._remove_scratch()
+        self.read_only_source = read_only_source
+        self._use_session(session)
+        self._show_session()
+
+    def _remove_scratch(self) -> None:
+        if self._scratch_folder is not None:
+            shutil.rmtree(self._scratch_folder, ignore_errors=True)
+            self._scratch_folder = None
+
+    def _close_session(self) -> None:
+        """Stop following the session and close it (the window is going)."""
+        self.session_watch.stop()
+        self.session.close()
+        self._remove_scratch()
+
+    # ------------------------------------------------------------ history
+
+    def _build_history_tab(self) -> None:
+        """The History tab: every run of the session; selecting one restores it."""
+        self.history_panel = HistoryPanel()
+        self.history_panel.run_selected.connect(self.restore_run)
+        self.tabs.addTab(self.history_panel, "History")
+
+    def _refresh_history(self) -> None:
+        """The history table and the workspace's run list from the session (each run read once)."""
+        try:
+            infos = self.session.runs()
+            rows = [self._history_row(info) for info in infos]
+        except core.ReadoutError as e:
+            self.show_error(f"cannot list the session's runs: {e}")
+            return
+        self.history_panel.set_runs(rows)
+        self.workspace.set_runs(infos)
+
+    def _history_row(self, info: RunInfo) -> dict:
+        row = self._history_rows.get(info.id)
+        if row is None:
+            run = self.session.run(info.id)
+            stored = self.session.image(info.image_sha256) if info.image_sha256 else None
+            row = {
+                "run_id": info.id,
+                "kind": info.kind,
+                "created": info.created,
+                "image": Path(stored.path).name if stored and stored.path else (info.image_sha256 or "")[:12],
+                "thumbnail": self._thumbnail(info.image_sha256),
+                "question": question_of(run),
+                "answer": answer_text(run.kind, run.result) or info.summary,
+                "model": info.model or "",
+            }
+            self._history_rows[info.id] = row
+        return row
+
+    def _thumbnail(self, sha: str | None) -> np.ndarray | None:
+        """A small ``(h, w, 3)`` copy of the session's stored pixels of ``sha`` (None when not stored)."""
+        if sha is None:
+            return None
+        if sha not in self._thumbnails:
+            try:
+                stored = self.session.image(sha)
+                pixels = stored.pixels() if stored is not None else None
+            except core.ReadoutError:
+                pixels = None
+            if pixels is not None:
+                pixels = pixels.copy()
+                pixels.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
+                pixels = np.asarray(pixels)
+            self._thumbnails[sha] = pixels
+        return self._thumbnails[sha]
+
+    # ------------------------------------------------------------ restoring a run
+
+    def restore_run(self, run_id: int) -> bool:
+        """Show run ``run_id`` of the session as it was seen: its image, question, model (loaded in a
+        worker when it is not), target fields and panels; for a counterfactual, sweep or intervention
+        also the latest analyze run of the same input. False, with the reason in the error line,
+        when it cannot be shown."""
+        if self.is_busy():
+            self.show_error("a job is running: wait for it or cancel it before showing another run")
+            return self._keep_history_selection()
+        try:
+            restored = self._read_run(int(run_id))
+        except core.ReadoutError as e:
+            self.show_error(f"cannot show run #{run_id}: {e}")
+            return self._keep_history_selection()
+        run = restored.run
+        if not self.set_image(restored.image, name=restored.image_name):
+            return self._keep_history_selection()
+        self.model_picker.setCurrentText(restored.spec)
+        self.question_edit.setText(restored.question)
+        self.target_edit.setText(restored.answer)
+        self.foil_edit.setText(restored.foil)
+        sha = image_sha256(restored.image)
+        self.workspace.set_input(**dataclasses.asdict(restored.input(sha)))
+        results = {run.kind: run.result}
+        try:
+            self._draw_run(restored)
+        except (KeyError, TypeError, ValueError, IndexError) as e:  # a result of another shape or version
+            self._show_analysis(None)
+            restored.analysis, results = None, {}  # no view claims content it could not draw
+            restored.notes.append(f"run #{run.id} cannot be drawn ({type(e).__name__}: {e})")
+        run_ids = {}
+        if restored.analysis is not None:  # the Answer tab and the read-out views show this analyze run
+            results["analyze"] = restored.analysis
+            results["answer"] = answer_of(restored.analysis).to_dict()
+            run_ids["analyze"] = run_ids["answer"] = restored.analysis_id
+        self.workspace.show_run(ShownRun(run.id, run.kind, restored.input(sha), results, run_ids))
+        self.history_panel.show_current(run.id)
+        self._load_run_model(restored)
+        self.show_error("; ".join(restored.notes))
+        self.statusBar().showMessage(f"run #{run.id} ({run.kind}) of {run.created} shown")
+        return True
+
+    def _keep_history_selection(self) -> bool:
+        """A run that was not shown: the history selects the run that is (returns False)."""
+        shown = self.workspace.shown
+        self.history_panel.show_current(shown.run_id if shown is not None else None)
+        return False
+
+    def _read_run(self, run_id: int) -> RestoredRun:
+        """Read everything run ``run_id`` needs from the session (nothing on screen changes)."""
+        run = self.session.run(run_id)
+        image, name, path = self._run_image(run)
+        answer, foil = target_fields(run.kind, run.result)
+        restored = RestoredRun(
+            run,
+            image,
+            name,
+            path,
+            question_of(run),
+            (run.model or {}).get("spec") or self.model_spec(),
+            (run.model or {}).get("fingerprint"),
+            answer,
+            foil,
+        )
+        if run.kind == "analyze":
+            restored.analysis, restored.analysis_id = run.result, run.id
+        elif run.kind in PANEL_KINDS:
+            restored.analysis_id, restored.analysis = self._analysis_of_input(run, restored.question)
+        if run.mask_id is not None:
+            restored.mask = self.session.mask(run.mask_id)
+        return restored
+
+    def _run_image(self, run: Run):
+        """``(PIL image, name, path)`` of the run's image: its file when that still holds the
+        recorded pixels, else the session's stored pixels (path None)."""
+        sha = run.image_sha256
+        if sha is None and isinstance(run.result, dict):
+            sha = (run.result.get("input") or {}).get("image_sha256")
+        stored = self.session.image(sha) if sha else None
+        if stored is None:
+            raise core.ReadoutError("the session has no image for it")
+        name = Path(stored.path).name if stored.path else f"image {sha[:8]}"
+        if stored.path and Path(stored.path).is_file():
+            try:
+                image = core.load_image(stored.path)
+                if image_sha256(image) == sha:
+                    return image, name, stored.path
+            except core.ImageLoadError:
+                pass  # the file changed or went bad: the stored pixels are what the run saw
+        image = stored.pixels()
+        if image is None:
+            raise core.ReadoutError(
+                f"its image {sha[:12]} is not stored in the session"
+                + (f" and {stored.path} no longer holds it" if stored.path else "")
+            )
+        return image, name, None
+
+    def _analysis_of_input(self, run: Run, question: str) -> tuple[int | None, dict | None]:
+        """The latest analyze run before ``run`` on the same image, question and model (its id and
+        result), or ``(None, None)``: what the read-out panels showed when ``run`` was made."""
+        spec = (run.model or {}).get("spec")
+        for info in reversed(self.session.runs("analyze")):
+            if info.id > run.id or info.image_sha256 != run.image_sha256 or info.model != spec:
+                continue
+            candidate = self.session.run(info.id)
+            if question_of(candidate) == question:
+                return info.id, candidate.result
+        return None, None
+
+    def _draw_run(self, restored: RestoredRun) -> None:
+        """Fill the Answer tab, the read-out panels, the canvas and the run's own panel."""
+        run, analysis = restored.run, restored.analysis
+        self.analysis_inputs = (restored.spec, restored.image, restored.question) if analysis else None
+        self._show_analysis(analysis)
+        if analysis is not None:
+            self._show_answer(answer_of(analysis), self._caption(restored.question))
+        if restored.mask is not None and restored.mask.shape == (restored.image.height, restored.image.width):
+            self.counterfactual_panel.canvas.set_mask(restored.mask, undoable=False)
+        if run.kind == "counterfactual":
+            self.counterfactual_panel.set_result(run.result)
+        elif run.kind == "sweep":
+            self.counterfactual_panel.set_sweep(run.result)
+        elif run.kind == "intervention":
+            head = ablated_head(run.result)
+            if head is not None and analysis is not None:
+                self.attention_panel.select_head(*head)  # its map goes onto the canvas, as when it was ablated
+            self._show_intervention_result(run.result)
+
+    def _show_intervention_result(self, result: dict) -> None:
+        """The intervention line of a stored intervention result (an ablation or a visual patch)."""
+        found = intervention_effect(result)
+        if found is None:
+            self.intervention_label.setText("intervention: no edit set ran")
+            return
+        label, effect = found
+        row = SimpleNamespace(original=Target.from_dict(effect["original"]), edited=Target.from_dict(effect["edited"]))
+        self._show_intervention(label, effect["effect"], row)
+
+    def _load_run_model(self, restored: RestoredRun) -> None:
+        """Load the run's model in a worker when it is not loaded (follow-ups need it); say so when
+        the loaded weights are not the ones the run used."""
+        if restored.run.model is None:  # recorded without a model: the shown one stays
+            return
+        loaded = self.model_cache.get(restored.spec)
+        if loaded is None:
+            self._start(
+                lambda model: self._check_run_model(model, restored),
+                model_load_job,
+                self.model_cache,
+                restored.spec,
+                clear=False,
+            )
+        else:
+            self._check_run_model(loaded, restored)
+
+    def _check_run_model(self, loaded, restored: RestoredRun) -> None:
+        fingerprint = getattr(loaded, "fingerprint", None)
+        if restored.fingerprint and fingerprint and fingerprint != restored.fingerprint:
+            restored.notes.append(
+                f"{restored.spec} is not the model run #{restored.run.id} used (fingerprint "
+                f"{fingerprint[:12]}, the run's {restored.fingerprint[:12]}): new runs will differ"
+            )
+            self.show_error("; ".join(restored.notes))
+
+    # ------------------------------------------------------------ open, save as, export
 
     def export_audit(self, fmt: str, path: str) -> bool:
         from core.export import export_session  # the figures' drawing code loads on the first export
@@ -133,49 +523,109 @@ class SessionMixin:
             self.show_error(f"exported, but {notes[0]}{more}")
         return True
 
-    def open_session(self, path: str | Path) -> bool:
-        """Switch to another session file and show its last read-out and audit
-        table. A file that cannot be opened or read leaves the current session
-        as it was, with the reason in the error line."""
+    def open_session(self, path: str | Path, mode: str | None = None) -> bool:
+        """Switch to another session file, show its audit table and history, and restore its last run.
+
+        Args:
+            mode: ``"append"``: later runs are saved into that file; ``"read_only"``: the file is never
+                written, later runs go into a temporary copy (the session line says so); None: ask.
+
+        A file that cannot be opened or read leaves the current session as it was, with the reason
+        in the error line.
+        """
         if self.is_busy():
             self.show_error("a job is running: wait for it or cancel it before opening a session")
             return False
+        mode = mode or self._ask_open_mode(Path(path))
+        if mode is None:
+            return False
+        if mode not in OPEN_MODES:
+            raise ValueError(f"mode must be one of {', '.join(OPEN_MODES)}, got {mode!r}")
+        scratch = None
         try:
-            session = Session.open(path)
+            if mode == "append":
+                session = Session.open(path)
+            else:
+                session, scratch = self._read_only_copy(Path(path))
+            try:  # read it before switching: a file whose runs cannot be read is refused whole
+                runs = session.runs()
+                if runs:
+                    session.run(runs[-1].id)
+                session.audit_table()
+            except core.ReadoutError:
+                session.close()
+                raise
         except (core.ReadoutError, OSError) as e:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
             self.show_error(f"cannot open the session: {e}")
             return False
-        try:  # read it before switching: a file whose runs cannot be read is refused whole
-            runs = session.runs()
-            analyzes = [r for r in runs if r.kind == "analyze"]
-            last = session.run(analyzes[-1].id).result if analyzes else None
-            session.audit_table()
-        except core.ReadoutError as e:
-            session.close()
-            self.show_error(f"cannot open the session: {e}")
-            return False
-        self.session_watch.stop()
-        self.session.close()
-        self._use_session(session)
-        self._show_session()
+        self._switch_session(session, Path(path) if mode == "read_only" else None)
+        self._scratch_folder = scratch
         self.show_error("")
-        if last is not None:
-            try:
-                self._show_analysis(last)
-            except (KeyError, TypeError, ValueError, IndexError) as e:  # a result of another shape or version
-                self._show_analysis(None)
-                self.show_error(f"the session's last analyze run cannot be shown ({type(e).__name__}: {e})")
+        shown = [r for r in runs if r.image_sha256 is not None]  # a note or a dataset audit has no image
+        if shown:
+            self.restore_run(shown[-1].id)
+        else:
+            self.workspace.clear_shown()  # what is shown belongs to the other session
         self.statusBar().showMessage(f"session {Path(path).name}: {len(runs)} runs")
         return True
 
-    def open_session_dialog(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(
-            self, "Open session", "", "VLM Readout sessions (*.vlmr *.sqlite *.db);;All files (*)"
+    def _read_only_copy(self, path: Path) -> tuple[Session, Path]:
+        """A temporary copy of the session at ``path`` (read with ``read_only=True``: the file and its
+        folder are never written) to record later runs into, and the folder it lives in."""
+        source = Session.open(path, read_only=True)
+        scratch = Path(tempfile.mkdtemp(prefix="vlm-readout-read-only-"))
+        try:
+            copy = Session.open(source.save_as(scratch / path.name))
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        finally:
+            source.close()
+        return copy, scratch
+
+    def _ask_open_mode(self, path: Path) -> str | None:
+        """Ask whether to continue the session or open it read-only (None: cancelled)."""
+        box = QMessageBox(self)
+        box.setWindowTitle("Open session")
+        box.setText(f"Open {path.name}")
+        box.setInformativeText(
+            "Continue this session: later runs are saved into it.\n"
+            "Open read-only: the file is not changed; later runs go into a temporary copy."
         )
+        cont = box.addButton("Continue this session", QMessageBox.ButtonRole.AcceptRole)
+        read_only = box.addButton("Open read-only", QMessageBox.ButtonRole.AcceptRole)
+        box.addButton(QMessageBox.StandardButton.Cancel)
+        box.setDefaultButton(cont)
+        box.exec()
+        return {cont: "append", read_only: "read_only"}.get(box.clickedButton())
+
+    def open_session_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open session", "", SESSION_FILTER)
         if path:
             self.open_session(path)
 
-    def _close_session(self) -> None:
-        """Stop following the session and close it (the window is going)."""
-        self.session_watch.stop()
-        self.session.close()
+    def save_session_as(self, path: str | Path) -> bool:
+        """Write the session to ``path`` as one self-contained file (SQLite online backup) and
+        continue recording into it. False, with the reason in the error line, when it cannot."""
+        if self.is_busy():
+            self.show_error("a job is running: wait for it or cancel it before saving the session")
+            return False
+        try:
+            written = self.session.save_as(path)
+            session = Session.open(written)
+        except (core.ReadoutError, OSError) as e:
+            self.show_error(f"cannot save the session as {path}: {e}")
+            return False
+        shown = self.workspace.shown
+        self._switch_session(session)
+        self.history_panel.show_current(shown.run_id if shown is not None else None)
+        self.show_error("")
+        self.statusBar().showMessage(f"session saved as {written}; new runs are saved there")
+        return True
+
+    def save_session_as_dialog(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Save session as", "", SESSION_FILTER)
+        if path:
+            self.save_session_as(path if Path(path).suffix else f"{path}.vlmr")

@@ -3,12 +3,16 @@ and JSON, and the runs' patch-grid figures as PNG.
 
 * :func:`audit_csv`, :func:`audit_markdown`: the rows of
   :meth:`core.session.Session.audit_table` (columns
-  :data:`core.session.AUDIT_COLUMNS`: run id, kind, time, model, the audit
-  columns of docs/ARCHITECTURE.md ("Audit rows"), the audit record's parameters and notes, the run's parameters
-  and its result summary). Lists are joined with ``"; "``, dicts written as
-  JSON with sorted keys.
+  :data:`core.session.AUDIT_COLUMNS`: first what reproduces the run,
+  :data:`core.session.RUN_COLUMNS`: run id, kind, time, the image's path as
+  given and SHA-256 (a dataset run: the dataset file's), model spec and
+  fingerprint, the question, the target, the method's specification and the
+  numeric summary; then the audit columns of docs/ARCHITECTURE.md ("Audit
+  rows"), the audit record's parameters and notes, the run's parameters in
+  full). Lists are joined with ``"; "``, dicts written as JSON with sorted keys.
 * :func:`audit_json`: ``{"schema_version": 1, "session": {...}, "columns",
-  "audit_table": [...], "runs": [...]}`` with every run's full result.
+  "audit_table": [...], "runs": [...]}`` with every run's full result; each
+  run carries its :data:`~core.session.RUN_COLUMNS` too.
 * :func:`audit_html`: one file, no external resources: the table, then each
   run's summary with its patch-grid pictures embedded as base64 PNG.
 * :func:`run_figures` / :func:`patch_grid_png`: the pictures, drawn with PIL
@@ -40,7 +44,8 @@ from pathlib import Path
 from core.audit_tables import audit_csv as table_csv
 from core.audit_tables import audit_markdown as table_markdown
 from core.audit_tables import cell as _cell
-from core.session import AUDIT_COLUMNS, METHOD_COLUMNS, Run, Session, SessionError, jsonable
+from core.session import AUDIT_COLUMNS, METHOD_COLUMNS, RUN_COLUMNS, Run, Session, SessionError, jsonable
+from core.session.files import same_file
 
 SCHEMA_VERSION = 1
 FORMATS = ("csv", "md", "html", "json", "png")
@@ -91,6 +96,7 @@ def audit_json(session: Session, *, kinds: Iterable[str] | None = None, results:
             "parameters": r.parameters,
             "summary": r.summary,
             "audit": r.audits,
+            **{k: v for k, v in r.columns().items() if k not in ("run_id", "kind", "created", "summary")},
         }
         if results:
             doc["result"] = r.result
@@ -543,7 +549,9 @@ tr:nth-child(even) td{background:#fafafa}
 td{max-width:24em;overflow-wrap:break-word}
 td.json{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:11px;min-width:14em;overflow-wrap:anywhere}
 td.c-created{white-space:nowrap}
-td.c-notes,td.c-controls,td.c-summary{min-width:16em}
+td.c-notes,td.c-controls,td.c-summary,td.c-specification{min-width:16em}
+td.c-image_sha256,td.c-model_fingerprint{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:11px;
+overflow-wrap:anywhere;min-width:10em}
 td.c-question,td.c-operation,td.c-supports,td.c-cannot_support{min-width:9em}
 section.run{margin:1.2em 0;padding-top:.6em;border-top:1px solid #ddd}
 figure{display:inline-block;margin:.4em 1em .4em 0;vertical-align:top;max-width:300px}
@@ -575,9 +583,11 @@ def audit_html(
         f'<p class="meta">file {e(head["path"])}; created {e(str(head["created"]))}; session schema '
         f"{head['schema_version']}; {head['n_runs']} runs; models: {e(models or 'none recorded')}</p>",
         "<h2>Audit table</h2>",
-        '<p class="meta">One row per audit record of each run. The method columns are the chapter\'s '
+        '<p class="meta">One row per audit record of each run. The first columns reproduce the run: '
+        f"{', '.join(RUN_COLUMNS)} (the image by its path as given and its SHA-256; a dataset run by its file). "
+        "The method columns are the chapter's "
         f"audit table (4.13): {', '.join(METHOD_COLUMNS)}; parameters and notes are this call's; "
-        "run_parameters and summary are the run's.</p>",
+        "run_parameters are the run's in full.</p>",
         '<div class="table"><table><thead><tr>'
         + "".join(f"<th>{e(c)}</th>" for c in AUDIT_COLUMNS)
         + "</tr></thead><tbody>",
@@ -599,9 +609,15 @@ def audit_html(
         run = session.run(info.id)
         parts.append(f'<section class="run" id="run-{run.id}">')
         parts.append(f"<h3>Run {run.id}: {e(run.kind)}</h3>")
+        columns = run.columns()
+        fingerprint = f" ({columns['model_fingerprint']})" if columns["model_fingerprint"] else ""
+        # the image by its path when it has one, else by its full hash (a 12-character prefix names nothing)
+        source = columns["image_path"] or columns["image_sha256"]
+        what = "dataset" if run.image_sha256 is None and columns["image_path"] else "image"
         parts.append(
-            f'<p class="meta">{e(run.created)}; model {e(info.model or "unknown")}'
-            + (f"; image {e(run.image_sha256[:12])}" if run.image_sha256 else "")
+            f'<p class="meta">{e(run.created)}; model {e(info.model or "unknown")}{e(fingerprint)}'
+            + (f"; {what} {e(source)}" if source else "")
+            + (f" (sha256 {e(columns['image_sha256'])})" if columns["image_path"] and columns["image_sha256"] else "")
             + "</p>"
         )
         parts.append(f"<p>{e(run.summary)}</p>")
@@ -623,13 +639,6 @@ def audit_html(
 
 
 # ---------------------------------------------------------------- writing
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.exists() and b.exists() and a.samefile(b)
-    except OSError:
-        return False
 
 
 def export_session(
@@ -655,7 +664,7 @@ def export_session(
     try:
         kinds = list(kinds) if kinds is not None else None
         out = Path(out)
-        if _same_file(out, Path(s.path)):
+        if same_file(out, Path(s.path)):
             raise SessionError(f"{out}: is the session file itself; give another output path")
         if fmt == "png":
             if out.exists() and not out.is_dir():

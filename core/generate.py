@@ -26,9 +26,7 @@ class Generation:
 
 
 @torch.no_grad()
-def greedy_generate(
-    loaded, image, question: str, *, max_new_tokens: int = 8, raw_prompt: bool = False
-) -> Generation:
+def greedy_generate(loaded, image, question: str, *, max_new_tokens: int = 8, raw_prompt: bool = False) -> Generation:
     """Greedy decoding of up to ``max_new_tokens`` tokens, stopping at EOS or
     padding (``raw_prompt``: see :func:`core.answer.answer_batch`)."""
     adapter = loaded.adapter

@@ -22,7 +22,7 @@ import numpy as np
 import pyqtgraph as pg
 from PIL import Image
 from PySide6.QtCore import QPointF, QRectF, Qt, Signal
-from PySide6.QtGui import QBrush, QColor, QPen
+from PySide6.QtGui import QBrush, QColor, QFontMetricsF, QPen
 from PySide6.QtWidgets import (
     QCheckBox,
     QGraphicsEllipseItem,
@@ -30,12 +30,13 @@ from PySide6.QtWidgets import (
     QGraphicsRectItem,
     QHBoxLayout,
     QSizePolicy,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
 
 from app.canvas.brush import MaskPainter
-from app.widgets import plain_label
+from app.widgets import ElidedLabel, plain_label
 from core.methods.counterfactual import INTERPOLATED_FLAG
 
 INTERPOLATED_TEXT = f"interpolated: {INTERPOLATED_FLAG}"
@@ -43,6 +44,8 @@ MODES = ("view", "brush", "eraser", "box")
 SEQUENTIAL_MAP = "viridis"
 DIVERGING_MAP = "CET-D1"  # blue - white - red, symmetric levels around 0
 MAX_SMOOTH_SIDE = 768  # the interpolated view is rendered at most this many pixels on a side
+HOVER_PROMPT = "hover over the image for a token"
+FIT_PADDING = 0.02  # the margin around the image when the view fits it (share of its size)
 
 
 @dataclass(frozen=True)
@@ -303,15 +306,20 @@ class ImageCanvas(QWidget):
             "show an upsampled, smoothed heatmap (display only: " + INTERPOLATED_FLAG + ")"
         )
         self.interpolated_check.toggled.connect(self.set_interpolated)
-        # long titles wrap instead of widening the window (1280 px must hold every panel)
-        self.heatmap_title = plain_label(wrap=True)
+        self.fit_button = QToolButton()
+        self.fit_button.setText("Fit")
+        self.fit_button.setToolTip("fit the whole image in the view (F)")
+        self.fit_button.clicked.connect(self.fit_view)
+        # one elided line (the whole title in its tooltip): a long title neither widens the window
+        # (1280 px must hold every panel) nor pushes the image down by a line
+        self.heatmap_title = ElidedLabel()
         self.heatmap_title.setStyleSheet("font-weight: bold;")
-        self.heatmap_title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         top = QHBoxLayout()
         top.setContentsMargins(0, 0, 0, 0)
         top.addWidget(self.grid_check)
         top.addWidget(self.heatmap_check)
         top.addWidget(self.interpolated_check)
+        top.addWidget(self.fit_button)
         top.addSpacing(12)
         top.addWidget(self.heatmap_title, stretch=1)
 
@@ -351,6 +359,9 @@ class ImageCanvas(QWidget):
             values=(0, 1), width=14, colorMap=pg.colormap.get(SEQUENTIAL_MAP), interactive=False, colorMapMenu=False
         )
         self.colorbar.getAxis("right").setTextPen("#222")
+        self.colorbar.axis.setWidth(None)  # ColorBarItem fixes 45 px: a label then overlapped the tick values
+        self.colorbar.axis.enableAutoSIPrefix(False)  # ticks in the values' own units, no "(x0.001)" on the label
+        self.colorbar.geometryChanged.connect(self._fit_colorbar_label)
         self.view.addItem(self.colorbar)
         self.colorbar.hide()
 
@@ -365,7 +376,7 @@ class ImageCanvas(QWidget):
         self.interpolated_label.adjustSize()
         self.interpolated_label.hide()
 
-        self.hover_label = plain_label("hover over the image for a token", wrap=True, selectable=True)
+        self.hover_label = plain_label(HOVER_PROMPT, wrap=True, selectable=True)
         self.hover_label.setStyleSheet("color: #333;")
         self.hover_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
 
@@ -407,7 +418,23 @@ class ImageCanvas(QWidget):
         self.image = arr
         self.image_item.setImage(arr, autoLevels=False, levels=(0, 255))
         self.painter.reset(arr.shape[:2])
-        self.plot.autoRange(padding=0.02)
+        self._clear_hover()
+        self.fit_view()  # a new image is seen whole, whatever the zoom on the last one
+
+    def keyPressEvent(self, event) -> None:  # noqa: N802 (Qt's name)
+        """F fits the view: a key the canvas's own widgets (the view, its check boxes) pass up,
+        so it works while the canvas has the focus and never while typing elsewhere."""
+        if event.key() == Qt.Key.Key_F and not event.modifiers():
+            self.fit_view()
+            event.accept()
+            return
+        super().keyPressEvent(event)
+
+    def fit_view(self) -> None:
+        """Zoom and pan so the whole image fills the view (button "Fit", key F). Only the
+        image counts: the grid or heatmap of a larger previous image must not shrink it."""
+        items = [self.image_item] if self.image is not None else None
+        self.viewbox.autoRange(padding=FIT_PADDING, items=items)
 
     def image_size(self) -> tuple[int, int] | None:
         """``(width, height)`` of the shown image."""
@@ -426,8 +453,7 @@ class ImageCanvas(QWidget):
         self.cells = [t for t in self.tokens if t.col >= 0 and (image is None or t.image == image)]
         self._boxes = np.array([t.box for t in self.cells], dtype=np.float64).reshape(-1, 4)
         self.grid_item.set_rects([_rect(t.box) for t in self.cells])
-        self.hover_item.hide()
-        self.clear_heatmap()
+        self.clear_heatmap()  # and the hover read-outs
 
     def set_heatmap(
         self,
@@ -481,18 +507,49 @@ class ImageCanvas(QWidget):
         )
         self.colorbar.setColorMap(cmap)
         self.colorbar.setLevels((lo, hi))
-        self.colorbar.getAxis("right").setLabel(label)
+        self._fit_colorbar_label()
         self.heatmap_title.setText(f"heatmap: {label}" if label else "heatmap")
         self._update_smooth()
         self._show_heatmap_items()
+        self._clear_hover()  # the hovered cell's value belonged to the old map
 
     def clear_heatmap(self) -> None:
+        """No heatmap: its cells, its title and colour-bar label, and the hover read-outs go."""
         self.values = self.levels = self.colormap = None
         self.heatmap_label = ""
         self.heatmap_item.set_cells([])
         self.smooth_item.clear()
         self.heatmap_title.setText("")
+        self._fit_colorbar_label()
         self._show_heatmap_items()
+        self._clear_hover()
+
+    def colorbar_label(self) -> str:
+        """The colour bar's label as drawn (elided to the bar's length; "" without a heatmap)."""
+        axis = self.colorbar.axis
+        return axis.labelText if axis.label.isVisible() else ""
+
+    def _fit_colorbar_label(self) -> None:
+        """The heatmap label along the colour bar, elided to the bar's length (the whole
+        label is the title above the canvas and the bar's tooltip)."""
+        axis = self.colorbar.axis
+        label = self.heatmap_label
+        length = self.colorbar.geometry().height() - 10
+        metrics = QFontMetricsF(axis.label.font())
+        shown = metrics.elidedText(label, Qt.TextElideMode.ElideRight, length) if length > 0 else label
+        if shown == self.colorbar_label():
+            return
+        if shown:
+            axis.setLabel(shown)
+        else:
+            axis.showLabel(False)
+        self.colorbar.setToolTip(label)
+
+    def _clear_hover(self) -> None:
+        """Hide the hovered cell's box and reset the hover line (the data under them changed)."""
+        self.hover_item.hide()
+        self.hover_label.setText(HOVER_PROMPT)
+        self.view.setToolTip("")
 
     def _values_per_token(self, values) -> np.ndarray:
         n = len(self.tokens)
@@ -639,7 +696,7 @@ class ImageCanvas(QWidget):
         """Update the hover read-outs (label, tooltip, highlight) for image point ``(x, y)``."""
         t = self.token_at(x, y)
         text = self.describe_point(x, y)
-        self.hover_label.setText(text or "hover over the image for a token")
+        self.hover_label.setText(text or HOVER_PROMPT)
         self.view.setToolTip(text)
         if t is not None:
             self.hover_item.setRect(_rect(t.box))

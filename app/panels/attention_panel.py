@@ -37,7 +37,17 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.widgets import FOREGROUND, box, plain_label, set_title, split, stacked, style_plot
+from app.widgets import (
+    FOREGROUND,
+    axis_font,
+    box,
+    plain_label,
+    set_title,
+    split,
+    stacked,
+    style_plot,
+    tick_step,
+)
 from core.methods.patterns import display_token, head_text_pattern
 
 MASS_MAP = "viridis"
@@ -129,6 +139,7 @@ class HeatGrid(pg.PlotWidget):
         super().__init__(parent=parent, background="w")
         self.plot_item = self.getPlotItem()
         style_plot(self.plot_item)
+        self.empty_title = title  # the title while no selection's grid is shown (clear() returns to it)
         set_title(self.plot_item, title)
         self.plot_item.setMenuEnabled(False)
         self.plot_item.hideButtons()
@@ -160,6 +171,7 @@ class HeatGrid(pg.PlotWidget):
         self.scene().sigMouseClicked.connect(self._on_click)
         self.scene().sigMouseMoved.connect(self._on_move)
         self.plot_item.getViewBox().sigResized.connect(self._fit_texts)
+        self.plot_item.getViewBox().sigResized.connect(lambda *_: self._set_ticks(*self.values.shape))
         self.setMinimumSize(160, 140)
 
     def set_grid(
@@ -202,14 +214,25 @@ class HeatGrid(pg.PlotWidget):
         self.plot_item.getViewBox().setRange(xRange=(0, max(cols, 1)), yRange=(0, max(rows, 1)), padding=0.02)
         self._highlight.hide()
 
-    def _set_ticks(self, rows: int, cols: int) -> None:
-        def ticks(labels, n):
-            step = max(1, math.ceil(n / 40))
-            major = [(i + 0.5, labels[i]) for i in range(0, n, step)]
-            return [major]
+    def clear_grid(self) -> None:
+        """No grid, and the title it was built with (not the last selection's). (Not ``clear``:
+        pg.PlotWidget binds that name to its plot item's, which removes every item.)"""
+        self.set_grid(np.zeros((0, 0)))
+        set_title(self.plot_item, self.empty_title, "10pt")
 
-        self.plot_item.getAxis("left").setTicks(ticks(self.row_labels, rows))
-        self.plot_item.getAxis("bottom").setTicks(ticks(self.col_labels, cols))
+    def _set_ticks(self, rows: int, cols: int) -> None:
+        """Every k-th row and column label, as many as fit without overlapping (a 24 x 24
+        patch grid in a narrow plot labels every 4th); refitted on resize."""
+        rect = self.plot_item.getViewBox().sceneBoundingRect()
+        if not self.isVisible():  # not laid out yet: every label, refitted on resize
+            rect = QRectF()
+        for name, labels, n, room, vertical in (
+            ("left", self.row_labels, rows, rect.height(), True),
+            ("bottom", self.col_labels, cols, rect.width(), False),
+        ):
+            axis = self.plot_item.getAxis(name)
+            step = tick_step(labels[:n], room, axis_font(axis), vertical=vertical)
+            axis.setTicks([[(i + 0.5, labels[i]) for i in range(0, n, step)]])
 
     def _write_values(self, levels: tuple[float, float]) -> None:
         cells = []
@@ -293,10 +316,6 @@ class TokenGrid(HeatGrid):
     when neither line has room (the hover tooltip still names every cell).
     Refitted on resize."""
 
-    def __init__(self, title: str = "", **kwargs):
-        super().__init__(title, **kwargs)
-        self.plot_item.getViewBox().sigResized.connect(self._fit_labels)
-
     def _set_ticks(self, rows: int, cols: int) -> None:
         self._fit_labels()
 
@@ -334,6 +353,7 @@ class BoxPlot(pg.PlotWidget):
         style_plot(self.plot_item)
         self.plot_item.setMenuEnabled(False)
         self.plot_item.showGrid(y=True, alpha=0.25)
+        self.plot_item.getAxis("left").enableAutoSIPrefix(False)  # masses as they are, not "300 (x0.001)"
         self.boxes = pg.BarGraphItem(x=[], y0=[], height=[], width=0.6, brush="#8fb3e0", pen=FOREGROUND)
         self.whiskers = pg.PlotDataItem(pen=pg.mkPen(FOREGROUND, width=1), connect="pairs")
         self.medians = pg.PlotDataItem(pen=pg.mkPen("#d02020", width=2), connect="pairs")
@@ -341,6 +361,10 @@ class BoxPlot(pg.PlotWidget):
         for item in (self.boxes, self.whiskers, self.medians, self.chance):
             self.plot_item.addItem(item)
         self.chance.hide()
+        self.labels: list[str] = []
+        view = self.plot_item.getViewBox()
+        view.sigResized.connect(self._fit_ticks)
+        view.sigXRangeChanged.connect(self._fit_ticks)
 
     def set_boxes(self, labels: Sequence[str], quantiles: Sequence[dict | None], *, y_label: str = "") -> None:
         """``quantiles[i]``: ``{"0.05", "0.25", "0.5", "0.75", "0.95"}`` (None: no data)."""
@@ -380,8 +404,18 @@ class BoxPlot(pg.PlotWidget):
         self.plot_item.getViewBox().autoRange()
 
     def _ticks(self, labels: Sequence[str]) -> None:
-        step = max(1, math.ceil(len(labels) / 24))
-        self.plot_item.getAxis("bottom").setTicks([[(i, labels[i]) for i in range(0, len(labels), step)]])
+        self.labels = list(labels)
+        self._fit_ticks()
+
+    def _fit_ticks(self, *_args) -> None:
+        """Every k-th head name under the boxes, as many as fit without overlapping."""
+        view = self.plot_item.getViewBox()
+        (x0, x1), _ = view.viewRange()
+        shown = self.isVisible() and x1 > x0  # not laid out yet: every label, refitted on resize
+        room = view.sceneBoundingRect().width() * len(self.labels) / (x1 - x0) if shown else 0.0
+        axis = self.plot_item.getAxis("bottom")
+        step = tick_step(self.labels, room, axis_font(axis))
+        axis.setTicks([[(i, self.labels[i]) for i in range(0, len(self.labels), step)]])
 
 
 STAT_METRICS = {
@@ -416,7 +450,8 @@ class AttentionPanel(QWidget):
         self.cells: dict[tuple[int, int], dict] = {}  # (layer, head) -> attention row
         self.selected: tuple[int, int] | None = None
 
-        self.title = plain_label("no analysis yet: press Run", selectable=True)
+        # wraps: a long model spec never widens the panel (the window's splitter would jump)
+        self.title = plain_label("no analysis yet: press Run", wrap=True, selectable=True)
         self.visual_grid = HeatGrid("mass on visual tokens")
         self.sink_grid = HeatGrid("BOS / sink mass (separate)", color_map=SINK_MAP)
         self.patch_map = HeatGrid("selected head: patch map", annotate=False)
@@ -496,7 +531,7 @@ class AttentionPanel(QWidget):
             self.select_head(*previous, emit=False)
         else:
             self.details.setText("click a cell to select a head")
-            self.patch_map.set_grid(np.zeros((0, 0)))
+            self.patch_map.clear_grid()  # no "L1.H1: per patch" over an empty map
             self._show_text_pattern(None)
 
     def set_statistics(self, statistics) -> None:

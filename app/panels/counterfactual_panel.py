@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyqtgraph as pg
 from PIL import Image
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QColor, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -33,6 +33,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QHeaderView,
     QPushButton,
+    QScrollArea,
     QSlider,
     QSpinBox,
     QStackedWidget,
@@ -44,7 +45,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.canvas import ImageCanvas
-from app.widgets import box, boxed, plain_label, split, stacked
+from app.widgets import ElidedLabel, box, boxed, plain_label, split, stacked
 from core.methods.counterfactual import FILLS
 
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp);;All files (*)"
@@ -162,9 +163,9 @@ class CounterfactualPanel(QWidget):
         self.size_slider.valueChanged.connect(self._on_size)
         self.size_label = plain_label(f"size {int(self.canvas.brush_size())} px")
         self.size_label.setMinimumWidth(70)
-        tools.addSpacing(6)
-        tools.addWidget(self.size_slider, stretch=1)
-        tools.addWidget(self.size_label)
+        tools.addStretch(1)
+        brush_row = box(QHBoxLayout(), (self.size_slider, 1), self.size_label)
+        edits = QHBoxLayout()
         self.undo_button = QToolButton()
         self.undo_button.setText("Undo")
         self.undo_button.clicked.connect(self.canvas.undo)
@@ -180,7 +181,8 @@ class CounterfactualPanel(QWidget):
         self.undo_button.setEnabled(stack.canUndo())
         self.redo_button.setEnabled(stack.canRedo())
         for b in (self.undo_button, self.redo_button, self.clear_button):
-            tools.addWidget(b)
+            edits.addWidget(b)
+        edits.addStretch(1)
         for seq, slot in (
             (QKeySequence.StandardKey.Undo, self.canvas.undo),
             (QKeySequence.StandardKey.Redo, self.canvas.redo),
@@ -212,7 +214,7 @@ class CounterfactualPanel(QWidget):
         self.paste_button = QPushButton("Image…")
         self.paste_button.setToolTip("the image whose same region is pasted in (resized to this image)")
         self.paste_button.clicked.connect(self._pick_paste_source)
-        self.paste_label = plain_label("no image chosen")
+        self.paste_label = ElidedLabel("no image chosen")  # a long file name must not widen the controls
         self.paste_label.setStyleSheet("color: #555;")
         self._option_pages["paste"] = self._add_option_page(self.paste_button, self.paste_label)
         self.fill_combo.currentTextChanged.connect(self._on_fill_changed)
@@ -230,21 +232,31 @@ class CounterfactualPanel(QWidget):
         self.sweep_button.setToolTip("fill every k x k block of patches in turn: a map of the answer effect")
         self.sweep_button.clicked.connect(self.request_sweep)
 
-        fill_row = box(QHBoxLayout(), plain_label("Fill"), self.fill_combo, (self.fill_options, 1), self.run_button)
-        self.region_label = plain_label()
+        fill_row = box(QHBoxLayout(), plain_label("Fill"), (self.fill_combo, 1))
+        self.region_label = plain_label(wrap=True)
         self.region_label.setStyleSheet("color: #333;")
-        sweep_row = box(QHBoxLayout(), (self.region_label, 1), self.sweep_k, self.sweep_button)
+        sweep_row = box(QHBoxLayout(), self.sweep_k, (self.sweep_button, 1))
 
         self.message_label = plain_label(wrap=True, selectable=True)
 
-        left = QWidget()
-        left_layout = QVBoxLayout(left)
-        left_layout.setContentsMargins(0, 0, 4, 0)
-        left_layout.addLayout(tools)
-        left_layout.addWidget(self.canvas, stretch=1)
-        left_layout.addLayout(fill_row)
-        left_layout.addLayout(sweep_row)
-        left_layout.addWidget(self.message_label)
+        # The controls are a column beside the painter, scrolled on their own when the window is
+        # short: below the canvas they fell under the visible area at 1280 x 800, so the painted
+        # region and Run were never on screen together. The painter takes what width is left.
+        controls = QWidget()
+        self.controls_layout = QVBoxLayout(controls)
+        self.controls_layout.setContentsMargins(4, 0, 4, 0)
+        for item in (tools, brush_row, edits, fill_row, self.fill_options, self.run_button, self.region_label):
+            self._add_control(item)
+        self.controls_layout.addSpacing(6)
+        for item in (sweep_row, self.message_label):
+            self._add_control(item)
+        self.controls_layout.addStretch(1)
+        self.controls_scroll = QScrollArea()
+        self.controls_scroll.setWidgetResizable(True)
+        self.controls_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        self.controls_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.controls_scroll.setWidget(controls)
+        self.controls_scroll.setMinimumWidth(controls.minimumSizeHint().width() + 16)  # room for a scroll bar
 
         # results: pictures on top, numbers below
         self.edited_view = _ImagePreview("edited image")
@@ -317,14 +329,40 @@ class CounterfactualPanel(QWidget):
         numbers_box = boxed(QHBoxLayout(), (self.answer_group, 1), (self.routing_group, 1))
 
         right = split(Qt.Orientation.Vertical, pictures, numbers_box, sizes=[330, 400])
-        splitter = split(Qt.Orientation.Horizontal, left, right)
-        splitter.setStretchFactor(0, 1)
-        splitter.setStretchFactor(1, 1)
-        splitter.setSizes([560, 700])
+        splitter = split(Qt.Orientation.Horizontal, self.canvas, self.controls_scroll, right)
+        for i, stretch in enumerate((3, 0, 4)):
+            splitter.setStretchFactor(i, stretch)
+        for i in (0, 1):
+            splitter.setCollapsible(i, False)  # neither the painter nor its controls can vanish
+        splitter.setSizes([440, 230, 590])
+        self.splitter = splitter
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(splitter)
         self._clear_numbers()
+
+    def _add_control(self, item: QWidget | QHBoxLayout) -> None:
+        if isinstance(item, QWidget):
+            self.controls_layout.addWidget(item)
+        else:
+            self.controls_layout.addLayout(item)
+
+    def add_controls(self, *widgets: QWidget) -> None:
+        """Put ``widgets`` (the window's intervention buttons) at the end of the controls
+        column, beside the painter, so they are on screen with it."""
+        stretch = self.controls_layout.count() - 1  # the stretch stays last
+        for offset, widget in enumerate(widgets):
+            self.controls_layout.insertWidget(stretch + offset, widget)
+        self.controls_scroll.setMinimumWidth(self.controls_scroll.widget().minimumSizeHint().width() + 16)
+
+    def sizeHint(self) -> QSize:  # noqa: N802 (Qt's name)
+        """Preferred height = minimum height: the panel fills the height it is given, and a
+        scroll area around it (the window's tab) never scrolls its controls out of sight."""
+        hint = super().sizeHint()
+        return QSize(hint.width(), self.minimumSizeHint().height())
+
+    def hasHeightForWidth(self) -> bool:  # noqa: N802
+        return False  # a wrapped label inside must not make an enclosing scroll area size the panel by it
 
     def _add_option_page(self, *widgets: QWidget) -> int:
         return self.fill_options.addWidget(boxed(QHBoxLayout(), *widgets, end_stretch=True))

@@ -92,6 +92,12 @@ KIND_COLORS = {
 HEAD_NAME = re.compile(r"^(?P<block>.+)\.H(?P<head>\d+)$")
 
 
+def legend_html() -> str:
+    """The bar colours: a square in each kind's colour, then the kind."""
+    shown = [(kind, color) for kind, color in KIND_COLORS.items() if kind != "other"]
+    return "&nbsp;&nbsp; ".join(f'<span style="color:{color}">\u25a0</span>&nbsp;{kind}' for kind, color in shown)
+
+
 def component_kind(name: str) -> str:
     """``embed`` -> embedding, ``L3.H1`` -> attention head, ``L0.xattn.H2`` ->
     cross-attention head, ``L1.mlp`` -> MLP, ``bias...`` -> bias."""
@@ -162,6 +168,9 @@ class DLAPanel(QWidget):
         self.sources_button.setEnabled(False)
         self.sources_button.setToolTip("per-source contributions of the selected head, mapped onto the patch grid")
         self.sources_button.clicked.connect(self.request_sources)
+        # its text names the head ("sources of L0.xattn.H3"): a fixed minimum keeps a long name from
+        # widening the panel (the window's splitter jumped)
+        self.sources_button.setMinimumWidth(140)
 
         controls = QHBoxLayout()
         controls.addWidget(QLabel("convention:"))
@@ -171,8 +180,9 @@ class DLAPanel(QWidget):
         controls.addStretch(1)
         controls.addWidget(self.sources_button)
 
-        self.target_label = plain_label("no analysis yet: press Run", selectable=True)
-        self.error_label = plain_label("", selectable=True)
+        # wrapped: a long model spec or target never sets the panel's minimum width
+        self.target_label = plain_label("no analysis yet: press Run", wrap=True, selectable=True)
+        self.error_label = plain_label("", wrap=True, selectable=True)
         self.sum_label = plain_label("", wrap=True, selectable=True)
         self.caveat_label = plain_label("", wrap=True, selectable=True)
         self.caveat_label.setStyleSheet("color: #704000;")
@@ -197,18 +207,17 @@ class DLAPanel(QWidget):
         for item in (self.bars, self.ghost_bars, self.selection, self.zero_line):
             self.plot.addItem(item)
         self._texts: list[pg.TextItem] = []
-        legend = pg.LegendItem(offset=(-10, -10), labelTextColor=FOREGROUND, brush=pg.mkBrush(255, 255, 255, 220))
-        legend.setParentItem(self.plot.getViewBox())
-        for kind, color in KIND_COLORS.items():
-            if kind != "other":
-                legend.addItem(pg.BarGraphItem(x=[0], height=[1], width=1, brush=color), kind)
-        self.legend = legend
+        # The legend is a wrapped line above the bars: inside the plot it covered bar values.
+        self.legend = QLabel(legend_html())
+        self.legend.setTextFormat(Qt.TextFormat.RichText)
+        self.legend.setWordWrap(True)
         self.plot_widget.scene().sigMouseClicked.connect(self._on_click)
 
         self.source_grid = HeatGrid("per-source contribution", color_map=SIGNED_MAP, annotate=False)
         self.source_label = plain_label("select a head's bar, then ask for its sources", wrap=True, selectable=True)
         side = stacked((self.source_grid, 1), (self.source_label, 0))
-        splitter = split(Qt.Orientation.Horizontal, self.plot_widget, side, sizes=[880, 360])
+        bars = stacked(self.legend, (self.plot_widget, 1))
+        splitter = split(Qt.Orientation.Horizontal, bars, side, sizes=[880, 360])
 
         layout = QVBoxLayout(self)
         layout.addLayout(controls)
@@ -228,7 +237,7 @@ class DLAPanel(QWidget):
         self.rerun_rows, self.rank_correlation = [], None
         self._enable_rerun(False)
         self.source_values, self.source_head = None, None
-        self.source_grid.set_grid(np.zeros((0, 0)))
+        self.source_grid.clear_grid()  # the map and the head it was for go together
         self.source_label.setText("select a head's bar, then ask for its sources")
         if result:
             t = result.get("target", {})

@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.panels.attention_panel import block_names
-from app.widgets import box, plain_label, set_title, split, stacked, style_plot
+from app.widgets import axis_font, box, plain_label, set_title, split, stacked, style_plot, tick_step
 
 LOGIT_LENS = "logit lens"
 READER_COLORS = ["#1f5fb4", "#e0701b", "#2a9d3a", "#c0392b", "#8e44ad", "#7f7f7f", "#b8860b", "#17becf"]
@@ -39,6 +39,7 @@ NOTE = (
     "Poor read-out at a layer can be a coordinate mismatch, not absence; good read-out does not prove use."
 )
 PLOTS = ("rank", "logit", "kl")
+TOP_HEADER = "top tokens (p)"
 
 
 def _rank(row: dict) -> float | None:
@@ -83,7 +84,8 @@ class LensPanel(QWidget):
         self.readers: dict[str, list[dict]] = {}
         self.curves: dict[str, dict[str, pg.PlotDataItem]] = {p: {} for p in PLOTS}
 
-        self.title = plain_label("no analysis yet: press Run", selectable=True)
+        # wraps: a long model spec never widens the panel (the window's splitter would jump)
+        self.title = plain_label("no analysis yet: press Run", wrap=True, selectable=True)
         self.graphics = pg.GraphicsLayoutWidget()
         self.graphics.setBackground("w")
         self.plots: dict[str, pg.PlotItem] = {}
@@ -103,6 +105,8 @@ class LensPanel(QWidget):
             if i:
                 plot.setXLink(self.plots[PLOTS[0]])
             self.plots[key] = plot
+        self.tick_labels: list[str] = []  # the layer axis labels, thinned to what fits by _fit_ticks
+        self.plots["kl"].getViewBox().sigResized.connect(self._fit_ticks)
         set_title(self.plots["rank"], "answer rank (0 = top, log scale)")
         self.plots["rank"].setLogMode(y=True)
         self.plots["rank"].getViewBox().invertY(True)
@@ -111,7 +115,7 @@ class LensPanel(QWidget):
         self.reader_combo = QComboBox()
         self.reader_combo.currentTextChanged.connect(self._fill_table)
         self.table = QTableWidget(0, 5)
-        self.table.setHorizontalHeaderLabels(["reads", "rank", "logit", "KL", "top tokens (probability)"])
+        self._set_headers("logit")
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.verticalHeader().setVisible(False)
@@ -119,6 +123,7 @@ class LensPanel(QWidget):
         for c in range(4):
             header.setSectionResizeMode(c, QHeaderView.ResizeMode.ResizeToContents)
         header.setSectionResizeMode(4, QHeaderView.ResizeMode.Stretch)
+        header.setTextElideMode(Qt.TextElideMode.ElideRight)  # a narrow column cut "top tokens" at both ends
         self.note = plain_label(NOTE, wrap=True, selectable=True)
 
         reader_row = box(QHBoxLayout(), QLabel("top tokens per layer of:"), (self.reader_combo, 1))
@@ -234,17 +239,25 @@ class LensPanel(QWidget):
         # Axis ticks use a short form of cross-attention blocks ("L0.xattn" -> "L0x"): the full
         # names overlapped at 1280 x 800 for CoCa's 10 points; the table beside keeps them whole.
         names = self.layer_labels(n_points)
-        labels = [label.replace(".xattn", "x") for label in names]
-        step = max(1, math.ceil(n_points / 24))
-        ticks = [[(i, labels[i]) for i in range(0, n_points, step)]]
+        self.tick_labels = [label.replace(".xattn", "x") for label in names]
+        self._fit_ticks()
         for key in PLOTS:
-            self.plots[key].getAxis("bottom").setTicks(ticks)
             self.plots[key].enableAutoRange()
         self.plots["kl"].setLabel("bottom", "residual stream entering block")
         cross = " 'Lnx' on the axes: the cross-attention block of layer n." if any(".xattn" in n for n in names) else ""
         self.note.setText(NOTE + cross)
         self._rank_ticks(readers)
         self._fill_readers_combo(list(readers))
+
+    def _fit_ticks(self, *_args) -> None:
+        """Every k-th layer label on the shared x axis, as many as fit without overlapping
+        (every label until the panel is shown; refitted on resize)."""
+        axis = self.plots["kl"].getAxis("bottom")
+        room = self.plots["kl"].getViewBox().sceneBoundingRect().width() if self.isVisible() else 0.0
+        step = tick_step(self.tick_labels, room, axis_font(axis))
+        ticks = [[(i, self.tick_labels[i]) for i in range(0, len(self.tick_labels), step)]]
+        for key in PLOTS:
+            self.plots[key].getAxis("bottom").setTicks(ticks)
 
     def _rank_ticks(self, readers: dict[str, list[dict]]) -> None:
         """Rank axis (log of rank + 1) labelled with ranks: 0, 1, 10, 100, ..."""
@@ -269,13 +282,15 @@ class LensPanel(QWidget):
         self.reader_combo.blockSignals(False)
         self._fill_table()
 
+    def _set_headers(self, logit: str) -> None:
+        self.table.setHorizontalHeaderLabels(["reads", "rank", logit, "KL (nats)", TOP_HEADER])
+        self.table.horizontalHeaderItem(4).setToolTip("the reader's top tokens at that layer, with their probability")
+
     def _fill_table(self, *_args) -> None:
         rows = sorted(self.all_readers().get(self.reader_combo.currentText(), []), key=lambda r: r["layer"])
         labels = self.layer_labels(len(rows))
         use_diff = self._uses_diff()
-        self.table.setHorizontalHeaderLabels(
-            ["reads", "rank", "logit diff" if use_diff else "logit", "KL (nats)", "top tokens (probability)"]
-        )
+        self._set_headers("logit diff" if use_diff else "logit")
         self.table.setRowCount(len(rows))
         for i, r in enumerate(rows):
             rank, kl = _rank(r), _kl(r)
@@ -292,4 +307,6 @@ class LensPanel(QWidget):
                 item = QTableWidgetItem(text)
                 if c in (1, 2, 3):
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                elif c == 4:
+                    item.setToolTip(text)  # a narrow column elides the list
                 self.table.setItem(i, c, item)

@@ -3,6 +3,7 @@ self-contained HTML, JSON) or its patch-grid figures (PNG) to a file.
 
     vlm-readout export --session FILE --format csv|md|html|json|png --out PATH [--kind KIND ...]
 
+Every row starts with what reproduces its run (:data:`core.session.RUN_COLUMNS`).
 ``--format png`` writes one picture per figure into the folder ``PATH``.
 Every file is written atomically; the session is opened read-only (nothing
 is written to it or beside it, so a session in a read-only folder exports).
@@ -25,9 +26,10 @@ def add_command(subparsers, load=None) -> None:
     p = subparsers.add_parser(
         "export",
         help="write a session's audit table (csv, md, html, json) or its figures (png)",
-        description="Export the audit table of a session file: one row per audit record of each run (the "
-        "chapter's 4.13 columns, the run's parameters and result summary). html embeds the patch-grid "
-        "pictures; png writes them into the folder --out.",
+        description="Export the audit table of a session file: one row per audit record of each run, each "
+        "enough to reproduce it (the image's path and SHA-256, the model spec and fingerprint, the question, "
+        "the target, the method's specification, the numeric summary), then the chapter's 4.13 columns and "
+        "the run's parameters. html embeds the patch-grid pictures; png writes them into the folder --out.",
     )
     p.add_argument("--session", required=True, help="session file (SQLite)")
     # read from core.export (and core.session) only when checked: the other commands' parsers never import them

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -33,6 +34,7 @@ from core.audit import AuditRecord
 from core.capture import Trace, capture, hooks
 from core.edits import Edit
 from core.errors import InterventionError
+from core.images import image_sha256, load_image
 from core.readout import Target
 
 # ---------------------------------------------------------------- answer read-outs
@@ -115,6 +117,30 @@ _REDUNDANCY = "no effect does not mean unused: another head or route can carry t
 # ---------------------------------------------------------------- running edit sets
 
 
+def component_name(edit: Edit, block_names: Sequence[str]) -> str:
+    """The residual component an edit changes, as the DLA names it: ``L1.H2``
+    (a head's z, or its attention edges), ``L1.mlp``, ``resid entering L1``,
+    ``L0.xattn (kv_source)``, ``projector_out``."""
+    block = block_names[edit.block] if edit.block is not None else None
+    if edit.site in ("z", "knockout"):
+        return f"{block}.H{edit.head}" if edit.head is not None else f"{block} (every head)"
+    if edit.site == "mlp":
+        return f"{block}.mlp"
+    if edit.site == "resid":
+        return f"resid entering {block}"
+    if edit.site == "kv_source":
+        return f"{block or 'every cross block'} (kv_source)"
+    return edit.site
+
+
+def edit_specification(edit: Edit, block_names: Sequence[str]) -> dict:
+    """What one edit did, enough to run it again: the component
+    (:func:`component_name`) and :meth:`Edit.to_dict` (site, block, head, edited
+    positions (None: every position), knocked-out keys, kind: zero, replace,
+    knockout, the replacing value's shape, a description)."""
+    return {"component": component_name(edit, block_names), **edit.to_dict()}
+
+
 @dataclass
 class InterventionResult:
     """Several edit sets, each run once against the same original run.
@@ -124,6 +150,10 @@ class InterventionResult:
         position: the answer position the numbers are read at.
         original: the unedited run's numbers.
         rows: one :class:`InterventionEffect` per edit set.
+        edit_sets: ``{label: [edit_specification(edit), ...]}`` for every set
+            asked for (also the ones a cancel left unrun).
+        call_parameters: what the caller added (``ablation``: "mean" or
+            "resample" for an ablation by replacement, the reference set, ...).
     """
 
     method: str
@@ -131,6 +161,8 @@ class InterventionResult:
     original: Target
     rows: list[InterventionEffect]
     audit: AuditRecord = field(repr=False, default=None)
+    edit_sets: dict[str, list[dict]] = field(default_factory=dict)
+    call_parameters: dict = field(default_factory=dict)
 
     kind = "intervention"  # the session's run kind (core.readout.Readout)
 
@@ -139,14 +171,33 @@ class InterventionResult:
         rows = "; ".join(_effect_line(r.label, r) for r in self.rows) or "no edit set ran"
         return f"{self.method} at position {self.position}: {rows}"
 
+    @property
+    def ablation(self) -> str | None:
+        """An ablation's kind: the caller's ``ablation`` parameter (mean, resample),
+        else "zero" when every edit zeroes, else "replace"; None for other methods."""
+        if self.method != "ablation":
+            return None
+        if self.call_parameters.get("ablation"):
+            return str(self.call_parameters["ablation"])
+        kinds = {e["kind"] for edits in self.edit_sets.values() for e in edits}
+        return "zero" if kinds <= {"zero"} else "replace"
+
     def parameters(self) -> dict:
-        return {
+        """The full specification: method (and ablation kind), the answer
+        position the numbers are read at, answer and foil, the components
+        edited, and per edit set (by its label) every edit's site, block, head,
+        positions and kind (:func:`edit_specification`)."""
+        components = list(dict.fromkeys(e["component"] for edits in self.edit_sets.values() for e in edits))
+        own = {
             "method": self.method,
+            **({"ablation": self.ablation} if self.method == "ablation" else {}),
             "position": self.position,
             "answer": self.original.answer,
             "foil": self.original.foil,
-            "edit_sets": [r.label for r in self.rows],
+            "components": components,
+            "edits": self.edit_sets,
         }
+        return {**own, **{k: v for k, v in self.call_parameters.items() if k not in own}}
 
     def audit_records(self) -> list[AuditRecord]:
         return [self.audit] if self.audit else []
@@ -158,6 +209,8 @@ class InterventionResult:
             "original": self.original.to_dict(),
             "rows": [r.to_dict() for r in self.rows],
             "audit": self.audit.to_dict() if self.audit else None,
+            "ablation": self.ablation,
+            "edit_sets": self.edit_sets,
         }
 
 
@@ -200,6 +253,8 @@ def run_interventions(
         method: "ablation", "activation patching" or "attention knockout" (the audit row).
         base: the unedited capture of ``inputs`` (run here when None).
         controls: controls the caller applied (added to the audit row).
+        parameters: added to the audit row and the result's parameters (e.g.
+            ``{"ablation": "mean", "reference": ...}`` for an ablation by replacement).
         progress: ``progress(done, total, message)`` after each run.
         cancel: polled before each run; True stops with the rows so far.
     """
@@ -232,7 +287,10 @@ def run_interventions(
         },
         notes=_METHOD_NOTES[method],
     )
-    return InterventionResult(method, int(base.answer_positions[0]), original, rows, audit)
+    specs = {label: [edit_specification(e, base.block_names) for e in edits] for label, edits in edit_sets.items()}
+    return InterventionResult(
+        method, int(base.answer_positions[0]), original, rows, audit, specs, dict(parameters or {})
+    )
 
 
 # ---------------------------------------------------------------- component edits
@@ -535,7 +593,10 @@ class VisualPatchRow:
 class VisualPatchResult:
     """Visual-feature patching at one site between an original and a source
     (counterfactual) image, for several token sets. ``original`` and
-    ``source`` are the unpatched runs read with the same answer and foil."""
+    ``source`` are the unpatched runs read with the same answer and foil;
+    ``source_image_sha256`` (:func:`core.images.image_sha256`) and
+    ``source_image_path`` (None for an image given without one) name the
+    source image; ``reverse``: the reverse direction ran too."""
 
     site: str
     layer: int | None
@@ -543,6 +604,9 @@ class VisualPatchResult:
     source: Target
     rows: list[VisualPatchRow]
     audit: AuditRecord = field(repr=False, default=None)
+    source_image_sha256: str | None = None
+    source_image_path: str | None = None
+    reverse: bool = True
 
     kind = "intervention"  # the session's run kind, as the app records it (core.readout.Readout)
 
@@ -557,12 +621,19 @@ class VisualPatchResult:
         return f"visual-feature patching at {where}: " + ("; ".join(rows) or "no token set ran")
 
     def parameters(self) -> dict:
+        """The full specification: the site and layer, answer and foil, each
+        token set's visual-token indices, both directions or forward only, and
+        the source image (its path when known, its SHA-256)."""
         return {
+            "method": "visual-feature patching",
             "site": self.site,
             "layer": self.layer,
             "answer": self.original.answer,
             "foil": self.original.foil,
             "token_sets": {r.name: r.tokens for r in self.rows},
+            "reverse": self.reverse,
+            "source_image": self.source_image_path,
+            "source_image_sha256": self.source_image_sha256,
         }
 
     def audit_records(self) -> list[AuditRecord]:
@@ -576,6 +647,8 @@ class VisualPatchResult:
             "source": self.source.to_dict(),
             "rows": [r.to_dict() for r in self.rows],
             "audit": self.audit.to_dict() if self.audit else None,
+            "source_image": {"path": self.source_image_path, "sha256": self.source_image_sha256},
+            "reverse": self.reverse,
         }
 
 
@@ -612,6 +685,7 @@ def patch_visual_features(
     answer: str | int | None = None,
     foil: str | int | None = None,
     reverse: bool = True,
+    source_image_path: str | Path | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     cancel: Callable[[], bool] | None = None,
 ) -> VisualPatchResult:
@@ -628,10 +702,15 @@ def patch_visual_features(
             lists; None: one set with every visual token.
         answer, foil: tokens (strings or ids) read in every run; default: the
             original run's argmax and the source run's argmax (None if equal).
+        source_image_path: where a PIL / array ``source_image`` was read from
+            (a path ``source_image`` is its own); recorded with its SHA-256.
         progress: ``progress(done, total, message)`` after each patched run.
         cancel: polled before each token set; True stops with the rows so far.
     """
     adapter = loaded.adapter
+    if isinstance(source_image, (str, Path)) and source_image_path is None:
+        source_image_path = source_image
+    source_image = load_image(source_image)  # once: its hash names it in the result, the same pixels are run
     inputs = adapter.prepare([image], [question])
     source_inputs = adapter.prepare([source_image], [question])
     base, feats = visual_site_features(loaded, inputs, site, layer)
@@ -695,6 +774,8 @@ def patch_visual_features(
             "answer_id": answer_id,
             "foil_id": foil_id,
             "token_sets": {k: v for k, v in sets.items()},
+            "source_image": None if source_image_path is None else str(source_image_path),
+            "source_image_sha256": image_sha256(source_image),
         },
         notes=[
             _SITE_NOTES[site],
@@ -702,4 +783,14 @@ def patch_visual_features(
             "difference between these two images to the answer; it does not name the head or route that reads them",
         ],
     )
-    return VisualPatchResult(site, layer, original, source, rows, audit)
+    return VisualPatchResult(
+        site,
+        layer,
+        original,
+        source,
+        rows,
+        audit,
+        audit.parameters["source_image_sha256"],
+        audit.parameters["source_image"],
+        reverse,
+    )

@@ -10,7 +10,7 @@ audit panel shows and :mod:`core.export` writes.
 
     s = Session.open_or_create("work.vlmr")
     run_id = s.record(result, image=img)     # a Readout; one transaction: autosave
-    s.runs(); s.run(run_id).result; s.audit_table(); s.close()
+    s.runs(); s.run(run_id).result; s.audit_table(); s.save_as("copy.vlmr"); s.close()
 
 :meth:`Session.record` stores what the result says about itself
 (:class:`core.readout.Readout`: its kind, ``to_dict()``, ``summary()``,
@@ -31,6 +31,15 @@ Durability:
   pace of model forwards, so one fsync per run costs nothing that shows.
 * Each :meth:`Session.record` is one ``BEGIN IMMEDIATE`` ... ``COMMIT``: the
   run, its audit rows, its image and mask land together or not at all.
+* After each commit the WAL is checkpointed into the main file
+  (``PRAGMA wal_checkpoint(TRUNCATE)``, :meth:`Session.checkpoint`): the
+  ``.vlmr`` alone is the complete session at every moment, so copying just
+  that file (the natural way to share it) while the app has it open gives
+  every run. A reader on an old snapshot only delays it (a few short
+  retries, then the next record tries again); it never fails a record.
+  bench/session_checkpoint.py measures what it costs per record.
+* :meth:`Session.save_as` writes one self-contained copy (SQLite's online
+  backup into a temporary file beside the target, then ``os.replace``).
 
 Schema: the ``schema_version`` table lists every version applied; opening an
 older file migrates it forward in one transaction (:data:`MIGRATIONS`). v0 is
@@ -45,6 +54,15 @@ never writes to the file or beside it: SQLite's ``mode=ro``, plus
 ``immutable=1`` when no ``-wal`` file shows another connection, so no
 ``-shm`` is made and a session in a read-only folder reads; an older schema
 is migrated in a copy in memory; an empty file is refused, not made a session.
+:attr:`Session.read_only` says so; recording into it is a one-line
+:class:`SessionError` ("the session is open read-only; ...").
+
+Reproducing a run: :meth:`Session.run` gives the kind, time, result JSON,
+parameters, summary, model (spec, fingerprint, family), the image (hash,
+path as given, pixels: :meth:`Run.pixels`) and the mask (:meth:`Run.mask`);
+every row of :meth:`Session.audit_table` starts with the run's columns
+(:data:`RUN_COLUMNS`: input path and SHA-256, model spec and fingerprint,
+question, target, the method's specification, the numeric summary).
 
 Events: :meth:`Session.on_recorded` registers a plain callback (no Qt) called
 with the new :class:`RunInfo` after each commit, in the thread that
@@ -58,10 +76,12 @@ method), not one per sample: the per-sample numbers stay in the run's
 ``samples.jsonl`` / ``samples.csv``, and one row per method keeps the audit
 table readable next to single-image runs.
 
-The package: ``records`` (the rows, the audit columns, SessionError, images,
-masks and models into row values), ``schema`` (the file format, the frozen v1
-statements, the migrations), ``store`` (:class:`Session`, :func:`check_session_file`,
-:func:`record_into`); every public name is importable from ``core.session``.
+The package: ``records`` (the rows, the audit columns, a run's columns,
+SessionError, images, masks and models into row values), ``schema`` (the
+file format, the frozen v1 statements, the migrations), ``files`` (the WAL
+checkpoint, the backup copy), ``store`` (:class:`Session`,
+:func:`check_session_file`, :func:`record_into`); every public name is
+importable from ``core.session``.
 """
 
 from core.readout import jsonable  # re-exported: the one JSON cleaning, as the session stores it
@@ -69,6 +89,7 @@ from core.session.records import (
     AUDIT_COLUMNS,
     KINDS,
     METHOD_COLUMNS,
+    RUN_COLUMNS,
     ImageInfo,
     Run,
     RunInfo,
@@ -91,6 +112,7 @@ __all__ = [
     "KINDS",
     "METHOD_COLUMNS",
     "MIGRATIONS",
+    "RUN_COLUMNS",
     "SCHEMA_VERSION",
     "SQLITE_MAGIC",
     "SYNCHRONOUS",

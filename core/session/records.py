@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import ImageLoadError, ReadoutError
+from core.pairs import pairs_file
 from core.readout import jsonable
 
 KINDS = (
@@ -35,18 +36,34 @@ _KIND_RE = re.compile(r"^[a-z][a-z0-9_\-]{0,39}$")
 
 # The audit-table columns (docs/ARCHITECTURE.md, "Audit rows") as AuditRecord names them.
 METHOD_COLUMNS = ("method", "question", "operation", "controls", "supports", "cannot_support")
-# One row of Session.audit_table(): run identity, the audit columns, the audit
-# record's own parameters and notes, then the run's parameters and summary.
-AUDIT_COLUMNS = (
+# What a row needs to reproduce its run (Run.columns()): which run, its input (the image's path as
+# given and its SHA-256; a dataset run's file and the SHA-256 of its bytes), the model, the question,
+# the target (answer, foil, position), the method's full specification and the run's numeric summary.
+RUN_COLUMNS = (
     "run_id",
     "kind",
     "created",
-    "model",
+    "image_path",
+    "image_sha256",
+    "model",  # the spec (the name kept from schema version 1 of the exports)
+    "model_fingerprint",
+    "run_question",
+    "target",
+    "specification",
+    "summary",
+)
+# One row of Session.audit_table(): the run's columns, the audit columns, the audit
+# record's own parameters and notes, then the run's parameters in full.
+AUDIT_COLUMNS = (
+    *RUN_COLUMNS,
     *METHOD_COLUMNS,
     "parameters",
     "notes",
     "run_parameters",
-    "summary",
+)
+# Run parameters with a column of their own, left out of the specification.
+_OWN_COLUMN = frozenset(
+    {"question", "answer", "foil", "position", "dataset", "dataset_sha256", "model", "fingerprint", "family"}
 )
 
 
@@ -77,13 +94,16 @@ class RunInfo:
 
 @dataclass
 class Run:
-    """One run in full (:meth:`Session.run`).
+    """One run in full (:meth:`Session.run`): everything needed to show it again.
 
     Attributes:
         parameters: what the run was called with.
         result: the result JSON as recorded.
         audits: the audit rows (``AuditRecord.to_dict()`` form), in order.
-        model: ``{"id", "spec", "fingerprint", "family", "info"}`` or None.
+        model: ``{"id", "spec", "fingerprint", "family", "info", "added"}`` or None.
+        image: the run's image (hash, path as given, size and the PNG when the
+            session keeps pixels: :meth:`ImageInfo.pixels`), or None.
+        mask_png: the painted mask as stored (:meth:`mask` decodes it), or None.
     """
 
     id: int
@@ -96,6 +116,54 @@ class Run:
     model: dict | None
     image_sha256: str | None
     mask_id: int | None
+    image: ImageInfo | None = None
+    mask_png: bytes | None = field(default=None, repr=False)
+
+    @property
+    def image_path(self) -> str | None:
+        """Where the run's image came from (None for an image given without a path)."""
+        return self.image.path if self.image is not None else None
+
+    @property
+    def question(self) -> str | None:
+        """The question the model was asked (the run's ``question`` parameter)."""
+        return self.parameters.get("question")
+
+    @property
+    def target(self) -> dict | None:
+        """``{"answer", "foil", "position"}`` the run read out (see :func:`run_target`)."""
+        return run_target(self.parameters, self.result)
+
+    def pixels(self):
+        """The run's image as an RGB ``PIL.Image`` (None without an image or stored pixels).
+
+        Raises:
+            SessionError: the stored bytes are not an image PIL can read.
+        """
+        return self.image.pixels() if self.image is not None else None
+
+    def mask(self):
+        """The painted mask as an ``(H, W)`` bool array (True = region), or None.
+
+        Raises:
+            SessionError: the stored mask is not a PNG PIL can read.
+        """
+        return stored_mask(self.mask_png, self.mask_id) if self.mask_png is not None else None
+
+    def columns(self) -> dict:
+        """The run's columns of the audit table (:data:`RUN_COLUMNS`)."""
+        return run_columns(
+            self.id,
+            self.kind,
+            self.created,
+            self.summary,
+            self.parameters,
+            self.result,
+            self.model,
+            self.image_sha256,
+            self.image_path,
+            self.mask_id,
+        )
 
     @property
     def info(self) -> RunInfo:
@@ -137,6 +205,86 @@ class ImageInfo:
             raise SessionError(f"the stored image {self.sha256[:12]} is unreadable ({reason})") from None
 
 
+def run_target(parameters: dict, result) -> dict | None:
+    """``{"answer", "foil", "position"}`` of a run: the answer and foil tokens
+    from its parameters; the position from its parameters (an intervention's
+    answer position) or its result's ``target`` (analyze). ``position`` None:
+    each forward read at its own answer position (counterfactual, sweep). A
+    dataset run's ``target`` parameter (a description) is returned as is;
+    None when the run names no target."""
+    described = parameters.get("target")
+    if "answer" not in parameters and isinstance(described, str):
+        return {"answer": None, "foil": None, "position": None, "description": described}
+    position = parameters.get("position")
+    if position is None and isinstance(result, dict) and isinstance(result.get("target"), dict):
+        position = result["target"].get("position")
+    if parameters.get("answer") is None and parameters.get("foil") is None and position is None:
+        return None
+    return {"answer": parameters.get("answer"), "foil": parameters.get("foil"), "position": position}
+
+
+def specification(parameters: dict, mask_id: int | None = None) -> str:
+    """The method's full specification as one line, ``key=value; ...``: every
+    run parameter but those with a column of their own (question, answer,
+    foil, position, the dataset, the model), None values left out; text as
+    is, numbers, lists and dicts as JSON (sorted keys); the stored mask's id last."""
+    parts = []
+    for key, value in parameters.items():
+        if key in _OWN_COLUMN or value is None:
+            continue
+        text = value if isinstance(value, str) else json.dumps(jsonable(value), sort_keys=True)
+        parts.append(f"{key}={text}")
+    if mask_id is not None:
+        parts.append(f"mask_id={mask_id}")
+    return "; ".join(parts)
+
+
+def run_columns(
+    run_id: int,
+    kind: str,
+    created: str,
+    summary: str,
+    parameters: dict,
+    result,
+    model: dict | None,
+    image_sha256: str | None,
+    image_path: str | None,
+    mask_id: int | None,
+) -> dict:
+    """A run's :data:`RUN_COLUMNS`. A run without an image whose parameters
+    name a ``dataset`` (the dataset audit) takes the dataset file's path and
+    the SHA-256 of its bytes as its input (see :func:`dataset_sha256`)."""
+    if image_sha256 is None and parameters.get("dataset") is not None:
+        image_path, image_sha256 = str(parameters["dataset"]), parameters.get("dataset_sha256")
+    return {
+        "run_id": run_id,
+        "kind": kind,
+        "created": created,
+        "image_path": image_path,
+        "image_sha256": image_sha256,
+        "model": model["spec"] if model else None,
+        "model_fingerprint": model["fingerprint"] if model else None,
+        "run_question": parameters.get("question"),
+        "target": run_target(parameters, result),
+        "specification": specification(parameters, mask_id),
+        "summary": summary,
+    }
+
+
+def dataset_sha256(dataset: str | Path) -> str | None:
+    """SHA-256 of the bytes of a dataset file (a pairs JSONL, or a folder's
+    ``dataset.jsonl`` / one ``*.jsonl``: :func:`core.pairs.pairs_file`); None
+    when it cannot be read (the run is recorded all the same)."""
+    try:
+        h = hashlib.sha256()
+        with open(pairs_file(dataset), "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
+    except (OSError, ReadoutError):
+        return None
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
@@ -160,6 +308,16 @@ def _mask_array(png: bytes):
     from core.images import load_mask  # imported here: numpy and PIL load only when a mask is read
 
     return load_mask(png)
+
+
+def stored_mask(png: bytes, mask_id: int | None):
+    """A stored mask's PNG as an ``(H, W)`` bool array; an unreadable one is a
+    :class:`SessionError` naming it."""
+    try:
+        return _mask_array(png)
+    except ImageLoadError as e:
+        reason = str(e).removeprefix("image bytes: ")
+        raise SessionError(f"the stored mask {mask_id} is unreadable ({reason})") from None
 
 
 def _mask_png(mask) -> bytes:

@@ -15,12 +15,13 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
-from core.errors import ImageLoadError
 from core.readout import Readout, jsonable
+from core.session.files import backup_to, checkpoint_wal
 from core.session.records import (
     _KIND_RE,
     AUDIT_COLUMNS,
     KINDS,
+    RUN_COLUMNS,
     ImageInfo,
     Run,
     RunInfo,
@@ -28,13 +29,15 @@ from core.session.records import (
     _as_mask,
     _dumps,
     _exists,
-    _mask_array,
     _mask_png,
     _mask_sha,
     _model_fields,
     _now,
     _prepare_image,
     _sqlite_problem,
+    dataset_sha256,
+    run_columns,
+    stored_mask,
 )
 from core.session.schema import APPLICATION_ID, BUSY_TIMEOUT_S, MIGRATIONS, SCHEMA_VERSION, SQLITE_MAGIC, SYNCHRONOUS
 
@@ -45,9 +48,13 @@ class Session:
     """One session file. Open with :meth:`open`, :meth:`create` or
     :meth:`open_or_create`; use as a context manager or call :meth:`close`."""
 
-    def __init__(self, path: Path, conn: sqlite3.Connection):
+    # Checkpoint the WAL into the main file after each recorded run (bench/session_checkpoint.py measures
+    # the cost); False only to measure without it.
+    checkpoint_each_run = True
+
+    def __init__(self, path: Path, conn: sqlite3.Connection, *, read_only: bool = False):
         self.path = path
-        self.read_only = False  # set by open(read_only=True)
+        self._read_only = read_only
         self._conn = conn
         self._lock = threading.RLock()
         self._callbacks: list[Callable[[RunInfo], None]] = []
@@ -140,9 +147,7 @@ class Session:
                     f"{p}: cannot be read here ({e}): another program has it open and its folder is read-only"
                 ) from None
             raise SessionError(_sqlite_problem(p, e)) from None
-        s = cls(p, conn)
-        s.read_only = True
-        return s
+        return cls(p, conn, read_only=True)
 
     @classmethod
     def create(cls, path: str | Path, model_spec=None, *, store_images: bool = True) -> Session:
@@ -264,6 +269,45 @@ class Session:
     def closed(self) -> bool:
         return self._conn is None
 
+    @property
+    def read_only(self) -> bool:
+        """Opened with ``read_only=True``: the runs can be read, shown and exported
+        (or saved as a new file, :meth:`save_as`), never recorded into."""
+        return self._read_only
+
+    def _refuse_if_read_only(self) -> None:
+        if self._read_only:
+            raise SessionError(
+                f"{self.path}: the session is open read-only; nothing can be recorded into it (it was opened "
+                "read-only: reopen it to continue it, or save it as a new file)"
+            )
+
+    def checkpoint(self) -> bool:
+        """Copy the WAL into the main file now, so the ``.vlmr`` alone holds every
+        committed run (:func:`core.session.files.checkpoint_wal`; :meth:`record`
+        does it after each run). True when complete or nothing to do (a
+        read-only or in-memory session); False when readers kept it busy."""
+        with self._lock:
+            if self._read_only or self.journal_mode.lower() != "wal":
+                return True
+            return checkpoint_wal(self._db())
+
+    def save_as(self, path: str | Path) -> Path:
+        """Write one self-contained copy of this session to ``path`` (SQLite's
+        online backup into a temporary file beside it, then an atomic
+        ``os.replace``) and return ``path`` as a Path. The copy holds every
+        committed run, image and mask and opens on its own; this session stays
+        open on its own file (open the copy to record into it). Works for a
+        read-only or in-memory session too.
+
+        Raises:
+            SessionError: ``path`` is this session's own file, exists and is not
+                a session file (or is a folder, link or device), is a session
+                open elsewhere, or cannot be written (one line each).
+        """
+        with self._lock, self._guard("saving a copy"):
+            return backup_to(self._db(), self.path, path)
+
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
             raise SessionError(f"{self.path}: the session is closed")
@@ -274,8 +318,7 @@ class Session:
         """``BEGIN IMMEDIATE`` (take the write lock up front) ... ``COMMIT``;
         ``ROLLBACK`` on any error (if SQLite has not already rolled back)."""
         conn = self._db()
-        if self.read_only:
-            raise SessionError(f"{self.path}: opened read-only; nothing can be recorded")
+        self._refuse_if_read_only()
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield conn
@@ -415,6 +458,13 @@ class Session:
         its ``kind``, its ``to_dict()`` as the result JSON (numpy values are
         converted; non-finite floats are stored as null, as in every JSON the
         engine writes), its ``summary()``, ``parameters()`` and ``audit_records()``.
+        After the commit the WAL is checkpointed into the main file
+        (:meth:`checkpoint`), so a copy of the ``.vlmr`` alone holds the run.
+
+        A run without an image whose parameters name a ``dataset`` file (the
+        dataset audit) gets ``dataset_sha256``, the SHA-256 of that file's
+        bytes as they are now, in its stored parameters (unless given): the
+        dataset is its input, as an image is another run's.
 
         Args:
             readout: a method's result, or :class:`core.readout.RecordedResult`
@@ -423,14 +473,15 @@ class Session:
             mask: ``(H, W)`` bool array, PIL image, PNG bytes or PNG path
                 (white = region); the image's size when an image is given.
             model: LoadedModel, model dict or spec; default: the result's ``"model"``.
-            image_path: where a PIL/array image came from.
+            image_path: where a PIL/array image came from (a path ``image`` is its own).
             store_image: keep the pixels; default: the session's setting.
             parameters: added to the readout's own (e.g. the CLI's ``paste_from``).
 
         Raises:
             SessionError: not a Readout, a bad kind, an unserialisable result, a
-                bad mask, a busy or closed file.
+                bad mask, a busy or closed file, a session open read-only.
         """
+        self._refuse_if_read_only()
         if not isinstance(readout, Readout):
             raise SessionError(
                 "Session.record takes a Readout (a method's result, or core.readout.RecordedResult(kind, doc, "
@@ -442,7 +493,10 @@ class Session:
         result = readout.to_dict()
         result_json = _dumps(result, "result")
         audit_dicts = [a.to_dict() if hasattr(a, "to_dict") else dict(a) for a in readout.audit_records() or []]
-        params_json = _dumps({**readout.parameters(), **(parameters or {})}, "parameters")
+        params = {**readout.parameters(), **(parameters or {})}
+        if image is None and params.get("dataset") is not None and "dataset_sha256" not in params:
+            params["dataset_sha256"] = dataset_sha256(params["dataset"])
+        params_json = _dumps(params, "parameters")
         summary = " ".join(str(readout.summary()).split())
         if model is None and isinstance(result, dict):
             model = result.get("model")
@@ -508,6 +562,8 @@ class Session:
                         ),
                     )
             self._last_id = max(self._last_id, run_id)
+            if self.checkpoint_each_run:
+                self.checkpoint()
         info = RunInfo(
             run_id,
             kind,
@@ -614,7 +670,25 @@ class Session:
                     (rid,),
                 )
             ]
-            return Run(rid, kind, created, summary, json.loads(params), json.loads(result), audits, model, sha, mask_id)
+            image = self.image(sha) if sha is not None else None
+            mask_png = None
+            if mask_id is not None:
+                found = conn.execute("SELECT png FROM masks WHERE id = ?", (mask_id,)).fetchone()
+                mask_png = found[0] if found else None
+            return Run(
+                rid,
+                kind,
+                created,
+                summary,
+                json.loads(params),
+                json.loads(result),
+                audits,
+                model,
+                sha,
+                mask_id,
+                image,
+                mask_png,
+            )
 
     def image(self, sha256: str) -> ImageInfo | None:
         """A session image by hash (None when the session has none such)."""
@@ -642,39 +716,50 @@ class Session:
         if row is None:
             return None
         try:
-            return _mask_array(row[0])
-        except ImageLoadError as e:
-            reason = str(e).removeprefix("image bytes: ")
-            raise SessionError(f"{self.path}: the stored mask {mask_id} is unreadable ({reason})") from None
+            return stored_mask(row[0], mask_id)
+        except SessionError as e:
+            raise SessionError(f"{self.path}: {e}") from None
 
     def audit_table(self, kinds: Iterable[str] | None = None) -> list[dict]:
         """The session's audit table: one row per audit record of each run
         (a run without audit records gets one row with empty method columns),
-        oldest run first. Columns: :data:`AUDIT_COLUMNS` (``controls`` and
-        ``notes`` are lists, ``parameters`` and ``run_parameters`` dicts)."""
+        oldest run first. Columns: :data:`AUDIT_COLUMNS`: the run's own
+        (:meth:`Run.columns`: input path and hash, model, question, target,
+        specification, summary), then the audit record's (``controls`` and
+        ``notes`` are lists, ``parameters`` a dict), then ``run_parameters``."""
         kinds = list(kinds) if kinds is not None else None
         where = ""
         if kinds is not None:
             where = f"WHERE r.kind IN ({', '.join('?' * len(kinds))})" if kinds else "WHERE 0"
         with self._lock, self._guard("reading the audit table"):
-            rows = (
-                self._db()
-                .execute(
-                    "SELECT r.id, r.kind, r.created, m.spec, a.method, a.question, a.operation, a.controls, "
-                    "a.supports, a.cannot_support, a.parameters, a.notes, r.parameters, r.summary "
-                    "FROM runs r LEFT JOIN model m ON m.id = r.model_id "
-                    f"LEFT JOIN audit_rows a ON a.run_id = r.id {where} ORDER BY r.id, a.ord",
-                    kinds or (),
-                )
-                .fetchall()
-            )
-            out = []
-            for r in rows:
-                d = dict(zip(AUDIT_COLUMNS, r))
+            conn = self._db()
+            # the target position is read in SQL: an analyze result's JSON is large, and only this number is needed
+            runs = conn.execute(
+                "SELECT r.id, r.kind, r.created, r.summary, r.parameters, "
+                "CASE WHEN json_valid(r.result) THEN json_extract(r.result, '$.target.position') END, "
+                "m.spec, m.fingerprint, r.image_sha256, i.path, r.mask_id "
+                "FROM runs r LEFT JOIN model m ON m.id = r.model_id LEFT JOIN images i ON i.sha256 = r.image_sha256 "
+                f"{where} ORDER BY r.id",
+                kinds or (),
+            ).fetchall()
+            audits = conn.execute(
+                "SELECT run_id, method, question, operation, controls, supports, cannot_support, parameters, notes "
+                "FROM audit_rows ORDER BY run_id, ord"
+            ).fetchall()
+        by_run: dict[int, list] = {}
+        for a in audits:
+            by_run.setdefault(a[0], []).append(a[1:])
+        out = []
+        for rid, kind, created, summary, params, position, spec, fingerprint, sha, path, mask_id in runs:
+            params = json.loads(params) if params else {}
+            model = {"spec": spec, "fingerprint": fingerprint} if spec is not None else None
+            result = {"target": {"position": position}}
+            run = run_columns(rid, kind, created, summary, params, result, model, sha, path, mask_id)
+            for a in by_run.get(rid) or [(None,) * 8]:
+                d = {**run, **dict(zip(AUDIT_COLUMNS[len(RUN_COLUMNS) :], (*a, params)))}
                 d["controls"] = json.loads(d["controls"]) if d["controls"] else []
                 d["notes"] = json.loads(d["notes"]) if d["notes"] else []
                 d["parameters"] = json.loads(d["parameters"]) if d["parameters"] else {}
-                d["run_parameters"] = json.loads(d["run_parameters"]) if d["run_parameters"] else {}
                 out.append(d)
         return out
 

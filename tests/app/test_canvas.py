@@ -208,6 +208,79 @@ def test_heatmap_values_land_in_the_right_cells(canvas):
     assert not canvas.colorbar.isVisible() and not canvas.heatmap_item.isVisible()
 
 
+def view_contains(c: ImageCanvas, width: float, height: float, slack: float = 0.1) -> bool:
+    """The view shows the whole ``width x height`` image and, along its tighter axis, little more."""
+    (x0, x1), (y0, y1) = c.viewbox.viewRange()
+    whole = x0 <= 0 and y0 <= 0 and x1 >= width and y1 >= height
+    return whole and min((x1 - x0) / width, (y1 - y0) / height) <= 1 + slack
+
+
+def test_a_new_image_is_fitted_whatever_came_before(canvas, qtbot):
+    """Issue 13: a 64 px image after a 512 px one (its grid and heatmap still set) was a speck."""
+    canvas.set_image(np.zeros((512, 512, 3), np.uint8))
+    canvas.set_tokens(grid_tokens(512, 512, 64, extra=False))
+    canvas.set_heatmap(np.arange(64.0).reshape(8, 8))
+    qtbot.waitUntil(lambda: view_contains(canvas, 512, 512))
+    canvas.set_image(np.zeros((64, 64, 3), np.uint8))  # tokens and heatmap of the big one are kept
+    qtbot.waitUntil(lambda: view_contains(canvas, 64, 64))
+    canvas.viewbox.scaleBy((0.2, 0.2))  # zoomed in: the image no longer fits
+    assert not view_contains(canvas, 64, 64, slack=5)
+    qtbot.mouseClick(canvas.fit_button, Qt.MouseButton.LeftButton)  # "Fit"
+    assert view_contains(canvas, 64, 64)
+    canvas.viewbox.scaleBy((0.2, 0.2))
+    qtbot.keyClick(canvas.view, Qt.Key.Key_F)  # or F, while the canvas has the focus
+    assert view_contains(canvas, 64, 64) and canvas.fit_button.toolTip().endswith("(F)")
+
+
+def test_hover_and_labels_go_when_the_map_or_tokens_change(canvas):
+    """Issue 13, bug 5: the hover box and line stayed after the map changed, and a
+    label such as "L1.H1: per patch" stayed over an emptied map."""
+    canvas.set_image(np.zeros((120, 200, 3), np.uint8))
+    tokens = grid_tokens()
+    prompt = canvas.hover_label.text()
+    for change in (
+        lambda: canvas.set_heatmap(np.ones(60)),
+        canvas.clear_heatmap,
+        lambda: canvas.set_tokens(tokens),
+        lambda: canvas.set_image(np.zeros((120, 200, 3), np.uint8)),
+    ):
+        canvas.set_tokens(tokens)
+        canvas.set_heatmap(np.arange(60.0), label="L1.H1: per patch")
+        assert canvas.hover_at(30, 30) is not None
+        assert canvas.hover_item.isVisible() and "L1.H1: per patch" in canvas.hover_label.text()
+        change()
+        assert not canvas.hover_item.isVisible()
+        assert canvas.hover_label.text() == prompt and canvas.view.toolTip() == ""
+    canvas.set_heatmap(np.arange(60.0), label="L1.H1: per patch")
+    assert canvas.heatmap_title.text() == "heatmap: L1.H1: per patch" and canvas.colorbar_label()
+    canvas.clear_heatmap()
+    assert canvas.heatmap_title.text() == "" and canvas.colorbar_label() == ""
+
+
+def test_long_heatmap_labels_are_elided_not_overlapping(canvas, qtbot):
+    """The colour-bar label overlapped the tick values (the bar's axis had a fixed
+    width) and ran past the bar; the title above the canvas wrapped and pushed the image down."""
+    from PySide6.QtGui import QFontMetricsF
+
+    long = "rollout (alpha 0.5): structural-flow approximation, not a cause; " * 3
+    canvas.set_image(np.zeros((120, 200, 3), np.uint8))
+    canvas.set_tokens(grid_tokens())
+    title_height = canvas.heatmap_title.height()
+    canvas.set_heatmap(np.arange(60.0) / 1000, label=long)
+    canvas.view.grab()  # paint: the axis measures its tick labels
+    QApplication.processEvents()
+    axis = canvas.colorbar.axis
+    shown = canvas.colorbar_label()
+    assert shown.endswith("…") and long.startswith(shown[:-1])
+    assert QFontMetricsF(axis.label.font()).horizontalAdvance(shown) <= canvas.colorbar.geometry().height()
+    assert axis.width() >= axis.textWidth + axis.label.boundingRect().height()  # room for ticks and label
+    assert canvas.colorbar.toolTip() == long
+    title = canvas.heatmap_title
+    assert title.text() == f"heatmap: {long}" and title.toolTip() == title.text()
+    assert title.fontMetrics().horizontalAdvance(title.shown_text()) <= title.contentsRect().width()
+    assert title.height() == title_height  # one line, whatever the label
+
+
 def test_interpolated_label_visible_iff_toggled(canvas, qtbot):
     canvas.set_image(np.full((120, 200, 3), 90, np.uint8))
     canvas.set_tokens(grid_tokens())
@@ -554,3 +627,22 @@ def test_panel_screenshot_renders(panel, llava, sample_image, tmp_path):
     assert panel.grab().save(str(path))
     shot = Image.open(path)
     assert shot.size[0] >= 1280 and shot.size[1] >= 800
+
+
+def test_controls_sit_beside_the_painter_in_a_short_tab(panel, qtbot, sample_image):
+    """Issue 13, item 8: at 1280 x 800 the tab is about 1250 x 560; Fill, Run and the sweep sit
+    in a column beside the canvas, and so do the window's intervention buttons (add_controls)."""
+    from PySide6.QtWidgets import QPushButton
+
+    panel.set_image(sample_image)
+    ablate = QPushButton("Ablate selected head")
+    panel.add_controls(ablate)
+    panel.resize(1250, 560)
+    qtbot.waitUntil(lambda: panel.height() == 560)
+    QApplication.processEvents()
+    canvas_right = panel.canvas.mapTo(panel, QPoint(panel.canvas.width(), 0)).x()
+    for widget in (panel.fill_combo, panel.run_button, panel.sweep_k, panel.sweep_button, ablate):
+        top_left = widget.mapTo(panel, QPoint(0, 0))
+        assert widget.isVisible() and top_left.x() >= canvas_right  # beside the painter, not under it
+        assert top_left.y() + widget.height() <= panel.height()
+    assert panel.canvas.view.height() >= 400  # the painter keeps the height

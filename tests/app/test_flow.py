@@ -99,7 +99,7 @@ def test_open_read_out_paint_counterfactual_export_reopen(qtbot, window, tmp_pat
     other = MainWindow(model_cache=window.model_cache, session_path=tmp_path / "other.vlmr")
     qtbot.addWidget(other)
     try:
-        assert other.open_session(session_file)
+        assert other.open_session(session_file, mode="append")
         assert other.analysis is not None and other.analysis["target"]["answer"] == row["answer"]
         assert len(other.audit_panel.rows()) == len(rows)
     finally:

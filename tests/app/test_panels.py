@@ -423,3 +423,157 @@ def test_shared_widgets_keep_text_plain_and_boxes_bare(qtbot):
     qtbot.addWidget(splitter)
     assert splitter.orientation() == Qt.Orientation.Vertical
     assert [splitter.widget(i) for i in range(splitter.count())] == [left, right]
+
+
+# ---- layout: titles and axis labels (issue 13, item 8) ---------------------
+
+
+def shown(qtbot, widget, width: int, height: int):
+    """``widget`` at ``width x height``, shown and exposed (its axes and titles laid out)."""
+    qtbot.addWidget(widget)
+    widget.resize(width, height)
+    widget.show()
+    qtbot.waitExposed(widget)
+    return widget
+
+
+def tick_gaps(axis, pixels_per_unit: float) -> float:
+    """The smallest distance in pixels between neighbouring tick labels of ``axis``."""
+    positions = sorted(p for p, _ in axis._tickLevels[0])
+    return min((b - a) * pixels_per_unit for a, b in zip(positions, positions[1:])) if len(positions) > 1 else math.inf
+
+
+def label_width(axis) -> float:
+    from PySide6.QtGui import QFontMetricsF
+
+    from app.widgets import axis_font
+
+    metrics = QFontMetricsF(axis_font(axis))
+    return max(metrics.horizontalAdvance(text) for _, text in axis._tickLevels[0])
+
+
+def test_a_24_by_24_patch_map_labels_every_kth_patch(qtbot):
+    """The 24 x 24 patch axis labels ran into each other in a narrow plot: now
+    every k-th is shown, at least a label's width (and a gap) apart; refitted on resize."""
+    from PySide6.QtGui import QFontMetricsF
+
+    from app.panels.attention_panel import HeatGrid
+    from app.widgets import axis_font
+
+    grid = shown(qtbot, HeatGrid("patch map", annotate=False), 220, 220)
+    grid.set_grid(np.random.default_rng(0).random((24, 24)))
+    for width in (220, 900):
+        grid.resize(width, 220 if width < 900 else 900)
+        qtbot.waitUntil(lambda w=width: grid.plot_item.getViewBox().sceneBoundingRect().width() > 0.1 * w)
+        rect = grid.plot_item.getViewBox().sceneBoundingRect()
+        bottom, left = grid.plot_item.getAxis("bottom"), grid.plot_item.getAxis("left")
+        assert tick_gaps(bottom, rect.width() / 24) >= label_width(bottom) + 6
+        assert tick_gaps(left, rect.height() / 24) >= QFontMetricsF(axis_font(left)).height()
+        assert [t for _, t in bottom._tickLevels[0]][0] == "0"
+    assert len(bottom._tickLevels[0]) == 24  # room for all at 900 px
+
+
+def test_dataset_distribution_labels_do_not_overlap(qtbot):
+    from app.panels.attention_panel import BoxPlot
+
+    plot = shown(qtbot, BoxPlot(), 420, 300)
+    labels = [f"L{b}.xattn.H{h}" for b in range(6) for h in range(8)]
+    quantile = {"0.05": 0.1, "0.25": 0.2, "0.5": 0.3, "0.75": 0.4, "0.95": 0.5}
+    plot.set_boxes(labels, [quantile] * len(labels), y_label="mass")
+    qtbot.wait(50)
+    view = plot.plot_item.getViewBox()
+    (x0, x1), _ = view.viewRange()
+    axis = plot.plot_item.getAxis("bottom")
+    assert 1 < len(axis._tickLevels[0]) < len(labels)
+    assert tick_gaps(axis, view.sceneBoundingRect().width() / (x1 - x0)) >= label_width(axis) + 6
+
+
+def test_lens_layer_labels_do_not_overlap(qtbot, results):
+    result = copy_with_layers(results["shapes-llava"], 33)
+    panel = shown(qtbot, LensPanel(), 700, 600)
+    panel.set_result(result)
+    qtbot.wait(50)
+    plot = panel.plots["kl"]
+    view = plot.getViewBox()
+    (x0, x1), _ = view.viewRange()
+    axis = plot.getAxis("bottom")
+    assert tick_gaps(axis, view.sceneBoundingRect().width() / (x1 - x0)) >= label_width(axis) + 6
+    assert panel.table.horizontalHeader().textElideMode() == Qt.TextElideMode.ElideRight
+    assert panel.table.horizontalHeaderItem(4).toolTip()  # the short "top tokens (p)" explained
+
+
+def copy_with_layers(result: dict, n_points: int) -> dict:
+    """``result`` with its logit-lens rows repeated to ``n_points`` layers (a deep model's axis)."""
+    rows = result["logit_lens"]
+    lens = [dict(rows[i % len(rows)], layer=i) for i in range(n_points)]
+    return dict(result, logit_lens=lens, attention=[])
+
+
+def test_emptied_maps_lose_their_head_titles(qtbot, results):
+    """Issue 13, bug 5: "L1.H1: per patch" stayed over an empty map."""
+    from app.widgets import full_title
+
+    result = results["shapes-llava"]
+    attention = AttentionPanel()
+    qtbot.addWidget(attention)
+    attention.set_result(result)
+    assert attention.select_head(1, 1)
+    assert "per patch" in full_title(attention.patch_map.plot_item)
+    attention.set_result(None)
+    assert attention.patch_map.values.shape == (0, 0)
+    assert full_title(attention.patch_map.plot_item) == "selected head: patch map"
+
+    dla = DLAPanel()
+    qtbot.addWidget(dla)
+    dla.set_result(result)
+    dla.set_sources(1, 1, np.ones(len(result["input"]["visual_tokens"])))
+    assert "L1.H1" in full_title(dla.source_grid.plot_item)
+    dla.set_result(result)  # a new result: its sources are not computed yet
+    assert dla.source_grid.values.shape == (0, 0)
+    assert full_title(dla.source_grid.plot_item) == "per-source contribution"
+
+
+def test_plot_titles_are_elided_to_their_plot(qtbot):
+    from app.panels.attention_panel import HeatGrid
+    from app.widgets import full_title, set_title
+
+    grid = shown(qtbot, HeatGrid("per-source contribution", annotate=False), 170, 240)
+    long = "L0.xattn.H3: per source (dla_frozen), per patch, signed, first-order"
+    set_title(grid.plot_item, long, "9pt")
+    qtbot.wait(20)
+    label = grid.plot_item.titleLabel
+    centre = label.pos().x() + label.width() / 2
+    assert label.text.endswith("…") and long.startswith(label.text[:-1])
+    assert label.item.boundingRect().width() <= 2 * min(centre, grid.plot_item.width() - centre) + 1
+    assert full_title(grid.plot_item) == long == label.toolTip()
+    grid.resize(900, 240)
+    qtbot.waitUntil(lambda: label.text == long)  # wide enough again: whole
+
+
+def test_dla_legend_sits_outside_the_bars(qtbot, results):
+    """The legend inside the plot covered bar values; it is a line above the plot."""
+    panel = shown(qtbot, DLAPanel(), 1000, 700)
+    panel.set_result(results["shapes-llava"])
+    legend, plot = panel.legend, panel.plot_widget
+    assert legend.isVisible() and all(kind in legend.text() for kind in ("attention head", "MLP", "embedding"))
+    from PySide6.QtCore import QPoint, QRect
+
+    def in_panel(widget) -> QRect:
+        return QRect(widget.mapTo(panel, QPoint(0, 0)), widget.size())
+
+    assert not in_panel(legend).intersects(in_panel(plot))
+
+
+def test_panel_info_lines_never_set_the_panel_width(qtbot, results):
+    """Titles that carry numbers wrap; a long model spec no longer sets a panel's minimum width."""
+    long = dict(results["shapes-llava"], model={"spec": "/models/" + "a-long-folder-name/" * 12})
+    for panel, label in (
+        (AttentionPanel(), "title"),
+        (DLAPanel(), "target_label"),
+        (LensPanel(), "title"),
+    ):
+        qtbot.addWidget(panel)
+        narrow = panel.minimumSizeHint().width()
+        panel.set_result(long)
+        assert getattr(panel, label).wordWrap() and long["model"]["spec"] in getattr(panel, label).text()
+        assert panel.minimumSizeHint().width() == narrow

@@ -29,7 +29,8 @@ def test_clicking_a_head_after_a_readout_shows_its_text_pattern(qtbot, window):
         assert window.run_readout()
     assert window.analysis is not None
     panel = window.attention_panel
-    window.tabs.setCurrentWidget(panel)
+    tabs = window.tabs  # the panel sits inside its run frame: bring up the tab that holds it
+    tabs.setCurrentIndex(next(i for i in range(tabs.count()) if tabs.widget(i).isAncestorOf(panel)))
     qtbot.waitUntil(lambda: panel.visual_grid.isVisible())
     row, col = 2, 3
     layer = panel.layers[row]

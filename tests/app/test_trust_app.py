@@ -107,7 +107,8 @@ def test_main_starts_with_a_bad_session_and_shows_it(tmp_path, home):
     assert junk.read_bytes() == b"junk" * 100
 
 
-def test_open_session_with_a_bad_file_keeps_the_current_session(qtbot, window, tmp_path):
+@pytest.mark.parametrize("mode", ["append", "read_only"])
+def test_open_session_with_a_bad_file_keeps_the_current_session(qtbot, window, tmp_path, mode):
     window.session.record(RecordedResult("note", {}, "current work"))
     current, label = window.session, window.session_label.text()
     broken = tmp_path / "broken.vlmr"
@@ -119,11 +120,16 @@ def test_open_session_with_a_bad_file_keeps_the_current_session(qtbot, window, t
     bad = _bad_sessions(tmp_path)
     bad["in a missing folder"] = (bad["in a missing folder"][0], "no such session file")  # opened, not created
     for path, needle in [*bad.values(), (broken, "stored JSON unreadable")]:
-        assert window.open_session(path) is False
+        assert window.open_session(path, mode=mode) is False
         assert window.error_label.text().startswith("cannot open the session: ") and needle in window.error_label.text()
         assert window.session is current and not current.closed and window.session_label.text() == label
         assert [r.summary for r in current.runs()] == ["current work"]
     good = tmp_path / "good.vlmr"
     Session.create(good).close()
-    assert window.open_session(good) is True
-    assert window.session.path == good and window.session_label.text() == f"session: {good}" and current.closed
+    assert window.open_session(good, mode=mode) is True
+    assert current.closed
+    if mode == "append":
+        assert window.session.path == good and window.session_label.text() == f"session: {good}"
+    else:  # a copy records the later runs; the file is only read
+        assert window.session.path != good
+        assert window.session_label.text() == f"session: {good} (read-only; new runs are not saved into it)"

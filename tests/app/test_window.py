@@ -151,7 +151,7 @@ def test_the_audit_table_follows_the_sessions_events(qtbot, window, tmp_path):
     old = window.session
     other = tmp_path / "other.vlmr"
     Session.create(other).close()
-    assert window.open_session(other) and old.closed and window.audit_panel.rows() == []
+    assert window.open_session(other, mode="append") and old.closed and window.audit_panel.rows() == []
     assert old._callbacks == []  # unsubscribed when replaced
     window.session.record(RecordedResult("note", {}, "in the new one"))  # on the GUI thread: shown at once
     assert [r["summary"] for r in window.audit_panel.rows()] == ["in the new one"]

@@ -8,13 +8,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from core.images import load_image
+from core.images import image_sha256, load_image
 from core.methods.counterfactual.regions import RegionError, check_mask
 
 FILLS = ("mean", "constant", "blur", "noise", "inpaint", "paste")
@@ -158,8 +159,17 @@ class Fill:
             return {"method": "harmonic (Laplace, 4-neighbour, conjugate gradients), image edges free"}
         if self.kind == "paste":
             src = self.paste_from
-            return {"source": str(src) if isinstance(src, (str, Path)) else "in-memory image", "resize": "bilinear"}
+            return {
+                "source": str(src) if isinstance(src, (str, Path)) else "in-memory image",
+                "source_sha256": self.source_sha256,
+                "resize": "bilinear",
+            }
         return {"color": "the image's mean colour (per channel, rounded)"}
+
+    @cached_property
+    def source_sha256(self) -> str | None:
+        """A paste fill's source image, :func:`core.images.image_sha256` (hashed once); None for other fills."""
+        return image_sha256(load_image(self.paste_from)) if self.kind == "paste" else None
 
     def apply(self, image, mask) -> np.ndarray:
         """The image with the region filled, ``(H, W, 3)`` uint8; pixels outside
