@@ -276,7 +276,7 @@ class CounterfactualPanel(QWidget):
         font.setPointSizeF(font.pointSizeF() * 1.15)
         self.flip_label.setFont(font)
         self.answer_table = _readonly_table(4, ["original", "edited", "change"])
-        self.answer_table.setVerticalHeaderLabels(["predicted", "answer prob", "answer logit", "logit diff"])
+        self.answer_table.setVerticalHeaderLabels(["predicted", "prob", "logit", "logit diff"])
         self.answer_table.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.answer_table.resizeRowsToContents()
         height = self.answer_table.horizontalHeader().sizeHint().height() + 4
@@ -334,7 +334,7 @@ class CounterfactualPanel(QWidget):
             splitter.setStretchFactor(i, stretch)
         for i in (0, 1):
             splitter.setCollapsible(i, False)  # neither the painter nor its controls can vanish
-        splitter.setSizes([440, 230, 590])
+        splitter.setSizes([400, 220, 640])
         self.splitter = splitter
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)

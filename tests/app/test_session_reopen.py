@@ -11,7 +11,9 @@ tests/app/test_window.py (after its screenshot test queued signals stop arriving
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import shutil
 
 import numpy as np
@@ -318,5 +320,32 @@ def test_a_run_whose_image_is_gone_says_so(qtbot, model_cache, tmp_path):
         assert win.open_session(session_path, mode="append")
         assert "cannot show run #1: its image" in win.error_label.text() and "not stored" in win.error_label.text()
         assert image_sha256(win.image) == before
+    finally:
+        _close(win)
+
+
+def test_copying_only_the_session_file_while_the_app_runs_gives_every_run(qtbot, model_cache, tmp_path):
+    """Issue 13, item 7: the natural way to share a session is to copy the .vlmr;
+    copied while the window is open (no -wal beside the copy), it holds every run
+    and exports every audit row."""
+    from core.cli import main
+
+    path = tmp_path / "live.vlmr"
+    win = _window(qtbot, model_cache, path)
+    try:
+        for sample in bundled_samples()[:2]:
+            assert win.load_sample(sample)
+            run_until_idle(qtbot, win, win.run_readout)
+        live = win.session.audit_table()
+        copy = tmp_path / "copy.vlmr"
+        shutil.copyfile(path, copy)  # the .vlmr only, while the window still holds the session
+        assert not (tmp_path / "copy.vlmr-wal").exists()
+        with Session.open(copy, read_only=True) as copied:
+            assert [r.id for r in copied.runs()] == [r.id for r in win.session.runs()] and len(live) > 0
+            assert copied.audit_table() == live
+        out = tmp_path / "copy.csv"
+        assert main(["export", "--session", str(copy), "--format", "csv", "--out", str(out)]) == 0
+        rows = list(csv.DictReader(io.StringIO(out.read_text())))
+        assert len(rows) == len(live) and all(r["image_sha256"] and r["model_fingerprint"] for r in rows)
     finally:
         _close(win)
