@@ -517,7 +517,6 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
         if self.is_busy() or self.image is None:
             return False
         ask, asked = self._ask(), self.workspace.input
-        self.counterfactual_panel.set_busy(True)
 
         def show(result) -> None:
             self.last_counterfactual = result
@@ -528,6 +527,7 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
             self.workspace.add_result("counterfactual", result.to_dict(), run_id, self._made_for(asked))
 
         self._start(show, counterfactual_job, self.model_cache, ask, mask, fill, dict(options), clear=False)
+        self.counterfactual_panel.set_busy(True)  # after _start parked the focus of the Run button
         return True
 
     def run_sweep(self, k: int) -> bool:
@@ -536,7 +536,6 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
             return False
         fill, options = self.counterfactual_panel.fill_choice()
         ask, asked = self._ask(), self.workspace.input
-        self.counterfactual_panel.set_busy(True)
 
         def show(result) -> None:
             if result is None:
@@ -546,6 +545,7 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
             self.workspace.add_result("sweep", result.to_dict(), run_id, self._made_for(asked))
 
         self._start(show, sweep_job, self.model_cache, ask, int(k), fill, dict(options), clear=False)
+        self.counterfactual_panel.set_busy(True)  # after _start parked the focus of the sweep button
         return True
 
     def attention_statistics(self, items: list, dataset: Path | None = None) -> bool:
@@ -690,7 +690,9 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
         # Disabling the focused button would hand the focus to the next field (the Question, its text
         # selected, so a key press replaces it): park it on the tabs and give it back afterwards.
         focused = QApplication.focusWidget()
+        panel = self.counterfactual_panel
         buttons = (self.answer_button, self.readout_button, self.ablate_button, self.patch_button)
+        buttons += (panel.run_button, panel.sweep_button)
         if busy and focused in (*buttons, self.model_folder_button, self.model_picker):
             self._focus_before_job = focused
             self.tabs.setFocus(Qt.FocusReason.OtherFocusReason)

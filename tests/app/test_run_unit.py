@@ -186,3 +186,24 @@ def test_after_an_ablation_the_focus_stays_off_the_question(qtbot, window):
     assert QApplication.focusWidget() is window.ablate_button
     assert window.question_edit.selectedText() == ""
     assert header(window, "counterfactual").startswith(f"run #{window.session.runs('intervention')[-1].id} · ")
+
+
+def test_after_a_counterfactual_run_the_focus_stays_on_run(qtbot, window):
+    """The same for the Counterfactual tab's Run: the panel's buttons are disabled while
+    the job runs, and the focus must not fall to the next field (the sweep's k, its text
+    selected) but come back to Run."""
+    window.activateWindow()
+    qtbot.waitUntil(lambda: QApplication.activeWindow() is window)
+    read_out(qtbot, window)
+    panel = window.counterfactual_panel
+    window.tabs.setCurrentIndex(window.tabs.indexOf(window.run_frames["counterfactual"]))
+    mask = np.zeros(panel.mask().shape, dtype=bool)
+    mask[: mask.shape[0] // 2, : mask.shape[1] // 2] = True
+    panel.canvas.set_mask(mask)
+    panel.run_button.setFocus()
+    assert QApplication.focusWidget() is panel.run_button
+    with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
+        qtbot.mouseClick(panel.run_button, Qt.MouseButton.LeftButton)
+        assert QApplication.focusWidget() is not panel.sweep_k  # not while the job runs either
+    assert QApplication.focusWidget() is panel.run_button and panel.sweep_k.lineEdit().selectedText() == ""
+    assert window.session.runs("counterfactual")
