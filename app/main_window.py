@@ -183,16 +183,12 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
         self.intervention_label.setWordWrap(True)
         # the intervention buttons go in the controls column beside the painter: on screen with it
         self.counterfactual_panel.add_controls(self.ablate_button, self.patch_button, self.intervention_label)
-        counterfactual_tab = QWidget()
-        counterfactual_layout = QVBoxLayout(counterfactual_tab)
-        counterfactual_layout.setContentsMargins(0, 0, 0, 0)
-        counterfactual_layout.addWidget(self.counterfactual_panel, stretch=1)
         # A scroll area keeps the painter's width from setting the tab widget's minimum (which
         # would squeeze the image canvas in every other tab); its own tab hides the canvas.
         counterfactual_scroll = QScrollArea()
         counterfactual_scroll.setWidgetResizable(True)
         counterfactual_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
-        counterfactual_scroll.setWidget(counterfactual_tab)
+        counterfactual_scroll.setWidget(self.counterfactual_panel)
         frames = self._frame_views(
             canvas=self.canvas,
             answer=answer_panel,
