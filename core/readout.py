@@ -104,6 +104,20 @@ class Target:
         return from_dict_fields(cls, d)
 
 
+def change_line(before: dict, after: dict, flipped: bool) -> str:
+    """One edit's effect on the answer: ``'blue' logit diff +3.210 -> +0.500, p 0.912
+    -> 0.300; predicted 'blue' -> 'red' (flipped)`` (the answer logit without a foil).
+    ``before`` / ``after``: :meth:`Target.to_dict`, or a stored run's target JSON (of
+    which it reads only answer, logit, logit_diff, prob and predicted)."""
+    score, a, b = "logit diff", before.get("logit_diff"), after.get("logit_diff")
+    if a is None or b is None:
+        score, a, b = "logit", before["logit"], after["logit"]
+    return (
+        f"{before['answer']!r} {score} {a:+.3f} -> {b:+.3f}, p {before['prob']:.3f} -> {after['prob']:.3f}; "
+        f"predicted {before['predicted']!r} -> {after['predicted']!r}" + (" (flipped)" if flipped else "")
+    )
+
+
 @runtime_checkable
 class Readout(Protocol):
     """What every method's result says about itself (see the module docstring).

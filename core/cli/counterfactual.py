@@ -21,6 +21,7 @@ from core.cli.args import add_model_args
 from core.cli.loading import load_from_args
 from core.cli.progress import progress_bar
 from core.errors import ReadoutError
+from core.readout import RecordedResult, change_line
 
 # a Gaussian sigma in pixels; past this the blur is flat over any image and its kernel only costs memory
 blur_radius = Number(float, 0, 1000, lo_open=True)
@@ -150,18 +151,10 @@ def run(args, load=load_from_args) -> int:
             routing=not args.no_routing,
         )
         out = result.to_dict()
-        o, e = result.original, result.edited
-        score = "logit diff" if o.logit_diff is not None else "logit"
-        before = o.logit_diff if o.logit_diff is not None else o.logit
-        after = e.logit_diff if e.logit_diff is not None else e.logit
-        line = (
-            f"{o.answer!r}: {score} {before:+.3f} -> {after:+.3f}, p {o.prob:.3f} -> {e.prob:.3f}; "
-            f"predicted {o.predicted!r} -> {e.predicted!r}" + (" (flipped)" if result.effect.flipped else "")
-        )
+        line = change_line(result.original.to_dict(), result.edited.to_dict(), result.effect.flipped)
     doc = {**out, **header}
     write_text_atomic(Path(args.json), json.dumps(doc, allow_nan=False) + "\n")
     if args.session:
-        from core.readout import RecordedResult
         from core.session import record_into
 
         extra = {"question": args.question, "paste_from": args.paste_from}  # the stored doc has the header too

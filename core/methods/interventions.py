@@ -35,7 +35,7 @@ from core.capture import Trace, capture, hooks
 from core.edits import Edit
 from core.errors import InterventionError
 from core.images import image_sha256, load_image
-from core.readout import Target
+from core.readout import Target, change_line
 
 # ---------------------------------------------------------------- answer read-outs
 
@@ -76,15 +76,7 @@ class InterventionEffect:
 
 def _effect_line(label: str, effect: InterventionEffect) -> str:
     """``label: 'blue' logit diff +3.210 -> +0.500, p 0.912 -> 0.300; predicted 'blue' -> 'red' (flipped)``."""
-    o, e = effect.original, effect.edited
-    score, before, after = "logit diff", o.logit_diff, e.logit_diff
-    if before is None or after is None:
-        score, before, after = "logit", o.logit, e.logit
-    flipped = " (flipped)" if effect.effect["flipped"] else ""
-    return (
-        f"{label}: {o.answer!r} {score} {before:+.3f} -> {after:+.3f}, p {o.prob:.3f} -> {e.prob:.3f}; "
-        f"predicted {o.predicted!r} -> {e.predicted!r}{flipped}"
-    )
+    return f"{label}: {change_line(effect.original.to_dict(), effect.edited.to_dict(), effect.effect['flipped'])}"
 
 
 def effect_of(label: str, edits: Sequence[Edit], original: Target, edited: Target) -> InterventionEffect:

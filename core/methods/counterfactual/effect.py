@@ -25,7 +25,7 @@ from core.methods.contributions import source_contributions
 from core.methods.counterfactual.fills import Fill, as_fill
 from core.methods.counterfactual.regions import RegionError, check_mask
 from core.methods.patterns import FULL_PATTERN_LIMIT, rollout, rollout_audit
-from core.readout import Target
+from core.readout import Target, change_line
 from core.stats import pearson, ranks, spearman
 
 SCHEMA_VERSION = 1
@@ -345,15 +345,8 @@ class RegionCounterfactual:
     def summary_of(doc: Mapping) -> str:
         """The one line of a ``counterfactual`` JSON: this result's, or a stored
         run's (the session's v2 migration backfills v1 runs with it)."""
-        o, e = doc["original"], doc["edited"]
-        score, before, after = "logit diff", o["logit_diff"], e["logit_diff"]
-        if before is None:
-            score, before, after = "logit", o["logit"], e["logit"]
-        flipped = " (flipped)" if doc["effect"].get("flipped") else ""
-        return (
-            f"fill {doc.get('fill')}: {o['answer']!r} {score} {before:+.3f} -> {after:+.3f}, p {o['prob']:.3f} -> "
-            f"{e['prob']:.3f}; predicted {o['predicted']!r} -> {e['predicted']!r}{flipped}"
-        )
+        flipped = bool(doc["effect"].get("flipped"))
+        return f"fill {doc.get('fill')}: {change_line(doc['original'], doc['edited'], flipped)}"
 
     def parameters(self) -> dict:
         return {**fill_run_parameters(self.original, self.fill), "mask_area_px": self.mask_area_px}
