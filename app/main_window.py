@@ -16,6 +16,7 @@ asks for.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,32 +44,38 @@ from PySide6.QtWidgets import (
 import core
 from app.canvas import ImageCanvas, describe_token_layout
 from app.components import ShownRun
+from app.components.selection import Selection, head_component, lens_component
 from app.jobs import (
+    AblationRequest,
     Ask,
     ablation_job,
     answer_job,
     answer_pairs_job,
     counterfactual_job,
+    default_patch_site,
     head_sources_job,
     patch_job,
+    patch_sites,
     readout_job,
     statistics_job,
     sweep_job,
 )
-from app.panels.answer_panel import AnswerPanel
-from app.panels.attention_panel import AttentionPanel
+from app.panels.answer_panel import AnswerPanel, TargetNote
+from app.panels.attention_panel import AttentionPanel, block_names
 from app.panels.audit_panel import AuditPanel
 from app.panels.counterfactual_panel import CounterfactualPanel
 from app.panels.dla_panel import DLAPanel
+from app.panels.intervention_panel import InterventionPanel
 from app.panels.lens_panel import LensPanel
 from app.recent_models import BUILTIN_MODELS, recent_models, remember_model
-from app.run_frame import INTERVENTION_HINT, TARGET_PLACEHOLDER, WorkspaceMixin
+from app.run_frame import TARGET_PLACEHOLDER, AnswerTokensMixin, WorkspaceMixin
 from app.samples import Sample, bundled_pairs_file, bundled_samples
-from app.session_view import SessionMixin, SessionWatch, open_start_session
+from app.session_view import SessionMixin, SessionWatch, asked_parameters, open_start_session
 from app.widgets import plain_label
 from app.workers import Worker, WorkerPool
 from core.images import image_sha256
 from core.readout import RecordedResult
+from core.views import patch_values
 
 # the formats core.images accepts (ACCEPTED_FORMATS)
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
@@ -84,7 +91,7 @@ def qimage_to_png(image: QImage) -> bytes:
     return bytes(data.data())
 
 
-class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
+class MainWindow(SessionMixin, AnswerTokensMixin, WorkspaceMixin, QMainWindow):
     """Image + question in, answer + top alternatives out.
 
     Opens on the first bundled sample. Nothing runs until
@@ -124,6 +131,7 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
         self.setAcceptDrops(True)
         self._build_widgets(model_spec)
         self._follow_fields()
+        self._follow_answer_tokens_fields()  # Generate, a token clicked, the typed-target note (app.run_frame)
         self._build_menus()
         self._set_busy(False)
         self._clear_answer()
@@ -158,31 +166,34 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
         self.answer_label, self.answer_caption = answer_panel.label, answer_panel.caption
         self.table_title, self.top_table = answer_panel.table_title, answer_panel.table
 
+        # the component selected last in Attention, DLA or Lens: the one the Interventions box ablates
+        self.selection = Selection(self.workspace)
         self.attention_panel = AttentionPanel()
         self.attention_panel.head_selected.connect(self.show_head_map)
+        self.attention_panel.head_selected.connect(self._select_head)
         self.dla_panel = DLAPanel()
         self.dla_panel.sources_requested.connect(self.request_head_sources)
         self.dla_panel.sources_shown.connect(self._show_sources_map)
+        self.dla_panel.component_selected.connect(lambda name: self.selection.select(name, "dla", self.analysis))
         self.lens_panel = LensPanel()
+        self.lens_panel.layer_selected.connect(self._select_lens_layer)
         self.counterfactual_panel = CounterfactualPanel()
         self.counterfactual_panel.run_requested.connect(self.run_counterfactual)
         self.counterfactual_panel.sweep_requested.connect(self.run_sweep)
         self.audit_panel = AuditPanel()
         self.audit_panel.export_requested.connect(self.export_audit)
-        self.ablate_button = QPushButton("Ablate selected head")
-        self.ablate_button.setToolTip(
-            "zero the write of the head selected in the Attention tab at the answer position and re-run"
-        )
-        self.ablate_button.clicked.connect(self.ablate_selected_head)
-        self.patch_button = QPushButton("Patch region from image…")
-        self.patch_button.setToolTip(
-            "copy the painted region's visual-token features from another image into this run (and back)"
-        )
-        self.patch_button.clicked.connect(self.patch_region_dialog)
-        self.intervention_label = plain_label(INTERVENTION_HINT)
-        self.intervention_label.setWordWrap(True)
-        # the intervention buttons go in the controls column beside the painter: on screen with it
-        self.counterfactual_panel.add_controls(self.ablate_button, self.patch_button, self.intervention_label)
+        self.intervention_panel = InterventionPanel(self.selection)
+        self.intervention_panel.ablate_requested.connect(self.ablate_selected)
+        self.intervention_panel.patch_requested.connect(self.patch_region)
+        samples = bundled_samples()
+        self.intervention_panel.set_references([s.image_path for s in samples], "bundled sample")
+        self.intervention_panel.set_sources([(s.image_path.name, s.image_path) for s in samples])
+        self.model_picker.currentTextChanged.connect(lambda _text: self._refresh_patch_sites())
+        self.idle.connect(self._refresh_patch_sites)  # a job may have loaded the model: its sites are known
+        # the intervention controls go in the controls column beside the painter (on screen with it),
+        # their results table in a tab beside the answer change
+        self.counterfactual_panel.add_controls(self.intervention_panel)
+        self.counterfactual_panel.add_results(self.intervention_panel.results, "Interventions")
         # A scroll area keeps the painter's width from setting the tab widget's minimum (which
         # would squeeze the image canvas in every other tab); its own tab hides the canvas.
         counterfactual_scroll = QScrollArea()
@@ -230,6 +241,7 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
         self.target_edit.setPlaceholderText(TARGET_PLACEHOLDER)
         self.foil_edit = QLineEdit()
         self.foil_edit.setPlaceholderText("foil token (optional: u = answer - foil)")
+        self.target_note = TargetNote()  # a typed word of several tokens: which sub-token is read
 
         self.progress_bar = QProgressBar()
         self.progress_bar.setTextVisible(False)
@@ -271,7 +283,8 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
         self.session_label = plain_label()
         self.session_label.setWordWrap(True)
         self.session_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        controls.addWidget(self.session_label, 5, 0, 1, 3)
+        controls.addWidget(self.target_note, 5, 0, 1, 3)
+        controls.addWidget(self.session_label, 6, 0, 1, 3)
 
         central = QWidget()
         layout = QVBoxLayout(central)
@@ -419,6 +432,7 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
         """Answer the shown question about the shown image in the background; False if not started."""
         if self.is_busy() or not self._has_image():
             return False
+        self._forget_answer_token()  # the model's answer: the first token after the bare prompt
         spec, question = self.model_spec(), self.question_edit.text().strip()
         caption = self._caption(question)
         asked = self.workspace.input
@@ -463,7 +477,8 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
 
     def _ask(self) -> Ask:
         """The shown model, image, question and target tokens, for a follow-up job."""
-        return Ask(self.model_spec(), self.image, self.question_edit.text().strip(), *self._targets())
+        question, answer_text = self.question_edit.text().strip(), self.workspace.input.answer_text
+        return Ask(self.model_spec(), self.image, question, *self._targets(), answer_text=answer_text)
 
     def run_readout(self) -> bool:
         """Answer and read out the shown pair in the background; False if not started."""
@@ -486,7 +501,7 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
             results = {"analyze": analysis, "answer": answered.to_dict()}
             self.workspace.show_run(ShownRun(run_id, "analyze", self._made_for(asked), results))
 
-        self._start(show, readout_job, self.model_cache, spec, image, question, answer, foil)
+        self._start(show, readout_job, self.model_cache, spec, image, question, answer, foil, asked.answer_text)
         return True
 
     def request_head_sources(self, layer: int, head: int) -> bool:
@@ -518,7 +533,7 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
             self.last_counterfactual = result
             self.counterfactual_panel.set_result(result)
             options_text = {k: str(v) for k, v in options.items()}
-            parameters = {"question": ask.question, "fill": fill, **options_text}
+            parameters = {**asked_parameters(ask.question, ask.answer_text), "fill": fill, **options_text}
             run_id = self._record(result, mask=mask, parameters=parameters)
             self.workspace.add_result("counterfactual", result.to_dict(), run_id, self._made_for(asked))
 
@@ -537,7 +552,7 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
             if result is None:
                 return
             self.counterfactual_panel.set_sweep(result)
-            run_id = self._record(result, parameters={"question": ask.question})
+            run_id = self._record(result, parameters=asked_parameters(ask.question, ask.answer_text))
             self.workspace.add_result("sweep", result.to_dict(), run_id, self._made_for(asked))
 
         self._start(show, sweep_job, self.model_cache, ask, int(k), fill, dict(options), clear=False)
@@ -570,66 +585,124 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
             items.append((sample.image_path, sample.question, mask))
         return self.attention_statistics(items, dataset=bundled_pairs_file())
 
-    def ablate_selected_head(self) -> bool:
-        """Zero the write of the head selected in the Attention tab (answer position) and show the effect."""
-        if self.is_busy() or self.image is None:
-            return False
-        selected = self.attention_panel.selected
-        if not selected:
-            self.show_error("select a head in the Attention tab first (Read out, then click a cell)")
-            return False
-        block, head = selected
-        ask, asked = self._ask(), self.workspace.input
+    # ----- interventions (the Counterfactual tab's Interventions box) ----
 
-        def show(result) -> None:
-            self.last_intervention = result
-            self._show_intervention_result(result.to_dict())  # as a restored run shows it
-            run_id = self._record(result, parameters={"question": ask.question})
-            self.workspace.add_result("intervention", result.to_dict(), run_id, self._made_for(asked))
+    def _block_names(self) -> list[str]:
+        """The shown read-out's block names, in block order (as the trace names them)."""
+        names = block_names(self.analysis or {})
+        return [names[i] for i in sorted(names)]
 
-        self._start(show, ablation_job, self.model_cache, ask, block, head, clear=False)
+    def _select_head(self, layer: int, head: int) -> None:
+        self.selection.select(head_component(self._block_names(), layer, head), "attention", self.analysis)
+
+    def _select_lens_layer(self, layer: int) -> None:
+        name, note = lens_component(self._block_names(), layer)
+        self.selection.select(name, "lens", self.analysis, note)
+
+    def _restore_selection(self, parameters: dict) -> None:
+        """A restored ablation's component, selected in the view it was selected in when it ran."""
+        name, view = parameters.get("component"), parameters.get("selected_in")
+        if isinstance(name, str) and view in ("attention", "dla", "lens"):
+            if view == "dla":
+                self.dla_panel.select_component(name)
+            self.selection.select(name, view, self.analysis)
+
+    def _refresh_patch_sites(self) -> None:
+        """The Interventions box offers the patch sites of the model picked, once it is loaded."""
+        loaded = self.model_cache.get(self.model_spec())
+        if isinstance(loaded, core.LoadedModel):
+            sites = patch_sites(loaded.adapter)
+            self.intervention_panel.set_patch_sites(sites, loaded.adapter.blocks, default_patch_site(sites))
+        else:
+            self.intervention_panel.set_patch_sites(None)
+
+    def _refuse_intervention(self, message: str) -> bool:
+        """An intervention that cannot run as chosen: the reason in the box and the error line."""
+        self.intervention_panel.show_message(message, error=True)
+        self.show_error(message)
+        return False
+
+    def ablate_selected(self) -> bool:
+        """Ablate the component selected last in Attention, DLA or Lens with the Interventions box's
+        kind (zero, mean over the bundled samples, resample from the source image) and positions, at
+        the answer token read out; the effect goes into the box's table. False, with the reason in
+        the window, when it cannot run as chosen."""
+        if self.is_busy() or not self._has_image():
+            return False
+        panel, selected = self.intervention_panel, self.selection.current
+        if selected is None:
+            return self._refuse_intervention(
+                "select a component first: Read out, then click a head (Attention), a bar (DLA) or a lens row (Lens)"
+            )
+        if selected.stale:
+            return self._refuse_intervention(
+                f"{selected.name} was selected in another read-out than the one shown: select it again"
+            )
+        from core.methods.component_ablation import parse_component  # loaded with the read-out it was selected in
+
+        try:
+            parse_component(selected.name, self._block_names())  # embed, a bias: not a write a forward can ablate
+        except core.ReadoutError as e:
+            return self._refuse_intervention(str(e))
+        kind, positions = panel.kind(), panel.positions()
+        mask = self.counterfactual_panel.mask() if positions == "region" else None
+        if mask is not None and not mask.any():
+            return self._refuse_intervention("positions 'painted region': paint a region in the Counterfactual tab")
+        request = AblationRequest(selected.name, selected.view, kind, positions, mask=mask)
+        if kind == "mean":
+            if not panel.references:
+                return self._refuse_intervention("mean ablation: no reference images (the bundled samples are missing)")
+            references = tuple(panel.references)
+            request = dataclasses.replace(request, references=references, reference_set=panel.reference_set)
+        elif kind == "resample":
+            source = panel.source()
+            if source is None:
+                return self._refuse_intervention("resample ablation: choose a source image (a sample or File…)")
+            request = dataclasses.replace(request, source=source, source_path=source)
+        self._start_intervention(ablation_job, request, mask=mask)
+        panel.show_message(f"running: {selected.name} {kind} ablation…")
         return True
 
-    def patch_region(self, source) -> bool:
-        """Patch the painted region's visual tokens from ``source`` (an image) into this run."""
-        if self.is_busy() or self.image is None:
+    def patch_region(self, source=None) -> bool:
+        """Patch visual-token features from ``source`` (an image; default: the Interventions box's
+        source) into this run and back, at the box's site: the painted region's tokens, or every
+        visual token with positions 'all positions'. False, with the reason in the window, when
+        it cannot run as chosen."""
+        if self.is_busy() or not self._has_image():
             return False
-        mask = self.counterfactual_panel.mask()
-        if not mask.any():
-            self.show_error("paint a region in the Counterfactual tab first")
-            return False
+        panel = self.intervention_panel
+        source = panel.source() if source is None else source
+        if source is None:
+            return self._refuse_intervention("patching: choose a source image (a sample or File…)")
+        mask = None if panel.positions() == "all" else self.counterfactual_panel.mask()
+        if mask is not None and not mask.any():
+            return self._refuse_intervention(
+                "patching: paint a region in the Counterfactual tab (or choose all positions: every visual token)"
+            )
         source_image = self._read_image(source)
         if source_image is None:
             return False
-        ask, asked = self._ask(), self.workspace.input
         # the source image as given (None for pixels): the result records it with its hash, so the
         # audit row names what was patched in
         source_path = str(source) if isinstance(source, (str, Path)) else None
-
-        def show(result) -> None:
-            self.last_intervention = result
-            self._show_intervention_result(result.to_dict())  # as a restored run shows it
-            run_id = self._record(result, mask=mask, parameters={"question": ask.question})
-            self.workspace.add_result("intervention", result.to_dict(), run_id, self._made_for(asked))
-
-        self._start(show, patch_job, self.model_cache, ask, source_image, mask, source_path, clear=False)
+        site, layer = panel.site_choice()
+        self._start_intervention(patch_job, source_image, mask, site, layer, source_path, mask=mask)
+        panel.show_message(f"running: patching at {site or 'the earliest visual site'}…")
         return True
 
-    def patch_region_dialog(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Patch from image", "", IMAGE_FILTER)
-        if path:
-            self.patch_region(path)
+    def _start_intervention(self, job, *args, mask) -> None:
+        """Run an intervention job on the shown input; its result fills the table and is recorded."""
+        ask, asked = self._ask(), self.workspace.input
 
-    def _show_intervention(self, label: str, effect: dict, row) -> None:
-        before, after = row.original, row.edited
-        text = (
-            f"{label}: predicted {before.predicted!r} -> {after.predicted!r}; "
-            f"answer logit {before.logit:.3f} -> {after.logit:.3f} ({effect['logit_change']:+.3f}), "
-            f"p {before.prob:.3f} -> {after.prob:.3f}"
-        )
-        if effect.get("logit_diff_change") is not None:
-            text += f", logit diff {effect['logit_diff_change']:+.3f}"
-        self.intervention_label.setText(text + (" — flipped" if effect.get("flipped") else ""))
+        def show(result) -> None:
+            if result is None:
+                return
+            self.last_intervention = result
+            self._show_intervention_result(result.to_dict())  # as a restored run shows it
+            run_id = self._record(result, mask=mask, parameters=asked_parameters(ask.question, ask.answer_text))
+            self.workspace.add_result("intervention", result.to_dict(), run_id, self._made_for(asked))
+
+        self._start(show, job, self.model_cache, ask, *args, clear=False)
 
     def cancel(self) -> None:
         """Ask the running job to stop; the window goes idle when it has."""
@@ -674,6 +747,7 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
         self.counterfactual_panel.set_busy(False)
         if status != "ready":  # its "running …" line is over; the status and error lines say why
             self.counterfactual_panel.show_message("")
+            self.intervention_panel.show_message("")
         self._set_busy(False)
         self.workspace.set_input(model_fingerprint=self._fingerprint(self.model_spec()))  # known once loaded
         loaded = self.model_cache.get(self.model_spec())
@@ -687,16 +761,16 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
         # selected, so a key press replaces it): park it on the tabs and give it back afterwards.
         focused = QApplication.focusWidget()
         panel = self.counterfactual_panel
-        buttons = (self.answer_button, self.readout_button, self.ablate_button, self.patch_button)
-        buttons += (panel.run_button, panel.sweep_button)
+        buttons = (self.answer_button, self.readout_button, panel.run_button, panel.sweep_button)
+        buttons += (self.intervention_panel.ablate_button, self.intervention_panel.patch_button)
         if busy and focused in (*buttons, self.model_folder_button, self.model_picker):
             self._focus_before_job = focused
             self.tabs.setFocus(Qt.FocusReason.OtherFocusReason)
         self.answer_button.setEnabled(not busy)
+        self.answer_panel.set_busy(busy)  # Generate and the answer's tokens
         self.readout_button.setEnabled(not busy)
         self.model_folder_button.setEnabled(not busy)
-        self.ablate_button.setEnabled(not busy)
-        self.patch_button.setEnabled(not busy)
+        self.intervention_panel.set_busy(busy)
         self.model_picker.setEnabled(not busy)
         self.cancel_button.setEnabled(busy)
         self.progress_bar.setRange(0, 0 if busy else 1)
@@ -737,7 +811,7 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
             self.canvas.clear_heatmap()
             return
         tokens = analysis["input"]["visual_tokens"]
-        self.canvas.set_tokens(tokens)
+        self.canvas.set_tokens(tokens, view_names=self._view_names(analysis))
         note = describe_token_layout(tokens, analysis["model"].get("family"))
         self.canvas.set_token_note(note)
         self.counterfactual_panel.set_tokens(tokens)
@@ -745,7 +819,7 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
         rollout = analysis.get("rollout")
         if rollout:
             self.canvas.set_heatmap(
-                np.asarray(rollout["visual_patch_mass"]),
+                self._patch_values(rollout),
                 label=f"rollout (alpha {rollout['alpha']}): structural-flow approximation, not a cause",
             )
         target = analysis["target"]
@@ -761,9 +835,19 @@ class MainWindow(SessionMixin, WorkspaceMixin, QMainWindow):
         row = self.attention_panel.head_row(layer, head)
         if row is not None:
             self.canvas.set_heatmap(
-                np.asarray(row["visual_patch_mass"]),
+                self._patch_values(row),
                 label=f"{row['block']}.H{head}: answer-row attention (routing only)",
             )
+
+    def _patch_values(self, section: dict) -> np.ndarray:
+        """One value per canvas token from a read-out section's patch grids (every view's, where it has them)."""
+        return patch_values(self.canvas.tokens, section["visual_patch_mass"], section.get("visual_patch_mass_by_image"))
+
+    @staticmethod
+    def _view_names(analysis: dict) -> dict[int, str]:
+        """The family's names of the run's views, as the analyze JSON records them
+        (``input.view_names``; ``{}``: the geometry names them)."""
+        return {int(k): v for k, v in (analysis["input"].get("view_names") or {}).items()}
 
     def _show_sources_map(self, layer: int, head: int, values) -> None:
         rows = (self.analysis or {}).get("attention", [])

@@ -10,8 +10,9 @@ window refreshes both tables there. Nothing refreshes them by hand after a recor
 
 A run is restored from what the session stored (:meth:`SessionMixin.restore_run`):
 the image (its file when that still holds the same pixels, else the stored
-pixels), the question, the model, the target fields and the panels, drawn from
-the stored result JSON exactly as they were drawn when the run was made.
+pixels), the question, the model, the answer token read out (the answer's
+tokens, the chosen one highlighted), the target fields and the panels, drawn
+from the stored result JSON exactly as they were drawn when the run was made.
 """
 
 from __future__ import annotations
@@ -21,18 +22,17 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import QFileDialog, QMessageBox
 
 import core
-from app.components.workspace import RunInput, ShownRun
+from app.components.workspace import AnswerTokens, RunInput, ShownRun, answer_token_label
 from app.jobs import answer_of, model_load_job
 from app.panels.history_panel import THUMBNAIL_PX, HistoryPanel
+from core.answer_text import AnswerText
 from core.images import image_sha256
-from core.readout import Target
 from core.session import Run, RunInfo, Session
 
 SESSION_FILTER = "VLM Readout sessions (*.vlmr *.sqlite *.db);;All files (*)"
@@ -135,14 +135,16 @@ def ablated_head(result: dict) -> tuple[int, int] | None:
     return int(block), int(head)
 
 
-def answer_text(kind: str, result) -> str:
-    """A history row's answer: the prediction (with its probability for analyze; before -> after for
-    an edited run)."""
+def history_answer(kind: str, result) -> str:
+    """A history row's answer: the prediction (with its probability and the answer token read
+    for analyze; before -> after for an edited run)."""
     if not isinstance(result, dict):
         return ""
     if kind == "analyze":
         top = (result.get("target") or {}).get("top") or []
-        return f"{top[0][0]} (p {float(top[0][1]):.3f})" if top else ""
+        answer_text = AnswerText.from_dict(result.get("input") or {})
+        at = f" at {answer_token_label(answer_text)}" if answer_text is not None else ""
+        return f"{top[0][0]} (p {float(top[0][1]):.3f}){at}" if top else ""
     if kind == "counterfactual":
         before, after = result.get("original"), result.get("edited")
     elif kind == "intervention":
@@ -163,15 +165,31 @@ def question_of(run: Run) -> str:
     return str(question or "")
 
 
-def target_fields(kind: str, result) -> tuple[str, str]:
-    """What the Target and foil fields held for the run: the answer token when it was not the model's
-    own top token (an empty field asks for that), the foil when there was one. Either way a re-run
-    reads the same numbers."""
+def answer_text_of(run: Run) -> AnswerText | None:
+    """The answer token the run read out: an analyze run's ``input`` records it, a follow-up the
+    app recorded names it in its parameters (:func:`asked_parameters`); None: the first token after
+    the bare prompt."""
+    result = run.result if isinstance(run.result, dict) else {}
+    source = result.get("input") if run.kind == "analyze" else run.parameters
+    return AnswerText.from_dict(source or {})
+
+
+def asked_parameters(question: str, answer_text: AnswerText | None) -> dict:
+    """The parameters the app records with a follow-up run: the question, and the answer token
+    read out (its answer's tokens and index: what a restore needs to read there again)."""
+    return {"question": question, **(answer_text.to_dict() if answer_text is not None else {})}
+
+
+def target_fields(kind: str, result, answer_text: AnswerText | None = None) -> tuple[str, str]:
+    """What the Target and foil fields held for the run: the answer token when it was not the one
+    an empty field asks for (the answer token read, ``answer_text``, else the model's own top
+    token), the foil when there was one. Either way a re-run reads the same numbers."""
     target = unedited_target(kind, result)
     if target is None:
         return "", ""
     answer = target.get("answer") or ""
-    if target.get("answer_id") is not None and target.get("answer_id") == target.get("predicted_id"):
+    default = answer_text.token_id if answer_text is not None else target.get("predicted_id")
+    if target.get("answer_id") is not None and target.get("answer_id") == default:
         answer = ""
     return answer, target.get("foil") or ""
 
@@ -189,6 +207,7 @@ class RestoredRun:
     fingerprint: str | None
     answer: str
     foil: str
+    answer_text: AnswerText | None = None  # the answer token read out (None: the first token, bare prompt)
     analysis: dict | None = None  # the run's own analyze result, or the latest of the same input
     analysis_id: int | None = None
     mask: np.ndarray | None = None
@@ -201,6 +220,7 @@ class RestoredRun:
             question=self.question,
             model_spec=self.spec,
             model_fingerprint=self.fingerprint,
+            answer_text=self.answer_text,
             answer=self.answer or None,
             foil=self.foil or None,
         )
@@ -211,9 +231,9 @@ class SessionMixin:
     with ``session``, ``session_watch``, ``workspace``, ``tabs``, ``audit_panel``,
     ``session_label``, ``image``, ``model_cache``, ``model_picker``,
     ``question_edit``, ``target_edit``, ``foil_edit``, ``counterfactual_panel``,
-    ``intervention_label``, ``model_spec()``, ``set_image``, ``show_error``,
+    ``intervention_panel``, ``model_spec()``, ``set_image``, ``show_error``,
     ``is_busy()``, ``_start``, ``_caption``, ``_show_answer``, ``_show_analysis``,
-    ``_show_intervention`` and ``statusBar()``)."""
+    ``_restore_selection`` and ``statusBar()``)."""
 
     read_only_source: Path | None = None  # the file opened read-only, when the session is its copy
     _scratch_folder: Path | None = None  # where that copy lives (removed with it)
@@ -318,7 +338,7 @@ class SessionMixin:
                 "image": Path(stored.path).name if stored and stored.path else (info.image_sha256 or "")[:12],
                 "thumbnail": self._thumbnail(info.image_sha256),
                 "question": question_of(run),
-                "answer": answer_text(run.kind, run.result) or info.summary,
+                "answer": history_answer(run.kind, run.result) or info.summary,
                 "model": info.model or "",
             }
             self._history_rows[info.id] = row
@@ -364,7 +384,7 @@ class SessionMixin:
         self.target_edit.setText(restored.answer)
         self.foil_edit.setText(restored.foil)
         sha = image_sha256(restored.image)
-        self.workspace.set_input(**dataclasses.asdict(restored.input(sha)))
+        self.workspace.set_input(**restored.input(sha).fields())
         results = {run.kind: run.result}
         try:
             self._draw_run(restored)
@@ -394,7 +414,8 @@ class SessionMixin:
         """Read everything run ``run_id`` needs from the session (nothing on screen changes)."""
         run = self.session.run(run_id)
         image, name, path = self._run_image(run)
-        answer, foil = target_fields(run.kind, run.result)
+        answer_text = answer_text_of(run)
+        answer, foil = target_fields(run.kind, run.result, answer_text)
         restored = RestoredRun(
             run,
             image,
@@ -405,11 +426,12 @@ class SessionMixin:
             (run.model or {}).get("fingerprint"),
             answer,
             foil,
+            answer_text,
         )
         if run.kind == "analyze":
             restored.analysis, restored.analysis_id = run.result, run.id
         elif run.kind in PANEL_KINDS:
-            restored.analysis_id, restored.analysis = self._analysis_of_input(run, restored.question)
+            restored.analysis_id, restored.analysis = self._analysis_of_input(run, restored.question, answer_text)
         if run.mask_id is not None:
             restored.mask = self.session.mask(run.mask_id)
         return restored
@@ -439,17 +461,36 @@ class SessionMixin:
             )
         return image, name, None
 
-    def _analysis_of_input(self, run: Run, question: str) -> tuple[int | None, dict | None]:
-        """The latest analyze run before ``run`` on the same image, question and model (its id and
-        result), or ``(None, None)``: what the read-out panels showed when ``run`` was made."""
+    def _analysis_of_input(
+        self, run: Run, question: str, answer_text: AnswerText | None = None
+    ) -> tuple[int | None, dict | None]:
+        """The latest analyze run before ``run`` on the same image, question, model and answer token
+        (its id and result), or ``(None, None)``: what the read-out panels showed when ``run`` was made."""
         spec = (run.model or {}).get("spec")
         for info in reversed(self.session.runs("analyze")):
             if info.id > run.id or info.image_sha256 != run.image_sha256 or info.model != spec:
                 continue
             candidate = self.session.run(info.id)
-            if question_of(candidate) == question:
+            if question_of(candidate) == question and answer_text_of(candidate) == answer_text:
                 return info.id, candidate.result
         return None, None
+
+    def _answer_tokens_of(self, input: RunInput, answer_text: AnswerText) -> AnswerTokens:
+        """The answer a run read out at ``answer_text`` as tokens, with each token's probability and
+        the stop reason when the session holds the generation of that answer (same image, question,
+        model and tokens)."""
+        for info in reversed(self.session.runs("generate")):
+            if info.image_sha256 != input.image_sha256 or info.model != input.model_spec:
+                continue
+            candidate = self.session.run(info.id)
+            result = candidate.result if isinstance(candidate.result, dict) else {}
+            if question_of(candidate) == input.question and tuple(result.get("token_ids") or ()) == (
+                answer_text.token_ids
+            ):
+                from core.generate import Generation
+
+                return AnswerTokens.of_generation(Generation.from_dict(result), input)
+        return AnswerTokens.of_answer_text(answer_text, input)
 
     def _draw_run(self, restored: RestoredRun) -> None:
         """Fill the Answer tab, the read-out panels, the canvas and the run's own panel."""
@@ -460,7 +501,13 @@ class SessionMixin:
             self._show_answer(answer_of(analysis), self._caption(restored.question))
         if restored.mask is not None and restored.mask.shape == (restored.image.height, restored.image.width):
             self.counterfactual_panel.canvas.set_mask(restored.mask, undoable=False)
-        if run.kind == "counterfactual":
+        if run.kind == "generate":  # the answer's clickable tokens, as generated
+            from core.generate import Generation
+
+            tokens = AnswerTokens.of_generation(Generation.from_dict(run.result), self.workspace.input)
+            self._set_answer_tokens(tokens)
+            self.answer_panel.show_generated(tokens, self._caption(restored.question))
+        elif run.kind == "counterfactual":
             self.counterfactual_panel.set_result(run.result)
         elif run.kind == "sweep":
             self.counterfactual_panel.set_sweep(run.result)
@@ -469,16 +516,12 @@ class SessionMixin:
             if head is not None and analysis is not None:
                 self.attention_panel.select_head(*head)  # its map goes onto the canvas, as when it was ablated
             self._show_intervention_result(run.result)
+            self._restore_selection(run.parameters or {})  # the component ablated, in the view it was selected in
 
     def _show_intervention_result(self, result: dict) -> None:
-        """The intervention line of a stored intervention result (an ablation or a visual patch)."""
-        found = intervention_effect(result)
-        if found is None:
-            self.intervention_label.setText("intervention: no edit set ran")
-            return
-        label, effect = found
-        row = SimpleNamespace(original=Target.from_dict(effect["original"]), edited=Target.from_dict(effect["edited"]))
-        self._show_intervention(label, effect["effect"], row)
+        """The Interventions table of a stored intervention result (an ablation or a visual patch)."""
+        self.intervention_panel.show_result(result)
+        self.counterfactual_panel.show_results(self.intervention_panel.results)
 
     def _load_run_model(self, restored: RestoredRun) -> None:
         """Load the run's model in a worker when it is not loaded (follow-ups need it); say so when

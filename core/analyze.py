@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from core.answer_text import AnswerText
 from core.audit import AuditRecord
 from core.capture import capture
 from core.errors import QuestionError
@@ -19,6 +20,7 @@ from core.images import image_sha256, load_image
 from core.methods.patterns import FULL_PATTERN_LIMIT  # re-exported: core.analyze.FULL_PATTERN_LIMIT
 from core.readout import Target, jsonable
 from core.readouts import ANALYZE_READOUTS, READOUTS, TEXT_PATTERN_LIMIT, ReadoutOptions, SampleContext
+from core.views import family_view_names
 
 __all__ = ["FULL_PATTERN_LIMIT", "SCHEMA_VERSION", "TEXT_PATTERN_LIMIT", "TOP_K", "AnalyzeResult", "analyze"]
 
@@ -61,6 +63,7 @@ class AnalyzeResult(dict):
     rollout: dict | None
     text_patterns: dict
     audit: list[AuditRecord]
+    answer_patterns: dict | None = None
     rollout_alpha: float | None = None
     schema_version: int = SCHEMA_VERSION
     kind: ClassVar[str] = "analyze"
@@ -78,6 +81,7 @@ class AnalyzeResult(dict):
             "attention": self.attention,
             "rollout": self.rollout,
             "text_patterns": self.text_patterns,
+            "answer_patterns": self.answer_patterns,
             "audit": [a.to_dict() for a in self.audit],
         }
         dict.update(self, jsonable(doc))
@@ -106,6 +110,7 @@ class AnalyzeResult(dict):
             attention=d["attention"],
             rollout=rollout,
             text_patterns=d.get("text_patterns"),
+            answer_patterns=d.get("answer_patterns"),
             audit=[AuditRecord.from_dict(a) for a in d.get("audit", [])],
             rollout_alpha=rollout["alpha"] if rollout else None,
             schema_version=d.get("schema_version", SCHEMA_VERSION),
@@ -115,6 +120,8 @@ class AnalyzeResult(dict):
         """One line: the answer (p, predicted, logit difference vs the foil), the
         most visual head, the largest frozen-scale DLA component, the reconstruction error."""
         parts = ["answer " + self.target.line()]
+        if self.answer_text is not None:
+            parts[0] += f" at answer {self.answer_text.label()}"
         heads = [h for h in self.attention if h.get("visual_mass") is not None]
         if heads:
             h = max(heads, key=lambda h: h["visual_mass"])
@@ -137,6 +144,9 @@ class AnalyzeResult(dict):
         }
         if self.input.get("raw_prompt"):
             out["raw_prompt"] = True
+        if self.answer_text is not None:
+            out["answer_text"] = self.answer_text.text
+            out["answer_token_index"] = self.answer_text.index
         if self.tuned_lens is not None:
             out["tuned_lens"] = True
         return out
@@ -144,21 +154,32 @@ class AnalyzeResult(dict):
     def audit_records(self) -> list[AuditRecord]:
         return list(self.audit)
 
+    @property
+    def answer_text(self) -> AnswerText | None:
+        """The answer token read out (None: the first token after the bare prompt)."""
+        return AnswerText.from_dict(self.input)
+
 
 def analyze(
     loaded,
     image,
     question: str,
     *,
-    answer: str | None = None,
-    foil: str | None = None,
+    answer: str | int | None = None,
+    foil: str | int | None = None,
     rollout_alpha: float = 0.5,
     tuned=None,
     raw_prompt: bool = False,
+    answer_text: AnswerText | None = None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> AnalyzeResult:
     """Run the model once and read it out. ``answer`` defaults to the model's
-    own top token; ``foil`` is optional (then ``u`` is the answer's column).
+    own top token; ``foil`` is optional (then ``u`` is the answer's column); each
+    a token string or a token id.
+    ``answer_text``: read out at one token of an answer (teacher forcing: the
+    prompt plus the answer's tokens before it, see :mod:`core.answer_text`);
+    the answer then defaults to that token, and ``input`` records the answer's
+    tokens and the index read.
     ``tuned``: a :class:`core.methods.tuned_lens.TunedLens` of this model; its
     reader and baselines are added as ``tuned_lens`` beside the logit lens.
     ``raw_prompt``: let the question hold the model's special tokens (see
@@ -174,19 +195,24 @@ def analyze(
     adapter = loaded.adapter
     img = load_image(image)
     step(0, 4, "capturing")
-    inputs = adapter.prepare([img], [question], raw_prompt=raw_prompt)
+    prefix = answer_text.prefix_ids if answer_text is not None else ()
+    inputs = adapter.prepare([img], [question], raw_prompt=raw_prompt, answer_prefix=prefix)
     n_tokens = inputs.input_ids.shape[1]
     full = n_tokens <= FULL_PATTERN_LIMIT
-    query_positions = range(n_tokens) if full else _non_visual_rows(adapter, inputs)
+    query_positions = range(n_tokens) if full else _non_visual_rows(adapter, inputs, len(prefix))
     trace = capture(loaded, img, question, query_positions=query_positions, inputs=inputs)
     pos = int(trace.answer_positions[0])
     logits = trace.logits[0, pos].float().cpu()
     predicted = int(logits.argmax())
-    answer_id = adapter.token_id(answer) if answer else predicted
-    foil_id = adapter.token_id(foil) if foil else None
+    if answer is not None and answer != "":
+        answer_id = adapter.as_token_id(answer)
+    else:
+        answer_id = answer_text.token_id if answer_text is not None else predicted
+    foil_id = adapter.as_token_id(foil) if foil is not None and foil != "" else None
     if foil_id == answer_id:
         raise QuestionError("the foil must differ from the answer")
     tokens = adapter.visual_tokens(img.size, trace.visual_positions[0].tolist())
+    view_names = family_view_names(adapter, img.size)  # the views the geometry cannot name (core.views)
     options = ReadoutOptions(rollout_alpha=rollout_alpha, lens_top_k=LENS_TOP_K, answer_top_k=TOP_K, tuned=tuned)
     ctx = SampleContext(
         loaded,
@@ -205,6 +231,7 @@ def analyze(
         tokens,
         position=pos,
         question=question,
+        answer_prefix=tuple(prefix),
     )
     sections: dict[str, Any] = {}
     audits: list[AuditRecord] = []
@@ -230,6 +257,8 @@ def analyze(
             "image_sha256": image_sha256(img),
             "image_size": list(img.size),
             "visual_tokens": [t.to_dict() for t in tokens],
+            **({"view_names": view_names} if view_names else {}),
+            **(answer_text.to_dict() if answer_text is not None else {}),
         },
         target=Target.from_dict(target),
         top=top,
@@ -239,11 +268,13 @@ def analyze(
     )
 
 
-def _non_visual_rows(adapter, inputs) -> list[int]:
+def _non_visual_rows(adapter, inputs, n_answer_prefix: int = 0) -> list[int]:
     """The pattern rows a long prompt keeps: the last :data:`TEXT_PATTERN_LIMIT`
     non-visual positions up to the answer (the answer row among them), a superset
-    of the text rows the text-text patterns read (token roles need a trace)."""
+    of the text rows the text-text patterns read (token roles need a trace), and
+    every answer row (the prompt's last token and the ``n_answer_prefix`` answer
+    tokens after it: ``answer_patterns``)."""
     answer = int(inputs.answer_positions[0])
     visual = set(adapter.visual_positions(inputs)[0].tolist())
     rows = [p for p in range(answer + 1) if p not in visual]
-    return rows[-TEXT_PATTERN_LIMIT:]
+    return sorted(set(rows[-TEXT_PATTERN_LIMIT:]) | set(range(answer - n_answer_prefix, answer + 1)))

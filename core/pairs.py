@@ -151,6 +151,9 @@ class Pair:
         image: the image path as the file wrote it; ``image_path`` resolved.
         question: the question text.
         answer, foil: target and competing token, or None.
+        answer_text, answer_token_index: read out at token ``answer_token_index``
+            (default 0) of this answer text (teacher forcing, core.answer_text),
+            or None: the first token after the prompt.
         target_mask: resolved path of the region mask (white = region, the
             image's size; :func:`load_pair_mask`), or None.
         id, kind, template: free-text labels, or None.
@@ -165,6 +168,8 @@ class Pair:
     answer: str | None = None
     foil: str | None = None
     target_mask: Path | None = None
+    answer_text: str | None = None
+    answer_token_index: int | None = None
     id: str | None = None
     kind: str | None = None
     template: str | None = None
@@ -189,6 +194,16 @@ def pairs_file(path: str | Path, what: str = "pairs file") -> Path:
             f"{p}: is a folder, not a {what}; expected {DATASET_JSONL} or exactly one *.jsonl in it, found {len(found)}"
         )
     return found[0]
+
+
+def index_field(row: dict, key: str, where: str) -> int | None:
+    """``row[key]`` as a non-negative integer, or None when absent or null."""
+    value = row.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InputFileError(f'{where}: "{key}" must be a non-negative integer, got {json.dumps(value)[:40]}')
+    return value
 
 
 def _label(row: dict, key: str) -> str | None:
@@ -218,6 +233,10 @@ def read_pairs(path: str | Path, *, limit: int | None = None, what: str = "pairs
         answer = text_field(row, "answer", where, required=False)
         foil = text_field(row, "foil", where, required=False)
         mask = text_field(row, "target_mask", where, required=False)
+        answer_text = text_field(row, "answer_text", where, required=False)
+        token_index = index_field(row, "answer_token_index", where)
+        if token_index is not None and answer_text is None:
+            raise InputFileError(f'{where}: "answer_token_index" needs an "answer_text"')
         pairs.append(
             Pair(
                 index=len(pairs),
@@ -229,6 +248,8 @@ def read_pairs(path: str | Path, *, limit: int | None = None, what: str = "pairs
                 answer=answer,
                 foil=foil,
                 target_mask=resolve_beside(f, mask) if mask else None,
+                answer_text=answer_text,
+                answer_token_index=token_index,
                 id=_label(row, "id"),
                 kind=_label(row, "kind"),
                 template=_label(row, "template"),

@@ -10,6 +10,11 @@ Heatmaps are drawn per patch (one filled box per visual token) by default.
 The "interpolated" toggle swaps in an upsampled smooth view and, while it is
 on, a banner on the canvas says ``interpolated: visual smoothing, not a
 causal pixel mask``.
+
+A tiled or multi-view model sees the image several times (:mod:`core.views`):
+the view selector draws one view's grid and heatmap, or all views laid out on
+the image (the finest on top), and a dashed outline marks the region of the
+image each shown view covers (LLaVA-1.5's centre crop leaves the sides out).
 """
 
 from __future__ import annotations
@@ -36,8 +41,12 @@ from PySide6.QtWidgets import (
 )
 
 from app.canvas.brush import MaskPainter
+from app.canvas.items import GridItem, PatchHeatmapItem, box_rect, cosmetic_pen, layer_clips
+from app.canvas.views import ALL_VIEWS, ViewSelector, default_choice, shown_views
 from app.widgets import ElidedLabel, plain_label
 from core.methods.counterfactual import INTERPOLATED_FLAG
+from core.methods.patterns import primary_image as _primary_image
+from core.views import ImageView, image_views
 
 INTERPOLATED_TEXT = f"interpolated: {INTERPOLATED_FLAG}"
 MODES = ("view", "brush", "eraser", "box")
@@ -96,17 +105,9 @@ def as_canvas_tokens(tokens: Sequence) -> list[CanvasToken]:
 
 
 def primary_image(tokens: Sequence[CanvasToken]) -> int | None:
-    """The image whose patch boxes cover the most area (the whole-image view;
-    the same rule as ``core.methods.patterns.primary_image``)."""
-    area: dict[int, float] = {}
-    for t in tokens:
-        if t.col >= 0:
-            x0, y0, x1, y1 = t.box
-            area[t.image] = area.get(t.image, 0.0) + max(0.0, x1 - x0) * max(0.0, y1 - y0)
-    if not area:
-        return None
-    best = max(area.values())
-    return min(im for im, a in area.items() if a >= best * (1 - 1e-9))
+    """The image whose patch boxes cover the most area (the whole-image view:
+    ``core.methods.patterns.primary_image``); None without patch tokens."""
+    return _primary_image(tokens) if any(t.col >= 0 for t in tokens) else None
 
 
 def describe_token_layout(tokens: Sequence, family: str | None = None) -> str:
@@ -120,8 +121,8 @@ def describe_token_layout(tokens: Sequence, family: str | None = None) -> str:
     fam = (family or "").lower()
     if len(images) > 1:
         notes.append(
-            f"visual tokens come from {len(images)} views of the image (tiles and a whole-image view); "
-            f"the grid shows the whole-image view (image {primary_image(toks)})"
+            f"visual tokens come from {len(images)} views of the image: the view selector draws one of them, "
+            "or all laid out on the image (the finest on top)"
         )
     if fam.startswith("qwen2") or "qwen" in fam:
         notes.append("each visual token is a merged 2x2 block of patches")
@@ -129,99 +130,9 @@ def describe_token_layout(tokens: Sequence, family: str | None = None) -> str:
         notes.append("each visual token is a pixel-shuffled block of patches")
     if no_patch:
         notes.append(
-            f"{no_patch} visual token(s) have no patch of their own (newline / CLS / pooled) and are not drawn"
+            f"{no_patch} visual token(s) have no patch of their own (newline / CLS / pooled): no cell on the image"
         )
     return "; ".join(notes)
-
-
-class _BoxesItem(pg.GraphicsObject):
-    """Base of the grid and heatmap items: boxes in image pixels; ``paint``
-    draws only the boxes that meet the exposed rectangle, so a brush repaint
-    of a small dirty rectangle stays cheap with thousands of cells."""
-
-    def __init__(self):
-        super().__init__()
-        self.setFlag(QGraphicsItem.GraphicsItemFlag.ItemUsesExtendedStyleOption, True)
-        self._boxes = np.zeros((0, 4))
-        self._bounds = QRectF()
-
-    def _set_boxes(self, boxes: np.ndarray) -> None:
-        self.prepareGeometryChange()
-        self._boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
-        if len(self._boxes):
-            x0, y0 = self._boxes[:, 0].min(), self._boxes[:, 1].min()
-            x1, y1 = self._boxes[:, 2].max(), self._boxes[:, 3].max()
-            self._bounds = QRectF(x0, y0, x1 - x0, y1 - y0)
-        else:
-            self._bounds = QRectF()
-        self.update()
-
-    def _exposed(self, option) -> np.ndarray:
-        """Indices of the boxes that meet the exposed rectangle (with a pixel of slack for pens)."""
-        r = option.exposedRect.adjusted(-1, -1, 1, 1)
-        b = self._boxes
-        return np.nonzero(
-            (b[:, 0] <= r.right()) & (b[:, 2] >= r.left()) & (b[:, 1] <= r.bottom()) & (b[:, 3] >= r.top())
-        )[0]
-
-    def boundingRect(self) -> QRectF:
-        return self._bounds.adjusted(-1, -1, 1, 1)
-
-
-class GridItem(_BoxesItem):
-    """Outlines of the patch boxes (a thin cosmetic pen: one screen pixel at any zoom)."""
-
-    def __init__(self):
-        super().__init__()
-        self.rects: list[QRectF] = []
-        self._pens = [QPen(QColor(0, 0, 0, 120), 0), QPen(QColor(255, 255, 255, 200), 0, Qt.PenStyle.DashLine)]
-        for pen in self._pens:
-            pen.setCosmetic(True)
-
-    def set_rects(self, rects: list[QRectF]) -> None:
-        self.rects = rects
-        self._set_boxes([(r.left(), r.top(), r.right(), r.bottom()) for r in rects])
-
-    def paint(self, p, option, widget=None) -> None:
-        if not self.rects:
-            return
-        rects = [self.rects[i] for i in self._exposed(option)]
-        p.setBrush(Qt.BrushStyle.NoBrush)
-        for pen in self._pens:
-            p.setPen(pen)
-            p.drawRects(rects)
-
-
-class PatchHeatmapItem(_BoxesItem):
-    """One filled box per visual token, coloured by its value (NaN: not drawn)."""
-
-    def __init__(self):
-        super().__init__()
-        self.cells: list[tuple[CanvasToken, float, QColor]] = []
-
-    def set_cells(self, cells: list[tuple[CanvasToken, float, QColor]]) -> None:
-        self.cells = cells
-        self._rects = [_rect(t.box) for t, _, _ in cells]
-        self._set_boxes([t.box for t, _, _ in cells])
-
-    def paint(self, p, option, widget=None) -> None:
-        p.setPen(Qt.PenStyle.NoPen)
-        for i in self._exposed(option):
-            _, value, color = self.cells[i]
-            if np.isfinite(value):
-                p.fillRect(self._rects[i], color)
-
-
-def _rect(box) -> QRectF:
-    x0, y0, x1, y1 = box
-    return QRectF(x0, y0, x1 - x0, y1 - y0)
-
-
-def _cosmetic_pen(color: QColor, width: float, style: Qt.PenStyle = Qt.PenStyle.SolidLine) -> QPen:
-    """A pen whose width is in screen pixels, whatever the zoom."""
-    pen = QPen(color, width, style)
-    pen.setCosmetic(True)
-    return pen
 
 
 class _CanvasViewBox(pg.ViewBox):
@@ -253,7 +164,8 @@ class ImageCanvas(QWidget):
     """An image with its visual-token grid, a patch heatmap and a paintable mask.
 
     Data in: :meth:`set_image`, :meth:`set_tokens`, :meth:`set_heatmap`,
-    :meth:`set_token_note`, :meth:`set_mask`. Tools: :meth:`set_mode`
+    :meth:`set_token_note`, :meth:`set_mask`; :meth:`set_view` picks the view
+    of a tiled or multi-view model (the selector above the image). Tools: :meth:`set_mode`
     (``"view"`` pans and zooms; ``"brush"``, ``"eraser"``, ``"box"`` edit the
     mask), :meth:`set_brush_size`, :meth:`undo`, :meth:`redo`,
     :meth:`clear_mask`. Painting by program (tests, scripts) uses
@@ -264,22 +176,32 @@ class ImageCanvas(QWidget):
         mask_changed(np.ndarray): ``(H, W)`` bool copy after each finished edit.
         token_hovered(int): the hovered token's position in the token list, -1 for none.
         mode_changed(str): the tool changed.
+        view_changed(object): the shown view changed (a view's ``image``, or ``"all"``).
     """
 
     mask_changed = Signal(object)
     token_hovered = Signal(int)
     mode_changed = Signal(str)
+    view_changed = Signal(object)
 
     def __init__(self, parent: QWidget | None = None, *, paint: bool = False):
         super().__init__(parent)
         self.image: np.ndarray | None = None
         self.tokens: list[CanvasToken] = []
-        self.cells: list[CanvasToken] = []  # the tokens drawn as grid cells (col >= 0, shown image)
-        self.shown_image: int | None = None
+        self.cells: list[CanvasToken] = []  # the tokens drawn as grid cells (col >= 0, shown views), token order
+        self.views: list[ImageView] = []  # every view of the image in the token list (core.views)
+        self.shown: list[ImageView] = []  # the views drawn, in draw-layer order (finest first)
+        self.shown_image: int | None = None  # the shown view's image; None for all views
+        self._view_choice: int | str | None = None  # a view's image, ALL_VIEWS, or None (no views)
+        self._wanted_view: str | None = None  # the name of the view the user picked, kept across runs
+        self._view_names: dict[int, str] = {}
+        self._cell_layers = np.zeros(0, dtype=int)  # each cell's draw layer (index into self.shown)
+        self._clips: list = [None]  # each draw layer's clip path (items.layer_clips)
         self.values: np.ndarray | None = None  # per token in self.tokens (NaN: none)
         self.levels: tuple[float, float] | None = None
         self.colormap: pg.ColorMap | None = None
         self.heatmap_label = ""
+        self._heat_request: tuple = (None, None)  # the levels and colour map set_heatmap was given
         self._boxes = np.zeros((0, 4))
         self._mode = "view"
         self._interpolated = False
@@ -320,6 +242,9 @@ class ImageCanvas(QWidget):
         top.addWidget(self.heatmap_check)
         top.addWidget(self.interpolated_check)
         top.addWidget(self.fit_button)
+        self.view_selector = ViewSelector()
+        self.view_selector.currentIndexChanged.connect(self._on_view_picked)
+        top.addWidget(self.view_selector)
         top.addSpacing(12)
         top.addWidget(self.heatmap_title, stretch=1)
 
@@ -346,12 +271,14 @@ class ImageCanvas(QWidget):
         self.heatmap_item = self._overlay(PatchHeatmapItem(), 10, opacity=0.55)
         self.smooth_item = self._overlay(pg.ImageItem(axisOrder="row-major"), 10, opacity=0.55, hidden=True)
         self.grid_item = self._overlay(GridItem(), 20)
-        self.hover_item = self._overlay(QGraphicsRectItem(), 40, pen=_cosmetic_pen(QColor(255, 200, 0), 2), hidden=True)
+        # the region each shown view covers (dashed, above the grid): the crop the processor kept
+        self.outline_item = self._overlay(GridItem([cosmetic_pen(QColor(255, 140, 0), 2, Qt.PenStyle.DashLine)]), 25)
+        self.hover_item = self._overlay(QGraphicsRectItem(), 40, pen=cosmetic_pen(QColor(255, 200, 0), 2), hidden=True)
         self.cursor_item = self._overlay(
-            QGraphicsEllipseItem(), 50, pen=_cosmetic_pen(QColor(20, 20, 20), 1), hidden=True
+            QGraphicsEllipseItem(), 50, pen=cosmetic_pen(QColor(20, 20, 20), 1), hidden=True
         )
         self.box_item = self._overlay(
-            QGraphicsRectItem(), 50, pen=_cosmetic_pen(QColor(255, 0, 170), 2, Qt.PenStyle.DashLine), hidden=True
+            QGraphicsRectItem(), 50, pen=cosmetic_pen(QColor(255, 0, 170), 2, Qt.PenStyle.DashLine), hidden=True
         )
         self.box_item.setBrush(QBrush(QColor(255, 0, 170, 40)))
 
@@ -407,7 +334,8 @@ class ImageCanvas(QWidget):
     def set_image(self, image) -> None:
         """Show ``image``: a PIL image or an ``(H, W)``, ``(H, W, 3)`` or ``(H, W, 4)``
         uint8 array (row 0 at the top). The mask starts empty at the image's size
-        and the undo history is cleared; tokens and heatmap are kept."""
+        and the undo history is cleared; tokens, view and heatmap are kept (the
+        views' regions are clipped to the new image)."""
         if isinstance(image, Image.Image):
             image = np.asarray(image.convert("RGBA" if image.mode in ("RGBA", "LA", "P") else "RGB"))
         arr = np.asarray(image)
@@ -418,6 +346,9 @@ class ImageCanvas(QWidget):
         self.image = arr
         self.image_item.setImage(arr, autoLevels=False, levels=(0, 255))
         self.painter.reset(arr.shape[:2])
+        if self.tokens:
+            self.views = image_views(self.tokens, self.image_size(), self._view_names)
+            self._show_view(self._view_choice)
         self._clear_hover()
         self.fit_view()  # a new image is seen whole, whatever the zoom on the last one
 
@@ -440,20 +371,93 @@ class ImageCanvas(QWidget):
         """``(width, height)`` of the shown image."""
         return None if self.image is None else (self.image.shape[1], self.image.shape[0])
 
-    def set_tokens(self, tokens: Sequence | None, image: int | str | None = "primary") -> None:
+    def set_tokens(
+        self,
+        tokens: Sequence | None,
+        image: int | str | None = "primary",
+        *,
+        view_names: Mapping[int, str] | None = None,
+    ) -> None:
         """Draw the patch grid of ``tokens`` (:class:`core.geometry.VisualToken` or
         their JSON dicts; boxes in original-image pixels). Tokens with ``col < 0``
-        (newline, CLS) are not cells. ``image``: which image's (tile's) tokens are
-        cells: ``"primary"`` (the whole-image view, default), an index, or None for all.
-        The heatmap is cleared."""
+        (newline, CLS) are not cells. The tokens' views (:func:`core.views.image_views`,
+        named by ``view_names = {image: name}`` from the family where given) fill
+        the view selector. The heatmap is cleared.
+
+        Args:
+            image: the view drawn: ``"primary"`` (default: the view the user last
+                picked when these tokens have one of that name, else
+                :func:`app.canvas.views.default_choice`), a view's ``image``, or
+                None for all views laid out on the image.
+        """
         self.tokens = as_canvas_tokens(tokens or [])
+        self._view_names = dict(view_names or {})
+        self.views = image_views(self.tokens, self.image_size(), self._view_names)
         if image == "primary":
-            image = primary_image(self.tokens)
-        self.shown_image = image
-        self.cells = [t for t in self.tokens if t.col >= 0 and (image is None or t.image == image)]
-        self._boxes = np.array([t.box for t in self.cells], dtype=np.float64).reshape(-1, 4)
-        self.grid_item.set_rects([_rect(t.box) for t in self.cells])
+            choice = self._wanted_choice()
+        elif image is None:
+            choice = ALL_VIEWS if self.views else None
+        else:
+            choice = int(image)
         self.clear_heatmap()  # and the hover read-outs
+        self._show_view(choice)
+
+    # ----- views ---------------------------------------------------------
+
+    def set_view(self, choice: int | str) -> None:
+        """Draw one view (its ``image``) or ``"all"`` views laid out on the image;
+        the heatmap shows the same run's values of the new cells. The choice is
+        kept for later runs that have a view of the same name."""
+        choices = self.view_selector.choices()
+        if choice not in choices:
+            listed = ", ".join(repr(c) for c in choices) or "none"
+            raise ValueError(f"no view {choice!r} in these tokens; the views are {listed}")
+        self._wanted_view = ALL_VIEWS if choice == ALL_VIEWS else next(v.name for v in self.views if v.image == choice)
+        if choice != self._view_choice:
+            self._show_view(choice)
+            self.view_changed.emit(choice)
+
+    def view_choice(self) -> int | str | None:
+        """The shown view's ``image``, ``"all"``, or None without views."""
+        return self._view_choice
+
+    def _on_view_picked(self, index: int) -> None:
+        if index >= 0:
+            self.set_view(self.view_selector.itemData(index))
+
+    def _wanted_choice(self) -> int | str | None:
+        """The view the user last picked, if these tokens have it by name; else the default view."""
+        if self._wanted_view == ALL_VIEWS and len(self.views) > 1:
+            return ALL_VIEWS
+        named = [v.image for v in self.views if v.name == self._wanted_view]
+        return named[0] if named else default_choice(self.views, primary_image(self.tokens))
+
+    def _show_view(self, choice: int | str | None) -> None:
+        """Make ``choice``'s patch tokens the cells (token order; each in the draw
+        layer of its view), with its outlines, and redraw the heatmap on them."""
+        if choice == ALL_VIEWS and len(self.views) == 1:
+            choice = self.views[0].image
+        self._view_choice = choice
+        self.shown = shown_views(self.views, choice)
+        self.shown_image = None if choice == ALL_VIEWS else choice
+        layer_of = {i: k for k, v in enumerate(self.shown) for i in v.items}
+        items = sorted(layer_of)
+        self.cells = [self.tokens[i] for i in items]
+        self._cell_layers = np.array([layer_of[i] for i in items], dtype=int)
+        self._boxes = np.array([t.box for t in self.cells], dtype=np.float64).reshape(-1, 4)
+        self._clips = [None]
+        if len(self.shown) > 1:  # a finer view hides the coarser ones under its extent
+            bounds = box_rect(
+                (self._boxes[:, 0].min(), self._boxes[:, 1].min(), self._boxes[:, 2].max(), self._boxes[:, 3].max())
+            ).adjusted(-2, -2, 2, 2)
+            self._clips = layer_clips([[v.extent] for v in self.shown], bounds)
+        self.grid_item.set_rects([box_rect(t.box) for t in self.cells], self._cell_layers, self._clips)
+        self.outline_item.set_rects([box_rect(v.region) for v in self.shown])
+        self.view_selector.set_choices(self.views, choice)
+        if self.values is not None:
+            self._draw_heatmap()
+        else:
+            self._clear_hover()
 
     def set_heatmap(
         self,
@@ -467,12 +471,14 @@ class ImageCanvas(QWidget):
 
         Args:
             values: one value per token in the :meth:`set_tokens` list
-                (``(n_tokens,)``), or one per drawn cell in order, or a grid
-                ``(rows, cols)`` indexed by the cells' ``row, col`` (the
-                ``visual_patch_mass`` layout), or ``{token index: value}``.
-                NaN leaves a cell empty. None clears the heatmap.
+                (``(n_tokens,)``; a read-out's grids of every view give it with
+                :func:`core.views.patch_values`), or one per drawn cell in order,
+                or a grid ``(rows, cols)`` indexed by the primary image's tokens'
+                ``row, col`` (the ``visual_patch_mass`` layout), or ``{token
+                index: value}``. NaN leaves a cell empty. None clears the heatmap.
+                The values are kept per token: another view shows its own.
             label: what the values are (shown above the canvas and on the colour bar).
-            levels: ``(low, high)`` of the colour scale; default: the data's
+            levels: ``(low, high)`` of the colour scale; default: the drawn cells'
                 range, symmetric around 0 when the values change sign.
             colormap: a pyqtgraph colour-map name or ColorMap; default
                 viridis, or a diverging blue-white-red map for signed values.
@@ -480,8 +486,16 @@ class ImageCanvas(QWidget):
         if values is None:
             self.clear_heatmap()
             return
-        per_token = self._values_per_token(values)
-        cell_values = np.array([per_token[t.item] for t in self.cells], dtype=np.float64)
+        self.values = self._values_per_token(values)
+        self.heatmap_label = label
+        self._heat_request = (levels, colormap)
+        self._draw_heatmap()
+
+    def _draw_heatmap(self) -> None:
+        """Colour the drawn cells by :attr:`values`; the scale and map follow what is drawn unless they were given."""
+        levels, colormap = self._heat_request
+        label = self.heatmap_label
+        cell_values = np.array([self.values[t.item] for t in self.cells], dtype=np.float64)
         finite = cell_values[np.isfinite(cell_values)]  # the scale covers what is drawn
         signed = finite.size and finite.min() < 0 < finite.max()
         if levels is None:
@@ -500,10 +514,15 @@ class ImageCanvas(QWidget):
         if colormap is None:
             colormap = DIVERGING_MAP if signed else SEQUENTIAL_MAP
         cmap = pg.colormap.get(colormap) if isinstance(colormap, str) else colormap
-        self.values, self.levels, self.colormap, self.heatmap_label = per_token, (lo, hi), cmap, label
+        self.levels, self.colormap = (lo, hi), cmap
         colors = self._colors(cell_values)
         self.heatmap_item.set_cells(
-            [(t, float(v), QColor(int(c[0]), int(c[1]), int(c[2]))) for t, v, c in zip(self.cells, cell_values, colors)]
+            [
+                (t, float(v), QColor(int(c[0]), int(c[1]), int(c[2])))
+                for t, v, c in zip(self.cells, cell_values, colors)
+            ],
+            self._cell_layers,
+            self._clips,
         )
         self.colorbar.setColorMap(cmap)
         self.colorbar.setLevels((lo, hi))
@@ -517,6 +536,7 @@ class ImageCanvas(QWidget):
         """No heatmap: its cells, its title and colour-bar label, and the hover read-outs go."""
         self.values = self.levels = self.colormap = None
         self.heatmap_label = ""
+        self._heat_request = (None, None)
         self.heatmap_item.set_cells([])
         self.smooth_item.clear()
         self.heatmap_title.setText("")
@@ -561,9 +581,10 @@ class ImageCanvas(QWidget):
                     out[by_index[int(k)]] = np.nan if v is None else float(v)
             return out
         arr = np.array(values, dtype=np.float64)  # None -> nan
-        if arr.ndim == 2:
-            for t in self.cells:
-                if 0 <= t.row < arr.shape[0] and 0 <= t.col < arr.shape[1]:
+        if arr.ndim == 2:  # the primary image's grid: other views get no values from it
+            primary = primary_image(self.tokens)
+            for t in self.tokens:
+                if t.col >= 0 and t.image == primary and t.row < arr.shape[0] and t.col < arr.shape[1]:
                     out[t.item] = arr[t.row, t.col]
             return out
         if arr.ndim == 1 and len(arr) == n:
@@ -574,7 +595,7 @@ class ImageCanvas(QWidget):
             return out
         raise ValueError(
             f"{arr.shape} heatmap values do not fit {n} tokens ({len(self.cells)} grid cells): give one value "
-            "per token, one per cell, or a (rows, cols) grid"
+            "per token, one per cell, or the primary image's (rows, cols) grid"
         )
 
     def _colors(self, values: np.ndarray) -> np.ndarray:
@@ -632,38 +653,53 @@ class ImageCanvas(QWidget):
         self.colorbar.setVisible(has)
 
     def _update_smooth(self) -> None:
-        """Bilinear upsampling of the cell grid over the grid's pixel extent (display only)."""
+        """Bilinear upsampling of each shown view's cell grid over its pixel extent
+        (display only); with several views the finer are drawn over the coarser, as the cells are."""
         if not self._interpolated or self.values is None or not self.cells:
             return
-        rows = max(t.row for t in self.cells) + 1
-        cols = max(t.col for t in self.cells) + 1
-        grid = np.full((rows, cols), np.nan, dtype=np.float32)
-        for t in self.cells:
-            grid[t.row, t.col] = self.values[t.item]
         x0, y0 = self._boxes[:, 0].min(), self._boxes[:, 1].min()
         x1, y1 = self._boxes[:, 2].max(), self._boxes[:, 3].max()
         w, h = max(x1 - x0, 1.0), max(y1 - y0, 1.0)
         scale = min(1.0, MAX_SMOOTH_SIDE / max(w, h))
-        out_w, out_h = max(cols, int(round(w * scale))), max(rows, int(round(h * scale)))
+        out_w, out_h = max(1, int(round(w * scale))), max(1, int(round(h * scale)))
+        if len(self.shown) == 1:  # at least one pixel per cell
+            out_w, out_h = max(self.shown[0].grid[1], out_w), max(self.shown[0].grid[0], out_h)
+        rgba = np.zeros((out_h, out_w, 4), dtype=np.uint8)
+        for k in reversed(range(len(self.shown))):  # the coarsest first, the finest on top
+            view = self.shown[k]
+            grid = np.full(view.grid, np.nan, dtype=np.float32)
+            for t in (self.cells[i] for i in np.nonzero(self._cell_layers == k)[0]):
+                grid[t.row, t.col] = self.values[t.item]
+            ex0, ey0, ex1, ey1 = view.extent
+            px0, px1 = int(round((ex0 - x0) / w * out_w)), int(round((ex1 - x0) / w * out_w))
+            py0, py1 = int(round((ey0 - y0) / h * out_h)), int(round((ey1 - y0) / h * out_h))
+            px1, py1 = max(px1, px0 + 1), max(py1, py0 + 1)
+            rgba[py0:py1, px0:px1] = self._smooth_rgba(grid, px1 - px0, py1 - py0)
+        self.smooth_item.setImage(rgba, autoLevels=False, levels=(0, 255))
+        self.smooth_item.setRect(QRectF(x0, y0, w, h))
+
+    def _smooth_rgba(self, grid: np.ndarray, out_w: int, out_h: int) -> np.ndarray:
+        """``(out_h, out_w, 4)`` uint8: ``grid (rows, cols)`` upsampled bilinearly on the
+        colour map; cells without a value stay transparent (nearest-neighbour holes)."""
         missing = ~np.isfinite(grid)
         filled = np.where(missing, np.nanmean(grid) if (~missing).any() else 0.0, grid).astype(np.float32)
         smooth = np.asarray(Image.fromarray(filled, mode="F").resize((out_w, out_h), Image.BILINEAR))
         holes = np.asarray(Image.fromarray(missing.astype(np.uint8) * 255).resize((out_w, out_h), Image.NEAREST)) > 0
-        rgba = self._colors(np.where(holes, np.nan, smooth).ravel()).reshape(out_h, out_w, 4)
-        self.smooth_item.setImage(rgba, autoLevels=False, levels=(0, 255))
-        self.smooth_item.setRect(QRectF(x0, y0, w, h))
+        return self._colors(np.where(holes, np.nan, smooth).ravel()).reshape(out_h, out_w, 4)
 
     # ----- hover ---------------------------------------------------------
 
     def token_at(self, x: float, y: float) -> CanvasToken | None:
-        """The drawn cell whose box holds image point ``(x, y)`` (the smallest
-        box when boxes overlap), or None."""
+        """The drawn cell whose box holds image point ``(x, y)``: of the top view
+        there (the finest, with all views laid out), the smallest box when boxes overlap; or None."""
         if not len(self._boxes):
             return None
         b = self._boxes
         inside = np.nonzero((x >= b[:, 0]) & (x < b[:, 2]) & (y >= b[:, 1]) & (y < b[:, 3]))[0]
         if not len(inside):
             return None
+        layers = self._cell_layers[inside]
+        inside = inside[layers == layers.min()]
         areas = (b[inside, 2] - b[inside, 0]) * (b[inside, 3] - b[inside, 1])
         return self.cells[int(inside[int(np.argmin(areas))])]
 
@@ -699,7 +735,7 @@ class ImageCanvas(QWidget):
         self.hover_label.setText(text or HOVER_PROMPT)
         self.view.setToolTip(text)
         if t is not None:
-            self.hover_item.setRect(_rect(t.box))
+            self.hover_item.setRect(box_rect(t.box))
             self.hover_item.show()
         else:
             self.hover_item.hide()

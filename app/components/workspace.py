@@ -10,7 +10,12 @@ history a view can list and restore.
 A run is the unit: one :class:`RunInput` (what was asked) and the results it
 produced, each in the engine's result vocabulary (the JSON a
 :class:`core.readout.Readout` writes, ``to_dict()``), keyed by run kind
-("answer", "analyze", "counterfactual", "sweep", "intervention").
+("answer", "generate", "analyze", "counterfactual", "sweep", "intervention").
+
+A run may read out at one token of an answer (:class:`core.answer_text.AnswerText`,
+``RunInput.answer_text``): choosing another token is another input, so every
+view drawn for the previous token turns stale. :class:`AnswerTokens` is the
+answer the window shows as clickable tokens, and the input it answers.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.components.events import Event
+from core.answer_text import AnswerText
 
 QUESTION_CHARS = 40  # a question longer than this is shortened in headers
 
@@ -28,9 +34,12 @@ COMPARED_FIELDS = {
     "image_sha256": "image",
     "question": "question",
     "model_spec": "model",
+    "answer_text": "answer token",
     "answer": "target",
     "foil": "foil",
 }
+# what is asked about: an answer (generated, or its tokens chosen) belongs to one image, question and model
+ASKED_FIELDS = ("image_sha256", "question", "model_spec")
 
 
 def short_question(question: str, limit: int = QUESTION_CHARS) -> str:
@@ -51,18 +60,27 @@ def short_model(spec: str) -> str:
     return spec
 
 
+def answer_token_label(answer_text: AnswerText) -> str:
+    """``answer token 2 'square'``: which token of the answer a run reads out (0 = the first)."""
+    return f"answer token {answer_text.index} {answer_text.token!r}"
+
+
 @dataclass(frozen=True)
 class RunInput:
     """What one run asks: the image (pixels' SHA-256 as :func:`core.images.image_sha256`,
     and the path as given, None for pasted or dropped bytes), the question, the model
-    (spec as typed and, once loaded, its fingerprint), and the answer and foil tokens
-    the user asked for (None: the model's top token / no foil)."""
+    (spec as typed and, once loaded, its fingerprint), the answer token read out
+    (``answer_text``: token ``index`` of an answer, read after the prompt and the
+    answer's tokens before it; None: the first token after the bare prompt), and the
+    answer and foil tokens the user asked for (None: the model's top token, or the
+    answer token read out, / no foil)."""
 
     image_sha256: str | None = None
     image_path: str | None = None
     question: str = ""
     model_spec: str = ""
     model_fingerprint: str | None = None
+    answer_text: AnswerText | None = None
     answer: str | None = None
     foil: str | None = None
 
@@ -75,8 +93,11 @@ class RunInput:
         return "no image"
 
     def describe(self) -> str:
-        """One line: question, image, model (and the target tokens when the user chose them)."""
+        """One line: question, image, model (and the answer token read out, the target tokens
+        when the user chose them)."""
         parts = [short_question(self.question), self.image_name(), short_model(self.model_spec)]
+        if self.answer_text is not None:
+            parts.append(answer_token_label(self.answer_text))
         if self.answer:
             parts.append(f"target {self.answer!r}" + (f" vs {self.foil!r}" if self.foil else ""))
         elif self.foil:
@@ -88,8 +109,76 @@ class RunInput:
         return tuple(getattr(self, name) for name in COMPARED_FIELDS)
 
     def differences(self, other: RunInput) -> list[str]:
-        """The names (image, question, model, target, foil) of what differs from ``other``."""
+        """The names (image, question, model, answer token, target, foil) of what differs from ``other``."""
         return [label for name, label in COMPARED_FIELDS.items() if getattr(self, name) != getattr(other, name)]
+
+    def asked(self) -> tuple:
+        """What an answer to this input belongs to: the image pixels, the question and the model."""
+        return tuple(getattr(self, name) for name in ASKED_FIELDS)
+
+    def fields(self) -> dict:
+        """Every field by name (not :func:`dataclasses.asdict`, which would turn ``answer_text`` into a dict)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class AnswerTokens:
+    """An answer shown as clickable tokens: generated (each token's probability and why
+    generation stopped) or read back from a run's input (``probs`` and ``stop_reason``
+    None when not known), and the input it answers (``made_for``)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    tokens: tuple[str, ...]
+    made_for: RunInput
+    probs: tuple[float, ...] | None = None
+    stop_reason: str | None = None
+    top: tuple[tuple[tuple[str, float], ...], ...] | None = None  # per token, the alternatives at its step
+
+    @classmethod
+    def of_generation(cls, generation, made_for: RunInput) -> AnswerTokens:
+        """The tokens of a :class:`core.generate.Generation` (or anything with its fields)."""
+        return cls(
+            generation.text,
+            tuple(int(i) for i in generation.token_ids),
+            tuple(generation.tokens),
+            made_for,
+            tuple(float(p) for p in generation.probs),
+            generation.stop_reason,
+            tuple(tuple((str(t), float(p)) for t, p in step) for step in generation.top),
+        )
+
+    @classmethod
+    def of_answer_text(cls, answer_text: AnswerText, made_for: RunInput, probs=None, stop_reason=None) -> AnswerTokens:
+        return cls(
+            answer_text.text,
+            answer_text.token_ids,
+            answer_text.tokens,
+            made_for,
+            None if probs is None else tuple(float(p) for p in probs),
+            stop_reason,
+        )
+
+    def at(self, index: int) -> AnswerText:
+        """Token ``index`` of this answer, as a read-out's target (QuestionError outside it)."""
+        return AnswerText(self.text, self.token_ids, self.tokens, index)
+
+    def answers(self, input: RunInput) -> bool:
+        """Whether this is an answer to ``input`` (same image pixels, question and model)."""
+        return self.made_for.asked() == input.asked()
+
+    def holds(self, answer_text: AnswerText | None) -> bool:
+        """Whether ``answer_text`` is a token of this answer."""
+        return answer_text is not None and answer_text.token_ids == self.token_ids
+
+    def find(self, tokens: tuple[str, ...] | list[str]) -> int | None:
+        """The first index where ``tokens`` (token strings, as :meth:`Adapter.token_str`
+        writes them) stand in this answer in a row, or None."""
+        tokens = tuple(tokens)
+        if not tokens:
+            return None
+        starts = range(len(self.tokens) - len(tokens) + 1)
+        return next((i for i in starts if self.tokens[i : i + len(tokens)] == tokens), None)
 
 
 @dataclass
@@ -153,7 +242,7 @@ class Workspace:
     def set_input(self, **changes) -> bool:
         """Change fields of :attr:`input` (``""`` answer / foil: none asked); emits
         ``input_changed(fields=...)`` only when something changed. True if it did."""
-        for name in ("answer", "foil"):
+        for name in ("answer", "foil", "answer_text"):
             if name in changes and not changes[name]:
                 changes[name] = None
         new = dataclasses.replace(self.input, **changes)
@@ -202,7 +291,7 @@ class Workspace:
 
     def is_current(self, run: ShownRun | None = None) -> bool:
         """Whether ``run`` (default: the shown run) was made for the current input:
-        same image pixels, question, model spec, answer and foil tokens."""
+        same image pixels, question, model spec, answer token read out, answer and foil tokens."""
         run = self.shown if run is None else run
         return run is not None and run.input.key() == self.input.key()
 

@@ -1,23 +1,146 @@
 """The Answer tab: the answer with its probability, a caption (model, image,
-question), and a table of the top alternatives or of many pairs' answers."""
+question), a table of the top alternatives or of many pairs' answers; the
+model's generated answer as clickable tokens; and, beside the chosen token's
+patch map, the answer tokens' attention to the question, to earlier answer
+tokens and to the image (:class:`app.panels.answer_patterns_panel.AnswerPatternsPanel`).
+
+"Generate" emits :attr:`AnswerPanel.generate_requested` (the token budget); the
+window runs the generation in a worker and hands the tokens back with
+:meth:`AnswerPanel.show_tokens`. Clicking token ``k`` emits
+:attr:`AnswerPanel.token_chosen` (``k``): the window makes it the target of
+every panel. The panel never runs the model.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget
+from PySide6.QtCore import QPoint, QRect, QSize, Qt, Signal
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QButtonGroup,
+    QHBoxLayout,
+    QHeaderView,
+    QLayout,
+    QPushButton,
+    QScrollArea,
+    QSpinBox,
+    QTableWidget,
+    QTableWidgetItem,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
 
 import core
-from app.widgets import plain_label
+from app.components.workspace import AnswerTokens, answer_token_label
+from app.panels.answer_patterns_panel import AnswerPatternsPanel
+from app.widgets import box, plain_label
+from core.answer_text import AnswerText
 
 NO_ANSWER = "no answer yet"
+NO_TOKENS = "Generate: the model's answer, token by token; click a token to read every panel at it"
+CHOOSE_TOKEN = "click a token to read every panel at it (the prompt and the answer's tokens before it are the input)"
+OTHER_INPUT = "generated for another image, question or model: Generate again to read this input's answer"
+CHOSEN_STYLE = "QToolButton:checked { background: #1f5fb4; color: white; font-weight: bold; }"
+MAX_GENERATE_TOKENS = 256
+TOKEN_ROWS = 3  # rows of token buttons shown before the area scrolls
+TABLE_ROWS = 5  # rows of the answer table shown before it scrolls (the top alternatives)
+
+
+class FlowLayout(QLayout):
+    """Items left to right, wrapping onto a new line where the width ends (Qt's flow layout example)."""
+
+    def __init__(self, parent: QWidget | None = None, spacing: int = 4):
+        super().__init__(parent)
+        self._items: list = []
+        self.setContentsMargins(0, 0, 0, 0)
+        self.setSpacing(spacing)
+
+    def addItem(self, item) -> None:  # noqa: N802 (Qt's name)
+        self._items.append(item)
+
+    def count(self) -> int:
+        return len(self._items)
+
+    def itemAt(self, index: int):  # noqa: N802
+        return self._items[index] if 0 <= index < len(self._items) else None
+
+    def takeAt(self, index: int):  # noqa: N802
+        return self._items.pop(index) if 0 <= index < len(self._items) else None
+
+    def expandingDirections(self) -> Qt.Orientation:  # noqa: N802
+        return Qt.Orientation(0)
+
+    def hasHeightForWidth(self) -> bool:  # noqa: N802
+        return True
+
+    def heightForWidth(self, width: int) -> int:  # noqa: N802
+        return self._arrange(QRect(0, 0, width, 0), move=False)
+
+    def setGeometry(self, rect: QRect) -> None:  # noqa: N802
+        super().setGeometry(rect)
+        self._arrange(rect, move=True)
+
+    def sizeHint(self) -> QSize:  # noqa: N802
+        return self.minimumSize()
+
+    def minimumSize(self) -> QSize:  # noqa: N802
+        size = QSize()
+        for item in self._items:
+            size = size.expandedTo(item.minimumSize())
+        return size
+
+    def _arrange(self, rect: QRect, move: bool) -> int:
+        """Place the items in rows within ``rect``'s width (``move``: set their geometry); the height used."""
+        x, y, row_height, gap = rect.x(), rect.y(), 0, self.spacing()
+        for item in self._items:
+            hint = item.sizeHint()
+            if x + hint.width() > rect.right() + 1 and row_height > 0:  # wrap
+                x, y, row_height = rect.x(), y + row_height + gap, 0
+            if move:
+                item.setGeometry(QRect(QPoint(x, y), hint))
+            x += hint.width() + gap
+            row_height = max(row_height, hint.height())
+        return y + row_height - rect.y()
 
 
 class AnswerPanel(QWidget):
-    """``label`` (the answer), ``caption``, ``table_title`` and ``table``; it never runs the model."""
+    """``label`` (the answer), ``caption``, ``table_title`` and ``table``; the generated
+    answer's tokens (``token_buttons``) and ``patterns``; it never runs the model."""
+
+    generate_requested = Signal(int)  # the most tokens to generate
+    token_chosen = Signal(int)  # the answer token clicked (0 = the first)
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
+        self.answer_tokens: AnswerTokens | None = None
+        self.token_buttons: list[QToolButton] = []
+        self.generate_button = QPushButton("Generate")
+        self.generate_button.setToolTip("the model's answer, decoded greedily token by token (cancellable)")
+        self.generate_button.clicked.connect(self.request_generate)
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setRange(1, MAX_GENERATE_TOKENS)
+        self.max_tokens.setPrefix("up to ")
+        self.max_tokens.setSuffix(" tokens")
+        self.stop_label = plain_label()
+        self.stop_label.setStyleSheet("color: #555;")
+        self.tokens_note = plain_label(NO_TOKENS, wrap=True)
+        self.tokens_note.setStyleSheet("color: #555;")
+        self._token_group = QButtonGroup(self)
+        self._token_group.setExclusive(True)
+        self._token_group.idClicked.connect(self._on_token_clicked)
+        self._flow_holder = QWidget()
+        self._flow = FlowLayout(self._flow_holder)
+        # In a scroll area: a flow's height for a narrow width (one button a row) must not become the
+        # window's minimum height; the area shows up to TOKEN_ROWS rows and scrolls the rest.
+        self.tokens_area = QScrollArea()
+        self.tokens_area.setWidgetResizable(True)
+        self.tokens_area.setFrameShape(QScrollArea.Shape.NoFrame)
+        self.tokens_area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.tokens_area.setWidget(self._flow_holder)
+        self.tokens_area.setVisible(False)
+
         self.label = plain_label(NO_ANSWER)
         font = self.label.font()
         font.setPointSizeF(font.pointSizeF() * 1.5)
@@ -31,17 +154,122 @@ class AnswerPanel(QWidget):
         self.table.verticalHeader().setVisible(False)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setWordWrap(False)
+        self.table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 6)  # 5 rows fit
+        self.patterns = AnswerPatternsPanel()
+
         layout = QVBoxLayout(self)
+        layout.addLayout(box(QHBoxLayout(), self.generate_button, self.max_tokens, (self.stop_label, 1)))
+        layout.addWidget(self.tokens_area)
+        layout.addWidget(self.tokens_note)
         layout.addWidget(self.label)
         layout.addWidget(self.caption)
         layout.addWidget(self.table_title)
         layout.addWidget(self.table, stretch=1)
+        layout.addWidget(self.patterns, stretch=1)
+
+    def set_generate_budget(self, tokens: int) -> None:
+        self.max_tokens.setValue(int(tokens))
+
+    def request_generate(self) -> bool:
+        """Ask for a generation (the window runs it); False while a job runs."""
+        if not self.generate_button.isEnabled():
+            return False
+        self.generate_requested.emit(self.max_tokens.value())
+        return True
+
+    def set_busy(self, busy: bool) -> None:
+        """No generation and no token choice while a job runs."""
+        self.generate_button.setEnabled(not busy)
+        self._enable_tokens(not busy and self._usable)
+
+    # ----- the answer's tokens
+
+    _usable = False  # the shown tokens answer the current input (clickable)
+
+    def show_tokens(self, tokens: AnswerTokens | None, chosen: int | None = None, *, usable: bool = True) -> None:
+        """Draw ``tokens`` as buttons (``chosen`` highlighted), each with its probability
+        when known; ``usable`` False: they answer another input (shown, not clickable)."""
+        self.answer_tokens = tokens
+        for button in self.token_buttons:
+            self._token_group.removeButton(button)
+            self._flow.removeWidget(button)
+            button.deleteLater()
+        self.token_buttons = []
+        if tokens is None:
+            self.tokens_area.setVisible(False)
+            self.stop_label.setText("")
+            self._usable = False
+            self.tokens_note.setText(NO_TOKENS)
+            return
+        for k, token in enumerate(tokens.tokens):
+            button = QToolButton()
+            prob = tokens.probs[k] if tokens.probs is not None else None
+            button.setText(token if prob is None else f"{token}\n{prob:.3f}")
+            button.setCheckable(True)
+            button.setStyleSheet(CHOSEN_STYLE)
+            alternatives = tokens.top[k] if tokens.top is not None else ()
+            button.setToolTip(
+                f"answer token {k}: {token!r} (id {tokens.token_ids[k]})"
+                + (f", p = {prob:.4f} when generated" if prob is not None else "")
+                + (f"; alternatives {', '.join(f'{t!r} {p:.3f}' for t, p in alternatives)}" if alternatives else "")
+                + "; click to read every panel at this token"
+            )
+            self._token_group.addButton(button, k)
+            self._flow.addWidget(button)
+            self.token_buttons.append(button)
+        self.tokens_area.setVisible(bool(self.token_buttons))
+        self._fit_tokens_area()
+        stop = f"stopped: {tokens.stop_reason}" if tokens.stop_reason else ""
+        self.stop_label.setText(f"{len(tokens.tokens)} tokens" + (f"; {stop}" if stop else ""))
+        self.set_chosen(chosen)
+        self.set_usable(usable)
+
+    def _fit_tokens_area(self) -> None:
+        """The tokens' area as tall as its rows of buttons, up to :data:`TOKEN_ROWS` rows (then it scrolls)."""
+        if not self.token_buttons:
+            return
+        row = self.token_buttons[0].sizeHint().height() + self._flow.spacing()
+        width = self.tokens_area.viewport().width() or self.width()
+        self.tokens_area.setFixedHeight(min(self._flow.heightForWidth(width), TOKEN_ROWS * row))
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 (Qt's name)
+        super().resizeEvent(event)
+        self._fit_tokens_area()
+
+    def set_chosen(self, index: int | None) -> None:
+        """Highlight answer token ``index`` (None: none)."""
+        self._token_group.setExclusive(False)  # an exclusive group cannot uncheck its last button
+        for k, button in enumerate(self.token_buttons):
+            button.setChecked(k == index)
+        self._token_group.setExclusive(True)
+
+    def chosen(self) -> int | None:
+        """The highlighted answer token's index, or None."""
+        return next((k for k, b in enumerate(self.token_buttons) if b.isChecked()), None)
+
+    def set_usable(self, usable: bool) -> None:
+        """Whether the shown tokens answer the current input (only then can one be chosen)."""
+        self._usable = usable and bool(self.token_buttons)
+        if self.token_buttons:
+            self.tokens_note.setText(CHOOSE_TOKEN if usable else OTHER_INPUT)
+        self._enable_tokens(self._usable and self.generate_button.isEnabled())
+
+    def _enable_tokens(self, enabled: bool) -> None:
+        for button in self.token_buttons:
+            button.setEnabled(enabled)
+
+    def _on_token_clicked(self, index: int) -> None:
+        self.token_chosen.emit(index)
+
+    # ----- the answer read out
 
     def clear(self) -> None:
+        """The answer and the patterns go; the generated tokens stay (the window clears them when they answer nothing)."""
         self.label.setText(NO_ANSWER)
         self.caption.setText("")
         self.table_title.setText("")
         self.fill_table(["token", "probability"], [])
+        self.patterns.set_result(None)
 
     def show_answer(self, result: core.Answer, caption: str) -> None:
         """One answer: ``answer: square  (p = 0.912)`` and its top alternatives."""
@@ -49,6 +277,34 @@ class AnswerPanel(QWidget):
         self.caption.setText(caption)
         self.table_title.setText("top alternatives")
         self.fill_table(["token", "probability"], [(token, f"{prob:.3f}") for token, prob in result.top])
+
+    def show_generated(self, tokens: AnswerTokens, caption: str) -> None:
+        """A generated answer: ``answer: square yes zero`` and each token's probability when generated."""
+        self.label.setText(f"answer: {tokens.text}" if tokens.token_ids else "answer: (no token)")
+        self.caption.setText(caption)
+        self.table_title.setText("generated tokens (click one above to read every panel at it)")
+        probs = tokens.probs or [None] * len(tokens.tokens)
+        self.fill_table(
+            ["answer token", "probability when generated"],
+            [(f"{k}: {t}", "—" if p is None else f"{p:.3f}") for k, (t, p) in enumerate(zip(tokens.tokens, probs))],
+        )
+
+    def show_answer_token(self, target: dict, answer_text: AnswerText, caption: str) -> None:
+        """A read-out at one answer token: ``answer token 2 'zero'  (p = 0.839)`` (the target's
+        probability there; a typed target other than that token is named) and the alternatives
+        at that position.
+
+        Args:
+            target: the analyze JSON's ``target`` (answer, answer_id, prob, top).
+            answer_text: the answer and the token read out.
+        """
+        where = answer_token_label(answer_text)
+        typed = int(target["answer_id"]) != answer_text.token_id
+        named = f"target {target['answer']!r} at {where}" if typed else where
+        self.label.setText(f"{named}  (p = {float(target['prob']):.3f})")
+        self.caption.setText(caption)
+        self.table_title.setText(f"top alternatives at {where}")
+        self.fill_table(["token", "probability"], [(str(t), f"{float(p):.3f}") for t, p in target["top"]])
 
     def show_pairs(
         self, questions: Sequence[str], answers: Sequence[core.Answer], expected: Sequence[str | None] | None
@@ -77,3 +333,37 @@ class AnswerPanel(QWidget):
         for r, row in enumerate(rows):
             for c, text in enumerate(row):
                 self.table.setItem(r, c, QTableWidgetItem(text))
+        # the top alternatives stay readable beside the answer patterns: up to TABLE_ROWS rows unscrolled
+        shown = min(len(rows), TABLE_ROWS)
+        frame = 2 * self.table.frameWidth() + header.sizeHint().height()
+        self.table.setMinimumHeight(frame + shown * self.table.verticalHeader().defaultSectionSize())
+
+
+class TargetNote(QWidget):
+    """One line under the Target / foil fields: a typed word of several tokens (which sub-token
+    is read) and, when the shown answer holds that word, a button to read at the answer token
+    where it starts instead (:attr:`read_at_requested` with that index)."""
+
+    read_at_requested = Signal(int)
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.label = plain_label(wrap=True)
+        self.label.setStyleSheet("color: #8a5a00;")
+        self.button = QPushButton()
+        self.button.setVisible(False)
+        self.button.clicked.connect(lambda: self.read_at_requested.emit(self._index))
+        self._index = -1
+        box(QHBoxLayout(self), (self.label, 1), self.button)
+        self.setVisible(False)
+
+    def show_note(self, text: str, read_at: tuple[int, str] | None = None) -> None:
+        """``text`` (empty: hide); ``read_at``: ``(answer token index, its label)`` to offer."""
+        self.label.setText(text)
+        self._index = read_at[0] if read_at else -1
+        self.button.setText(f"read at {read_at[1]} instead" if read_at else "")
+        self.button.setVisible(read_at is not None)
+        self.setVisible(bool(text))
+
+    def text(self) -> str:
+        return self.label.text()

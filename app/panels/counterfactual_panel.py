@@ -39,6 +39,7 @@ from PySide6.QtWidgets import (
     QStackedWidget,
     QTableWidget,
     QTableWidgetItem,
+    QTabWidget,
     QToolButton,
     QVBoxLayout,
     QWidget,
@@ -328,7 +329,10 @@ class CounterfactualPanel(QWidget):
 
         numbers_box = boxed(QHBoxLayout(), (self.answer_group, 1), (self.routing_group, 1))
 
-        right = split(Qt.Orientation.Vertical, pictures, numbers_box, sizes=[330, 400])
+        # the numbers in tabs: the window's intervention table is the second one (add_results)
+        self.numbers_tabs = QTabWidget()
+        self.numbers_tabs.addTab(numbers_box, "Answer change")
+        right = split(Qt.Orientation.Vertical, pictures, self.numbers_tabs, sizes=[330, 400])
         splitter = split(Qt.Orientation.Horizontal, self.canvas, self.controls_scroll, right)
         for i, stretch in enumerate((3, 0, 4)):
             splitter.setStretchFactor(i, stretch)
@@ -354,6 +358,15 @@ class CounterfactualPanel(QWidget):
         for offset, widget in enumerate(widgets):
             self.controls_layout.insertWidget(stretch + offset, widget)
         self.controls_scroll.setMinimumWidth(self.controls_scroll.widget().minimumSizeHint().width() + 16)
+
+    def add_results(self, widget: QWidget, title: str) -> None:
+        """Put ``widget`` (the window's intervention results) in a tab ``title`` beside the answer
+        change; :meth:`show_results` brings it up."""
+        self.numbers_tabs.addTab(widget, title)
+
+    def show_results(self, widget: QWidget | None = None) -> None:
+        """Bring up the results tab of ``widget`` (None: the answer change)."""
+        self.numbers_tabs.setCurrentIndex(0 if widget is None else self.numbers_tabs.indexOf(widget))
 
     def sizeHint(self) -> QSize:  # noqa: N802 (Qt's name)
         """Preferred height = minimum height: the panel fills the height it is given, and a
@@ -574,6 +587,7 @@ class CounterfactualPanel(QWidget):
             self.edited_view.set_image(None, "edited image: not in the result")
         self._show_routing()
         self.show_message("")
+        self.show_results()
 
     def _show_routing(self) -> None:
         routing = (self.result or {}).get("routing")

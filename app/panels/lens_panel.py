@@ -6,7 +6,9 @@ logit difference (or the answer logit when there is no foil) and the KL of
 the final distribution to the layer's read-out. The logit lens comes from the
 analyze dict; more readers (a tuned lens, its identity / mean / random
 baselines) are overlaid with :meth:`LensPanel.set_readers`. A table lists the
-top tokens of one reader per layer.
+top tokens of one reader per layer; clicking a row selects that layer
+(:attr:`LensPanel.layer_selected`: the row reads the residual entering block l,
+so it names what the blocks before l wrote).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QComboBox,
@@ -76,11 +78,17 @@ class LensPanel(QWidget):
     ``{layer, answer_rank, answer_logit, logit_diff, kl_to_final, top}`` like
     ``logit_lens``, missing keys skipped; ``answer_rank_mean`` and ``kl_bits``
     of ``eval-lens`` rows are accepted too).
+
+    Signals:
+        layer_selected(layer): a table row was clicked (``layer``: the lens row's, 0 .. n_blocks).
     """
+
+    layer_selected = Signal(int)
 
     def __init__(self, parent=None):
         super().__init__(parent)
         self.result: dict | None = None
+        self.table_layers: list[int] = []  # table row -> lens layer
         self.readers: dict[str, list[dict]] = {}
         self.curves: dict[str, dict[str, pg.PlotDataItem]] = {p: {} for p in PLOTS}
 
@@ -124,6 +132,7 @@ class LensPanel(QWidget):
             header.setSectionResizeMode(c, QHeaderView.ResizeMode.ResizeToContents)
         header.setSectionResizeMode(4, QHeaderView.ResizeMode.Stretch)
         header.setTextElideMode(Qt.TextElideMode.ElideRight)  # a narrow column cut "top tokens" at both ends
+        self.table.cellClicked.connect(lambda row, _col: self.select_layer(self.table_layers[row]))
         self.note = plain_label(NOTE, wrap=True, selectable=True)
 
         reader_row = box(QHBoxLayout(), QLabel("top tokens per layer of:"), (self.reader_combo, 1))
@@ -288,6 +297,7 @@ class LensPanel(QWidget):
 
     def _fill_table(self, *_args) -> None:
         rows = sorted(self.all_readers().get(self.reader_combo.currentText(), []), key=lambda r: r["layer"])
+        self.table_layers = [int(r["layer"]) for r in rows]
         labels = self.layer_labels(len(rows))
         use_diff = self._uses_diff()
         self._set_headers("logit diff" if use_diff else "logit")
@@ -310,3 +320,12 @@ class LensPanel(QWidget):
                 elif c == 4:
                     item.setToolTip(text)  # a narrow column elides the list
                 self.table.setItem(i, c, item)
+
+    def select_layer(self, layer: int, *, emit: bool = True) -> bool:
+        """Select the table row of lens layer ``layer`` (and emit :attr:`layer_selected`); False if none."""
+        if int(layer) not in self.table_layers:
+            return False
+        self.table.selectRow(self.table_layers.index(int(layer)))
+        if emit:
+            self.layer_selected.emit(int(layer))
+        return True

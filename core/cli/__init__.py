@@ -4,6 +4,7 @@ One module per command, each with ``add_command(subparsers, load)`` (its
 parser) and ``run(args, load) -> int``:
 
     answer.py          answer            analyze.py      analyze
+    generate.py        generate
     evaluate_zoo.py    evaluate-zoo      audit.py        audit
     counterfactual.py  counterfactual    export.py       export
     lens.py            train-lens, eval-lens
@@ -42,7 +43,7 @@ from core.arguments import (  # noqa: F401  (re-exported: callers import them fr
     seed_int,
     share_below_one,
 )
-from core.cli import analyze, answer, audit, counterfactual, evaluate_zoo, export, lens
+from core.cli import analyze, answer, audit, counterfactual, evaluate_zoo, export, generate, lens
 from core.cli.args import add_model_args, add_raw_prompt_arg  # noqa: F401
 from core.cli.loading import load_from_args
 from core.errors import ReadoutError
@@ -54,7 +55,7 @@ _add_model_args = add_model_args
 _load = load_from_args
 
 # In the order of `vlm-readout --help`.
-COMMANDS = (answer, analyze, evaluate_zoo, audit, counterfactual, export, lens)
+COMMANDS = (answer, generate, analyze, evaluate_zoo, audit, counterfactual, export, lens)
 
 
 def build_parser() -> argparse.ArgumentParser:

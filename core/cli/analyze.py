@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core.cli.args import add_model_args, add_raw_prompt_arg
+from core.cli.args import add_answer_text_args, add_model_args, add_raw_prompt_arg, answer_text_of
 from core.cli.loading import load_from_args
 from core.cli.progress import progress_bar
 
@@ -22,6 +22,7 @@ def add_command(subparsers, load=load_from_args) -> None:
     an.add_argument("--session", help="also record the run into this session file (created if missing)")
     an.add_argument("--quiet", action="store_true")
     add_raw_prompt_arg(an)
+    add_answer_text_args(an)
     an.add_argument("--lens", help="tuned-lens folder: its reader and baselines beside the logit lens")
     an.set_defaults(func=lambda args: run(args, load))
 
@@ -44,6 +45,7 @@ def run(args, load=load_from_args) -> int:
 
         tuned = load_lens(args.lens)
     loaded = load(args)
+    answer_text = answer_text_of(args, loaded)
     with progress_bar("analyze", quiet=args.quiet, total=4, messages=True) as progress:
         result = analyze(
             loaded,
@@ -53,6 +55,7 @@ def run(args, load=load_from_args) -> int:
             foil=args.foil,
             tuned=tuned,
             raw_prompt=args.raw_prompt,
+            answer_text=answer_text,
             progress=progress,
         )
     write_text_atomic(Path(args.json), json.dumps(result.to_dict()) + "\n")

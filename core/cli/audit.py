@@ -6,6 +6,7 @@ read-outs' registry): the ``--methods`` help is read from it only when shown."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -15,13 +16,23 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from core.arguments import LazyHelp, positive_int, positive_share, probability
-from core.cli.args import add_model_args
+from core.cli.args import add_answer_text_args, add_model_args, answer_text_request
 from core.cli.loading import load_from_args
 from core.cli.progress import progress_bar
 from core.errors import ReadoutError
 from core.pairs import pairs_file, read_pairs
 
 # ---------------------------------------------------------------- command
+
+
+def with_answer_text(items, request: tuple[str, int] | None):
+    """The items read out at one token of one answer text (``request``, the command
+    line's :func:`core.cli.args.answer_text_request`, over every item's own
+    ``answer_text`` / ``answer_token_index``)."""
+    if request is None:
+        return items
+    text, index = request
+    return [dataclasses.replace(i, answer_text=text, answer_token_index=index) for i in items]
 
 
 def run_params_for(loaded, dataset: Path, methods, args, n_items: int) -> dict:
@@ -34,8 +45,11 @@ def run_params_for(loaded, dataset: Path, methods, args, n_items: int) -> dict:
         "limit": args.limit,
         "batch_size": args.batch_size,
         "methods": [m.name for m in methods],
-        "target": "the dataset's answer minus its foil where given; else the model's top token",
-        "query": "answer position",
+        "target": "the dataset's answer minus its foil where given; else the answer text's token where given; "
+        "else the model's top token",
+        "query": "answer position (after the answer text's tokens before the one read, where an answer text is given)",
+        "answer_text": args.answer_text,
+        "answer_token_index": args.token_index,
     }
 
 
@@ -65,6 +79,7 @@ def run(args, load=load_from_args) -> int:
     check_output_folder(args.out)  # fail fast, before the model loads
     dataset = pairs_file(args.dataset, "dataset file")
     items = read_pairs(dataset, limit=args.limit, what="dataset file")
+    items = with_answer_text(items, answer_text_request(args))
     if args.session:
         from core.session import check_session_file
 
@@ -230,4 +245,5 @@ def add_command(subparsers, load=load_from_args) -> None:
         "row per method; the per-sample rows stay in the output folder",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_answer_text_args(p, from_generation=False)  # each item's own answer text: the dataset's field
     p.set_defaults(func=lambda a: run(a, load))

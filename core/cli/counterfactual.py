@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from core.arguments import LazyChoices, Number, positive_int, seed_int
-from core.cli.args import add_model_args
+from core.cli.args import add_answer_text_args, add_model_args, answer_text_of
 from core.cli.loading import load_from_args
 from core.cli.progress import progress_bar
 from core.errors import ReadoutError
@@ -63,6 +63,7 @@ def add_command(subparsers, load=load_from_args) -> None:
     p.add_argument("--seed", type=seed_int, default=None, help="--fill noise: generator seed (default 0)")
     p.add_argument("--answer", help="answer token (default: the model's top token on the original image)")
     p.add_argument("--foil", help="competing token; logit difference = answer - foil")
+    add_answer_text_args(p)
     p.add_argument("--batch-size", type=positive_int, default=16, help="--sweep: edited images per forward")
     p.add_argument(
         "--interpolated",
@@ -103,6 +104,9 @@ def run(args, load=load_from_args) -> int:
 
         check_session_file(args.session)
     loaded = load(args)
+    answer_text = answer_text_of(args, loaded)
+    answer = args.answer or (answer_text.token_id if answer_text is not None else None)
+    prefix = answer_text.prefix_ids if answer_text is not None else ()
     header = {
         "model": {
             "spec": loaded.spec,
@@ -116,6 +120,7 @@ def run(args, load=load_from_args) -> int:
             "image_size": list(image.size),
             "mask": str(args.mask) if args.mask else None,
             "paste_from": str(args.paste_from) if args.paste_from else None,
+            **(answer_text.to_dict() if answer_text is not None else {}),
         },
     }
     if args.sweep is not None:
@@ -126,10 +131,11 @@ def run(args, load=load_from_args) -> int:
                 args.question,
                 k=args.sweep,
                 fill=fill,
-                answer=args.answer,
+                answer=answer,
                 foil=args.foil,
                 batch_size=args.batch_size,
                 progress=progress,
+                answer_prefix=prefix,
             )
         out = result.to_dict(interpolated=args.interpolated)
         eff = result.effect
@@ -146,9 +152,10 @@ def run(args, load=load_from_args) -> int:
             args.question,
             mask,
             fill,
-            answer=args.answer,
+            answer=answer,
             foil=args.foil,
             routing=not args.no_routing,
+            answer_prefix=prefix,
         )
         out = result.to_dict()
         line = change_line(result.original.to_dict(), result.edited.to_dict(), result.effect.flipped)
@@ -157,7 +164,11 @@ def run(args, load=load_from_args) -> int:
     if args.session:
         from core.session import record_into
 
-        extra = {"question": args.question, "paste_from": args.paste_from}  # the stored doc has the header too
+        extra = {"question": args.question, "paste_from": args.paste_from}
+        if answer_text is not None:
+            extra.update(
+                answer_text=answer_text.text, answer_token_index=answer_text.index
+            )  # the stored doc has the header too
         record_into(
             args.session,
             RecordedResult.of(result, doc),

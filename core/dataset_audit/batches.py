@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.answer_text import AnswerText
 from core.capture import capture
 from core.dataset_audit.dataset import token_cover
 from core.errors import QuestionError, ReadoutError, oom_guard
@@ -28,6 +29,8 @@ def base_record(item: Pair) -> dict:
         "question": item.question,
         "answer": item.answer,
         "foil": item.foil,
+        "answer_text": item.answer_text,
+        "answer_token_index": item.answer_token_index,
         "kind": item.kind,
         "template": item.template,
         "status": "ok",
@@ -53,6 +56,7 @@ class _Prepared:
     mask: np.ndarray | None
     answer_id: int | None
     foil_id: int | None
+    answer_prefix: tuple[int, ...] = ()
 
 
 def _prepare_item(loaded, item: Pair) -> _Prepared:
@@ -60,11 +64,16 @@ def _prepare_item(loaded, item: Pair) -> _Prepared:
     image = load_pair_image(item)
     mask = load_pair_mask(item, image.size)
     adapter.check_question(item.question)
+    answer_text = None
+    if item.answer_text is not None:
+        answer_text = AnswerText.of_text(adapter, item.answer_text, item.answer_token_index or 0)
     a = adapter.token_id(item.answer) if item.answer is not None else None
+    if a is None and answer_text is not None:
+        a = answer_text.token_id
     f = adapter.token_id(item.foil) if item.foil is not None else None
     if f is not None and f == a:
         raise QuestionError(f"the foil {item.foil!r} is the same token as the answer")
-    return _Prepared(item, image, mask, a, f)
+    return _Prepared(item, image, mask, a, f, answer_text.prefix_ids if answer_text is not None else ())
 
 
 def run_batch(loaded, batch: list[_Prepared], methods: list[ReadoutMethod], options: ReadoutOptions):
@@ -73,7 +82,12 @@ def run_batch(loaded, batch: list[_Prepared], methods: list[ReadoutMethod], opti
     :class:`ReadoutError` of one sample's method makes that sample an error
     row; one from a batched method (or the forward) propagates."""
     adapter = loaded.adapter
-    inputs = adapter.prepare([p.image for p in batch], [p.item.question for p in batch])
+    prefixes = {p.answer_prefix for p in batch}
+    if len(batch) > 1 and prefixes != {()}:
+        raise ValueError("run_batch: samples read out at an answer token run one at a time")
+    inputs = adapter.prepare(
+        [p.image for p in batch], [p.item.question for p in batch], answer_prefix=batch[0].answer_prefix
+    )
     answer_pos = [int(x) for x in inputs.answer_positions.tolist()]
     n_tokens = inputs.input_ids.shape[1]
     want = {m.patterns for m in methods}
@@ -134,6 +148,7 @@ def run_batch(loaded, batch: list[_Prepared], methods: list[ReadoutMethod], opti
                 region,
                 position=answer_pos[b],
                 question=p.item.question,
+                answer_prefix=p.answer_prefix,
             )
         except ReadoutError as e:
             rec = error_record(p.item, e)
@@ -174,6 +189,15 @@ def run_chunk(loaded, chunk: list[Pair], methods, options) -> list[tuple[dict, d
             ready.append(_prepare_item(loaded, item))
         except ReadoutError as e:
             results[item.index] = (error_record(item, e), {})
+    # teacher-forced samples grow by their own answer tokens after the padding's
+    # place, so they run alone; the rest share one forward
+    alone = [p for p in ready if p.answer_prefix]
+    ready = [p for p in ready if not p.answer_prefix]
+    for p in alone:
+        try:
+            results[p.item.index] = run_batch(loaded, [p], methods, options)[0]
+        except ReadoutError as e:
+            results[p.item.index] = (error_record(p.item, e), {})
     if ready:
         try:
             for rec, audits in run_batch(loaded, ready, methods, options):

@@ -588,7 +588,8 @@ class VisualPatchResult:
     ``source`` are the unpatched runs read with the same answer and foil;
     ``source_image_sha256`` (:func:`core.images.image_sha256`) and
     ``source_image_path`` (None for an image given without one) name the
-    source image; ``reverse``: the reverse direction ran too."""
+    source image; ``reverse``: the reverse direction ran too; ``answer_prefix``:
+    the answer tokens both runs had after the prompt (teacher forcing)."""
 
     site: str
     layer: int | None
@@ -599,6 +600,7 @@ class VisualPatchResult:
     source_image_sha256: str | None = None
     source_image_path: str | None = None
     reverse: bool = True
+    answer_prefix: tuple[int, ...] = ()
 
     kind = "intervention"  # the session's run kind, as the app records it (core.readout.Readout)
 
@@ -626,6 +628,7 @@ class VisualPatchResult:
             "reverse": self.reverse,
             "source_image": self.source_image_path,
             "source_image_sha256": self.source_image_sha256,
+            "answer_prefix_ids": list(self.answer_prefix),
         }
 
     def audit_records(self) -> list[AuditRecord]:
@@ -641,6 +644,7 @@ class VisualPatchResult:
             "audit": self.audit.to_dict() if self.audit else None,
             "source_image": {"path": self.source_image_path, "sha256": self.source_image_sha256},
             "reverse": self.reverse,
+            "answer_prefix_ids": list(self.answer_prefix),
         }
 
 
@@ -678,6 +682,7 @@ def patch_visual_features(
     foil: str | int | None = None,
     reverse: bool = True,
     source_image_path: str | Path | None = None,
+    answer_prefix: Sequence[int] = (),
     progress: Callable[[int, int, str], None] | None = None,
     cancel: Callable[[], bool] | None = None,
 ) -> VisualPatchResult:
@@ -696,6 +701,8 @@ def patch_visual_features(
             original run's argmax and the source run's argmax (None if equal).
         source_image_path: where a PIL / array ``source_image`` was read from
             (a path ``source_image`` is its own); recorded with its SHA-256.
+        answer_prefix: answer tokens after the prompt in both runs (teacher
+            forcing: the numbers are the next answer token's, :mod:`core.answer_text`).
         progress: ``progress(done, total, message)`` after each patched run.
         cancel: polled before each token set; True stops with the rows so far.
     """
@@ -703,8 +710,8 @@ def patch_visual_features(
     if isinstance(source_image, (str, Path)) and source_image_path is None:
         source_image_path = source_image
     source_image = load_image(source_image)  # once: its hash names it in the result, the same pixels are run
-    inputs = adapter.prepare([image], [question])
-    source_inputs = adapter.prepare([source_image], [question])
+    inputs = adapter.prepare([image], [question], answer_prefix=answer_prefix)
+    source_inputs = adapter.prepare([source_image], [question], answer_prefix=answer_prefix)
     base, feats = visual_site_features(loaded, inputs, site, layer)
     src, src_feats = visual_site_features(loaded, source_inputs, site, layer)
     if site == "resid" and not torch.equal(base.visual_positions, src.visual_positions):
@@ -713,7 +720,7 @@ def patch_visual_features(
     def token(t, fallback):
         if t is None:
             return fallback
-        return adapter.token_id(t) if isinstance(t, str) else int(t)
+        return adapter.as_token_id(t)
 
     base_pred = int(base.logits[0, int(base.answer_positions[0])].argmax())
     src_pred = int(src.logits[0, int(src.answer_positions[0])].argmax())
@@ -768,6 +775,7 @@ def patch_visual_features(
             "token_sets": {k: v for k, v in sets.items()},
             "source_image": None if source_image_path is None else str(source_image_path),
             "source_image_sha256": image_sha256(source_image),
+            "answer_prefix_ids": [int(t) for t in answer_prefix],
         },
         notes=[
             _SITE_NOTES[site],
@@ -785,4 +793,5 @@ def patch_visual_features(
         audit.parameters["source_image_sha256"],
         audit.parameters["source_image"],
         reverse,
+        tuple(int(t) for t in answer_prefix),
     )

@@ -9,6 +9,7 @@ and registers itself in :mod:`core.models.registry`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -30,6 +31,7 @@ __all__ = [
     "CANONICAL_NAMES",
     "PROBE_QUESTION",
     "Adapter",
+    "DecodingState",
     "ModelInputs",
     "NotMapped",
     "PromptMarkup",
@@ -58,6 +60,29 @@ class ModelInputs:
     answer_positions: torch.Tensor
     input_ids: torch.Tensor
     prompts: list[str]
+
+
+@dataclass
+class DecodingState:
+    """Where a greedy decoding stands (:meth:`Adapter.start_decoding`,
+    :meth:`Adapter.decode_step`; used by :mod:`core.generate`).
+
+    Attributes:
+        inputs: the prompt and the tokens decoded so far, grown by
+            :meth:`Adapter.append_token`, so one full forward of ``inputs`` is
+            the reference of every step.
+        logits: ``(batch, vocab)`` the next-token logits at the last position.
+        cache: the family's key / value cache (a transformers ``Cache``, which
+            each step grows in place, so a state is stepped from once; CoCa's
+            per-block keys and values); None: each step re-runs ``inputs``.
+        context: what every cached step reads unchanged (BLIP's image tokens;
+            CoCa's cross-attention keys and values; None for the rest).
+    """
+
+    inputs: ModelInputs
+    logits: torch.Tensor
+    cache: Any = None
+    context: Any = None
 
 
 class Adapter(QuestionChecks, EditSites, ABC):
@@ -219,13 +244,44 @@ class Adapter(QuestionChecks, EditSites, ABC):
                 p.requires_grad_(True)
 
     # ---- running (the Hugging Face default: the model's own processor, right padding)
-    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
+    def prepare(
+        self,
+        images: list[Image.Image],
+        questions: list[str],
+        *,
+        raw_prompt: bool = False,
+        answer_prefix: Sequence[int] = (),
+    ) -> ModelInputs:
         """Process images (PIL images, paths or uint8 arrays) and questions
         into one right-padded batch; every question goes through
         :meth:`check_question` (``raw_prompt``: allow special tokens). The
         tensors are the processor's (less :attr:`dropped_tensors`); the answer
-        position is each row's last real token."""
+        position is each row's last real token.
+
+        ``answer_prefix``: answer token ids appended after every row's prompt
+        (:attr:`core.answer_text.AnswerText.prefix_ids`: teacher forcing), so
+        the answer position is the last of them and the read-out is the
+        prediction of the next answer token. Empty: the bare prompt."""
+        return self.append_tokens(self.prompt_inputs(images, questions, raw_prompt), answer_prefix)
+
+    def prompt_inputs(self, images, questions: list[str], raw_prompt: bool = False) -> ModelInputs:
+        """The batch of the bare prompts (what :meth:`prepare` appends an answer
+        prefix to); families whose processor differs override this."""
         return self.batch_inputs(*self.processed_batch(images, questions, raw_prompt))
+
+    def append_tokens(self, inputs: ModelInputs, token_ids: Sequence[int]) -> ModelInputs:
+        """``inputs`` with ``token_ids`` appended after every row's answer
+        position, one :meth:`append_token` at a time (so each family's own
+        per-token tensors grow as in generation). Rows must end at their
+        answer position (no padding after it): a padded batch of several
+        rows is refused, since the tokens would land after the padding."""
+        if not token_ids:
+            return inputs
+        if bool((inputs.answer_positions != inputs.input_ids.shape[1] - 1).any()):
+            raise ValueError("append_tokens: a row is padded after its answer position (run the rows one at a time)")
+        for token_id in token_ids:
+            inputs = self.append_token(inputs, int(token_id))
+        return inputs
 
     def processor_options(self, prompts: list[str]) -> dict:
         """Extra keyword arguments of the processor call (default none)."""
@@ -282,11 +338,13 @@ class Adapter(QuestionChecks, EditSites, ABC):
         return self.model(**inputs.tensors, **self.forward_options).logits
 
     def append_token(self, inputs: ModelInputs, token_id: int) -> ModelInputs:
-        """The same batch (of one) with ``token_id`` appended after the answer
-        position: ``input_ids``, ``attention_mask`` and the per-token tensors of
+        """The same batch with ``token_id`` appended to every row after its
+        answer position (rows unpadded: see :meth:`append_tokens`):
+        ``input_ids``, ``attention_mask`` and the per-token tensors of
         :attr:`appended_token_types` grow by one."""
         t = dict(inputs.tensors)
-        new = torch.tensor([[token_id]], device=t["input_ids"].device, dtype=t["input_ids"].dtype)
+        ids = t["input_ids"]
+        new = torch.full((ids.shape[0], 1), int(token_id), device=ids.device, dtype=ids.dtype)
         t["input_ids"] = torch.cat([t["input_ids"], new], dim=1)
         t["attention_mask"] = torch.cat([t["attention_mask"], torch.ones_like(new)], dim=1)
         for key, value in self.appended_token_types.items():
@@ -298,6 +356,78 @@ class Adapter(QuestionChecks, EditSites, ABC):
         """Logits at the answer position, ``(batch, vocab)``."""
         logits = self.forward_logits(inputs)
         return logits[torch.arange(logits.shape[0], device=logits.device), inputs.answer_positions]
+
+    # ---- decoding (core.generate): the prompt once, then one new position per step
+    # Whether start_decoding can keep a key / value cache; a family that cannot sets
+    # False and every step re-runs the sequence (the Generation then says cache False).
+    decodes_with_cache: ClassVar[bool] = True
+
+    def start_decoding(self, inputs: ModelInputs, *, use_cache: bool = True) -> DecodingState:
+        """The state after the prompt ``inputs`` (rows ending at their answer
+        position): one forward of the whole prompt, keeping the key / value
+        cache when ``use_cache`` (and :attr:`decodes_with_cache`); without it
+        every :meth:`decode_step` re-runs the whole sequence, the reference a
+        cached step is checked against."""
+        if bool((inputs.answer_positions != inputs.input_ids.shape[1] - 1).any()):
+            raise ValueError("start_decoding: a row is padded after its answer position (decode rows one at a time)")
+        if not (use_cache and self.decodes_with_cache):
+            return DecodingState(inputs, self.next_token_logits(inputs))
+        logits, cache, context = self.cached_prefill(inputs)
+        return DecodingState(inputs, logits, cache, context)
+
+    def decode_step(self, state: DecodingState, token_id: int) -> DecodingState:
+        """``state`` with ``token_id`` appended (:meth:`append_token`, so the
+        family's per-token tensors grow as in a re-run): one new position
+        through the cache, which grows in place (step from the returned
+        state, not ``state``), or a forward of the whole sequence without one."""
+        longer = self.append_token(state.inputs, token_id)
+        if state.cache is None:
+            return DecodingState(longer, self.next_token_logits(longer))
+        logits, cache = self.cached_step(longer, state.cache, state.context)
+        return DecodingState(longer, logits, cache, state.context)
+
+    def cached_prefill(self, inputs: ModelInputs) -> tuple[torch.Tensor, Any, Any]:
+        """``(logits (batch, vocab) at the last position, cache, context)`` of
+        the prompt; the Hugging Face default: the model's forward with
+        ``use_cache=True`` (its Cache; no context)."""
+        out = self.model(**inputs.tensors, **self.decoding_inputs(inputs), use_cache=True, return_dict=True)
+        return out.logits[:, -1], out.cache, None
+
+    def cached_step(self, inputs: ModelInputs, cache, context) -> tuple[torch.Tensor, Any]:
+        """``(logits (batch, vocab), cache)`` of the last position of ``inputs``
+        run through ``cache``. The Hugging Face default: the model's own
+        ``prepare_inputs_for_generation`` picks what the step feeds, as
+        ``generate`` does (the new token's id and per-token tensors, the whole
+        attention mask, no pixels after the prefill, Mllama's cross-attention
+        mask row, PaliGemma's 1-based positions)."""
+        tensors = {**inputs.tensors, **self.decoding_inputs(inputs)}
+        ids = tensors.pop("input_ids")
+        step = self.model.prepare_inputs_for_generation(
+            ids, next_sequence_length=1, cache=cache, use_cache=True, **tensors
+        )
+        out = self.model(**step, return_dict=True)
+        return out.logits[:, -1], out.cache
+
+    def decoding_inputs(self, inputs: ModelInputs) -> dict[str, torch.Tensor]:
+        """Forward inputs a cached prefill or step adds to ``inputs.tensors``
+        (default none; Qwen2-VL: its M-RoPE position ids)."""
+        return {}
+
+    def end_token_ids(self) -> set[int]:
+        """The token ids that end an answer: the model folder's generation
+        config ``eos_token_id`` (an int or a list), the tokenizer's EOS and
+        its padding token."""
+        ids: set[int] = set()
+        config = getattr(self.model, "generation_config", None)
+        eos = getattr(config, "eos_token_id", None)
+        for value in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if value is not None:
+                ids.add(int(value))
+        for name in ("eos_token_id", "pad_token_id"):
+            value = getattr(self.tokenizer, name, None)
+            if isinstance(value, int):
+                ids.add(value)
+        return ids
 
     # ---- canonical weights (TransformerLens names; per query head, grouped K/V mapped)
     @property

@@ -291,6 +291,18 @@ class QuestionChecks:
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([int(token_id)]).strip()
 
+    def as_token_id(self, token) -> int:
+        """An answer or foil given as a token string (:meth:`token_id`) or as an
+        id (an int inside the unembedding's vocabulary)."""
+        if isinstance(token, str):
+            return self.token_id(token)
+        if isinstance(token, bool) or not hasattr(token, "__index__"):
+            raise QuestionError(f"a token is a string or an id, got {type(token).__name__}")
+        vocab = int(self.W_U.shape[-1])
+        if not 0 <= int(token) < vocab:
+            raise QuestionError(f"token id {int(token)} is outside the model's {vocab}-token vocabulary")
+        return int(token)
+
     def token_id(self, token: str) -> int:
         """Id of a one-token answer string; QuestionError if it is not valid
         text, not one token, or a word the vocabulary does not have."""

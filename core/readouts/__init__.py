@@ -12,7 +12,7 @@ Every read-out is a :class:`~core.readouts.base.ReadoutMethod` with
 :class:`~core.readouts.base.SampleContext`. Modules: ``answer`` (the
 target), ``residual`` (decomposition / DLA), ``logit_lens``, ``tuned_lens``,
 ``attention`` (head patterns at the answer row), ``rollout``,
-``text_patterns``, ``counterfactual`` (a batch read-out, audit only). A new
+``text_patterns``, ``answer_patterns`` (each answer row's mass by key kind), ``counterfactual`` (a batch read-out, audit only). A new
 dataset read-out: subclass ``ReadoutMethod`` (also importable as
 ``core.dataset_audit.AuditMethod``) and :func:`register_method` it.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from core.readouts.answer import AnswerReadout
+from core.readouts.answer_patterns import AnswerPatternsReadout
 from core.readouts.attention import AttentionReadout
 from core.readouts.base import ReadoutMethod, ReadoutOptions, SampleContext
 from core.readouts.counterfactual import CounterfactualReadout
@@ -67,11 +68,12 @@ for _m in (
     CounterfactualReadout(),
     TunedLensReadout(),
     TextPatternsReadout(),
+    AnswerPatternsReadout(),
 ):
     register_method(_m)
 
 # What analyze runs, in the order of its audit rows (the JSON's keys have their own order).
-ANALYZE_READOUTS = ("answer", "dla", "lens", "attention", "tuned_lens", "rollout", "text_patterns")
+ANALYZE_READOUTS = ("answer", "dla", "lens", "attention", "tuned_lens", "rollout", "text_patterns", "answer_patterns")
 
 
 def dataset_names() -> list[str]:

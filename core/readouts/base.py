@@ -64,6 +64,9 @@ class SampleContext:
             :func:`core.geometry.region_tokens` keeps.
         item: the dataset item (:class:`core.dataset_audit.DatasetItem`) in an
             audit, None in analyze.
+        answer_prefix: the answer tokens the forward ran after the prompt
+            (teacher forcing, :mod:`core.answer_text`); a read-out that runs
+            forwards of its own appends them too.
     """
 
     loaded: Any
@@ -84,6 +87,7 @@ class SampleContext:
     region: list[int] | None = None
     position: int | None = None
     question: str | None = None
+    answer_prefix: tuple[int, ...] = ()
 
     @property
     def adapter(self):
@@ -194,13 +198,10 @@ def patch_mass(tokens, grid: list[list[float]], by_image: list[dict] | None, cov
     # function-local: see core.readouts
     import torch
 
-    grids = {g["image"]: g["grid"] for g in by_image} if by_image else None
-    index, values = [], []
-    for i, t in enumerate(tokens):
-        if t.col >= 0:
-            index.append(i)
-            values.append((grids[t.image] if grids is not None else grid)[t.row][t.col])
-    v = torch.tensor(values, dtype=torch.float64)
+    from core.views import patch_values
+
+    index = [i for i, t in enumerate(tokens) if t.col >= 0]
+    v = torch.as_tensor(patch_values(tokens, grid, by_image)[index], dtype=torch.float64)
     region = None
     if cover is not None:
         region = float(v @ torch.as_tensor(cover[index], dtype=torch.float64)) if index else 0.0

@@ -31,12 +31,14 @@ class CounterfactualReadout(ReadoutMethod):
         adapter = contexts[0].adapter
         todo = [c for c in contexts if c.mask is not None and c.mask.any()]
         edited_logits = {}
-        if todo:
-            edited = [fill.apply(c.image, c.mask) for c in todo]
-            with oom_guard(f"running a batch of {len(todo)} edited images"), torch.no_grad():
-                inputs = adapter.prepare(edited, [c.question for c in todo])
+        # one forward for the bare-prompt samples; a teacher-forced sample (its own answer prefix) runs alone
+        chunks = [[c for c in todo if not c.answer_prefix]] + [[c] for c in todo if c.answer_prefix]
+        for chunk in (ch for ch in chunks if ch):
+            edited = [fill.apply(c.image, c.mask) for c in chunk]
+            with oom_guard(f"running a batch of {len(chunk)} edited images"), torch.no_grad():
+                inputs = adapter.prepare(edited, [c.question for c in chunk], answer_prefix=chunk[0].answer_prefix)
                 out = adapter.next_token_logits(inputs).float().cpu()
-            edited_logits = {id(c): out[k] for k, c in enumerate(todo)}
+            edited_logits.update({id(c): out[k] for k, c in enumerate(chunk)})
         results = []
         for c in contexts:
             if id(c) not in edited_logits:

@@ -206,7 +206,8 @@ class ImageInfo:
 
 
 def run_target(parameters: dict, result) -> dict | None:
-    """``{"answer", "foil", "position"}`` of a run: the answer and foil tokens
+    """``{"answer", "foil", "position"}`` of a run (and ``answer_token_index`` when
+    it was read at an answer token): the answer and foil tokens
     from its parameters; the position from its parameters (an intervention's
     answer position) or its result's ``target`` (analyze). ``position`` None:
     each forward read at its own answer position (counterfactual, sweep). A
@@ -220,7 +221,10 @@ def run_target(parameters: dict, result) -> dict | None:
         position = result["target"].get("position")
     if parameters.get("answer") is None and parameters.get("foil") is None and position is None:
         return None
-    return {"answer": parameters.get("answer"), "foil": parameters.get("foil"), "position": position}
+    target = {"answer": parameters.get("answer"), "foil": parameters.get("foil"), "position": position}
+    if parameters.get("answer_token_index") is not None:  # read at an answer token (teacher forcing)
+        target["answer_token_index"] = parameters["answer_token_index"]
+    return target
 
 
 def specification(parameters: dict, mask_id: int | None = None) -> str:

@@ -128,7 +128,7 @@ def test_tiled_model_readout_says_its_tokens_are_not_one_grid(qtbot, window):
 
 
 def test_head_ablation_and_region_patching_from_the_counterfactual_tab(qtbot, window):
-    """The interventions strip: zero the selected head, then patch the painted
+    """The Interventions box: zero the selected head, then patch the painted
     target's visual tokens from the same scene with the target's shape changed."""
     from core.zoo import scenes
 
@@ -138,10 +138,10 @@ def test_head_ablation_and_region_patching_from_the_counterfactual_tab(qtbot, wi
         assert window.run_readout()
     window.attention_panel.select_head(1, 1)
     with qtbot.waitSignal(window.idle, timeout=60_000):
-        assert window.ablate_selected_head()
+        assert window.ablate_selected()
     ablation = window.last_intervention
     assert ablation.method == "ablation" and ablation.rows[0].label.startswith("L1.H1")
-    assert "L1.H1" in window.intervention_label.text()
+    assert window.intervention_panel.results.texts()[0][0].startswith("L1.H1")
 
     window.counterfactual_panel.canvas.set_mask(target_mask)
     from core.zoo.samples import KINDS

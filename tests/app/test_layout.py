@@ -70,8 +70,10 @@ def test_counterfactual_controls_are_beside_the_painter(qtbot, read_out, size):
         "Occlusion sweep": panel.sweep_button,
         "Brush": panel.tool_buttons["brush"],
         "Undo": panel.undo_button,
-        "ablate": window.ablate_button,
-        "patch": window.patch_button,
+        "Ablate": window.intervention_panel.ablate_button,
+        "Patch": window.intervention_panel.patch_button,
+        "ablation kind": window.intervention_panel.kind_combo,
+        "patch site": window.intervention_panel.site_combo,
     }
     hidden = [name for name, widget in controls.items() if not fully_visible(widget)]
     assert not hidden, f"{size}: {hidden} are not on screen"

@@ -171,19 +171,20 @@ def test_cancel_clears_the_running_line(qtbot, window):
 
 
 def test_after_an_ablation_the_focus_stays_off_the_question(qtbot, window):
-    """Bug 5: the ablate button keeps the focus; the Question's text is not selected for overwriting."""
+    """Bug 5: the Ablate button keeps the focus; the Question's text is not selected for overwriting."""
     window.activateWindow()
     qtbot.waitUntil(lambda: QApplication.activeWindow() is window)
     read_out(qtbot, window)
     window.attention_panel.select_head(1, 1)
     window.tabs.setCurrentIndex(window.tabs.indexOf(window.run_frames["counterfactual"]))
-    window.ablate_button.setFocus()
-    assert QApplication.focusWidget() is window.ablate_button
+    ablate_button = window.intervention_panel.ablate_button
+    ablate_button.setFocus()
+    assert QApplication.focusWidget() is ablate_button
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
-        qtbot.mouseClick(window.ablate_button, Qt.MouseButton.LeftButton)
+        qtbot.mouseClick(ablate_button, Qt.MouseButton.LeftButton)
         assert QApplication.focusWidget() is not window.question_edit  # not while the job runs either
     assert window.error_label.text() == ""
-    assert QApplication.focusWidget() is window.ablate_button
+    assert QApplication.focusWidget() is ablate_button
     assert window.question_edit.selectedText() == ""
     assert header(window, "counterfactual").startswith(f"run #{window.session.runs('intervention')[-1].id} · ")
 

@@ -72,7 +72,7 @@ def _seen(win: MainWindow) -> dict:
         "lens": _table_texts(win.lens_panel.table),
         "canvas": _canvas_values(win),
         "counterfactual": _table_texts(win.counterfactual_panel.answer_table),
-        "intervention": win.intervention_label.text(),
+        "intervention": win.intervention_panel.results.texts(),
     }
 
 
@@ -156,7 +156,7 @@ def test_three_runs_on_three_images_reopen_as_they_were_seen(qtbot, model_cache,
         assert first.load_sample(ablation_sample)
         run_until_idle(qtbot, first, first.run_readout)
         assert first.attention_panel.select_head(1, 0)
-        run_until_idle(qtbot, first, first.ablate_selected_head)
+        run_until_idle(qtbot, first, first.ablate_selected)
         ablation_id = first.session.runs()[-1].id
         seen[ablation_id] = _seen(first)
         kinds = {r.id: r.kind for r in first.session.runs()}
@@ -211,10 +211,12 @@ def test_three_runs_on_three_images_reopen_as_they_were_seen(qtbot, model_cache,
                 assert ablated == (1, 0)
                 _assert_analysis_shown(second, second.session.run(analyses[-1].id).result, head=ablated)
                 before, after = row["original"], row["edited"]
-                text = shown["intervention"]
-                assert text.startswith(row["label"])
-                assert f"answer logit {before['logit']:.3f} -> {after['logit']:.3f}" in text
-                assert f"p {before['prob']:.3f} -> {after['prob']:.3f}" in text
+                (label, answer, logit, prob, predicted, flipped), *more = shown["intervention"]
+                assert not more and label == row["label"] and answer == before["answer"]
+                assert logit.startswith(f"{before['logit']:+.3f} → {after['logit']:+.3f}")  # no foil: the logit
+                assert prob.startswith(f"{before['prob']:.4f} → {after['prob']:.4f}")
+                assert predicted.split() == [before["predicted"], "→", after["predicted"]]
+                assert flipped == ("yes" if row["effect"]["flipped"] else "no")
         assert second.session.runs()[-1].id == ablation_id  # showing runs records nothing
     finally:
         _close(second)

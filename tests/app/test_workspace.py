@@ -1,11 +1,14 @@
 """The workspace model without Qt: inputs, shown runs, their events, and the
 views' stale marks (app.components)."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 from app.components import NOTHING_SHOWN, Event, RunInput, RunView, ShownRun, Workspace
+from app.components.workspace import AnswerTokens
+from core.answer_text import AnswerText
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,3 +140,30 @@ def test_the_components_import_no_qt():
     code = "import sys, app.components; print(sorted(m for m in sys.modules if m.startswith(('PySide6', 'pyqtgraph'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert out.strip() == "[]"
+
+
+def test_the_answer_token_read_is_part_of_the_input():
+    """Token k of an answer (issue 14): headers name it, another k makes a run stale, and
+    the answer's tokens belong to one image, question and model."""
+    answer = AnswerText("square yes zero", (33, 44, 45), ("square", "yes", "zero"), 2)
+    workspace = Workspace(dataclasses.replace(INPUT, answer_text=answer))
+    assert workspace.input.describe() == (
+        "'what shape is left of the square?' · sample_00.png · shapes-llava · answer token 2 'zero'"
+    )
+    run = ShownRun(7, "analyze", workspace.input, {"analyze": {}})
+    workspace.show_run(run)
+    seen = recorder(workspace.events.input_changed)
+    workspace.set_input(answer_text=answer.at(1))
+    assert seen == [{"fields": ("answer_text",)}] and not workspace.is_current(run)
+    assert workspace.stale_note(run).startswith("stale (answer token changed): drawn for ")
+    workspace.set_input(answer_text=answer)
+    assert workspace.is_current(run)
+    assert workspace.input.fields()["answer_text"] is answer  # not flattened, as dataclasses.asdict would
+    workspace.set_input(answer_text=None)
+    assert workspace.input.answer_text is None and not workspace.is_current(run)
+
+    tokens = AnswerTokens.of_answer_text(answer, INPUT, probs=[1.0, 0.9, 0.8])
+    assert tokens.at(2) == answer and tokens.holds(answer) and not tokens.holds(None)
+    assert tokens.find(["yes", "zero"]) == 1 and tokens.find(["zero", "yes"]) is None and tokens.find([]) is None
+    assert tokens.answers(dataclasses.replace(INPUT, image_path="/copy.png", answer="red"))  # same pixels and question
+    assert not tokens.answers(dataclasses.replace(INPUT, question="how many?"))

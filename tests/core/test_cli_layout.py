@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "numpy", "open_clip", "PIL")
 COMMAND_NAMES = [
     "answer",
+    "generate",
     "analyze",
     "evaluate-zoo",
     "audit",
@@ -70,7 +71,7 @@ def test_building_the_parser_imports_no_command_code():
     assert r.stdout.strip() == "", f"building the parser imported {r.stdout.strip()}"
 
 
-def test_the_help_lists_the_eight_commands(capsys):
+def test_the_help_lists_the_nine_commands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     listed = out.split("{", 1)[1].split("}", 1)[0].split(",")

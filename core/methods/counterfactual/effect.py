@@ -77,23 +77,27 @@ def answer_effect(original: Target, edited: Target) -> AnswerEffect:
 
 def resolve_tokens(adapter, answer: str | int | None, foil: str | int | None, logits: torch.Tensor):
     """Answer id (default: the model's top token on ``logits (vocab,)``) and foil id (or None)."""
-    answer_id = int(logits.argmax()) if answer is None else _tok(adapter, answer)
-    foil_id = None if foil is None else _tok(adapter, foil)
+    answer_id = int(logits.argmax()) if answer is None else adapter.as_token_id(answer)
+    foil_id = None if foil is None else adapter.as_token_id(foil)
     if foil_id is not None and foil_id == answer_id:
         raise QuestionError("the foil must differ from the answer")
     return answer_id, foil_id
 
 
-def _tok(adapter, t: str | int) -> int:
-    return int(t) if isinstance(t, (int, np.integer)) else adapter.token_id(t)
-
-
 @torch.no_grad()
 def answer_logits(
-    loaded, images: Sequence, question: str, *, batch_size: int = 16, progress: Progress = None, cancel: Cancel = None
+    loaded,
+    images: Sequence,
+    question: str,
+    *,
+    batch_size: int = 16,
+    progress: Progress = None,
+    cancel: Cancel = None,
+    answer_prefix: Sequence[int] = (),
 ) -> torch.Tensor:
-    """Answer-position logits ``(n_images, vocab)`` of ``question`` on each image,
-    through ``adapter.prepare`` + ``adapter.next_token_logits``, ``batch_size`` at a time."""
+    """Answer-position logits ``(n_images, vocab)`` of ``question`` (followed by
+    the answer tokens ``answer_prefix``: teacher forcing) on each image, through
+    ``adapter.prepare`` + ``adapter.next_token_logits``, ``batch_size`` at a time."""
     adapter = loaded.adapter
     out = []
     for start in range(0, len(images), batch_size):
@@ -101,7 +105,7 @@ def answer_logits(
             break
         chunk = list(images[start : start + batch_size])
         with oom_guard(f"running a batch of {len(chunk)} edited images"):
-            inputs = adapter.prepare(chunk, [question] * len(chunk))
+            inputs = adapter.prepare(chunk, [question] * len(chunk), answer_prefix=answer_prefix)
             out.append(adapter.next_token_logits(inputs).detach().cpu())
         if progress is not None:
             progress(min(start + batch_size, len(images)), len(images), "edited forwards")
@@ -229,6 +233,7 @@ def token_routing(
     *,
     rollout_alpha: float = 0.5,
     inputs=None,
+    answer_prefix: Sequence[int] = (),
 ) -> TokenRouting:
     """One capture of the ORIGINAL image: the answer row at every block (the
     full pattern, for rollout, when the prompt has at most
@@ -238,7 +243,7 @@ def token_routing(
     adapter = loaded.adapter
     img = load_image(image)
     if inputs is None:
-        inputs = adapter.prepare([img], [question])
+        inputs = adapter.prepare([img], [question], answer_prefix=answer_prefix)
     n = inputs.input_ids.shape[1]
     full = n <= FULL_PATTERN_LIMIT
     pos = int(inputs.answer_positions[0])
@@ -318,9 +323,16 @@ def counterfactual_audit(fill: Fill, parameters: dict, notes: Sequence[str] = ()
     )
 
 
-def fill_run_parameters(original: Target, fill: Fill) -> dict:
-    """What a fill run was called with (its session parameters): the answer and foil tokens, the fill."""
-    return {"answer": original.answer, "foil": original.foil, "fill": fill.kind, "fill_parameters": fill.parameters()}
+def fill_run_parameters(original: Target, fill: Fill, answer_prefix: Sequence[int] = ()) -> dict:
+    """What a fill run was called with (its session parameters): the answer and foil
+    tokens, the answer tokens before the one read out, the fill."""
+    return {
+        "answer": original.answer,
+        "foil": original.foil,
+        "answer_prefix_ids": list(answer_prefix),
+        "fill": fill.kind,
+        "fill_parameters": fill.parameters(),
+    }
 
 
 @dataclass
@@ -335,6 +347,7 @@ class RegionCounterfactual:
     routing: RegionRouting | None
     audit: list[AuditRecord] = field(default_factory=list, repr=False)
     edited_image: np.ndarray | None = field(default=None, repr=False)
+    answer_prefix: tuple[int, ...] = ()
 
     kind = "counterfactual"  # the session's run kind (core.readout.Readout)
 
@@ -349,7 +362,10 @@ class RegionCounterfactual:
         return f"fill {doc.get('fill')}: {change_line(doc['original'], doc['edited'], flipped)}"
 
     def parameters(self) -> dict:
-        return {**fill_run_parameters(self.original, self.fill), "mask_area_px": self.mask_area_px}
+        return {
+            **fill_run_parameters(self.original, self.fill, self.answer_prefix),
+            "mask_area_px": self.mask_area_px,
+        }
 
     def audit_records(self) -> list[AuditRecord]:
         return list(self.audit)
@@ -361,6 +377,7 @@ class RegionCounterfactual:
             "fill": self.fill.kind,
             "fill_parameters": self.fill.parameters(),
             "mask_area_px": self.mask_area_px,
+            "answer_prefix_ids": list(self.answer_prefix),
             "original": self.original.to_dict(),
             "edited": self.edited.to_dict(),
             "effect": self.effect.to_dict(),
@@ -381,12 +398,15 @@ def region_counterfactual(
     foil: str | int | None = None,
     routing: bool = True,
     rollout_alpha: float = 0.5,
+    answer_prefix: Sequence[int] = (),
     **fill_options,
 ) -> RegionCounterfactual:
     """Fill ``mask`` ``(H, W)`` bool (original-image pixels) and re-run the model.
 
     Args:
         answer: the answer token (default: the model's top token on the original).
+        answer_prefix: answer tokens after the prompt (teacher forcing: the read-out
+            is at the answer token after them, :mod:`core.answer_text`).
         foil: a competing token; the logit difference is answer minus foil.
         routing: also read the routing for the region from one capture of the original.
         fill_options: ``color``, ``radius``, ``seed``, ``paste_from`` (see :class:`Fill`).
@@ -397,24 +417,39 @@ def region_counterfactual(
     m = check_mask(mask, img.size)
     f = as_fill(fill, **fill_options)
     edited_img = f.apply(img, m)
-    logits = answer_logits(loaded, [img, edited_img], question, batch_size=2)
+    logits = answer_logits(loaded, [img, edited_img], question, batch_size=2, answer_prefix=answer_prefix)
     answer_id, foil_id = resolve_tokens(adapter, answer, foil, logits[0])
     original = answer_numbers(adapter, logits[0], answer_id, foil_id)
     edited = answer_numbers(adapter, logits[1], answer_id, foil_id)
     audits = [
         counterfactual_audit(
             f,
-            {"mask_area_px": int(m.sum()), "answer_id": answer_id, "foil_id": foil_id},
+            {
+                "mask_area_px": int(m.sum()),
+                "answer_id": answer_id,
+                "foil_id": foil_id,
+                "answer_prefix_ids": list(answer_prefix),
+            },
             ["original and edited run in one batch of two"],
         )
     ]
     reg = None
     if routing:
-        tr = token_routing(loaded, img, question, answer_id, foil_id, rollout_alpha=rollout_alpha)
+        tr = token_routing(
+            loaded, img, question, answer_id, foil_id, rollout_alpha=rollout_alpha, answer_prefix=answer_prefix
+        )
         reg = tr.for_region(m)
         audits += tr.audit
     return RegionCounterfactual(
-        f, int(m.sum()), original, edited, answer_effect(original, edited), reg, audits, edited_img
+        f,
+        int(m.sum()),
+        original,
+        edited,
+        answer_effect(original, edited),
+        reg,
+        audits,
+        edited_img,
+        tuple(int(t) for t in answer_prefix),
     )
 
 
@@ -488,6 +523,7 @@ def region_agreement(
     rollout_alpha: float = 0.5,
     progress: Progress = None,
     cancel: Cancel = None,
+    answer_prefix: Sequence[int] = (),
     **fill_options,
 ) -> RegionAgreement:
     """Fill each region in turn (batched) and set each region's routing
@@ -506,17 +542,19 @@ def region_agreement(
     masks = [(name, check_mask(m, img.size)) for name, m in named]
     f = as_fill(fill, **fill_options)
     fill_one = f.bind(img)
-    base = answer_logits(loaded, [img], question)[0]
+    base = answer_logits(loaded, [img], question, answer_prefix=answer_prefix)[0]
     answer_id, foil_id = resolve_tokens(adapter, answer, foil, base)
     original = answer_numbers(adapter, base, answer_id, foil_id)
-    routing = token_routing(loaded, img, question, answer_id, foil_id, rollout_alpha=rollout_alpha)
+    routing = token_routing(
+        loaded, img, question, answer_id, foil_id, rollout_alpha=rollout_alpha, answer_prefix=answer_prefix
+    )
     rows: list[RegionRow] = []
     for start in range(0, len(masks), batch_size):
         if cancel is not None and cancel():
             break
         chunk = masks[start : start + batch_size]
         edited = [fill_one(m) for _, m in chunk]
-        logits = answer_logits(loaded, edited, question, batch_size=batch_size)
+        logits = answer_logits(loaded, edited, question, batch_size=batch_size, answer_prefix=answer_prefix)
         for (name, m), z in zip(chunk, logits):
             eff = answer_effect(original, answer_numbers(adapter, z, answer_id, foil_id))
             r = routing.for_region(m)

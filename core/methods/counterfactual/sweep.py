@@ -7,7 +7,7 @@ flagged as visual smoothing (:class:`InterpolatedHeatmap`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,6 +110,7 @@ class OcclusionMap:
     cells: list[dict]
     complete: bool = True
     audit: list[AuditRecord] = field(default_factory=list, repr=False)
+    answer_prefix: tuple[int, ...] = ()
 
     kind = "sweep"  # the session's run kind (core.readout.Readout)
 
@@ -130,7 +131,7 @@ class OcclusionMap:
         return line + f"; {n_flip} cells flip the answer"
 
     def parameters(self) -> dict:
-        return {**fill_run_parameters(self.original, self.fill), "k": self.k}
+        return {**fill_run_parameters(self.original, self.fill, self.answer_prefix), "k": self.k}
 
     def audit_records(self) -> list[AuditRecord]:
         return list(self.audit)
@@ -165,6 +166,7 @@ class OcclusionMap:
                 "flipped": self.flipped.tolist(),
                 "cells": self.cells,
             },
+            "answer_prefix_ids": list(self.answer_prefix),
             "original": self.original.to_dict(),
             "audit": [a.to_dict() for a in self.audit],
         }
@@ -190,10 +192,12 @@ def occlusion_sweep(
     batch_size: int = 16,
     progress: Progress = None,
     cancel: Cancel = None,
+    answer_prefix: Sequence[int] = (),
     **fill_options,
 ) -> OcclusionMap:
     """Fill every k x k block of patches in turn and run the edited images
-    batched through ``adapter.prepare`` + the answer position's logits.
+    batched through ``adapter.prepare`` + the answer position's logits
+    (``answer_prefix``: answer tokens after the prompt, :mod:`core.answer_text`).
 
     Returns:
         An :class:`OcclusionMap`; cells not run (cancelled) are NaN and
@@ -221,7 +225,7 @@ def occlusion_sweep(
         if original is None:  # the original image rides in the first batch
             edited.insert(0, arr)
         with oom_guard(f"running a batch of {len(edited)} occluded images"):
-            inputs = adapter.prepare(edited, [question] * len(edited))
+            inputs = adapter.prepare(edited, [question] * len(edited), answer_prefix=answer_prefix)
             logits = adapter.next_token_logits(inputs).detach().cpu()
         if original is None:
             answer_id, foil_id = resolve_tokens(adapter, answer, foil, logits[0])
@@ -259,6 +263,7 @@ def occlusion_sweep(
             "batch_size": batch_size,
             "answer_id": answer_id,
             "foil_id": foil_id,
+            "answer_prefix_ids": list(answer_prefix),
             "cells_run": done,
         },
         [
@@ -279,4 +284,5 @@ def occlusion_sweep(
         cell_info,
         done == len(cells),
         [audit],
+        tuple(int(t) for t in answer_prefix),
     )

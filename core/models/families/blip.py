@@ -216,7 +216,7 @@ class BlipAdapter(TextConfigSizes, Adapter):
             raise QuestionError(f"the question is too long: {n} tokens, the model takes {limit}")
 
     # ---- running
-    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
+    def prompt_inputs(self, images: list[Image.Image], questions: list[str], raw_prompt: bool = False) -> ModelInputs:
         """One right-padded batch: ``pixel_values (batch, 3, H, W)``,
         ``input_ids`` / ``attention_mask (batch, pos)`` as ``generate`` feeds
         the decoder (BOS first, no [SEP])."""
@@ -239,6 +239,41 @@ class BlipAdapter(TextConfigSizes, Adapter):
         if inputs.tensors["input_ids"].shape[1] + 1 > int(self.text_config.max_position_embeddings):
             raise QuestionError("the text reached the model's maximum length")
         return super().append_token(inputs, token_id)
+
+    # ---- decoding with the cache: the text decoder itself (BlipForConditionalGeneration's
+    # forward keeps no cache), reading the image tokens the prefill computed, as generate() does
+    def _max_positions(self) -> int:
+        return int(self.text_config.max_position_embeddings)
+
+    def end_token_ids(self) -> set[int]:
+        """Also [SEP]: ``BlipForConditionalGeneration.generate`` ends a caption there."""
+        sep = self._sep_id
+        return super().end_token_ids() | ({int(sep)} if sep is not None else set())
+
+    def cached_prefill(self, inputs: ModelInputs):
+        t = inputs.tensors
+        image = self.model.vision_model(pixel_values=t["pixel_values"]).last_hidden_state
+        out = self.decoder(
+            input_ids=t["input_ids"],
+            attention_mask=t["attention_mask"],
+            encoder_hidden_states=image,
+            use_cache=True,
+            return_dict=True,
+        )
+        return out.logits[:, -1], out.cache, image
+
+    def cached_step(self, inputs: ModelInputs, cache, image):
+        t = inputs.tensors
+        step = self.decoder.prepare_inputs_for_generation(
+            t["input_ids"],
+            next_sequence_length=1,
+            cache=cache,
+            attention_mask=t["attention_mask"],
+            encoder_hidden_states=image,
+            use_cache=True,
+        )
+        out = self.decoder(**step, return_dict=True)
+        return out.logits[:, -1], out.cache
 
     # ---- blocks: "L{l}" (self-attention) and "L{l}.xattn" (cross-attention + FFN)
     @property

@@ -65,7 +65,7 @@ class CocaAdapter(Adapter):
             return self.tokenizer.decode([int(token_id)]).strip()
         return str(token_id)
 
-    def prepare(self, images: list[Image.Image], questions: list[str], *, raw_prompt: bool = False) -> ModelInputs:
+    def prompt_inputs(self, images: list[Image.Image], questions: list[str], raw_prompt: bool = False) -> ModelInputs:
         images, prompts = self.checked_batch(images, questions, raw_prompt)  # RGB PIL images, EXIF applied
         encoded = [self._encode(p) for p in prompts]
         longest = max(len(e) for e in encoded)
@@ -90,9 +90,81 @@ class CocaAdapter(Adapter):
         text = inputs.tensors["text"]
         if text.shape[1] + 1 >= self.context_length:
             raise QuestionError(f"the text reached the model's context length ({self.context_length - 1} tokens)")
-        new = torch.tensor([[token_id]], device=text.device)
+        new = torch.full((text.shape[0], 1), int(token_id), device=text.device, dtype=text.dtype)
         text = torch.cat([text, new], dim=1)
         return ModelInputs({**inputs.tensors, "text": text}, inputs.answer_positions + 1, text, inputs.prompts)
+
+    # ---- decoding with a key / value cache: open_clip keeps none, so the text path
+    # runs here block by block (as run_capture's replay does), one new position per
+    # step; each self-attention block keeps its keys and values, and the
+    # cross-attention keys and values over the image tokens are computed once.
+    def _max_positions(self) -> int:
+        return self.context_length - 1  # the text tower appends its CLS token after the text
+
+    def end_token_ids(self) -> set[int]:
+        """Also open_clip's end-of-text token when the tokenizer is open_clip's."""
+        eot = getattr(self.tokenizer, "eot_token_id", None)
+        return super().end_token_ids() | ({int(eot)} if isinstance(eot, int) else set())
+
+    def cached_prefill(self, inputs: ModelInputs):
+        """Context: ``{block: (k, v)}`` ``(batch, n_visual, heads, d_head)`` of
+        every cross-attention block; cache: ``{block: (k, v)}`` ``(batch, pos,
+        heads, d_head)`` of every self-attention block."""
+        _, visual = self.model._encode_image(inputs.tensors["image"])  # (batch, n_visual, d_model), after ln_post
+        context = {}
+        for block, (_, kind) in enumerate(self.blocks):
+            if kind == "cross":
+                kv = self.kv_norm(block)(visual)
+                context[block] = (self._project(block, kv, 1), self._project(block, kv, 2))
+        logits, cache = self._decode_positions(inputs.tensors["text"], 0, {}, context)
+        return logits, cache, context
+
+    def cached_step(self, inputs: ModelInputs, cache, context):
+        text = inputs.tensors["text"]
+        return self._decode_positions(text[:, -1:], text.shape[1] - 1, cache, context)
+
+    def _project(self, block: int, x: torch.Tensor, which: int) -> torch.Tensor:
+        """``(batch, pos, heads, d_head)`` queries (0), keys (1) or values (2) of ``x (batch, pos, d_model)``."""
+        W, b = self._split_in(block, which)
+        return torch.einsum("bpm,hmd->bphd", x, W) + b
+
+    def _decode_positions(self, ids: torch.Tensor, start: int, cache: dict, context: dict):
+        """``(logits (batch, vocab) at the last position, cache)`` after running
+        the tokens ``ids (batch, n)`` at positions ``start..start + n - 1``
+        through every block; each self-attention block attends to its cached
+        keys and values and these positions' own (causally), and the cache
+        returned holds them all."""
+        import math
+
+        tt = self.model.text
+        n = ids.shape[1]
+        x = tt.token_embedding(ids) + tt.positional_embedding[start : start + n].to(tt.token_embedding.weight.dtype)
+        # query i (at start + i) sees keys 0 .. start + i
+        future = torch.ones(n, start + n, dtype=torch.bool, device=x.device).triu(start + 1)
+        cache = dict(cache)
+        for block, (_, kind) in enumerate(self.blocks):
+            module = self._block(block)
+            q_in = self.attn_norm(block)(x)
+            q = self._project(block, q_in, 0)
+            if kind == "cross":
+                k, v = context[block]
+                mask = None
+            else:
+                k, v = self._project(block, q_in, 1), self._project(block, q_in, 2)
+                if block in cache:
+                    k, v = torch.cat([cache[block][0], k], 1), torch.cat([cache[block][1], v], 1)
+                cache[block] = (k, v)
+                mask = future
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.d_head)
+            if mask is not None:
+                scores = scores.masked_fill(mask, float("-inf"))
+            z = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+            x = x + torch.einsum("bqhd,hdm->bqm", z, self.W_O(block)) + self.b_O(block)
+            mlp = module.mlp(module.ln_2(x))
+            gamma = self._layer_scale(module.ls_2)
+            x = x + (mlp * gamma if gamma is not None else mlp)
+        logits = self.final_norm_layer()(x[:, -1]) @ self.W_U + self.b_U
+        return logits, cache
 
     # ---- canonical view: the text path is a list of blocks
     # T0.. the unimodal text tower (causal self-attention); then per decoder

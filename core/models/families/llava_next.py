@@ -252,6 +252,12 @@ class LlavaNextAdapter(LlavaAdapter):
             for i, (image, r, c, tile, box) in enumerate(boxes)
         ]
 
+    def view_names(self, image_size: tuple[int, int]) -> dict[int, str]:
+        """``{image: name}`` of the two views (see :mod:`core.views`): both span the
+        image, so only the family can tell the base image from the tiled one."""
+        rows, cols = self.anyres_layout(image_size, pixels=False).tiles
+        return {0: "base", 1: f"high-res ({rows}x{cols} tiles)"}
+
     # ---- text
     def resized_pixels(self, image_size: tuple[int, int]) -> tuple[int, str] | None:
         """The larger of the base view's resize and the high-resolution canvas:

@@ -94,6 +94,14 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
         )
         return pos
 
+    def decoding_inputs(self, inputs: ModelInputs) -> dict[str, torch.Tensor]:
+        """The M-RoPE positions ``(3, batch, pos)`` of the whole sequence (a
+        cached step takes the last one), as transformers' generate passes them.
+        Without them the model falls back on the rope deltas it stored at its
+        last forward (whichever image that was) over the whole attention mask,
+        which does not fit a one-token step."""
+        return {"position_ids": self.positions_for_inputs(inputs)}
+
     # ---- canonical weights (LlamaStyleWeights); the head size is family-specific
     @property
     def d_head(self) -> int:

@@ -1,0 +1,162 @@
+"""Text-side patterns over the answer: for each answer token, how the attention
+of the query that predicts it splits between the question's tokens, the
+earlier answer tokens, the image, the sink and the rest (averaged over heads;
+the mean over the self-attention blocks, or one block), from the analyze
+JSON's ``answer_patterns`` (:mod:`core.methods.answer_patterns`). The row of
+the token read out is highlighted. Shown in the Answer tab, beside the chosen
+token's patch map on the canvas. Routing only: where a query reads, not what
+the value carries or whether the answer needs it.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtGui import QBrush, QColor, QFont
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QComboBox,
+    QHBoxLayout,
+    QHeaderView,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.panels.attention_panel import block_names
+from app.widgets import box, plain_label
+
+MEAN_OVER_BLOCKS = "mean over blocks"
+# the parts of a row (core.methods.answer_patterns.PARTS) and their column titles; a row's parts sum to 1
+PARTS = (
+    ("question_mass", "question"),
+    ("answer_mass", "earlier answer"),
+    ("image_mass", "image"),
+    ("sink_mass", "sink"),
+    ("other_mass", "other"),
+)
+NOTE = "each row: the query predicting that answer token, its attention by key kind; where it reads, not a cause"
+NOTE_DETAIL = (
+    "Each row is the query that predicts that answer token (the prompt's last token, then the answer's tokens), "
+    "its attention weight split by key: the question's tokens, the answer's earlier tokens, the image, the sink, "
+    "and the rest (chat markup, special tokens); the parts of a row sum to 1. Averaged over heads. A mass says "
+    "where a query reads, not what the value carries or whether the answer needs it."
+)
+NO_PATTERNS = "read out (or click an answer token) to see the answer tokens' attention"
+CHOSEN_ROW = QColor("#ffd27a")
+
+
+def mass_colour(value: float) -> QColor:
+    """A light blue whose depth follows ``value`` in [0, 1] (the cell's share of the row)."""
+    v = min(max(float(value), 0.0), 1.0)
+    return QColor(int(255 - 120 * v), int(255 - 75 * v), 255)
+
+
+class AnswerPatternsPanel(QWidget):
+    """The ``answer_patterns`` table: one row per answer token predicted, one column per key kind."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.section: dict | None = None
+        self.answer_tokens: list[str] = []  # the answer's tokens (the analyze input's), for the row names
+        self.title = plain_label(NO_PATTERNS, wrap=True)
+        self.block_combo = QComboBox()
+        self.block_combo.setToolTip("the mean over the self-attention blocks, or one block")
+        self.block_combo.currentIndexChanged.connect(lambda _i: self._fill())
+        self.table = QTableWidget(0, len(PARTS) + 1)
+        self.table.verticalHeader().setVisible(False)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.NoSelection)
+        self.table.setWordWrap(False)
+        self.table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 6)
+        self.note = plain_label(NOTE, wrap=True)
+        self.note.setStyleSheet("color: #555;")
+        self.note.setToolTip(NOTE_DETAIL)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addLayout(box(QHBoxLayout(), (self.title, 1), self.block_combo))
+        layout.addWidget(self.table, 1)
+        layout.addWidget(self.note)
+        self.set_result(None)
+
+    def set_result(self, analysis: dict | None) -> None:
+        """Show ``analysis["answer_patterns"]`` (None, or a run without it: empty)."""
+        section = (analysis or {}).get("answer_patterns")
+        self.section = section if isinstance(section, dict) and section.get("rows") else None
+        self.answer_tokens = list(((analysis or {}).get("input") or {}).get("answer_tokens") or [])
+        names = block_names(analysis) if self.section else {}
+        self.block_combo.blockSignals(True)
+        self.block_combo.clear()
+        self.block_combo.addItem(MEAN_OVER_BLOCKS)
+        for block in (self.section or {}).get("blocks") or []:
+            self.block_combo.addItem(names.get(int(block), f"block {block}"))
+        self.block_combo.blockSignals(False)
+        self.block_combo.setEnabled(self.block_combo.count() > 1)
+        self._fill()
+
+    def set_block(self, name: str) -> None:
+        """Show one block's values (or :data:`MEAN_OVER_BLOCKS`)."""
+        index = self.block_combo.findText(name)
+        if index < 0:
+            raise ValueError(f"no block {name!r} in the answer patterns")
+        self.block_combo.setCurrentIndex(index)
+
+    def rows(self) -> list[dict]:
+        """The section's rows (one per answer token predicted), [] when none is shown."""
+        return list((self.section or {}).get("rows") or [])
+
+    def values(self) -> list[tuple[float, ...]]:
+        """Per shown row, the masses in :data:`PARTS` order, as the table shows them."""
+        return [self._masses(r, row) for r, row in enumerate(self.rows())]
+
+    def chosen_row(self) -> int | None:
+        """The row of the token read out (the last: the read-out predicts it), or None."""
+        return len(self.rows()) - 1 if self.rows() else None
+
+    def row_name(self, row: dict) -> str:
+        """``2: zero``: the answer token the row's query predicts (its index when the tokens are not known)."""
+        k = int(row["predicts"])
+        return f"{k}: {self.answer_tokens[k]}" if k < len(self.answer_tokens) else f"answer token {k}"
+
+    def _masses(self, r: int, row: dict) -> tuple[float, ...]:
+        block = self.block_combo.currentIndex() - 1  # -1: the mean over blocks
+        if block < 0:
+            return tuple(float(row[key]) for key, _ in PARTS)
+        by_block = self.section["by_block"]
+        return tuple(float(by_block[key][block][r]) for key, _ in PARTS)
+
+    def _fill(self) -> None:
+        rows = self.rows()
+        headers = ["answer token", *(title for _, title in PARTS)]
+        self.table.setColumnCount(len(headers))
+        self.table.setHorizontalHeaderLabels(headers)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.table.setRowCount(len(rows))
+        if not rows:
+            self.title.setText(NO_PATTERNS)
+            return
+        chosen = self.chosen_row()
+        self.title.setText(
+            f"attention of the queries predicting answer tokens 0..{len(rows) - 1} "
+            f"({self.block_combo.currentText()}; the token read out highlighted)"
+        )
+        bold = QFont(self.table.font())
+        bold.setBold(True)
+        for r, row in enumerate(rows):
+            masses = self._masses(r, row)
+            name = QTableWidgetItem(self.row_name(row))
+            name.setToolTip(
+                f"the query at sequence position {row['position']} (token {row['token']!r}) predicting "
+                f"answer token {row['predicts']}"
+            )
+            self.table.setItem(r, 0, name)
+            for c, mass in enumerate(masses, start=1):
+                item = QTableWidgetItem(f"{mass:.3f}")
+                item.setBackground(QBrush(mass_colour(mass)))
+                self.table.setItem(r, c, item)
+            if r == chosen:
+                name.setBackground(QBrush(CHOSEN_ROW))
+                for c in range(len(headers)):
+                    self.table.item(r, c).setFont(bold)
+        self.table.scrollToItem(self.table.item(chosen, 0))

@@ -1,0 +1,415 @@
+"""The intervention controls and their results table.
+
+The controls (:class:`InterventionPanel`) sit in the Counterfactual tab's
+controls column; the table (:class:`InterventionResults`, ``panel.results``)
+beside the answer change. The panel never runs the model: Ablate and Patch
+emit :attr:`InterventionPanel.ablate_requested` /
+:attr:`InterventionPanel.patch_requested` and the window reads the choices
+(:meth:`~InterventionPanel.kind`, :meth:`~InterventionPanel.positions`,
+:meth:`~InterventionPanel.source`, :meth:`~InterventionPanel.site_choice`),
+runs the job and hands the result back with :meth:`InterventionPanel.show_result`.
+
+* component: the one selected last in Attention, DLA or Lens
+  (:class:`app.components.selection.Selection`), named with its view;
+* ablation kind: zero, mean (over the reference set: the bundled sample images,
+  each asked the question shown) or resample (the source image);
+* positions: the answer position, every position, or the painted region's
+  visual tokens; a patch copies the painted region's visual tokens (every
+  visual token with "all positions");
+* patch: the site (only those the loaded family has: vision_out,
+  projector_out, resid entering block l, kv_source) and the source image (a
+  bundled sample or a file).
+
+The table has one row per edit set (an ablation) or per token set and
+direction (a patch): the answer, its logit difference (the answer logit
+without a foil) and probability before -> after (change), the prediction
+before -> after, and whether it flipped. A reverse row starts from the source
+image's run. A run restored from the History fills the same table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QComboBox,
+    QFileDialog,
+    QGridLayout,
+    QGroupBox,
+    QHeaderView,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.components.selection import SelectedComponent, Selection
+from app.widgets import plain_label
+from core.readout import change_line
+
+IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
+KINDS = {"zero": "zero", "mean": "mean", "resample": "resample"}  # engine kind -> combo text
+POSITIONS = {"target": "answer position", "all": "all positions", "region": "painted region"}
+SITE_TITLES = {
+    "vision_out": "vision output",
+    "projector_out": "projector output",
+    "resid": "residual",  # entering the block chosen beside it
+    "kv_source": "kv source",  # what cross-attention keys and values read
+}
+EARLIEST_SITE = "earliest visual site"  # the site entry before the model is loaded: the job picks it
+EVERY_CROSS_BLOCK = "every cross block"
+NO_SELECTION = "select a head (Attention), a bar (DLA) or a lens row (Lens) to ablate it"
+NO_RESULT = "no intervention yet: select a component and Ablate, or paint a region and Patch"
+COLUMNS = ("edit", "answer", "logit diff", "prob", "predicted", "flipped")
+
+
+def _compact_combo(items: Sequence[tuple[str, object]] = ()) -> QComboBox:
+    """A combo whose width never follows its longest item (file names would widen the column)."""
+    combo = QComboBox()
+    combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+    combo.setMinimumContentsLength(8)
+    for text, data in items:
+        combo.addItem(text, data)
+    return combo
+
+
+def _select_data(combo: QComboBox, data) -> bool:
+    index = combo.findData(data)
+    if index >= 0:
+        combo.setCurrentIndex(index)
+    return index >= 0
+
+
+def result_rows(result: Mapping) -> list[tuple[str, dict, dict, dict]]:
+    """``[(label, before, after, effect)]`` of an intervention result's JSON: an ablation's edit
+    sets, or a visual patch's token sets forward and reverse (``before``: the run the edit
+    starts from; a reverse row starts from the source image's run)."""
+    rows = []
+    for row in result.get("rows") or []:
+        if "site" in result:  # VisualPatchResult
+            for direction in ("forward", "reverse"):
+                effect = row.get(direction)
+                if effect is not None:
+                    rows.append((f"{row['name']} {direction}", effect["original"], effect["edited"], effect["effect"]))
+        else:
+            rows.append((row["label"], row["original"], row["edited"], row["effect"]))
+    return rows
+
+
+def describe_result(result: Mapping) -> str:
+    """The table's title: which intervention, where, on which answer (and foil)."""
+    original = result.get("original") or {}
+    answer = f"answer {original.get('answer')!r}"
+    if original.get("foil") is not None:
+        answer += f" vs foil {original['foil']!r}"
+    if "site" in result:
+        where = result["site"] if result.get("layer") is None else f"{result['site']} block {result['layer']}"
+        source = result.get("source_image") or {}
+        named = Path(source["path"]).name if source.get("path") else "pixels without a file"
+        sha = f" (sha256 {source['sha256'][:12]})" if source.get("sha256") else ""
+        return f"visual-feature patching at {where} from {named}{sha}; {answer}"
+    kind = f" ({result['ablation']})" if result.get("ablation") else ""
+    return f"{result.get('method', 'intervention')}{kind} read at position {result.get('position')}; {answer}"
+
+
+def _change(before: float | None, after: float | None, digits: int, signed: bool = True) -> str:
+    """``+3.210 → +0.500`` and, on the next line, the change ``(-2.710)``; a change too small
+    for ``digits`` decimals is written in exponent form (a probability near 1 moves little)."""
+    if before is None or after is None:
+        return "—"
+    sign = "+" if signed else ""
+    change = after - before
+    tiny = change != 0 and abs(change) < 0.5 * 10**-digits
+    written = f"{change:+.1e}" if tiny else f"{change:+.{digits}f}"
+    return f"{before:{sign}.{digits}f} → {after:{sign}.{digits}f}\n({written})"
+
+
+class InterventionResults(QWidget):
+    """The results table: one row per edit set or token set and direction."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.result: dict | None = None
+        self.title = plain_label(NO_RESULT, wrap=True, selectable=True)
+        self.title.setStyleSheet("font-weight: bold;")
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels(list(COLUMNS))
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.NoSelection)
+        self.table.setWordWrap(True)  # the edit's label wraps in the room the numbers leave
+        self.table.verticalHeader().setVisible(False)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        header.sectionResized.connect(lambda *_: self.table.resizeRowsToContents())
+        self.note = plain_label(
+            "before → after (change); the score is the logit difference, the answer logit without a foil",
+            wrap=True,
+        )
+        self.note.setStyleSheet("color: #666; font-size: 9pt;")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.title)
+        layout.addWidget(self.table, 1)
+        layout.addWidget(self.note)
+
+    def show_result(self, result: Mapping) -> None:
+        """Fill the table from an intervention result's JSON (``InterventionResult.to_dict()`` or
+        ``VisualPatchResult.to_dict()``, as the session stores it)."""
+        self.result = dict(result)
+        rows = result_rows(result)
+        has_foil = (result.get("original") or {}).get("foil") is not None
+        self.table.horizontalHeaderItem(2).setText("logit diff" if has_foil else "logit (no foil)")
+        self.title.setText(describe_result(result) if rows else f"{describe_result(result)}: no edit set ran")
+        self.table.setRowCount(len(rows))
+        for r, (label, before, after, effect) in enumerate(rows):
+            score = "logit_diff" if has_foil else "logit"
+            cells = (
+                label,
+                str(before.get("answer")),
+                _change(before.get(score), after.get(score), 3),
+                _change(before.get("prob"), after.get("prob"), 4, signed=False),
+                f"{before.get('predicted')} →\n{after.get('predicted')}",
+                "yes" if effect.get("flipped") else "no",
+            )
+            line = change_line(before, after, bool(effect.get("flipped")))  # the whole row, as the summary says it
+            for c, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                item.setToolTip(f"{label}: {line}")
+                if c:
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
+                self.table.setItem(r, c, item)
+        self.table.resizeRowsToContents()
+
+    def clear(self) -> None:
+        self.result = None
+        self.title.setText(NO_RESULT)
+        self.table.setRowCount(0)
+
+    def texts(self) -> list[list[str]]:
+        """Every cell's text, row by row (what a reader sees)."""
+        return [
+            [self.table.item(r, c).text() for c in range(self.table.columnCount())]
+            for r in range(self.table.rowCount())
+        ]
+
+
+class InterventionPanel(QWidget):
+    """The intervention controls (see the module docstring); the table is :attr:`results`.
+
+    Signals:
+        ablate_requested(): ablate the selected component with the chosen kind and positions.
+        patch_requested(): patch the chosen site from the chosen source image.
+    """
+
+    ablate_requested = Signal()
+    patch_requested = Signal()
+
+    def __init__(self, selection: Selection, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.selection = selection
+        self.references: list[Path] = []
+        self.reference_set = ""
+        self.results = InterventionResults()
+
+        self.component_label = plain_label(NO_SELECTION, wrap=True, selectable=True)
+        self.kind_combo = _compact_combo([(text, kind) for kind, text in KINDS.items()])
+        self.kind_combo.setToolTip(
+            "zero: the write removed; mean: replaced by its mean over the reference images; "
+            "resample: replaced by its value on the source image"
+        )
+        self.positions_combo = _compact_combo([(text, where) for where, text in POSITIONS.items()])
+        self.positions_combo.setToolTip(
+            "where the write is ablated: the answer position read out, every position, or the painted "
+            "region's visual tokens. A patch copies the painted region (every visual token with 'all positions')"
+        )
+        self.reference_label = plain_label(wrap=True)
+        self.reference_label.setStyleSheet("color: #555;")
+        self.source_combo = _compact_combo([("choose a source image", None)])
+        self.source_combo.setToolTip("the other image of resample ablation and of patching (asked the same question)")
+        self.source_button = QPushButton("File…")
+        self.source_button.setToolTip("choose an image file as the source")
+        self.source_button.clicked.connect(self._pick_source)
+        self.site_combo = _compact_combo([(EARLIEST_SITE, None)])
+        self.site_combo.setToolTip("where the source image's visual-token features are copied in")
+        self.block_combo = _compact_combo()
+        self.block_combo.setToolTip("the block: the residual entering it, or the cross block reading the patch")
+        self.ablate_button = QPushButton("Ablate")
+        self.ablate_button.setToolTip("ablate the selected component and re-run at the answer token read out")
+        self.ablate_button.clicked.connect(self.ablate_requested)
+        self.patch_button = QPushButton("Patch")
+        self.patch_button.setToolTip("copy visual-token features from the source image into this run (and back)")
+        self.patch_button.clicked.connect(self.patch_requested)
+        self.message_label = plain_label(wrap=True, selectable=True)
+        self.message_label.setStyleSheet("color: #333;")
+
+        group = QGroupBox("Interventions")
+        grid = QGridLayout(group)
+        grid.setContentsMargins(4, 4, 4, 4)
+        grid.addWidget(self.component_label, 0, 0, 1, 2)
+        grid.addWidget(self.kind_combo, 1, 0)
+        grid.addWidget(self.positions_combo, 1, 1)
+        grid.addWidget(self.reference_label, 2, 0, 1, 2)
+        grid.addWidget(self.source_combo, 3, 0)
+        grid.addWidget(self.source_button, 3, 1)
+        grid.addWidget(self.site_combo, 4, 0)
+        grid.addWidget(self.block_combo, 4, 1)
+        grid.addWidget(self.ablate_button, 5, 0)
+        grid.addWidget(self.patch_button, 5, 1)
+        grid.addWidget(self.message_label, 6, 0, 1, 2)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(group)
+
+        self.kind_combo.currentIndexChanged.connect(lambda _i: self._show_reference())
+        self.site_combo.currentIndexChanged.connect(lambda _i: self._fill_blocks())
+        self._blocks: list[tuple[str, str]] = []
+        disconnect = selection.changed.connect(self.show_selection)
+        self.destroyed.connect(lambda *_: disconnect())  # the selection may outlive this widget
+        self.show_selection(selection.current)
+        self._show_reference()
+        self._fill_blocks()
+
+    # ----- choices -------------------------------------------------------
+
+    def kind(self) -> str:
+        return self.kind_combo.currentData()
+
+    def set_kind(self, kind: str) -> None:
+        if not _select_data(self.kind_combo, kind):
+            raise ValueError(f"ablation kind {kind!r}: expected one of {', '.join(KINDS)}")
+
+    def positions(self) -> str:
+        return self.positions_combo.currentData()
+
+    def set_positions(self, positions: str) -> None:
+        if not _select_data(self.positions_combo, positions):
+            raise ValueError(f"positions {positions!r}: expected one of {', '.join(POSITIONS)}")
+
+    def set_references(self, paths: Sequence[str | Path], name: str) -> None:
+        """The mean's reference set: ``paths`` (images, each asked the shown question), called ``name``."""
+        self.references = [Path(p) for p in paths]
+        self.reference_set = name
+        self._show_reference()
+
+    def set_sources(self, sources: Sequence[tuple[str, str | Path]]) -> None:
+        """The source images offered (``(name, path)``: the bundled samples), after the placeholder."""
+        for name, path in sources:
+            if self.source_combo.findData(str(path)) < 0:
+                self.source_combo.addItem(name, str(path))
+
+    def set_source(self, path: str | Path) -> None:
+        """Choose ``path`` as the source image (added to the list when it is not in it)."""
+        path = str(path)
+        if self.source_combo.findData(path) < 0:
+            self.source_combo.addItem(Path(path).name, path)
+        _select_data(self.source_combo, path)
+        self.source_combo.setToolTip(path)
+
+    def source(self) -> str | None:
+        """The chosen source image's path, or None (none chosen)."""
+        return self.source_combo.currentData()
+
+    def set_patch_sites(
+        self, sites: Sequence[str] | None, blocks: Sequence[tuple[str, str]] = (), default: str | None = None
+    ) -> None:
+        """The sites the loaded family can patch (None: not known yet, the job picks the earliest)
+        and its blocks ``[(name, kind)]`` ("self" / "cross"), for the block choice. The choice
+        made is kept when the new list has it, else ``default`` is chosen."""
+        site, layer = self.site_choice()
+        site = site or default
+        self._blocks = list(blocks)
+        self.site_combo.blockSignals(True)
+        self.site_combo.clear()
+        if sites is None:
+            self.site_combo.addItem(EARLIEST_SITE, None)
+        for s in sites or ():
+            self.site_combo.addItem(SITE_TITLES.get(s, s), s)
+        if site is not None:
+            _select_data(self.site_combo, site)
+        self.site_combo.blockSignals(False)
+        self._fill_blocks()
+        if layer is not None:
+            _select_data(self.block_combo, layer)
+
+    def set_site(self, site: str, layer: int | None = None) -> None:
+        """Choose ``site`` (one of the family's) and its block (``resid``; ``kv_source``: None = every cross block)."""
+        if not _select_data(self.site_combo, site):
+            raise ValueError(f"site {site!r}: this model has {', '.join(self.sites()) or 'no known site'}")
+        if site == "resid" and layer is None:
+            layer = 0
+        if self.block_combo.count() and not _select_data(self.block_combo, layer):
+            raise ValueError(f"{site}: no block {layer!r}")
+
+    def sites(self) -> list[str]:
+        """The sites offered (none before the model is known)."""
+        return [d for d in (self.site_combo.itemData(i) for i in range(self.site_combo.count())) if d is not None]
+
+    def site_choice(self) -> tuple[str | None, int | None]:
+        """``(site, block)`` to patch: None site before the model is known (the earliest it has);
+        block: resid's block, kv_source's cross block (None: every cross block), else None."""
+        site = self.site_combo.currentData()
+        layer = self.block_combo.currentData() if self.block_combo.count() else None
+        return site, layer
+
+    # ----- state in ------------------------------------------------------
+
+    def show_selection(self, selected: SelectedComponent | None) -> None:
+        """Name the component Ablate acts on (amber when it was selected in another read-out)."""
+        self.component_label.setText(selected.describe() if selected is not None else NO_SELECTION)
+        self.component_label.setStyleSheet(
+            "color: #5a3b00; background: #ffd27a;" if selected is not None and selected.stale else "color: #222;"
+        )
+
+    def set_busy(self, busy: bool) -> None:
+        self.ablate_button.setEnabled(not busy)
+        self.patch_button.setEnabled(not busy)
+
+    def show_message(self, text: str, *, error: bool = False) -> None:
+        self.message_label.setStyleSheet("color: #c00000;" if error else "color: #333;")
+        self.message_label.setText(" ".join(text.split()))
+
+    def show_result(self, result) -> None:
+        """Show an intervention result (the engine's object or its ``to_dict()``) in the table."""
+        self.results.show_result(result.to_dict() if hasattr(result, "to_dict") else result)
+        self.show_message("")
+
+    def clear_result(self) -> None:
+        self.results.clear()
+        self.show_message("")
+
+    # ----- drawing -------------------------------------------------------
+
+    def _show_reference(self) -> None:
+        mean = self.kind() == "mean"
+        self.reference_label.setVisible(mean)
+        n = len(self.references)
+        self.reference_label.setText(
+            f"mean over the {n} {self.reference_set} images, each asked the question shown"
+            if n
+            else "no reference images: mean ablation is not available"
+        )
+
+    def _fill_blocks(self) -> None:
+        """The block choice of the chosen site: every block for resid, the cross blocks (or
+        every one) for kv_source; none for the other sites."""
+        site = self.site_combo.currentData()
+        self.block_combo.clear()
+        if site == "resid":
+            for i, (name, _kind) in enumerate(self._blocks):
+                self.block_combo.addItem(f"entering {name}", i)
+        elif site == "kv_source":
+            self.block_combo.addItem(EVERY_CROSS_BLOCK, None)
+            for i, (name, kind) in enumerate(self._blocks):
+                if kind == "cross":
+                    self.block_combo.addItem(name, i)
+        self.block_combo.setEnabled(self.block_combo.count() > 0)
+
+    def _pick_source(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Source image", "", IMAGE_FILTER)
+        if path:
+            self.set_source(path)

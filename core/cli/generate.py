@@ -1,0 +1,89 @@
+"""``vlm-readout generate``: the model's greedy answer to one question about
+one image, token by token (the key / value cache; :mod:`core.generate`).
+
+    vlm-readout generate --model M --image I --question Q [--max-new-tokens N]
+        [--stop S ...] [--top-k K] [--raw-prompt] [--no-cache] [--json OUT]
+
+Prints one line per token (index, token, probability, the top alternatives),
+then the answer text and why it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core.arguments import positive_int
+from core.cli.args import add_model_args, add_raw_prompt_arg
+from core.cli.loading import load_from_args
+from core.cli.progress import progress_bar
+
+
+def add_command(subparsers, load=load_from_args) -> None:
+    g = subparsers.add_parser("generate", help="greedy answer, token by token, with each token's probability")
+    add_model_args(g)
+    g.add_argument("--image", required=True)
+    g.add_argument("--question", required=True)
+    g.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=None,
+        help="most tokens to generate (default: the model folder's generation config, else 32)",
+    )
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop once the answer contains TEXT (repeatable; the answer text is cut after it)",
+    )
+    g.add_argument("--top-k", type=positive_int, default=5, help="alternatives recorded per token")
+    g.add_argument(
+        "--no-cache", action="store_true", help="re-run the whole sequence at every step (the reference; slower)"
+    )
+    g.add_argument("--json", help="also write the generation as JSON here")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_raw_prompt_arg(g)
+    g.set_defaults(func=lambda args: run(args, load))
+
+
+def token_line(index: int, token: str, prob: float, top: list) -> str:
+    """``  3  'circle'  p=0.8123  top: 'circle' 0.812 | 'square' 0.101``."""
+    alternatives = " | ".join(f"{t!r} {p:.3f}" for t, p in top)
+    return f"{index:>3}  {token!r}  p={prob:.4f}  top: {alternatives}"
+
+
+def run(args, load=load_from_args) -> int:
+    # function-local: torch loads when the command runs, not for --help
+    from core.atomic import check_output_file, write_text_atomic
+    from core.generate import generate
+    from core.images import image_sha256, load_image
+
+    if args.json:
+        check_output_file(args.json)  # fail fast, before the model loads
+    image = load_image(args.image)
+    loaded = load(args)
+    with progress_bar("generating", quiet=args.quiet) as progress:
+        result = generate(
+            loaded,
+            image,
+            args.question,
+            max_new_tokens=args.max_new_tokens,
+            stop_strings=args.stop,
+            top_k=args.top_k,
+            raw_prompt=args.raw_prompt,
+            use_cache=not args.no_cache,
+            progress=progress,
+        )
+    for i, (token, prob, top) in enumerate(zip(result.tokens, result.probs, result.top)):
+        print(token_line(i, token, prob, top))
+    if result.stop_token is not None:
+        s = result.stop_token
+        print(f"end  {s['token']!r}  p={s['prob']:.4f}")
+    print(f"answer: {result.text}")
+    print(f"stop: {result.stop_reason} ({len(result.token_ids)} tokens, {'KV cache' if result.cache else 'no cache'})")
+    if args.json:
+        doc = result.to_dict()
+        doc["input"].update(image=str(args.image), image_sha256=image_sha256(image), image_size=list(image.size))
+        write_text_atomic(Path(args.json), json.dumps(doc, allow_nan=False) + "\n")
+    return 0
