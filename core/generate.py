@@ -179,7 +179,7 @@ def _limits(loaded, max_new_tokens: int | None) -> tuple[int, int]:
     config = getattr(loaded.model, "generation_config", None)
     if max_new_tokens is None:
         max_new_tokens = getattr(config, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS
-    max_length = loaded.adapter._max_positions()
+    max_length = loaded.adapter.max_positions()
     if getattr(config, "max_length", None):
         max_length = min(max_length, int(config.max_length))
     return max_new_tokens, max_length

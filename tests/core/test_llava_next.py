@@ -211,7 +211,7 @@ def check_question_errors(m, monkeypatch) -> None:
     a = m.adapter
     # fits with the base image alone but not with the tiles: prepare sees the real count
     n = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION]).input_ids.shape[1]
-    monkeypatch.setattr(a, "_max_positions", lambda: n - 1)
+    monkeypatch.setattr(a, "max_positions", lambda: n - 1)
     a.check_question(QUESTION)
     with pytest.raises(QuestionError, match=f"{n} tokens with the image"):
         a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])

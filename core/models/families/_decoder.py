@@ -62,7 +62,7 @@ class LlamaStyleWeights(TextConfigSizes):
         text = "text_config." if getattr(config, "text_config", None) is not None else ""
         config_int(config, f"{text}max_position_embeddings", minimum=1)
 
-    def _max_positions(self) -> int:
+    def max_positions(self) -> int:
         """The decoder's position limit (10**9 when the config sets none)."""
         return int(getattr(self.text_config, "max_position_embeddings", None) or 10**9)
 
@@ -71,8 +71,8 @@ class LlamaStyleWeights(TextConfigSizes):
         where the image's token count follows its size, :meth:`prepare` checks
         the real total (:meth:`Adapter.batch_inputs`)."""
         total = len(self.tokenizer.encode(self.prompt(question), add_special_tokens=False))
-        if total > self._max_positions():
-            raise QuestionError(f"the question is too long: {total} tokens, the model takes {self._max_positions()}")
+        if total > self.max_positions():
+            raise QuestionError(f"the question is too long: {total} tokens, the model takes {self.max_positions()}")
 
     @property
     def prompt_field(self) -> str:

@@ -242,7 +242,7 @@ class BlipAdapter(TextConfigSizes, Adapter):
 
     # ---- decoding with the cache: the text decoder itself (BlipForConditionalGeneration's
     # forward keeps no cache), reading the image tokens the prefill computed, as generate() does
-    def _max_positions(self) -> int:
+    def max_positions(self) -> int:
         return int(self.text_config.max_position_embeddings)
 
     def end_token_ids(self) -> set[int]:

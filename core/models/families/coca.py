@@ -98,7 +98,7 @@ class CocaAdapter(Adapter):
     # runs here block by block (as run_capture's replay does), one new position per
     # step; each self-attention block keeps its keys and values, and the
     # cross-attention keys and values over the image tokens are computed once.
-    def _max_positions(self) -> int:
+    def max_positions(self) -> int:
         return self.context_length - 1  # the text tower appends its CLS token after the text
 
     def end_token_ids(self) -> set[int]:

@@ -34,7 +34,7 @@ class LlavaAdapter(LlamaStyleWeights, Adapter):
     def check_fits(self, question: str, ids: list[int]) -> None:
         n_image = int(getattr(self.model.config, "image_seq_length", 0) or 0)
         total = len(self.tokenizer.encode(self.prompt(question))) + n_image
-        limit = self._max_positions()
+        limit = self.max_positions()
         if total > limit:
             raise QuestionError(f"the question is too long: {total} tokens with the image, the model takes {limit}")
 

@@ -295,10 +295,10 @@ class LlavaNextAdapter(LlavaAdapter):
         tile, patch, _ = self._model_grid()
         # the prompt's one <image> placeholder becomes at least the base image's tokens
         total = len(self.tokenizer.encode(self.prompt(question))) - 1 + (tile // patch) ** 2
-        if total > self._max_positions():
+        if total > self.max_positions():
             raise QuestionError(
                 f"the question is too long: at least {total} tokens with the image, "
-                f"the model takes {self._max_positions()}"
+                f"the model takes {self.max_positions()}"
             )
 
     # ---- running: prepare (the base's) gives ``input_ids``, ``attention_mask``

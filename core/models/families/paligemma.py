@@ -155,9 +155,9 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
     def check_fits(self, question: str, ids: list[int]) -> None:
         # image tokens + <bos> + question + "\n"; positions run 1..total
         total = self.n_image_tokens + 1 + len(ids) + 1
-        if total > self._max_positions():
+        if total > self.max_positions():
             raise QuestionError(
-                f"the question is too long: {total} tokens with the image, the model takes {self._max_positions()}"
+                f"the question is too long: {total} tokens with the image, the model takes {self.max_positions()}"
             )
 
     # ---- running: prepare (the base's) gives ``input_ids``, ``attention_mask``,
