@@ -35,7 +35,7 @@ from PySide6.QtWidgets import (
 import core
 from app.components.workspace import AnswerTokens, answer_token_label
 from app.panels.answer_patterns_panel import AnswerPatternsPanel
-from app.widgets import box, plain_label
+from app.widgets import ElidedLabel, box, plain_label
 from core.answer_text import AnswerText
 
 NO_ANSWER = "no answer yet"
@@ -141,11 +141,13 @@ class AnswerPanel(QWidget):
         self.tokens_area.setWidget(self._flow_holder)
         self.tokens_area.setVisible(False)
 
-        self.label = plain_label(NO_ANSWER)
+        # elided: a generated answer of many tokens must not widen the panel past the window
+        self.label = ElidedLabel()
         font = self.label.font()
         font.setPointSizeF(font.pointSizeF() * 1.5)
         font.setBold(True)
         self.label.setFont(font)
+        self.label.setText(NO_ANSWER)
         self.caption = plain_label()
         self.caption.setWordWrap(True)
         self.caption.setStyleSheet("color: #555;")

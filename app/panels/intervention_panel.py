@@ -364,6 +364,7 @@ class InterventionPanel(QWidget):
         self.component_label.setStyleSheet(
             "color: #5a3b00; background: #ffd27a;" if selected is not None and selected.stale else "color: #222;"
         )
+        self.show_message("")  # a refusal ("select a component first") no longer applies
 
     def set_busy(self, busy: bool) -> None:
         self.ablate_button.setEnabled(not busy)

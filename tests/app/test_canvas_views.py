@@ -14,7 +14,6 @@ from app.canvas import ImageCanvas
 from app.canvas.views import ALL_VIEWS, ALL_VIEWS_TEXT
 from tests.app.test_window import run_until_idle
 
-LLAVA_NEXT = "tiny-llava-next"
 
 
 @pytest.fixture
@@ -27,16 +26,27 @@ def canvas(qtbot):
     return c
 
 
-@pytest.fixture
-def llava_next(model_cache):
+@pytest.fixture(scope="module")
+def llava_next_folder(tmp_path_factory) -> str:
+    """A LLaVA-NeXT-shaped model folder (the tiny random model of
+    tests/core/test_llava_next.py, saved as a user's folder is: safetensors, the
+    processor's files), which the window opens through its own loading path."""
     import torch
 
     from tests.core.test_llava_next import tiny_llava_next_float64
 
-    if LLAVA_NEXT not in model_cache:
-        torch.manual_seed(0)
-        model_cache[LLAVA_NEXT] = tiny_llava_next_float64()
-    return model_cache[LLAVA_NEXT]
+    torch.manual_seed(0)
+    tiny = tiny_llava_next_float64()
+    folder = tmp_path_factory.mktemp("llava-next")
+    tiny.model.float().save_pretrained(folder, safe_serialization=True)
+    tiny.processor.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def llava_next(llava_next_folder):
+    """The folder's model as core.load_model loads it."""
+    return core.load_model(llava_next_folder)
 
 
 def expected_cells(tokens, images) -> list:
@@ -77,19 +87,20 @@ def pick(canvas: ImageCanvas, choice) -> None:
     assert canvas.view_choice() == choice
 
 
-def test_each_view_of_a_llava_next_run_is_drawn_from_the_adapters_geometry(qtbot, window, llava_next):
-    """A tiny random LLaVA-NeXT read out through the window (the real engine):
+def test_each_view_of_a_llava_next_run_is_drawn_from_the_adapters_geometry(qtbot, window, llava_next_folder):
+    """A LLaVA-NeXT-shaped folder opened and read out through the window (the real engine):
     select each view and check the grid, boxes, outline and heatmap; a new run
     on an image of another size shows its own views, nothing of the old run."""
     from tests.core.exactness import noise_image
     from tests.core.test_llava_next import IMAGE_SIZE, QUESTION
 
-    adapter = llava_next.adapter
-    window.model_picker.setCurrentText(LLAVA_NEXT)
+    window.model_picker.setCurrentText(llava_next_folder)  # the folder, as a user picks it
     assert window.set_image(noise_image(IMAGE_SIZE), name="noise")
     window.set_question(QUESTION)
     run_until_idle(qtbot, window, window.run_readout)
     assert window.analysis is not None, window.error_label.text()
+    adapter = window.model_cache[llava_next_folder].adapter  # what the window loaded from the folder
+    assert adapter.family == "llava_next"
     canvas = window.canvas
     tokens = adapter.visual_tokens(IMAGE_SIZE)
     selector = canvas.view_selector
