@@ -15,7 +15,6 @@ from app.canvas.views import ALL_VIEWS, ALL_VIEWS_TEXT
 from tests.app.test_window import run_until_idle
 
 
-
 @pytest.fixture
 def canvas(qtbot):
     c = ImageCanvas()
