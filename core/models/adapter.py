@@ -11,7 +11,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -23,6 +22,7 @@ from core.models.canonical import CANONICAL, CANONICAL_NAMES, NotMapped
 from core.models.config_fields import config_int, config_key, config_value, size_value
 from core.models.decoding import Decoding, DecodingState
 from core.models.edit_sites import EditSites
+from core.models.inputs import ModelInputs
 from core.models.markup import PROBE_QUESTION, PromptMarkup, check_pairs, check_text, is_markup
 from core.models.question_checks import QuestionChecks
 
@@ -44,23 +44,6 @@ __all__ = [
     "is_markup",
     "size_value",
 ]
-
-
-@dataclass
-class ModelInputs:
-    """A prepared batch.
-
-    Attributes:
-        tensors: keyword arguments for the family's forward.
-        answer_positions: ``(batch,)`` index of the position whose next-token
-            distribution is the answer.
-        input_ids: ``(batch, pos)`` the token ids of the text stream.
-    """
-
-    tensors: dict[str, torch.Tensor]
-    answer_positions: torch.Tensor
-    input_ids: torch.Tensor
-    prompts: list[str]
 
 
 class Adapter(QuestionChecks, EditSites, Decoding, ABC):

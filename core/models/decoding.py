@@ -7,12 +7,11 @@ every cached step is checked against (tests/core/test_generate.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-if TYPE_CHECKING:
-    from core.models.adapter import ModelInputs
+from core.models.inputs import ModelInputs
 
 
 @dataclass
