@@ -17,7 +17,17 @@ from collections.abc import Sequence
 import pyqtgraph as pg
 from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QFont, QFontMetricsF
-from PySide6.QtWidgets import QBoxLayout, QLabel, QLayout, QSizePolicy, QSplitter, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QBoxLayout,
+    QHeaderView,
+    QLabel,
+    QLayout,
+    QSizePolicy,
+    QSplitter,
+    QTableWidget,
+    QVBoxLayout,
+    QWidget,
+)
 
 FOREGROUND = "#202020"
 
@@ -87,6 +97,17 @@ class ElidedLabel(QLabel):
         if self.toolTip() == self._tip:
             self._tip = self._full if shown != self._full else ""
             self.setToolTip(self._tip)
+
+
+def set_columns(table: QTableWidget, headers) -> QHeaderView:
+    """``table``'s columns named ``headers``: the first takes the spare width, the
+    others fit their contents. Returns the horizontal header."""
+    table.setColumnCount(len(headers))
+    table.setHorizontalHeaderLabels(list(headers))
+    header = table.horizontalHeader()
+    header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+    header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+    return header
 
 
 def box(layout: QBoxLayout, *items: BoxItem, end_stretch: bool = False) -> QBoxLayout:

@@ -20,7 +20,6 @@ from PySide6.QtWidgets import (
     QAbstractItemView,
     QButtonGroup,
     QHBoxLayout,
-    QHeaderView,
     QLayout,
     QPushButton,
     QScrollArea,
@@ -35,7 +34,7 @@ from PySide6.QtWidgets import (
 import core
 from app.components.workspace import AnswerTokens, answer_token_label
 from app.panels.answer_patterns_panel import AnswerPatternsPanel
-from app.widgets import ElidedLabel, box, plain_label
+from app.widgets import ElidedLabel, box, plain_label, set_columns
 from core.answer_text import AnswerText
 
 NO_ANSWER = "no answer yet"
@@ -326,11 +325,7 @@ class AnswerPanel(QWidget):
 
     def fill_table(self, headers: list[str], rows: list[tuple[str, ...]]) -> None:
         """Rows of text; the first column takes the spare width, the others fit their contents."""
-        self.table.setColumnCount(len(headers))
-        self.table.setHorizontalHeaderLabels(headers)
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        header = set_columns(self.table, headers)
         self.table.setRowCount(len(rows))
         for r, row in enumerate(rows):
             for c, text in enumerate(row):

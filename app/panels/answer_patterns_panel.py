@@ -15,7 +15,6 @@ from PySide6.QtWidgets import (
     QAbstractItemView,
     QComboBox,
     QHBoxLayout,
-    QHeaderView,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
@@ -23,7 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.panels.attention_panel import block_names
-from app.widgets import box, plain_label
+from app.widgets import box, plain_label, set_columns
 
 MEAN_OVER_BLOCKS = "mean over blocks"
 # the parts of a row (core.methods.answer_patterns.PARTS) and their column titles; a row's parts sum to 1
@@ -127,11 +126,7 @@ class AnswerPatternsPanel(QWidget):
     def _fill(self) -> None:
         rows = self.rows()
         headers = ["answer token", *(title for _, title in PARTS)]
-        self.table.setColumnCount(len(headers))
-        self.table.setHorizontalHeaderLabels(headers)
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        set_columns(self.table, headers)
         self.table.setRowCount(len(rows))
         if not rows:
             self.title.setText(NO_PATTERNS)

@@ -39,7 +39,6 @@ from PySide6.QtWidgets import (
     QFileDialog,
     QGridLayout,
     QGroupBox,
-    QHeaderView,
     QPushButton,
     QTableWidget,
     QTableWidgetItem,
@@ -48,7 +47,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.components.selection import SelectedComponent, Selection
-from app.widgets import plain_label
+from app.widgets import plain_label, set_columns
 from core.readout import change_line
 
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
@@ -137,14 +136,11 @@ class InterventionResults(QWidget):
         self.title = plain_label(NO_RESULT, wrap=True, selectable=True)
         self.title.setStyleSheet("font-weight: bold;")
         self.table = QTableWidget(0, len(COLUMNS))
-        self.table.setHorizontalHeaderLabels(list(COLUMNS))
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.NoSelection)
         self.table.setWordWrap(True)  # the edit's label wraps in the room the numbers leave
         self.table.verticalHeader().setVisible(False)
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        header = set_columns(self.table, COLUMNS)
         header.sectionResized.connect(lambda *_: self.table.resizeRowsToContents())
         self.note = plain_label(
             "before → after (change); the score is the logit difference, the answer logit without a foil",

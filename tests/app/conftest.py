@@ -29,3 +29,16 @@ def window(qtbot, model_cache, tmp_path):
     win.close()
     assert win.workers.running() == [], "worker threads still alive after close"
     assert QThreadPool.globalInstance().activeThreadCount() == 0
+
+
+@pytest.fixture
+def canvas(qtbot):
+    """An ImageCanvas on its own, shown at 700 x 640 (torn down with the test)."""
+    from app.canvas import ImageCanvas
+
+    c = ImageCanvas()
+    qtbot.addWidget(c)
+    c.resize(700, 640)
+    c.show()
+    qtbot.waitExposed(c)
+    return c

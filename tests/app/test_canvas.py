@@ -31,16 +31,6 @@ def sample_image():
 
 
 @pytest.fixture
-def canvas(qtbot):
-    c = ImageCanvas()
-    qtbot.addWidget(c)
-    c.resize(700, 640)
-    c.show()
-    qtbot.waitExposed(c)
-    return c
-
-
-@pytest.fixture
 def panel(qtbot):
     p = CounterfactualPanel()
     qtbot.addWidget(p)

@@ -15,16 +15,6 @@ from app.canvas.views import ALL_VIEWS, ALL_VIEWS_TEXT
 from tests.app.test_window import run_until_idle
 
 
-@pytest.fixture
-def canvas(qtbot):
-    c = ImageCanvas()
-    qtbot.addWidget(c)
-    c.resize(700, 640)
-    c.show()
-    qtbot.waitExposed(c)
-    return c
-
-
 @pytest.fixture(scope="module")
 def llava_next_folder(tmp_path_factory) -> str:
     """A LLaVA-NeXT-shaped model folder (the tiny random model of
