@@ -332,3 +332,27 @@ def test_analyze_reads_a_generated_answer_by_its_ids(tmp_path, capsys, llava_sam
     assert main(["analyze", *base, "--answer-from", str(tmp_path / "bad.json"), "--json", str(out), "--quiet"]) == 2
     assert "not a generate JSON" in capsys.readouterr().err
     assert main(["analyze", *base, "--answer-text", "red", "--answer-from", str(gen), "--json", str(out)]) == 2
+
+
+def test_the_command_line_reads_every_answer_token_as_the_plain_forward(tmp_path, llava_sample):
+    """``vlm-readout analyze --answer-text T --token-index K`` for every K: the lens's
+    last row is the plain forward of prompt + T[:K], the frozen split sums to its
+    logit difference minus the biases."""
+    loaded, *_ = llava_sample
+    adapter = loaded.adapter
+    image, question = SAMPLES / "sample_00.png", "what shape is the blue object?"
+    full = AnswerText.of_text(adapter, ANSWER)
+    out = tmp_path / "a.json"
+    for k in range(len(full.token_ids)):
+        args = ["analyze", "--image", str(image), "--question", question, "--foil", "yes", "--json", str(out)]
+        assert main([*args, "--answer-text", ANSWER, "--token-index", str(k), "--quiet"]) == 0
+        d = json.loads(out.read_text())
+        z = plain_logits(loaded, load_image(image), question, list(full.token_ids[:k])).double()
+        a, f = full.token_ids[k], adapter.token_id("yes")
+        tol = forwards_tol(adapter, z, len(d["input"]["input_ids"])) + 2 * float(z.abs().max()) * 2.0**-24
+        diff = float(z[a] - z[f])
+        assert d["logit_lens"][-1]["logit_diff"] == pytest.approx(diff, abs=2 * tol)
+        comps = d["residual_decomposition"]["components"]
+        terms = sum(abs(c["dla_frozen"]) for c in comps) + abs(diff)
+        frozen_tol = 2 * tol + sum_tol(terms, len(comps) + 2, adapter.W_U.dtype)
+        assert sum(c["dla_frozen"] for c in comps) == pytest.approx(diff - _bias_terms(adapter, a, f), abs=frozen_tol)
