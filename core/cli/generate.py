@@ -42,6 +42,7 @@ def add_command(subparsers, load=load_from_args) -> None:
         "--no-cache", action="store_true", help="re-run the whole sequence at every step (the reference; slower)"
     )
     g.add_argument("--json", help="also write the generation as JSON here")
+    g.add_argument("--session", help="also record the run into this session file (created if missing)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     add_raw_prompt_arg(g)
     g.set_defaults(func=lambda args: run(args, load))
@@ -62,6 +63,10 @@ def run(args, load=load_from_args) -> int:
     if args.json:
         check_output_file(args.json)  # fail fast, before the model loads
     image = load_image(args.image)
+    if args.session:
+        from core.session import check_session_file
+
+        check_session_file(args.session)
     loaded = load(args)
     with progress_bar("generating", quiet=args.quiet) as progress:
         result = generate(
@@ -86,4 +91,8 @@ def run(args, load=load_from_args) -> int:
         doc = result.to_dict()
         doc["input"].update(image=str(args.image), image_sha256=image_sha256(image), image_size=list(image.size))
         write_text_atomic(Path(args.json), json.dumps(doc, allow_nan=False) + "\n")
+    if args.session:
+        from core.session import record_into
+
+        record_into(args.session, result, image=image, image_path=args.image)
     return 0

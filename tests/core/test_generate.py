@@ -411,6 +411,24 @@ def test_cli_prints_each_token_and_writes_the_json(tmp_path, capsys):
     assert lines[-1].startswith(f"stop: {g.stop_reason} ({len(g.token_ids)} tokens, KV cache)")
 
 
+def test_cli_records_the_generation_into_a_session(tmp_path, capsys):
+    from core.session import Session
+
+    path = tmp_path / "s.vlmr"
+    argv = ["generate", "--image", str(SAMPLES / "sample_00.png"), "--question", SHAPES_QUESTION]
+    assert main([*argv, "--max-new-tokens", "3", "--session", str(path), "--quiet"]) == 0
+    session = Session.open(path, read_only=True)
+    (info,) = session.runs("generate")
+    run = session.run(info.id)
+    g = Generation.from_dict(run.result)
+    assert len(g.token_ids) == 3 and run.parameters["question"] == SHAPES_QUESTION
+    assert run.image is not None and [a["method"] for a in run.audits] == ["model output"]
+    capsys.readouterr()
+    (tmp_path / "not.vlmr").write_text("no session")
+    assert main([*argv, "--session", str(tmp_path / "not.vlmr"), "--quiet"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
 def test_cli_stop_strings_and_no_cache(capsys):
     image = SAMPLES / "sample_00.png"
     m = load_model("shapes-llava")
