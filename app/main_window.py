@@ -814,7 +814,7 @@ class MainWindow(SessionMixin, AnswerTokensMixin, WorkspaceMixin, QMainWindow):
         self.canvas.set_tokens(tokens, view_names=self._view_names(analysis))
         note = describe_token_layout(tokens, analysis["model"].get("family"))
         self.canvas.set_token_note(note)
-        self.counterfactual_panel.set_tokens(tokens)
+        self.counterfactual_panel.set_tokens(tokens, view_names=self._view_names(analysis))
         self.counterfactual_panel.set_token_note(note)
         rollout = analysis.get("rollout")
         if rollout:

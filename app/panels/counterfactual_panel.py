@@ -394,10 +394,11 @@ class CounterfactualPanel(QWidget):
         self.clear_result()
         self.clear_sweep()
 
-    def set_tokens(self, tokens: Sequence | None) -> None:
-        """The visual tokens (``VisualToken`` or their dicts) drawn as the patch grid."""
+    def set_tokens(self, tokens: Sequence | None, *, view_names: Mapping[int, str] | None = None) -> None:
+        """The visual tokens (``VisualToken`` or their dicts) drawn as the patch grid
+        (``view_names``: the family's names of the views, as the main canvas gets them)."""
         self.tokens = list(tokens or [])
-        self.canvas.set_tokens(self.tokens)
+        self.canvas.set_tokens(self.tokens, view_names=view_names)
         self._update_region_label(self.canvas.mask())
 
     def set_token_note(self, text: str) -> None:

@@ -101,6 +101,8 @@ def test_each_view_of_a_llava_next_run_is_drawn_from_the_adapters_geometry(qtbot
     ]
     note = canvas.note_label.text()
     assert "views of the image" in note and "not drawn" not in note
+    painter = window.counterfactual_panel.canvas.view_selector  # the Counterfactual tab's canvas names them too
+    assert [painter.itemText(i) for i in range(painter.count())][:2] == ["base: 4x4", "high-res (2x2 tiles): 4x8"]
     # the default is the read-outs' primary (whole-image) view
     assert canvas.view_choice() == window.analysis["rollout"]["primary_image"] == 0
     assert_drawn(canvas, tokens, [0], IMAGE_SIZE)
