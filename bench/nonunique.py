@@ -97,7 +97,7 @@ def run_model(spec: str, n: int, start: int = 0) -> dict:
                 "certified_min_source_mass": tight.levels[0].certified_min_source_mass,
                 "duality_gap": tight.levels[0].extra.get("duality_gap"),
             },
-            "summary": res.summary,
+            "verdict": res.verdict,
         }
         rows.append(row)
         print(

@@ -8,6 +8,7 @@ parser) and ``run(args, load) -> int``:
     evaluate_zoo.py    evaluate-zoo      audit.py        audit
     counterfactual.py  counterfactual    export.py       export
     lens.py            train-lens, eval-lens
+    nonunique.py       nonunique         qk_ov.py        qk-ov
 
 and the pieces they share: :mod:`core.cli.args` (the model options),
 :mod:`core.cli.loading` (the model they name), :mod:`core.cli.progress` (the
@@ -43,7 +44,7 @@ from core.arguments import (  # noqa: F401  (re-exported: callers import them fr
     seed_int,
     share_below_one,
 )
-from core.cli import analyze, answer, audit, counterfactual, evaluate_zoo, export, generate, lens
+from core.cli import analyze, answer, audit, counterfactual, evaluate_zoo, export, generate, lens, nonunique, qk_ov
 from core.cli.args import add_model_args, add_raw_prompt_arg  # noqa: F401
 from core.cli.loading import load_from_args
 from core.errors import ReadoutError
@@ -55,7 +56,7 @@ _add_model_args = add_model_args
 _load = load_from_args
 
 # In the order of `vlm-readout --help`.
-COMMANDS = (answer, generate, analyze, evaluate_zoo, audit, counterfactual, export, lens)
+COMMANDS = (answer, generate, analyze, evaluate_zoo, audit, counterfactual, export, lens, nonunique, qk_ov)
 
 
 def build_parser() -> argparse.ArgumentParser:

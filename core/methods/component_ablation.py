@@ -78,6 +78,19 @@ def parse_component(name: str, block_names: Sequence[str]) -> Component:
     return Component(name, block, "head", int(m.group(3)))
 
 
+def parse_head(name: str, adapter) -> Component:
+    """The head ``name`` (``L1.H3``, ``L1.xattn.H0``) of this model's blocks; a one-line
+    InterventionError for a name that is no head (unknown block, ``L1.mlp``, an index
+    past the model's heads)."""
+    block_names = [block_name for block_name, _ in adapter.blocks]
+    component = parse_component(name, block_names)
+    if component.part != "head":
+        raise InterventionError(f"{name!r} is not a head: name one as BLOCK.H<index>, e.g. {block_names[0]}.H0")
+    if not 0 <= component.head < adapter.n_heads:
+        raise InterventionError(f"{name!r}: this model's blocks have heads H0..H{adapter.n_heads - 1}")
+    return component
+
+
 def ablation_positions(base: Trace, positions: str, region_tokens: Sequence[int] = ()) -> list[int] | None:
     """The sequence positions of ``target`` / ``all`` (None: every position) /
     ``region`` (the visual tokens' positions in the text stream)."""

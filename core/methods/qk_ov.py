@@ -139,7 +139,9 @@ def copying_score(adapter, block: int, head: int, tokens: list[int] | None = Non
     the answer set for large ones). The final norm's gain is folded into W_U and
     its scale ignored: a weight-level potential, not what happens in context."""
     E = embedding_matrix(adapter)
-    T = list(range(E.shape[0])) if tokens is None else list(tokens)
+    # the tokens both read in and written out: an embedding can hold rows the unembedding has no
+    # column for (Mllama's image token)
+    T = list(range(min(E.shape[0], adapter.W_U.shape[1]))) if tokens is None else list(tokens)
     x = (
         adapter.attn_norm(block)(E[T].to(adapter.W_V(block).dtype)).float()
         if adapter.blocks[block][1] == "self"
@@ -218,3 +220,237 @@ def model_scores(trace, block: int, batch: int = 0) -> torch.Tensor:
     q, k = trace.q[block][batch], trace.k[block][batch]  # (pos, heads, d), (keys, kv_heads, d)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     return torch.einsum("qhd,khd->hqk", q, k) * trace.score_scale[block]
+
+
+# ---------------------------------------------------------------- one head, both levels (vlm-readout qk-ov)
+
+SCHEMA_VERSION = 1
+# Above this many tokens the whole-vocabulary copying matrix (|V| x |V|, and its
+# eigenvalues) is too large to compute by default: name the tokens instead.
+COPYING_VOCAB_LIMIT = 2048
+WEIGHT_FLAG = "weight level: position-free, no input"
+ACTIVATION_FLAG = "activation level: this input, with the position scheme (RoPE/M-RoPE)"
+
+
+def head_of(adapter, name: str) -> tuple[int, str, int]:
+    """``(block, block name, head)`` of a head name such as ``L1.H2``
+    (:func:`core.methods.component_ablation.parse_head`)."""
+    from core.methods.component_ablation import parse_head
+
+    head = parse_head(name, adapter)
+    return head.block, adapter.blocks[head.block][0], head.head
+
+
+@dataclass
+class QkOvResult:
+    """One head's QK and OV read-outs: the weight level (what it can select and
+    write, position-free, no input) kept apart from the activation level (the
+    scores it realised at the answer row of one input), as docs/METHODS.md §4.3 asks.
+
+    Attributes:
+        head: ``{"name", "block", "block_name", "block_kind", "head"}``.
+        weight_level: ``{"flag", "qk", "ov", "copying", "copying_skipped"}``.
+        activation_level: None without an input, else ``{"flag", "position",
+            "scores", "allowed", "pattern", "top_keys", "agreement"}``.
+        input: None without an input, else the question, image hash and size,
+            the answer tokens read at.
+    """
+
+    model: dict
+    head: dict
+    weight_level: dict
+    activation_level: dict | None = None
+    input: dict | None = None
+    audit: list[AuditRecord] = field(default_factory=list, repr=False)
+
+    kind = "qk-ov"  # the session's run kind (core.readout.Readout)
+
+    def to_dict(self) -> dict:
+        """The ``qk-ov`` JSON (schema version 1)."""
+        from core.readout import jsonable
+
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "kind": self.kind,
+            "model": jsonable(self.model),
+            "head": dict(self.head),
+            "input": jsonable(self.input),
+            "weight_level": jsonable(self.weight_level),
+            "activation_level": jsonable(self.activation_level),
+            "audit": [a.to_dict() for a in self.audit],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QkOvResult:
+        return cls(
+            d["model"],
+            d["head"],
+            d["weight_level"],
+            d.get("activation_level"),
+            d.get("input"),
+            [AuditRecord.from_dict(a) for a in d.get("audit", [])],
+        )
+
+    def summary(self) -> str:
+        w = self.weight_level
+        parts = [
+            f"{self.head['name']} ({self.head['block_kind']}): QK sigma_1 {w['qk']['singular_values'][0]:.3f}",
+            f"OV sigma_1 {w['ov']['singular_values'][0]:.3f}",
+        ]
+        if w["copying"] is not None:
+            parts.append(
+                f"copying {w['copying']['eigen_copying']:+.3f} over {len(w['copying']['tokens'])} tokens (weight level)"
+            )
+        act = self.activation_level
+        if act is not None:
+            top = act["top_keys"][0]
+            parts.append(
+                f"at position {act['position']}: top key {top['key']} ({top['token']!r}) weight {top['weight']:.3f}, "
+                f"scores vs the model's max |diff| {act['agreement']['max_abs_score_difference']:.2e}"
+            )
+        return ", ".join(parts)
+
+    def parameters(self) -> dict:
+        out = {"head": self.head["name"], "block": self.head["block"], "head_index": self.head["head"]}
+        copying = self.weight_level.get("copying")
+        out["n_copy_tokens"] = len(copying["tokens"]) if copying is not None else 0
+        if self.input is not None:
+            out.update(question=self.input["question"], position=self.activation_level["position"])
+            if "answer_text" in self.input:
+                out.update(answer_text=self.input["answer_text"], answer_token_index=self.input["answer_token_index"])
+        return out
+
+    def audit_records(self) -> list[AuditRecord]:
+        return list(self.audit)
+
+
+def _weight_level(adapter, block: int, head: int, copy_tokens: list[int] | None) -> tuple[dict, list[AuditRecord]]:
+    qk, ov = qk_circuit(adapter, block, head), ov_circuit(adapter, block, head)
+    audits = [
+        AuditRecord.for_method(
+            "qk/ov circuit",
+            controls=["biases and the position scheme left out of QK", "factored SVD (no d_model x d_model matrix)"],
+            parameters={"block": block, "head": head, "level": "weight"},
+            notes=["weight-level potential: what the head can select and write, not what it did on an input"],
+        )
+    ]
+    copying, skipped = None, None
+    vocab = adapter.W_U.shape[1]
+    if adapter.blocks[block][1] != "self":
+        skipped = "cross-attention head: its values are visual tokens, not token embeddings"
+    elif copy_tokens is None and vocab > COPYING_VOCAB_LIMIT:
+        skipped = f"vocabulary of {vocab} tokens (over {COPYING_VOCAB_LIMIT}): name the tokens to score"
+    else:  # copy_tokens None: copying_score's default, every token both embedded and unembedded
+        score = copying_score(adapter, block, head, copy_tokens)
+        copying = {**score.to_dict(), "token_strings": [adapter.token_str(t) for t in score.tokens]}
+        audits.append(score.audit)
+    level = {
+        "flag": WEIGHT_FLAG,
+        "qk": {
+            "form": "W_Q[h] W_K[h]^T * scale" + ("" if adapter.qk_gain(block) is None else " * the q/k norm gains"),
+            "score_scale": float(adapter.score_scale(block)),
+            "singular_values": qk.singular_values.tolist(),
+            "left_out": "biases and the position scheme (" + str(adapter.position_scheme) + ")",
+        },
+        "ov": {"form": "W_V[h] W_O[h]", "singular_values": ov.singular_values.tolist()},
+        "copying": copying,
+        "copying_skipped": skipped,
+    }
+    return level, audits
+
+
+@torch.no_grad()
+def _activation_level(loaded, trace, block: int, head: int, top_k: int) -> tuple[dict, AuditRecord]:
+    adapter = loaded.adapter
+    position = int(trace.answer_positions[0])
+    realised = realized_scores(adapter, trace, block, torch.tensor([position]))
+    scores, allowed, pattern = realised.scores[head, 0], realised.allowed[0], realised.pattern[head, 0]
+    theirs = model_scores(trace, block)[head, position].to(scores.dtype)
+    recorded = trace.patterns[block][0, head, trace.query_positions.tolist().index(position)].to(pattern.dtype)
+    score_diff = float((scores - theirs).abs()[allowed].max())
+    pattern_diff = float((pattern - recorded).abs().max())
+    cross = trace.kv_source[block] is not None
+    visual = set(trace.visual_positions[0].tolist())
+    ids = trace.input_ids[0].tolist()
+
+    def describe(key: int) -> dict:
+        if cross:  # the keys are the image's tokens (the kv source), not the text stream
+            return {"role": "visual", "token": f"<visual {key}>"}
+        return {"role": "visual" if key in visual else "text", "token": adapter.token_str(ids[key])}
+
+    order = pattern.argsort(descending=True)[: min(top_k, int(allowed.sum()))].tolist()
+    level = {
+        "flag": ACTIVATION_FLAG,
+        "position": position,
+        "position_scheme": adapter.position_scheme,
+        "keys": "visual tokens (cross-attention)" if cross else "sequence positions",
+        "scores": scores.tolist(),
+        "allowed": allowed.tolist(),
+        "pattern": pattern.tolist(),
+        "top_keys": [{"key": k, "score": float(scores[k]), "weight": float(pattern[k]), **describe(k)} for k in order],
+        "agreement": {
+            "max_abs_score_difference": score_diff,
+            "max_abs_pattern_difference": pattern_diff,
+            "against": "the model's own pre-softmax scores (its recorded q, k) and its recorded pattern",
+        },
+    }
+    return level, realised.audit
+
+
+@torch.no_grad()
+def qk_ov(
+    loaded,
+    head_name: str,
+    image=None,
+    question: str | None = None,
+    *,
+    copy_tokens: list[int] | None = None,
+    raw_prompt: bool = False,
+    answer_text=None,
+    top_k: int = 5,
+) -> QkOvResult:
+    """Both levels of one head (``L1.H2``): the weight-level QK form, OV map,
+    their singular values and the copying score (over ``copy_tokens``, default
+    the whole vocabulary up to :data:`COPYING_VOCAB_LIMIT` tokens); with an
+    image and a question, the activation-level scores of the answer row
+    (``answer_text``: at one of its tokens, teacher forcing), recomputed with the
+    position scheme and checked against the model's own."""
+    from core.errors import QuestionError
+
+    adapter = loaded.adapter
+    block, block_name, head = head_of(adapter, head_name)
+    if (image is None) != (question is None):
+        raise QuestionError("the activation level needs both an image and a question (or neither, weight level only)")
+    weight_level, audits = _weight_level(adapter, block, head, copy_tokens)
+    activation_level = inputs_doc = None
+    if image is not None:
+        from core.capture import capture
+        from core.images import image_sha256, load_image
+
+        img = load_image(image)
+        prefix = answer_text.prefix_ids if answer_text is not None else ()
+        inputs = adapter.prepare([img], [question], raw_prompt=raw_prompt, answer_prefix=prefix)
+        trace = capture(loaded, img, question, pattern_layers=[block], keep_qk=[block], inputs=inputs)
+        activation_level, audit = _activation_level(loaded, trace, block, head, top_k)
+        audits.append(audit)
+        inputs_doc = {
+            "question": question,
+            "raw_prompt": raw_prompt,
+            "image_sha256": image_sha256(img),
+            "image_size": list(img.size),
+            **(answer_text.to_dict() if answer_text is not None else {}),
+        }
+    return QkOvResult(
+        model={"spec": loaded.spec, "fingerprint": loaded.fingerprint, **adapter.describe()},
+        head={
+            "name": f"{block_name}.H{head}",
+            "block": block,
+            "block_name": block_name,
+            "block_kind": adapter.blocks[block][1],
+            "head": head,
+        },
+        weight_level=weight_level,
+        activation_level=activation_level,
+        input=inputs_doc,
+        audit=audits,
+    )

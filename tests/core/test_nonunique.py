@@ -147,7 +147,7 @@ def test_real_pattern_is_feasible_with_zero_error_at_every_level(case):
     json.dumps(d, allow_nan=False)
     assert d["audit"]["method"] == "non-unique attention"
     assert "pattern's reality" in d["audit"]["supports"]
-    assert res.summary and res.does_not_say
+    assert res.verdict and res.does_not_say
 
 
 def test_level_b_respects_the_bound_and_is_a_softmax_of_bounded_scores(case):
@@ -265,7 +265,7 @@ def test_only_the_real_pattern_reproduces_independent_values(case):
     assert a.moved_mass < 1e-3 and a.certified_min_source_mass > res.real_source_mass - 1e-3
     assert not a.alternative and "pins" in a.statement
     assert all(not lv.alternative for lv in res.levels)
-    assert "No alternative" in res.summary
+    assert "No alternative" in res.verdict
 
 
 def test_constructed_tensors_duplicates_and_orthonormal_values():

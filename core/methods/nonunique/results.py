@@ -11,7 +11,9 @@ import torch
 
 from core.audit import AuditRecord
 from core.methods.nonunique.problem import HeadProblem
-from core.readout import jsonable
+from core.readout import from_dict_fields, jsonable
+
+SCHEMA_VERSION = 1  # of the ``nonunique`` JSON (NonuniqueResult.to_dict)
 
 LEVEL_NAMES = {
     "a": "simplex and mask only",
@@ -96,8 +98,17 @@ class LevelResult:
             elif isinstance(v, float):
                 out[k] = jsonable(v)
             else:
-                out[k] = v
+                out[k] = jsonable(v) if k == "extra" else v
         return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LevelResult:
+        """The inverse of :meth:`to_dict` (tensors back as float64; absent ones stay None)."""
+        lv = from_dict_fields(cls, d)
+        for name in ("pattern", "delta", "query", "residual"):
+            if getattr(lv, name) is not None:
+                setattr(lv, name, torch.tensor(getattr(lv, name), dtype=torch.float64))
+        return lv
 
 
 @dataclass
@@ -113,7 +124,7 @@ class NonuniqueResult:
         checks: exactness of the inputs: the real output rebuilt from A and the
             values against the captured z; the pattern rebuilt from the scores.
         levels: one :class:`LevelResult` per level (and per score bound).
-        summary: what the result says about a routing claim.
+        verdict: what the result says about a routing claim (a sentence).
         does_not_say: what it does not.
     """
 
@@ -134,7 +145,7 @@ class NonuniqueResult:
     null_dimension: int
     checks: dict
     levels: list[LevelResult]
-    summary: str
+    verdict: str
     does_not_say: str
     cancelled: bool = False
     audit: AuditRecord = field(repr=False, default=None)
@@ -146,11 +157,45 @@ class NonuniqueResult:
                 return lv
         raise KeyError(name)
 
+    kind = "nonunique"  # the session's run kind (core.readout.Readout)
+
     def to_dict(self, tensors: bool = True) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("levels", "audit")}
+        """The ``nonunique`` JSON (schema version 1): this result's fields, each level's, the audit row."""
+        out = {"schema_version": SCHEMA_VERSION, "kind": self.kind}
+        out.update(jsonable({k: v for k, v in self.__dict__.items() if k not in ("levels", "audit")}))
         out["levels"] = [lv.to_dict(tensors) for lv in self.levels]
         out["audit"] = self.audit.to_dict() if self.audit is not None else None
         return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> NonuniqueResult:
+        """The inverse of :meth:`to_dict` (a stored JSON may hold more keys: the CLI's header)."""
+        res = from_dict_fields(cls, d)
+        res.levels = [LevelResult.from_dict(lv) for lv in d["levels"]]
+        res.audit = AuditRecord.from_dict(d["audit"]) if d.get("audit") is not None else None
+        return res
+
+    def summary(self) -> str:
+        """One line: the real mass on the set, then per level the mass moved (* = an
+        alternative) and, where proven, the least mass any pattern within tolerance keeps."""
+        parts = []
+        for lv in self.levels:
+            name = f"b(B={lv.parameters['score_bound']:g})" if lv.level == "b" else lv.level
+            if not lv.ran:
+                parts.append(f"{name} not run")
+                continue
+            bound = "" if lv.certified_min_source_mass is None else f" (keeps >= {lv.certified_min_source_mass:.3f})"
+            parts.append(f"{name} moves {lv.moved_mass:.3f}{'*' if lv.alternative else ''}{bound}")
+        return (
+            f"{self.block_name}.H{self.head} at position {self.position}: {self.real_source_mass:.3f} on "
+            f"{len(self.sources)} keys, tolerance {self.tol:g}; " + "; ".join(parts)
+        )
+
+    def parameters(self) -> dict:
+        return {"block_name": self.block_name, **(self.audit.parameters if self.audit is not None else {})}
+
+    def audit_records(self) -> list[AuditRecord]:
+        return [self.audit] if self.audit is not None else []
 
 
 def needed_mass(real: float, min_moved: float) -> float:

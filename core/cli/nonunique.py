@@ -1,0 +1,257 @@
+"""``vlm-readout nonunique``: is one head's attention pattern the only one that
+gives its output? (docs/METHODS.md §4.10, :mod:`core.methods.nonunique`)
+
+    vlm-readout nonunique --model M --image I --question Q --head L1.H1 \\
+        [--region MASK.png] [--answer-text T --token-index K] --json OUT
+
+At the answer position, for the head named, the three constraint levels side by
+side: (a) any pattern on the simplex and the model's mask, (b) the real scores
+moved by at most B logits, (c) a query the model could form (keys as computed;
+c-residual: from a residual through the real norm, W_Q, b_Q and rotation). Each
+level reports the mass it moves off the region within the output tolerance and,
+where one is proven, the least mass any pattern within tolerance keeps on it;
+the JSON also holds the method's caveat (``does_not_say``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core.arguments import Number, positive_int, positive_share, probability, seed_int
+from core.cli.args import add_answer_text_args, add_model_args, add_raw_prompt_arg, answer_text_of
+from core.cli.loading import load_from_args
+from core.cli.progress import progress_bar
+from core.readout import RecordedResult
+
+LEVELS = ("a", "b", "c-query", "c-residual")  # core.methods.nonunique.LEVEL_NAMES (not imported: it loads torch)
+DEFAULT_SHARE = 0.5
+TOP_TOKENS_RULE = (
+    "the fewest visual tokens, most attended first, that hold at least {share:g} of the head's attention "
+    "on the image at the answer position (tokens without a patch of their own, e.g. newline or CLS, excluded)"
+)
+output_tolerance = Number(float, 0, 1, lo_open=True)
+score_bound = Number(float, 0, 1000)
+
+
+def add_command(subparsers, load=load_from_args) -> None:
+    p = subparsers.add_parser(
+        "nonunique",
+        help="could one head give the same output with its attention off a region? (three constraint levels)",
+        description="For one attention head at the answer position: search other patterns that reproduce the "
+        "head's output within a relative tolerance while moving the most attention mass off a region, at three "
+        "levels: (a) any pattern on the simplex and the model's mask (convex: the least mass kept is proven), "
+        "(b) softmax of the real scores moved by at most B logits (local search), (c) a query the model could "
+        "form against the keys as computed (c-query: a free query with a reachability check; c-residual: from "
+        "a residual through the real norm, W_Q, b_Q and rotation; local searches). A is still the pattern the "
+        "model computed: an alternative says the output does not pin the routing, not that it is unused.",
+    )
+    add_model_args(p)
+    p.add_argument("--image", required=True, help="the image (PNG, JPEG, ...)")
+    p.add_argument("--question", required=True, help="the question about the image")
+    p.add_argument(
+        "--head",
+        required=True,
+        metavar="BLOCK.HN",
+        help="the head, as BLOCK.H<index> with the trace's block names (L1.H3; CoCa's cross blocks L1.xattn.H0)",
+    )
+    p.add_argument(
+        "--region",
+        metavar="MASK",
+        help="PNG mask, white = region, the image's size: the visual tokens it covers are the set mass is moved "
+        "off (default: " + TOP_TOKENS_RULE.format(share=DEFAULT_SHARE) + "; --share sets the share)",
+    )
+    p.add_argument(
+        "--cover",
+        type=positive_share,
+        default=0.25,
+        help="--region: the share of a visual token's patch the mask must cover for the token to count "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--share",
+        type=positive_share,
+        default=DEFAULT_SHARE,
+        help="without --region: the share of the head's image attention the default set holds (default %(default)s)",
+    )
+    p.add_argument(
+        "--tol",
+        type=output_tolerance,
+        default=0.05,
+        help="relative output error an alternative may have, ||o' - o|| / ||o|| (default %(default)s)",
+    )
+    p.add_argument(
+        "--score-bound",
+        type=score_bound,
+        action="append",
+        metavar="B",
+        help="level b's bound on the score change in logits (repeatable: one row per bound; default 1 and 2)",
+    )
+    p.add_argument(
+        "--levels",
+        nargs="+",
+        choices=LEVELS,
+        default=list(LEVELS),
+        metavar="LEVEL",
+        help="which levels to run, of %(choices)s (default: all)",
+    )
+    p.add_argument(
+        "--objective",
+        choices=("mass", "tv"),
+        default="mass",
+        help="mass: least mass on the region; tv: the largest total variation from the real pattern, over the "
+        "top-k sets of A and the region (default %(default)s)",
+    )
+    p.add_argument(
+        "--min-moved",
+        type=probability,
+        default=0.05,
+        help="the mass an alternative must move off the region to count as one (half the region's mass when it "
+        "holds less than twice this; default %(default)s)",
+    )
+    p.add_argument(
+        "--space",
+        choices=("write", "z"),
+        default="write",
+        help="where the output error is measured: write (the head's write W_O z into the residual) or z "
+        "(the o_proj input) (default %(default)s)",
+    )
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the extra random start of levels b and c")
+    p.add_argument(
+        "--steps", type=positive_int, default=150, help="optimiser steps per penalty stage (default %(default)s)"
+    )
+    add_answer_text_args(p)
+    add_raw_prompt_arg(p)
+    p.add_argument("--json", required=True, help="output file")
+    p.add_argument("--session", help="also record the run (with image and mask) into this session file")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=lambda args: run(args, load))
+
+
+def head_of(name: str, adapter) -> tuple[int, int]:
+    """``(block, head)`` of a head name (:func:`core.methods.component_ablation.parse_head`)."""
+    from core.methods.component_ablation import parse_head
+
+    head = parse_head(name, adapter)
+    return head.block, head.head
+
+
+def region_keys(trace, block: int, head: int, tokens, mask=None, *, cover: float = 0.25, share: float = 0.5):
+    """``(visual token ordinals, key indices, rule)`` of the set mass is moved off:
+    the ``tokens`` (the image's :class:`core.geometry.VisualToken` s) that ``mask``
+    covers (:func:`core.geometry.region_tokens` at ``cover``), or without a mask
+    the fewest patch tokens, most attended first by ``head`` at the answer
+    position, that hold ``share`` of its attention on them; a one-line error
+    where the block has no visual keys or the mask covers none."""
+    from core.errors import InterventionError
+    from core.geometry import region_tokens
+    from core.methods.nonunique import visual_token_keys
+
+    cross = trace.block_kinds[block] == "cross"
+    if not cross and trace.visual_positions[0].numel() == 0:
+        readers = [b for b, kind in zip(trace.block_names, trace.block_kinds) if kind == "cross"]
+        raise InterventionError(
+            f"block {trace.block_names[block]} attends to no visual token (its keys are text): name a head of a "
+            f"block that reads the image ({', '.join(readers) or 'none'})"
+        )
+    if mask is not None:
+        ordinals = region_tokens(tokens, mask, cover)
+        if not ordinals:
+            raise InterventionError(f"the region covers no visual token by {cover:g} of its patch: paint a larger one")
+        return ordinals, visual_token_keys(trace, block, ordinals), f"the visual tokens the mask covers by {cover:g}"
+    patches = [i for i, t in enumerate(tokens) if t.col >= 0]
+    keys = visual_token_keys(trace, block, patches)
+    qi = int((trace.query_positions == int(trace.answer_positions[0])).nonzero()[0])
+    weights = trace.patterns[block][0, head, qi, keys].double().tolist()
+    order = sorted(range(len(keys)), key=lambda i: (-weights[i], keys[i]))
+    total, held, n = sum(weights), 0.0, 0
+    while n < len(order) and (n == 0 or held < share * total):
+        held += weights[order[n]]
+        n += 1
+    chosen = sorted(order[:n])
+    return [patches[i] for i in chosen], [keys[i] for i in chosen], TOP_TOKENS_RULE.format(share=share)
+
+
+def run(args, load=load_from_args) -> int:
+    # function-local: the method imports torch, not needed for --help
+    from core.atomic import check_output_file, write_text_atomic
+    from core.capture import capture
+    from core.images import image_sha256, load_image
+    from core.methods.counterfactual import mask_from_png
+    from core.methods.nonunique import nonunique_attention
+
+    check_output_file(args.json)  # fail fast, before the model loads
+    image = load_image(args.image)
+    mask = mask_from_png(args.region, image.size) if args.region else None
+    if args.session:
+        from core.session import check_session_file
+
+        check_session_file(args.session)
+    loaded = load(args)
+    adapter = loaded.adapter
+    block, head = head_of(args.head, adapter)
+    answer_text = answer_text_of(args, loaded)
+    prefix = answer_text.prefix_ids if answer_text is not None else ()
+    inputs = adapter.prepare([image], [args.question], raw_prompt=args.raw_prompt, answer_prefix=prefix)
+    trace = capture(loaded, image, args.question, pattern_layers=[block], inputs=inputs)
+    tokens = adapter.visual_tokens(image.size, trace.visual_positions[0].tolist() or None)
+    ordinals, keys, rule = region_keys(trace, block, head, tokens, mask, cover=args.cover, share=args.share)
+    bounds = args.score_bound or [1.0, 2.0]
+    with progress_bar("nonunique", quiet=args.quiet, messages=True) as progress:
+        result = nonunique_attention(
+            adapter,
+            trace,
+            block,
+            head,
+            sources=keys,
+            space=args.space,
+            tol=args.tol,
+            score_bounds=bounds,
+            levels=tuple(args.levels),
+            objective=args.objective,
+            min_moved=args.min_moved,
+            seed=args.seed,
+            steps=args.steps,
+            progress=progress,
+        )
+    region = {
+        "rule": rule,
+        "mask": str(args.region) if args.region else None,
+        "cover": args.cover if args.region else None,
+        "share": None if args.region else args.share,
+        "visual_tokens": ordinals,
+        "keys": keys,
+    }
+    header = {
+        "component": args.head,
+        "region": region,
+        "model": {"spec": loaded.spec, "fingerprint": getattr(loaded, "fingerprint", None), **adapter.describe()},
+        "input": {
+            "question": args.question,
+            "image": str(args.image),
+            "image_sha256": image_sha256(image),
+            "image_size": list(image.size),
+            "raw_prompt": bool(args.raw_prompt),
+            **(answer_text.to_dict() if answer_text is not None else {}),
+        },
+    }
+    doc = {**result.to_dict(), **header}
+    write_text_atomic(Path(args.json), json.dumps(doc, allow_nan=False) + "\n")
+    if args.session:
+        from core.session import record_into
+
+        extra = {"question": args.question, "component": args.head, "region_rule": rule}
+        if answer_text is not None:
+            extra.update(answer_text=answer_text.text, answer_token_index=answer_text.index)
+        record_into(
+            args.session,
+            RecordedResult.of(result, doc),
+            image=image,
+            image_path=args.image,
+            mask=mask,
+            parameters=extra,
+        )
+    print(result.summary())
+    for lv in result.levels:
+        print(lv.statement)
+    return 0
