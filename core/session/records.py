@@ -23,11 +23,13 @@ from core.readout import jsonable
 
 KINDS = (
     "analyze",
+    "generate",
     "counterfactual",
     "sweep",
     "intervention",
     "audit",
     "nonunique",
+    "qk-ov",
     "label",
     "lens",
     "note",
