@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from core.answer_text import AnswerText
+from core.answer_text import AnswerText, run_parameters
 from core.audit import AuditRecord
 from core.capture import capture
 from core.errors import QuestionError
@@ -144,9 +144,7 @@ class AnalyzeResult(dict):
         }
         if self.input.get("raw_prompt"):
             out["raw_prompt"] = True
-        if self.answer_text is not None:
-            out["answer_text"] = self.answer_text.text
-            out["answer_token_index"] = self.answer_text.index
+        out.update(run_parameters(self.answer_text))
         if self.tuned_lens is not None:
             out["tuned_lens"] = True
         return out

@@ -113,6 +113,14 @@ class AnswerText:
         )
 
 
+def run_parameters(answer_text: AnswerText | None) -> dict:
+    """What a run's parameters record of the answer token read out (the session's
+    target column reads ``answer_token_index``): ``{}`` for the first token of the bare prompt."""
+    if answer_text is None:
+        return {}
+    return {"answer_text": answer_text.text, "answer_token_index": answer_text.index}
+
+
 def word_tokens(adapter, word: str) -> list[tuple[int, str]]:
     """``[(id, token string)]`` of a typed target word as the tokenizer splits
     it; more than one entry means the word spans several tokens (the caller

@@ -16,6 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
+from core.answer_text import run_parameters
 from core.arguments import LazyChoices, Number, positive_int, seed_int
 from core.cli.args import add_answer_text_args, add_model_args, answer_text_of
 from core.cli.loading import load_from_args
@@ -164,11 +165,8 @@ def run(args, load=load_from_args) -> int:
     if args.session:
         from core.session import record_into
 
-        extra = {"question": args.question, "paste_from": args.paste_from}
-        if answer_text is not None:
-            extra.update(
-                answer_text=answer_text.text, answer_token_index=answer_text.index
-            )  # the stored doc has the header too
+        # the stored doc has the header too
+        extra = {"question": args.question, "paste_from": args.paste_from, **run_parameters(answer_text)}
         record_into(
             args.session,
             RecordedResult.of(result, doc),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from core.answer_text import run_parameters
 from core.arguments import Number, positive_int, positive_share, probability, seed_int
 from core.cli.args import add_answer_text_args, add_model_args, add_raw_prompt_arg, answer_text_of
 from core.cli.loading import load_from_args
@@ -240,9 +241,7 @@ def run(args, load=load_from_args) -> int:
     if args.session:
         from core.session import record_into
 
-        extra = {"question": args.question, "component": args.head, "region_rule": rule}
-        if answer_text is not None:
-            extra.update(answer_text=answer_text.text, answer_token_index=answer_text.index)
+        extra = {"question": args.question, "component": args.head, "region_rule": rule, **run_parameters(answer_text)}
         record_into(
             args.session,
             RecordedResult.of(result, doc),

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.answer_text import AnswerText, run_parameters
 from core.audit import AuditRecord
 
 
@@ -316,8 +317,7 @@ class QkOvResult:
         out["n_copy_tokens"] = len(copying["tokens"]) if copying is not None else 0
         if self.input is not None:
             out.update(question=self.input["question"], position=self.activation_level["position"])
-            if "answer_text" in self.input:
-                out.update(answer_text=self.input["answer_text"], answer_token_index=self.input["answer_token_index"])
+            out.update(run_parameters(AnswerText.from_dict(self.input)))
         return out
 
     def audit_records(self) -> list[AuditRecord]:
