@@ -16,7 +16,9 @@ A line's fields (paths are relative to the JSONL file's folder)::
 ``target_mask`` is the one mask convention: a PNG of the image's size, white
 (luminance >= 128, and alpha >= 128 where it has alpha) inside the region
 (:func:`core.images.load_mask`). Other keys (``core.zoo.dataset`` writes
-``objects``, ``distractor_masks``, ...) are ignored here.
+``objects``, ``distractor_masks``, ...) are not read here; each pair keeps its
+line's object in :attr:`Pair.row` for the readers that need them (the
+validation chain's, :mod:`core.validate`).
 
 Below the command line and the methods, both of which read pairs files.
 """
@@ -29,7 +31,7 @@ import os
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -157,6 +159,7 @@ class Pair:
         target_mask: resolved path of the region mask (white = region, the
             image's size; :func:`load_pair_mask`), or None.
         id, kind, template: free-text labels, or None.
+        row: the line's JSON object as read (every key, for readers of further fields).
     """
 
     index: int
@@ -173,10 +176,13 @@ class Pair:
     id: str | None = None
     kind: str | None = None
     template: str | None = None
+    row: dict | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict:
-        """The fields as a plain dict (paths stay :class:`~pathlib.Path`)."""
-        return asdict(self)
+        """The fields as a plain dict (paths stay :class:`~pathlib.Path`; the raw ``row`` left out)."""
+        d = asdict(self)
+        d.pop("row")
+        return d
 
 
 def pairs_file(path: str | Path, what: str = "pairs file") -> Path:
@@ -253,6 +259,7 @@ def read_pairs(path: str | Path, *, limit: int | None = None, what: str = "pairs
                 id=_label(row, "id"),
                 kind=_label(row, "kind"),
                 template=_label(row, "template"),
+                row=row,
             )
         )
     if not pairs:
@@ -290,19 +297,20 @@ def check_pair_image(pair: Pair) -> Path:
     return pair.image_path
 
 
-def load_pair_mask(pair: Pair, size: tuple[int, int]) -> np.ndarray | None:
-    """The pair's region mask as ``(H, W)`` bool (white is inside), or None
-    without one. It must have the image's ``size = (width, height)``; an empty
-    mask is allowed. A failure names the line."""
-    if pair.target_mask is None:
+def load_pair_mask(pair: Pair, size: tuple[int, int], path: Path | None = None) -> np.ndarray | None:
+    """The pair's region mask (or the mask at ``path``, another of its line's
+    masks) as ``(H, W)`` bool (white is inside), or None without one. It must
+    have the image's ``size = (width, height)``; an empty mask is allowed. A
+    failure names the line."""
+    path = pair.target_mask if path is None else path
+    if path is None:
         return None
     from core.images import load_mask  # function-local: numpy and PIL, off the parser's path
 
     with _naming_the_line(pair):
-        mask = load_mask(pair.target_mask)
+        mask = load_mask(path)
         if (mask.shape[1], mask.shape[0]) != tuple(size):
             raise ImageLoadError(
-                f"{pair.target_mask}: mask is {mask.shape[1]}x{mask.shape[0]}, the image is "
-                f"{size[0]}x{size[1]}; they must match"
+                f"{path}: mask is {mask.shape[1]}x{mask.shape[0]}, the image is {size[0]}x{size[1]}; they must match"
             )
     return mask

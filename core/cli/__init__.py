@@ -9,6 +9,7 @@ parser) and ``run(args, load) -> int``:
     counterfactual.py  counterfactual    export.py       export
     lens.py            train-lens, eval-lens
     nonunique.py       nonunique         qk_ov.py        qk-ov
+    validate.py        validate
 
 and the pieces they share: :mod:`core.cli.args` (the model options),
 :mod:`core.cli.loading` (the model they name), :mod:`core.cli.progress` (the
@@ -44,7 +45,19 @@ from core.arguments import (  # noqa: F401  (re-exported: callers import them fr
     seed_int,
     share_below_one,
 )
-from core.cli import analyze, answer, audit, counterfactual, evaluate_zoo, export, generate, lens, nonunique, qk_ov
+from core.cli import (
+    analyze,
+    answer,
+    audit,
+    counterfactual,
+    evaluate_zoo,
+    export,
+    generate,
+    lens,
+    nonunique,
+    qk_ov,
+    validate,
+)
 from core.cli.args import add_model_args, add_raw_prompt_arg  # noqa: F401
 from core.cli.loading import load_from_args
 from core.errors import ReadoutError
@@ -56,7 +69,7 @@ _add_model_args = add_model_args
 _load = load_from_args
 
 # In the order of `vlm-readout --help`.
-COMMANDS = (answer, generate, analyze, evaluate_zoo, audit, counterfactual, export, lens, nonunique, qk_ov)
+COMMANDS = (answer, generate, analyze, evaluate_zoo, audit, counterfactual, export, lens, nonunique, qk_ov, validate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,6 +31,7 @@ KINDS = (
     "nonunique",
     "qk-ov",
     "label",
+    "validate",
     "lens",
     "note",
 )

@@ -7,14 +7,13 @@ their input condition (:func:`scene_samples`), step 4's counterfactual scenes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from core.geometry import region_tokens
 from core.methods.labels.chain import InputCondition, LabelError
 from core.methods.labels.context import ChainContext
 from core.methods.labels.observations import _image, _tokens
+from core.methods.labels.samples import SwapScene
 from core.methods.labels.setting import ATTRIBUTE_TEMPLATES, REGION_MIN_COVER, SIDE_KINDS
 from core.zoo import scenes
 
@@ -71,23 +70,6 @@ def scene_samples(
         {"split_seed": scenes.SPLIT_SEEDS[split], "indices": indices, "skipped": skipped},
     )
     return out, cond
-
-
-@dataclass
-class SwapScene:
-    """A scene with the asked attribute moved from the target to ``partner``
-    (same geometry, same question): the question's answer becomes ``answer``.
-
-    ``mask_a`` / ``mask_b``: ``(H, W)`` bool, the union of the original and the
-    redrawn ink at the target's location (a) and the partner's location (b).
-    """
-
-    image: np.ndarray
-    partner: int
-    answer: str
-    foil: str
-    mask_a: np.ndarray
-    mask_b: np.ndarray
 
 
 def _background_plane(image: np.ndarray, ink: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -209,3 +191,35 @@ def attribute_context(
         progress=progress,
         cancel=cancel,
     )
+
+
+def scene_of_row(row: dict, image: np.ndarray, masks: list, target: int, question: str, answer: str, foil: str):
+    """A dataset line of the shape scenes (its ``objects`` with colour, shape,
+    centre, size and rotation, as :mod:`core.zoo.dataset` writes them) as a
+    :class:`core.zoo.scenes.Sample`, so that step 4 can draw its swap
+    (:func:`swap_attribute`); None for any other line.
+
+    The pixels and the masks are the file's; each object's coverage (which the
+    swap reads the ink colour through) is re-rendered at 4x supersampling,
+    since the line does not record the scene's own."""
+    objects, template = row.get("objects"), row.get("template")
+    h, w = image.shape[:2]
+    if template not in ATTRIBUTE_TEMPLATES or h != w or not isinstance(objects, list) or len(objects) != len(masks):
+        return None
+    drawn = []
+    try:
+        for o, mask in zip(objects, masks):
+            color, shape = o["color"], o["shape"]
+            cx, cy = (float(v) for v in o["center"])
+            size, rot = float(o["size"]), float(o["rotation_deg"])
+            if color not in scenes.COLORS or shape not in scenes.SHAPES:
+                return None
+            coverage = scenes.render_coverage(shape, cx, cy, size, rot, h, 4)
+            ys, xs = np.nonzero(mask)
+            box = [int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1] if len(xs) else [0, 0, 0, 0]
+            drawn.append(scenes.SceneObject(color, shape, (cx, cy), size, rot, box, mask, coverage))
+    except (KeyError, TypeError, ValueError):
+        return None
+    reference = row.get("reference")
+    reference = reference if isinstance(reference, int) and not isinstance(reference, bool) else None
+    return scenes.Sample(image, drawn, question, answer, foil, "attribute", template, target, reference)

@@ -30,6 +30,7 @@ COMMAND_NAMES = [
     "eval-lens",
     "nonunique",
     "qk-ov",
+    "validate",
 ]
 
 

@@ -35,7 +35,7 @@ def _condition(split="heldout", n=20):
     )
 
 
-def _step(k, status="pass", value=0.5):
+def _step(k, status="passed", value=0.5):
     return ChainStep(k, status=status, metric="m", value=value, n=20, split="heldout")
 
 
@@ -51,21 +51,21 @@ def _chain(**statuses):
 
 def test_every_status_is_reachable_and_6_7_gate_supported():
     assert _chain().status().status == "not a candidate"
-    four = {f"s{k}": "pass" for k in (1, 2, 3, 4)}
+    four = {f"s{k}": "passed" for k in (1, 2, 3, 4)}
     assert _chain(**four).status().status == "mechanism candidate"
-    assert _chain(**four, s5="fail").status().status == "mechanism candidate"
-    assert _chain(**four, s5="pass").status().status == "candidate with intervention"
-    assert _chain(**four, s5="pass", s6="pass").status().status == "candidate with intervention"
-    assert _chain(**four, s5="pass", s7="pass").status().status == "candidate with intervention"
-    status, reason = _chain(**four, s5="pass", s6="fail", s7="pass").status()
+    assert _chain(**four, s5="failed").status().status == "mechanism candidate"
+    assert _chain(**four, s5="passed").status().status == "candidate with intervention"
+    assert _chain(**four, s5="passed", s6="passed").status().status == "candidate with intervention"
+    assert _chain(**four, s5="passed", s7="passed").status().status == "candidate with intervention"
+    status, reason = _chain(**four, s5="passed", s6="failed", s7="passed").status()
     assert status == "candidate with intervention" and "step 6 fail" in reason
-    full = _chain(**four, s5="pass", s6="pass", s7="pass")
+    full = _chain(**four, s5="passed", s6="passed", s7="passed")
     assert full.status().status == "supported" and full.label().supported
     # 5-7 cannot make up for a missing observation step
-    broken = _chain(s1="pass", s2="pass", s3="fail", s4="pass", s5="pass", s6="pass", s7="pass")
+    broken = _chain(s1="passed", s2="passed", s3="failed", s4="passed", s5="passed", s6="passed", s7="passed")
     status, reason = broken.status()
     assert status == "not a candidate" and "step 3 fail" in reason
-    assert "step 4 not run" in _chain(s1="pass", s2="pass", s3="pass").status().reason
+    assert "step 4 not tested" in _chain(s1="passed", s2="passed", s3="passed").status().reason
 
 
 def test_a_label_refuses_to_exist_without_its_input_condition():
@@ -80,7 +80,7 @@ def test_a_label_refuses_to_exist_without_its_input_condition():
     with pytest.raises(LabelError, match="held-out"):  # evaluated on the split the head was found on
         ValidationChain("L1.xattn.H2", "moves colour", "shapes-coca", _condition("val"), search={"split": "val"})
     with pytest.raises(LabelError, match="n=0"):
-        ChainStep(1, status="pass", n=0)
+        ChainStep(1, status="passed", n=0)
     with pytest.raises(LabelError):
         ChainStep(8)
     with pytest.raises(LabelError):
@@ -91,7 +91,7 @@ def test_a_label_refuses_to_exist_without_its_input_condition():
 
 
 def test_round_trip_to_dict_from_dict():
-    chain = _chain(s1="pass", s2="fail")
+    chain = _chain(s1="passed", s2="failed")
     chain.steps[1].baselines.append(L.Baseline("matched random head", ["L1.xattn.H0"], 0.3, 20, {"x": 1}))
     chain.steps[2].value = float("nan")  # NaN is written as null
     d = json.loads(json.dumps(chain.to_dict()))
@@ -99,7 +99,7 @@ def test_round_trip_to_dict_from_dict():
     back = ValidationChain.from_dict(d)
     assert back.to_dict() == d
     assert back.steps[1].baselines[0].kind == "matched random head" and back.status() == chain.status()
-    lab = _chain(**{f"s{k}": "pass" for k in range(1, 8)}).label()
+    lab = _chain(**{f"s{k}": "passed" for k in range(1, 8)}).label()
     ld = json.loads(json.dumps(lab.to_dict()))
     assert Label.from_dict(ld).to_dict() == ld and ld["status"] == "supported"
     assert ld["condition"]["split"] == "heldout" and ld["condition"]["n_samples"] == 20
@@ -156,7 +156,7 @@ HEAD_BASELINES = {"matched random head", "other heads of the layer", "entropy-ma
 def test_each_step_returns_evidence_with_n_and_baselines(ctx, cand, k):
     head, _ = cand
     step = L.step6_baselines(ctx, head) if k == 6 else L.STEP_FUNCTIONS[k](ctx, head)
-    assert step.number == k and step.status in ("pass", "fail") and step.n > 0 and step.split == "heldout"
+    assert step.number == k and step.status in ("passed", "failed") and step.n > 0 and step.split == "heldout"
     assert step.criterion == L.CRITERIA[k] and step.audit is not None and step.why
     kinds = {b.kind for b in step.baselines}
     if k in (1, 2, 3, 4, 5):
@@ -176,7 +176,7 @@ def test_each_step_returns_evidence_with_n_and_baselines(ctx, cand, k):
 def test_chain_on_a_candidate_and_its_label(ctx, cand):
     head, search = cand
     chain = L.run_chain(ctx, head, search)
-    assert all(s.status != "not-run" for s in chain.steps.values())
+    assert all(s.status != "not tested" for s in chain.steps.values())
     assert chain.search["split"] == "val" and chain.condition.split == "heldout"
     lab = chain.label()
     assert lab.status == chain.status().status and lab.condition.n_samples == 20
@@ -275,7 +275,7 @@ def test_cancel_leaves_the_remaining_steps_not_run(coca, ctx):
         cancel=lambda: True,
     )
     chain = L.run_chain(stopped, ctx.pool[0])
-    assert all(s.status == "not-run" for s in chain.steps.values()) and calls == ["L0.xattn.H0: step 1"]
+    assert all(s.status == "not tested" for s in chain.steps.values()) and calls == ["L0.xattn.H0: step 1"]
     assert chain.status().status == "not a candidate"
     with pytest.raises(L.ChainCancelled):
         L.find_candidates(stopped)
@@ -380,7 +380,7 @@ def test_find_routes_and_a_chain_on_a_route(ctx, cand):
     assert info["members"] == sorted([head.name, partner.name]) and info["split"] == "val"
     chain = L.run_chain(ctx, route, info)
     assert chain.subject == route.name and chain.subject_kind == "route"
-    assert all(s.status != "not-run" for s in chain.steps.values())
+    assert all(s.status != "not tested" for s in chain.steps.values())
     assert chain.steps[7].numbers["alternative_route"]["alternative"] not in info["members"]
     names = {x for r in chain.steps[6].numbers["comparisons"] for x in r["subjects"]}
     assert names >= {chain.steps[6].numbers["plan"]["random_head"]}  # routes by name, not repr

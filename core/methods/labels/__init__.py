@@ -8,8 +8,8 @@ and refuses to exist without one.
 
 The evidence for a label is a :class:`ValidationChain`: the seven steps of
 4.11 as a checklist per candidate head or route, each step with its measured
-evidence (numbers, n, the held-out split), its status (``pass`` / ``fail`` /
-``not-run``) and the baselines it was compared with (a matched random head,
+evidence (numbers, n, the held-out split), its status (``passed`` / ``failed`` /
+``not tested``) and the baselines it was compared with (a matched random head,
 the other heads of the same layer, entropy-matched heads, position
 baselines). :meth:`ValidationChain.status` turns the checklist into one of
 :data:`CHAIN_STATUSES` with the reason:
@@ -35,12 +35,14 @@ testing, and a route's baselines are routes of the same size
 (:class:`BaselinePlan`).
 
 The package, lowest first: :mod:`.chain` (the chain model), :mod:`.stats`,
-:mod:`.setting` (pass rules, relation, subjects), :mod:`.observations`,
-:mod:`.context` (:class:`ChainContext`, baselines), :mod:`.steps` (the seven
-steps, :func:`run_chain`) and :mod:`.candidates`. What draws the scenes
+:mod:`.setting` (pass rules, relation, subjects), :mod:`.samples` (what the
+chain reads of one input), :mod:`.observations`, :mod:`.context`
+(:class:`ChainContext`, baselines), :mod:`.steps` (the seven steps,
+:func:`run_chain`) and :mod:`.candidates`. What draws the scenes
 (:func:`scene_samples`, :func:`swap_attribute`, :func:`attribute_context`)
 lives beside them in :mod:`core.zoo.label_scenes`: core.methods does not
-import the zoo.
+import the zoo. The command and its library call, which read any dataset
+into the chain, are :mod:`core.validate` and ``vlm-readout validate``.
 """
 
 from core.methods.labels.candidates import find_candidates, find_routes
@@ -70,12 +72,13 @@ from core.methods.labels.observations import (
     observe_swaps,
     run_edited,
 )
+from core.methods.labels.samples import ChainSample, RegionObject, SwapScene
 from core.methods.labels.setting import (
     ATTRIBUTE_TEMPLATES,
     CRITERIA,
     FOLLOW_RATE_MIN,
+    HIT_P_MAX,
     HIT_RATIO_MIN,
-    HIT_Z_MIN,
     PREDICT_R_MIN,
     REGION_MIN_COVER,
     RELATION,
@@ -103,8 +106,8 @@ __all__ = [
     "CHAIN_STATUSES",
     "CRITERIA",
     "FOLLOW_RATE_MIN",
+    "HIT_P_MAX",
     "HIT_RATIO_MIN",
-    "HIT_Z_MIN",
     "PREDICT_R_MIN",
     "REGION_MIN_COVER",
     "RELATION",
@@ -116,6 +119,7 @@ __all__ = [
     "Baseline",
     "BaselinePlan",
     "ChainCancelled",
+    "ChainSample",
     "ChainContext",
     "ChainStatus",
     "ChainStep",
@@ -124,10 +128,12 @@ __all__ = [
     "InputCondition",
     "Label",
     "LabelError",
+    "RegionObject",
     "RouteRef",
     "RunNumbers",
     "Subject",
     "SwapObservations",
+    "SwapScene",
     "ValidationChain",
     "find_candidates",
     "find_routes",

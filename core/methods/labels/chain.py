@@ -14,9 +14,9 @@ from core.audit import AuditRecord
 from core.errors import ReadoutError
 from core.readout import jsonable
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: step statuses "passed" / "failed" / "not tested" (1 wrote "pass" / "fail" / "not-run")
 CHAIN_STATUSES = ("not a candidate", "mechanism candidate", "candidate with intervention", "supported")
-STEP_STATUSES = ("pass", "fail", "not-run")
+STEP_STATUSES = ("passed", "failed", "not tested")
 
 # The seven steps of docs/METHODS.md §4.11, in the chapter's words.
 STEP_TITLES: dict[int, str] = {
@@ -202,10 +202,13 @@ class Label:
         )
 
 
+_V1_STEP_STATUSES = {"pass": "passed", "fail": "failed", "not-run": "not tested"}
+
+
 def _check_schema(d: dict) -> None:
     v = d.get("schema_version")
-    if v != SCHEMA_VERSION:
-        raise LabelError(f"schema_version {v!r} is not {SCHEMA_VERSION}")
+    if v not in (1, SCHEMA_VERSION):
+        raise LabelError(f"schema_version {v!r} is not {SCHEMA_VERSION} (or 1)")
 
 
 @dataclass
@@ -253,7 +256,7 @@ class ChainStep:
     Attributes:
         number: 1-7 (:data:`STEP_TITLES`).
         criterion: the pass rule, fixed before the evaluation split was read.
-        status: "pass", "fail" or "not-run".
+        status: "passed", "failed" or "not tested".
         metric, value: the key number's name and value (what a table shows).
         n, split: how many samples and which split the evidence comes from.
         numbers: every measured number of the step.
@@ -263,7 +266,7 @@ class ChainStep:
 
     number: int
     criterion: str = ""
-    status: str = "not-run"
+    status: str = "not tested"
     metric: str = ""
     value: float | None = None
     n: int = 0
@@ -279,7 +282,7 @@ class ChainStep:
             raise LabelError(f"step {self.number!r} is not one of 1-7")
         if self.status not in STEP_STATUSES:
             raise LabelError(f"unknown step status {self.status!r}; expected one of {STEP_STATUSES}")
-        if self.status != "not-run" and self.n <= 0:
+        if self.status != "not tested" and self.n <= 0:
             raise LabelError(f"step {self.number} has status {self.status!r} but no samples (n=0)")
         self.value = _finite(self.value)
 
@@ -288,8 +291,8 @@ class ChainStep:
         return STEP_TITLES[self.number]
 
     def summary(self) -> str:
-        if self.status == "not-run":
-            return f"step {self.number} not run"
+        if self.status == "not tested":
+            return f"step {self.number} not tested"
         v = "n/a" if _finite(self.value) is None else f"{self.value:.3g}"
         out = f"step {self.number} {self.status} ({self.metric} {v}, n={self.n}, {self.split})"
         return f"{out}: {self.why}" if self.why else out
@@ -318,7 +321,7 @@ class ChainStep:
         return cls(
             int(d["number"]),
             d.get("criterion", ""),
-            d["status"],
+            _V1_STEP_STATUSES.get(d["status"], d["status"]),
             d.get("metric", ""),
             d.get("value"),
             int(d.get("n", 0)),
@@ -353,7 +356,7 @@ class ValidationChain:
         search: how the candidate was found (split, n, rank, score): the
             evaluation split must differ from it.
         criteria: the pass rule of each step, fixed before evaluation.
-        steps: step number -> :class:`ChainStep` (all seven, "not-run" until filled).
+        steps: step number -> :class:`ChainStep` (all seven, "not tested" until filled).
     """
 
     subject: str
@@ -394,18 +397,18 @@ class ValidationChain:
     def status(self) -> ChainStatus:
         """One of :data:`CHAIN_STATUSES` with the reason (which steps hold it back)."""
         s = self.steps
-        missing = [s[k] for k in (1, 2, 3, 4) if s[k].status != "pass"]
+        missing = [s[k] for k in (1, 2, 3, 4) if s[k].status != "passed"]
         if missing:
             return ChainStatus(
                 "not a candidate",
                 "steps 1-4 must all pass for a mechanism candidate: " + "; ".join(x.summary() for x in missing),
             )
-        if s[5].status != "pass":
+        if s[5].status != "passed":
             return ChainStatus(
                 "mechanism candidate",
                 "steps 1-4 pass (observation only); no intervention supports it yet: " + s[5].summary(),
             )
-        held = [s[k] for k in (6, 7) if s[k].status != "pass"]
+        held = [s[k] for k in (6, 7) if s[k].status != "passed"]
         if held:
             return ChainStatus(
                 "candidate with intervention",
@@ -421,7 +424,7 @@ class ValidationChain:
             str(k): {"status": x.status, "metric": x.metric, "value": x.value, "n": x.n, "split": x.split}
             for k, x in self.steps.items()
         }
-        caveats = list(self.steps[7].notes) if self.steps[7].status != "not-run" else []
+        caveats = list(self.steps[7].notes) if self.steps[7].status != "not tested" else []
         return Label(self.relation, self.subject, self.model, self.condition, st.status, st.reason, evidence, caveats)
 
     def table_row(self) -> dict:
@@ -429,14 +432,14 @@ class ValidationChain:
         row = {"subject": self.subject, "status": self.status().status}
         for k, x in self.steps.items():
             v = "" if x.value is None else f" {x.value:.3g}"
-            row[str(k)] = x.status + (v if x.status != "not-run" else "")
+            row[str(k)] = x.status + (v if x.status != "not tested" else "")
         return row
 
     kind = "label"  # the session's run kind (core.readout.Readout)
 
     def summary(self) -> str:
         """``L2.H1 'color' (head): mechanism candidate; steps pass 1, 2, 3, 4``."""
-        passed = [str(k) for k, x in self.steps.items() if x.status == "pass"]
+        passed = [str(k) for k, x in self.steps.items() if x.status == "passed"]
         return (
             f"{self.subject} {self.relation!r} ({self.subject_kind}): {self.status().status}; "
             f"steps pass {', '.join(passed) or 'none'} of {len(self.steps)}"

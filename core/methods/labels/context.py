@@ -205,6 +205,10 @@ class ChainContext:
             lambda: mean_ablation_value(self.loaded, self.side_reference[kind], head, batch_size=self.batch_size),
         )
 
+    def eval_ids(self) -> list[int]:
+        """Each evaluation sample's index in its source (scene index, or the dataset line): the per-sample evidence's key."""
+        return [int(getattr(s, "index", i)) for i, s in enumerate(self.eval_samples)]
+
     def samples(self, which: str):
         return self.eval_samples if which == "eval" else self.side_samples[which]
 

@@ -306,6 +306,7 @@ class SwapObservations:
     swap_correct: np.ndarray
     n_tried: int
     heads: list[HeadRef] = field(default_factory=list)
+    n_unreadable: int = 0  # swaps whose new answer or foil is no single token of the model (left out)
     routes: list[RouteRef] = field(default_factory=list)
 
     def col(self, subject: Subject) -> int:
@@ -337,15 +338,23 @@ def observe_swaps(
     the shape scenes :func:`core.zoo.label_scenes.swap_attribute`: an object
     with ``image``, ``mask_a``, ``mask_b``, ``answer`` and ``foil``, or None
     when the sample admits no swap) and measure each head's answer-row mass
-    on the two swapped locations."""
+    on the two swapped locations. A swap whose new answer or foil is not one
+    token of the model is left out (counted in ``n_unreadable``)."""
+    from core.errors import QuestionError
 
     a = loaded.adapter
     out = {k: [] for k in ("rows", "ao", "bo", "as", "bs", "ld", "ok")}
+    unreadable = 0
     for i, s in enumerate(samples):
         if cancel is not None and cancel():
             raise ChainCancelled()
         sw = swap(s, seed)
         if sw is None:
+            continue
+        try:
+            aid, fid = a.token_id(sw.answer), a.token_id(sw.foil)
+        except QuestionError:
+            unreadable += 1
             continue
         from PIL import Image
 
@@ -367,7 +376,6 @@ def observe_swaps(
                 m[0, c] = float(vis[ra].sum()) if ra else 0.0
                 m[1, c] = float(vis[rb].sum()) if rb else 0.0
             masses.append(m)
-        aid, fid = a.token_id(sw.answer), a.token_id(sw.foil)
         logits = tr.logits[1, pos].double()
         out["rows"].append(i)
         out["ao"].append(masses[0][0])
@@ -391,4 +399,5 @@ def observe_swaps(
         np.array(out["ok"]),
         len(samples),
         list(heads),
+        n_unreadable=unreadable,
     )

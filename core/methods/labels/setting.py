@@ -12,15 +12,16 @@ from core.methods.labels.chain import LabelError
 
 # Pre-registered pass rules (fixed here, before any evaluation split is read).
 HIT_RATIO_MIN = 2.0  # step 1: hit rate at least this multiple of chance
-HIT_Z_MIN = 3.0  # step 1: and this many binomial standard errors above chance
+HIT_P_MAX = 0.00135  # step 1: and an exact one-sided p-value against chance at most this (the normal tail at 3 SE)
 PREDICT_R_MIN = 0.5  # step 3: Pearson r between DLA and the re-run effect
 FOLLOW_RATE_MIN = 0.5  # step 4: share of swaps whose attention moves with the attribute
 
 CRITERIA: dict[int, str] = {
     1: (
         f"answer-row argmax over the patch tokens lands on the target object's tokens: hit rate >= {HIT_RATIO_MIN:g} "
-        f"x chance (a uniform head) and >= {HIT_Z_MIN:g} binomial standard errors above chance, on the evaluation "
-        "split (not the split the head was found on)"
+        f"x chance (a uniform head) and an exact one-sided p-value against chance (Poisson-binomial: each sample's "
+        f"own chance) <= {HIT_P_MAX:g}, the normal tail at 3 standard errors, on the evaluation split (not the split "
+        "the head was found on)"
     ),
     2: (
         "frozen-scale DLA toward answer minus foil summed over the target's source tokens: mean > 0 and mean "

@@ -1,5 +1,6 @@
 """The summary statistics the steps share: n, mean, standard error and a
-normal 95% interval of the finite values, and Pearson / Spearman correlations."""
+normal 95% interval of the finite values, Pearson / Spearman correlations,
+and the exact tail of a hit count against per-sample chances."""
 
 from __future__ import annotations
 
@@ -39,3 +40,21 @@ def _pearson(a, b) -> float:
 def _spearman(a, b) -> float:
     """:func:`core.stats.spearman` (ties given their mean rank), NaN where undefined."""
     return _nan_if_none(spearman(np.ravel(a), np.ravel(b)))
+
+
+def poisson_binomial_tail(k: int, p) -> float:
+    """P(X >= k) for X a sum of independent Bernoulli(p_i): the exact one-sided
+    p-value of k hits where sample i hits by chance with probability p_i (the
+    normal approximation is wrong at small n: one hit in one sample at chance
+    0.03 is 5.6 standard errors above chance, yet p = 0.03)."""
+    p = np.clip(np.asarray(p, dtype=np.float64).ravel(), 0.0, 1.0)
+    if k <= 0:
+        return 1.0
+    if k > p.size:
+        return 0.0
+    dist = np.zeros(p.size + 1)
+    dist[0] = 1.0
+    for i, q in enumerate(p):  # dist[j]: P(j hits among the first i samples)
+        dist[1 : i + 2] = dist[1 : i + 2] * (1 - q) + dist[: i + 1] * q
+        dist[0] *= 1 - q
+    return float(min(1.0, dist[k:].sum()))

@@ -16,8 +16,8 @@ from core.methods.labels.observations import ChainCancelled
 from core.methods.labels.setting import (
     CRITERIA,
     FOLLOW_RATE_MIN,
+    HIT_P_MAX,
     HIT_RATIO_MIN,
-    HIT_Z_MIN,
     PREDICT_R_MIN,
     REGION_MIN_COVER,
     RELATION,
@@ -26,7 +26,7 @@ from core.methods.labels.setting import (
     Subject,
     _members,
 )
-from core.methods.labels.stats import _lower, _pearson, _spearman, _stats
+from core.methods.labels.stats import _lower, _pearson, _spearman, _stats, poisson_binomial_tail
 from core.methods.patterns import Distribution
 
 
@@ -42,7 +42,8 @@ def step1_pattern(ctx: ChainContext, cand: Subject) -> ChainStep:
     k, rate, chance = float(hits[:, c].sum()), float(hits[:, c].mean()), float(chance_i.mean())
     # hits are a sum of Bernoulli(p_i) under a uniform head: mean sum p_i, variance sum p_i (1 - p_i)
     z = (k - chance_i.sum()) / math.sqrt(max(float((chance_i * (1 - chance_i)).sum()), 1e-12))
-    passed = rate >= HIT_RATIO_MIN * chance and z >= HIT_Z_MIN
+    p_value = poisson_binomial_tail(int(round(k)), chance_i)
+    passed = rate >= HIT_RATIO_MIN * chance and p_value <= HIT_P_MAX
     groups = _group_values(ctx, plan, lambda h: hits[:, obs.col(h)])
     fixed = np.array([float(plan.fixed_patch in t) for t in obs.target])
     groups += [
@@ -55,9 +56,11 @@ def step1_pattern(ctx: ChainContext, cand: Subject) -> ChainStep:
         "chance_hit_rate": chance,
         "ratio_to_chance": rate / chance if chance else None,
         "z_vs_chance": z,
+        "p_value_vs_chance": p_value,
         "target_mass": Distribution.of(mass, value_range=(0.0, 1.0)).to_dict(),
         "entropy": Distribution.of(obs.entropy[:, c]).to_dict(),
         "search_split": ctx.search_condition.split,
+        "per_sample": {"sample": ctx.eval_ids(), "hit": hits[:, c], "target_mass": mass, "chance": chance_i},
     }
     notes = ["a hit rate above chance is a routing regularity on this distribution, not evidence the head is used"]
     stats = None if isinstance(cand, RouteRef) else ctx.pattern_stats
@@ -84,11 +87,14 @@ def step1_pattern(ctx: ChainContext, cand: Subject) -> ChainStep:
         {"n": n, "split": obs.split, "search_split": ctx.search_condition.split, "head": cand.name},
         notes[:1],
     )
-    why = f"hit rate {rate:.3f} vs chance {chance:.3f} (x{rate / chance if chance else float('nan'):.1f}, z={z:.1f})"
+    why = (
+        f"hit rate {rate:.3f} vs chance {chance:.3f} (x{rate / chance if chance else float('nan'):.1f}, z={z:.1f}, "
+        f"exact p={p_value:.2g})"
+    )
     return ChainStep(
         1,
         CRITERIA[1],
-        "pass" if passed else "fail",
+        "passed" if passed else "failed",
         "hit rate",
         rate,
         n,
@@ -139,7 +145,7 @@ def step2_content(ctx: ChainContext, cand: Subject) -> ChainStep:
     return ChainStep(
         2,
         CRITERIA[2],
-        "pass" if passed else "fail",
+        "passed" if passed else "failed",
         "target DLA",
         t_st["mean"],
         t_st["n"],
@@ -199,7 +205,7 @@ def step3_prediction(ctx: ChainContext, cand: Subject) -> ChainStep:
     return ChainStep(
         3,
         CRITERIA[3],
-        "pass" if passed else "fail",
+        "passed" if passed else "failed",
         "Pearson r",
         r,
         obs.n,
@@ -222,12 +228,12 @@ def step4_swap(ctx: ChainContext, cand: Subject) -> ChainStep:
     """Swap the asked attribute onto another object; does the attention follow?"""
     if ctx.swap is None:
         return ChainStep(
-            4, CRITERIA[4], "not-run", notes=["the context was built without a swap (ChainContext(swap=...))"]
+            4, CRITERIA[4], "not tested", notes=["the context was built without a swap (ChainContext(swap=...))"]
         )
     sw, plan = ctx.swap_obs, ctx.plan(cand)
     m = len(sw.rows)
     if m == 0:
-        return ChainStep(4, CRITERIA[4], "not-run", notes=["no evaluation sample admitted a swap"])
+        return ChainStep(4, CRITERIA[4], "not tested", notes=["no evaluation sample admitted a swap"])
     c = sw.col(cand)
     shift, follows = sw.shift(), sw.follows()
     st = _stats(shift[:, c])
@@ -249,7 +255,7 @@ def step4_swap(ctx: ChainContext, cand: Subject) -> ChainStep:
     return ChainStep(
         4,
         CRITERIA[4],
-        "pass" if passed else "fail",
+        "passed" if passed else "failed",
         "follow rate",
         rate,
         m,
@@ -264,6 +270,18 @@ def step4_swap(ctx: ChainContext, cand: Subject) -> ChainStep:
             "model_follows_swap_accuracy": float(sw.swap_correct.mean()),
             "model_swap_logit_diff": _stats(sw.swap_logit_diff),
             "n_tried": sw.n_tried,
+            "n_unreadable": sw.n_unreadable,
+            "pairs": [
+                {
+                    "sample": ctx.eval_ids()[i],
+                    "mass_target_before": float(sw.mass_a_orig[r, c]),
+                    "mass_target_after": float(sw.mass_a_swap[r, c]),
+                    "mass_partner_before": float(sw.mass_b_orig[r, c]),
+                    "mass_partner_after": float(sw.mass_b_swap[r, c]),
+                    "follows": bool(follows[r, c]),
+                }
+                for r, i in enumerate(sw.rows)
+            ],
         },
         _baselines(groups, m),
         audit,
@@ -299,7 +317,7 @@ def step5_ablation(ctx: ChainContext, cand: Subject) -> ChainStep:
     return ChainStep(
         5,
         CRITERIA[5],
-        "pass" if passed else "fail",
+        "passed" if passed else "failed",
         "mean-ablation drop",
         st["mean"],
         n,
@@ -312,6 +330,7 @@ def step5_ablation(ctx: ChainContext, cand: Subject) -> ChainStep:
             "accuracy_zero_ablated": float(ctx.ablated([cand], "zero").correct.mean()),
             "baseline_logit_diff": _stats(base.logit_diff),
             "mean_value_reference_n": len(ctx.search_samples),
+            "per_sample": {"sample": ctx.eval_ids(), "drop_mean": mean_drop, "drop_zero": zero_drop},
         },
         _baselines(groups, n),
         audit,
@@ -342,7 +361,7 @@ def step6_baselines(ctx: ChainContext, cand: Subject, chain: ValidationChain | N
         ),
         5: ("mean-ablation drop", lambda h: ctx.drop([h], "mean"), {}),
     }
-    ran = {k for k, s in chain.steps.items() if s.status != "not-run"} if chain is not None else {1, 2, 4, 5}
+    ran = {k for k, s in chain.steps.items() if s.status != "not tested"} if chain is not None else {1, 2, 4, 5}
     if 4 in ran and ctx.swap is not None and len(ctx.swap_obs.rows):
         sw = ctx.swap_obs
         metrics[4] = (
@@ -373,7 +392,7 @@ def step6_baselines(ctx: ChainContext, cand: Subject, chain: ValidationChain | N
             if worst is None or _lower(st) < _lower(worst["paired_difference"]) or not np.isfinite(_lower(st)):
                 worst = row
     if not comparisons:
-        return ChainStep(6, CRITERIA[6], "not-run", notes=["no step 1, 2, 4 or 5 evidence to compare"])
+        return ChainStep(6, CRITERIA[6], "not tested", notes=["no step 1, 2, 4 or 5 evidence to compare"])
     passed = all(r["weaker"] for r in comparisons)
     n_weaker = sum(r["weaker"] for r in comparisons)
     layer_max = {}
@@ -421,7 +440,7 @@ def step6_baselines(ctx: ChainContext, cand: Subject, chain: ValidationChain | N
     return ChainStep(
         6,
         CRITERIA[6],
-        "pass" if passed else "fail",
+        "passed" if passed else "failed",
         "comparisons won",
         n_weaker / len(comparisons),
         obs.n,
@@ -501,7 +520,7 @@ def step7_side_effects(ctx: ChainContext, cand: Subject) -> ChainStep:
     return ChainStep(
         7,
         CRITERIA[7],
-        "pass" if done else "not-run",
+        "passed" if done else "not tested",
         "largest side-effect drop",
         max((v["mean_ablation_drop"]["mean"] or 0.0 for v in side.values()), default=None, key=abs) if side else None,
         n if done else 0,
@@ -529,7 +548,7 @@ def run_chain(
     ctx: ChainContext, cand: Subject, search: dict | None = None, *, steps: Sequence[int] = tuple(range(1, 8))
 ) -> ValidationChain:
     """Run the steps on one candidate head or route; a cancelled run keeps what
-    was done (the rest stays not-run)."""
+    was done (the rest stays not tested)."""
     chain = ValidationChain(
         cand.name,
         RELATION,
@@ -556,6 +575,7 @@ def run_chain(
             "subject": cand.name,
             "search": chain.search.get("split"),
             "evaluation": ctx.eval_condition.split,
+            "distribution": ctx.eval_condition.describe(),
             "model": ctx.loaded.spec,
             "fingerprint": getattr(ctx.loaded, "fingerprint", ""),
         },

@@ -338,6 +338,10 @@ class BlipAdapter(TextConfigSizes, Adapter):
     def b_O(self, block: int) -> torch.Tensor:
         return self._attention(block).output.dense.bias
 
+    def z_module(self, block: int):
+        """The output projection ``BlipTextSelfOutput.dense``: its input is the heads' concatenated z."""
+        return self._attention(block).output.dense
+
     def attn_norm(self, block: int):
         """Identity: post-LN, queries read the stream (already a LayerNorm's output)."""
         return IdentityNorm()

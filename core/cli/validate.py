@@ -1,0 +1,188 @@
+"""``vlm-readout validate``: check a functional label with the seven-step chain
+(docs/METHODS.md §4.5, §4.11; the library call is :func:`core.validate.validate`).
+
+    vlm-readout validate --model M --head L1.H1 [--route L1.H0+L1.H1] \\
+        --claim TEXT --dataset scenes|DIR_OR_JSONL [--heldout SOURCE] --json OUT [--session S]
+
+Each step's status (passed / failed / not tested), its key number, n and the
+baselines with their 95% intervals are printed per head or route, then the
+verdict: "supported on D" only when all seven pass, D being the held-out
+distribution the numbers were measured on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core.arguments import non_negative_int, positive_int, seed_int
+from core.cli.args import add_model_args
+from core.cli.loading import load_from_args
+
+SOURCE_HELP = (
+    "'scenes' or 'scenes:SPLIT' (the synthetic shape scenes, their ground truth the target and distractors), or a "
+    "pairs JSONL / a folder holding one whose lines give answer, foil and the target's mask (object_masks with "
+    "target, or target_mask and distractor_masks)"
+)
+
+
+def add_command(subparsers, load=load_from_args) -> None:
+    p = subparsers.add_parser(
+        "validate",
+        help="check a functional label: the seven-step validation chain on held-out inputs",
+        description="Run the validation chain of docs/METHODS.md 4.11 on a head or a route and state where the "
+        "claim holds. The claim is checked as the relation 'moves the asked attribute (colour or shape) from the "
+        "target object's visual tokens to the answer position' on attribute questions; candidates are found or "
+        "named on the search set and every step is measured on the held-out set: 1 the answer row lands on the "
+        "target (against chance), 2 the head's write from the target's tokens favours the answer over the foil, "
+        "3 its DLA predicts the re-run effect of zeroing it, 4 swapping the attribute onto another object moves "
+        "the attention with it, 5 mean ablation lowers the answer's margin, 6 matched random heads, the other "
+        "heads of its block, entropy-matched heads and position baselines are weaker, 7 side effects on other "
+        "question kinds and the strongest alternative route are reported. The verdict is 'supported on D' only "
+        "when all seven pass.",
+    )
+    add_model_args(p)
+    p.add_argument(
+        "--head",
+        action="append",
+        default=[],
+        metavar="BLOCK.HN",
+        help="a head to validate, as BLOCK.H<index> (L1.H1; CoCa's cross blocks L1.xattn.H2); repeatable",
+    )
+    p.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        metavar="HEADS",
+        help="several heads of one block validated together, joined by '+' (L1.H0+L1.H1 or L1.H0+H1); repeatable",
+    )
+    p.add_argument(
+        "--candidates",
+        type=non_negative_int,
+        default=0,
+        metavar="K",
+        help="also find candidates on the search set: the top K heads by target-source DLA, the top head by "
+        "target hit rate, and the routes of blocks holding two or more of them (default 0: only those named)",
+    )
+    p.add_argument(
+        "--claim",
+        required=True,
+        metavar="TEXT",
+        help="what the head or route is claimed to do, in your words (recorded with the relation and the "
+        "distribution it is checked on)",
+    )
+    p.add_argument("--dataset", required=True, metavar="SOURCE", help="the search set: " + SOURCE_HELP)
+    p.add_argument(
+        "--heldout",
+        metavar="SOURCE",
+        help="the held-out set every step is measured on, as --dataset (default: scenes:heldout for scenes, the "
+        "seeded other half of the lines for a file)",
+    )
+    p.add_argument(
+        "--n",
+        type=positive_int,
+        default=150,
+        help="attribute inputs of each set: the first N that pass the filters (default %(default)s)",
+    )
+    p.add_argument(
+        "--n-side",
+        type=non_negative_int,
+        default=50,
+        help="inputs of each other question kind for step 7's side effects (default %(default)s; 0: not tested)",
+    )
+    p.add_argument(
+        "--region",
+        metavar="MASK",
+        help="PNG mask, white = the target (a painted region): the target of every line without a mask of its own",
+    )
+    p.add_argument(
+        "--min-distractors",
+        type=non_negative_int,
+        default=1,
+        help="distractor regions an input must have (step 2 contrasts the target with the strongest; default "
+        "%(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=seed_int, default=0, help="seed of the matched random heads, the swaps' noise, the halving"
+    )
+    p.add_argument("--batch-size", type=positive_int, default=32, help="inputs per forward (default %(default)s)")
+    p.add_argument("--json", required=True, help="output file: the claim, both conditions, every step's evidence")
+    p.add_argument("--session", help="also record the run (its audit rows per step) into this session file")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=lambda args: run(args, load))
+
+
+def _interval(stats: dict | None) -> str:
+    ci = (stats or {}).get("ci95") or [None, None]
+    return "" if None in ci else f" [{ci[0]:.3g}, {ci[1]:.3g}]"
+
+
+def _number(v) -> str:
+    return "n/a" if v is None else f"{v:.3g}"
+
+
+def checklist(chain) -> list[str]:
+    """The lines printed for one chain: a step a line, under it its baselines
+    (value and 95% interval; step 6: each paired comparison), then the status."""
+    lines = [f"{chain.subject} ({chain.subject_kind}): {chain.status().status}"]
+    for k, s in chain.steps.items():
+        value = "" if s.value is None else f" {s.metric} {s.value:.3g}"
+        lines.append(f"  {k} {s.status:<10}{value}{f' (n={s.n})' if s.n else ''}  {s.title}")
+        for b in s.baselines:
+            if k == 6:
+                d = b.detail
+                lines.append(
+                    f"      step {d['step']} vs {b.kind}: {_number(b.value)} against {_number(d['candidate'])}, "
+                    f"difference{_interval(d['paired_difference'])}"
+                )
+            else:
+                lines.append(f"      vs {b.kind}: {_number(b.value)}{_interval(b.detail.get('stats'))}")
+    return lines
+
+
+def run(args, load=load_from_args) -> int:
+    # function-local: the chain imports torch and numpy, not needed for --help
+    from core.atomic import check_output_file, write_text_atomic
+    from core.cli.progress import progress_bar
+    from core.images import load_mask
+    from core.validate import validate
+
+    check_output_file(args.json)  # fail fast, before the model loads
+    region = load_mask(args.region) if args.region else None
+    if args.session:
+        from core.session import check_session_file
+
+        check_session_file(args.session)
+    loaded = load(args)
+    with progress_bar("validate", quiet=args.quiet, messages=True) as progress:
+        result = validate(
+            loaded,
+            [*args.head, *args.route],
+            claim=args.claim,
+            dataset=args.dataset,
+            heldout=args.heldout,
+            candidates=args.candidates,
+            n=args.n,
+            n_side=args.n_side,
+            region=region,
+            min_distractors=args.min_distractors,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            progress=progress,
+        )
+    doc = result.to_dict()
+    write_text_atomic(Path(args.json), json.dumps(doc, allow_nan=False) + "\n")
+    if args.session:
+        from core.session import record_into
+        from core.session.records import dataset_sha256
+
+        files = {}  # a file source is the run's input: its path and the SHA-256 of its bytes
+        for key, source in (("dataset", args.dataset), ("heldout", args.heldout)):
+            if source and Path(source).exists():
+                files[key], files[f"{key}_sha256"] = str(source), dataset_sha256(source)
+        record_into(args.session, result, model=loaded, parameters=files)
+    for chain, verdict in zip(result.chains, result.verdicts()):
+        print("\n".join(checklist(chain)))
+        print(f"  verdict: {verdict['verdict']}")
+    print(result.summary())
+    return 0

@@ -1,0 +1,265 @@
+"""`vlm-readout validate` and its library call (core.validate): the command's
+chain is the library's to the last digit on both default models, the run lands
+in a session and its export; a dataset folder of the scenes gives the scenes'
+own numbers; random weights (a std-matched noise copy of each default model
+and the tiny random model of every served family) never give "supported";
+bad subjects, data and held-out sets are one-line errors."""
+
+import csv
+import importlib
+import itertools
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import core
+import core.cli
+from core import load_model
+from core.cli import main
+from core.methods.labels import STEP_STATUSES
+from core.methods.labels.stats import poisson_binomial_tail
+from core.validate import Validation, read_chain_data, validate
+from core.zoo.dataset import write_dataset
+from core.zoo.random_weights import randomize_folder
+
+N, N_SIDE = 16, 6
+FAMILIES = [("blip", "blip"), ("idefics3", "idefics3"), ("llava_next", "llava_next"), ("mllama", "mllama")]
+FAMILIES += [("paligemma", "prefix"), ("qwen2_vl", "qwen2_vl"), ("qwen2_vl", "qwen2_5_vl")]
+SUBJECTS = {"shapes-llava": ["L1.H1", "L1.H0+L1.H2"], "shapes-coca": ["L1.xattn.H2", "L1.xattn.H1+H3"]}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: load_model(name) for name in SUBJECTS}
+
+
+def _without_time(doc: dict) -> dict:
+    return {k: v for k, v in doc.items() if k != "seconds"}
+
+
+def _validate_args(out, *extra):
+    common = ["--claim", "moves the asked colour", "--n", str(N), "--n-side", str(N_SIDE), "--json", str(out)]
+    return ["validate", *common, "--quiet", *extra]
+
+
+@pytest.mark.parametrize("name", list(SUBJECTS))
+def test_the_command_is_the_library_call_and_lands_in_the_session(name, models, tmp_path, monkeypatch, capsys):
+    m = models[name]
+    monkeypatch.setattr(core.cli, "_load", lambda args: m)
+    out, session = tmp_path / "v.json", tmp_path / "s.vlmr"
+    heads, route = SUBJECTS[name]
+    args = _validate_args(out, "--head", heads, "--route", route, "--dataset", "scenes", "--session", str(session))
+    assert main(args) == 0
+    got = json.loads(out.read_text())
+    library = validate(m, [heads, route], claim="moves the asked colour", dataset="scenes", n=N, n_side=N_SIDE)
+    assert _without_time(got) == _without_time(json.loads(json.dumps(library.to_dict())))  # to the last digit
+    assert got["schema_version"] == 1 and got["kind"] == "validate"
+    assert [c["subject"] for c in got["chains"]] == [heads, route.replace(f"+{route.split('.')[0]}.", "+")]
+    assert got["search"]["split"] == "val" and got["heldout"]["split"] == "heldout"
+    for chain in got["chains"]:
+        assert set(chain["steps"]) == {str(k) for k in range(1, 8)}
+        assert all(s["status"] in STEP_STATUSES for s in chain["steps"].values())
+        assert all(s["n"] > 0 for s in chain["steps"].values() if s["status"] != "not tested")
+    for v in got["verdicts"]:  # the verdict names the held-out distribution
+        assert ("supported on " if v["supported"] else "not supported on ") + "core.zoo.scenes split 'heldout'" in v[
+            "verdict"
+        ]
+    assert Validation.from_dict(got).to_dict() == got  # it reads back as it was written
+    printed = capsys.readouterr().out
+    assert "verdict: " in printed and f"{heads} (head): " in printed and "  4 " in printed
+
+    export = tmp_path / "audit.csv"
+    assert main(["export", "--session", str(session), "--format", "csv", "--out", str(export)]) == 0
+    rows = list(csv.DictReader(export.open()))
+    assert {r["kind"] for r in rows} == {"validate"}
+    assert len(rows) == len(library.audit_records()) > 2 * 7 - 1  # each chain's row and each tested step's
+    assert any("the label holds on its input condition only" in r["notes"] for r in rows)
+
+
+def test_a_dataset_folder_of_the_scenes_gives_the_scenes_numbers(models, tmp_path):
+    """The same scenes written as files (images and object masks, core.zoo.dataset) and read
+    back give the scenes' step 1, 2, 3 and 5 numbers exactly; their swaps are drawn from the
+    lines' objects, so step 4 is tested."""
+    m = models["shapes-llava"]
+    folders = _scene_files(tmp_path, N + 4)
+    kw = dict(claim="moves the asked colour", n=N, n_side=0)
+    files = validate(m, ["L1.H1"], dataset=folders["val"], heldout=folders["heldout"], **kw)
+    scenes = validate(m, ["L1.H1"], dataset="scenes", **kw)
+    a, b = files.chains[0].steps, scenes.chains[0].steps
+    assert files.heldout.n_samples == scenes.heldout.n_samples == N
+    for k in (1, 2, 3, 5):
+        assert a[k].status == b[k].status and a[k].value == b[k].value, k
+    assert a[4].status != "not tested" and a[4].n > 0
+    assert a[7].status == "not tested"  # the folders hold no other question kind
+
+
+def test_poisson_binomial_tail_is_the_exact_tail():
+    rng = np.random.default_rng(0)
+    p = rng.uniform(0, 0.4, 7)
+    for k in range(9):
+        exact = sum(
+            math.prod(q if hit else 1 - q for q, hit in zip(p, hits))
+            for hits in itertools.product((0, 1), repeat=len(p))
+            if sum(hits) >= k
+        )
+        assert poisson_binomial_tail(k, p) == pytest.approx(exact, abs=1e-12)
+    # one hit in one sample is no evidence, whatever the normal approximation says
+    assert poisson_binomial_tail(1, [0.031]) == pytest.approx(0.031)
+
+
+def _tiny(family, kind):
+    """A family file's tiny random model, and a question its small vocabulary holds."""
+    module = importlib.import_module(f"tests.core.test_{family}")
+    return module.traced_case(kind)[0], getattr(module, "QUESTION", None) or module.PREFIX
+
+
+def _scene_files(tmp_path, n, question=None, words=None) -> dict:
+    """Attribute scenes of val and heldout written as dataset folders (core.zoo.dataset); for a
+    tiny model's small vocabulary each line's question is replaced by ``question`` and only
+    the lines whose answer and foil are both in ``words`` are kept."""
+    out = {}
+    for split in ("val", "heldout"):
+        rows = write_dataset(tmp_path / split, split, n, kind="attribute", min_distractors=1)
+        if question is not None:
+            rows = [{**r, "question": question} for r in rows if {r["answer"], r["foil"]} <= words]
+            (tmp_path / split / "dataset.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        out[split] = str(tmp_path / split)
+    return out
+
+
+@pytest.mark.parametrize("name", ["shapes-llava", "shapes-coca"])
+def test_random_weights_support_no_label(name, tmp_path):
+    """The negative control through the command: a noise copy of the default model, five
+    candidates found on the scenes, and no chain may come out "supported"."""
+    folder = randomize_folder(name, tmp_path / "random")
+    out = tmp_path / "v.json"
+    assert main(_validate_args(out, "--model", str(folder), "--candidates", "5", "--dataset", "scenes")) == 0
+    got = json.loads(out.read_text())
+    heads = [c for c in got["chains"] if c["subject_kind"] == "head"]
+    assert len(heads) >= 5
+    assert got["model"]["fingerprint"] != load_model(name).fingerprint
+    assert not any(v["supported"] for v in got["verdicts"]), got["verdicts"]
+
+
+@pytest.mark.parametrize("family,kind", FAMILIES)
+def test_a_tiny_random_model_of_each_family_supports_no_label(family, kind, tmp_path):
+    m, question = _tiny(family, kind)
+    words = set()
+    for word in ("red", "green", "blue", "yellow", "purple", "orange", "circle", "square", "triangle"):
+        try:
+            m.adapter.token_id(word)
+            words.add(word)
+        except core.ReadoutError:
+            pass
+    files = _scene_files(tmp_path, 80, question, words)
+    result = validate(m, claim="moves the asked colour", dataset=files["val"], heldout=files["heldout"], candidates=5)
+    heads = {c.subject for c in result.chains if c.subject_kind == "head"}
+    assert len(heads) >= min(5, len(result.search_table))  # mllama reads the image in one cross block of 4 heads
+    assert not any(v["supported"] for v in result.verdicts())
+    assert all(len(c.steps) == 7 and c.steps[1].n > 0 for c in result.chains)
+
+
+def _pairs_file(tmp_path, rows, name="d.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _scene_rows(tmp_path, split="val", n=6):
+    write_dataset(tmp_path / split, split, n, kind="attribute", min_distractors=1)
+    return [json.loads(x) for x in (tmp_path / split / "dataset.jsonl").read_text().splitlines()]
+
+
+def _error(capsys, args) -> str:
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_bad_subjects_and_data_are_one_line_errors(models, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(core.cli, "_load", lambda args: models["shapes-coca"])
+    out = tmp_path / "v.json"
+    base = _validate_args(out, "--dataset", "scenes")
+    assert "reads no visual token" in _error(capsys, [*base, "--head", "T0.H0"])  # CoCa's text tower
+    assert "share one block" in _error(capsys, [*base, "--route", "L0.xattn.H0+L1.xattn.H0"])
+    assert "each head once" in _error(capsys, [*base, "--route", "L0.xattn.H0+H0"])
+    assert "name a head or route" in _error(capsys, base)
+    assert "no such scene split" in _error(capsys, [*base[:-2], "--dataset", "scenes:nope", "--head", "L1.xattn.H0"])
+    assert "held-out split itself" in _error(
+        capsys, [*base[:-2], "--dataset", "scenes:heldout", "--head", "L1.xattn.H0"]
+    )
+    assert "state the claim" in _error(capsys, [*base, "--head", "L1.xattn.H0", "--claim", " "])
+    assert not out.exists()
+
+    monkeypatch.setattr(core.cli, "_load", lambda args: models["shapes-llava"])
+    rows = _scene_rows(tmp_path)
+    for r in rows:
+        for key in ("image", "object_masks", "target_mask", "reference_mask", "distractor_masks"):
+            v = r[key]
+            r[key] = f"val/{v}" if isinstance(v, str) else [f"val/{x}" for x in v] if isinstance(v, list) else v
+    good = _pairs_file(tmp_path, rows)
+    file_args = _validate_args(out, "--head", "L1.H1", "--dataset", str(good))
+    same = _error(capsys, [*file_args, "--heldout", str(good)])
+    assert "the held-out set is the search set's file" in same
+    copy = _pairs_file(tmp_path, rows[:2], "copy.jsonl")
+    assert "also in the search set" in _error(capsys, [*file_args, "--heldout", str(copy)])
+
+    no_foil = _pairs_file(tmp_path, [{k: v for k, v in rows[0].items() if k != "foil"}], "no_foil.jsonl")
+    assert 'needs "answer" and "foil"' in _error(capsys, [*file_args[:-2], "--dataset", str(no_foil)])
+    bare = {k: v for k, v in rows[0].items() if k not in ("object_masks", "target_mask", "distractor_masks")}
+    no_mask = _pairs_file(tmp_path, [bare, bare], "no_mask.jsonl")
+    assert "no target region" in _error(capsys, [*file_args[:-2], "--dataset", str(no_mask)])
+    small = tmp_path / "small.png"
+    Image.new("L", (8, 8), 255).save(small)
+    err = _error(capsys, [*file_args[:-2], "--dataset", str(no_mask), "--region", str(small)])
+    assert "painted region is 8x8" in err
+    two_words = _pairs_file(tmp_path, [{**rows[0], "answer": "light red"}], "words.jsonl")
+    assert "not a single token" in _error(capsys, [*file_args[:-2], "--dataset", str(two_words)])
+    assert not out.exists()
+
+
+def test_a_painted_region_and_a_halved_file(models, tmp_path):
+    """Lines without masks take the painted region as their target; without a held-out file
+    the lines are halved with the seed, and the halves are disjoint."""
+    m = models["shapes-llava"]
+    rows = _scene_rows(tmp_path, n=8)
+    shutil.copytree(tmp_path / "val" / "images", tmp_path / "images")
+    bare = [{k: v for k, v in r.items() if k not in ("object_masks", "target_mask", "distractor_masks")} for r in rows]
+    path = _pairs_file(tmp_path, bare)
+    region = np.zeros((128, 128), dtype=bool)
+    region[32:96, 32:96] = True
+    search, held = read_chain_data(m, str(path), region=region, min_distractors=0, n_side=0)
+    assert search.condition.split == "search half" and held.condition.split == "held-out half"
+    lines = set(search.condition.seeds["lines"]), set(held.condition.seeds["lines"])
+    assert lines[0] and lines[1] and not lines[0] & lines[1]
+    assert all(s.objects[s.target].source == "painted region" for s in search.samples + held.samples)
+    assert all((s.objects[s.target].mask == region).all() for s in search.samples)
+
+
+def test_cancel_keeps_the_steps_done(models):
+    m = models["shapes-llava"]
+    seen = []
+
+    def progress(done, total, message):
+        seen.append(message)
+
+    result = validate(
+        m,
+        ["L1.H1"],
+        claim="moves the asked colour",
+        dataset="scenes",
+        n=N,
+        n_side=0,
+        progress=progress,
+        cancel=lambda: any("step 3" in s for s in seen),
+    )
+    steps = result.chains[0].steps
+    assert result.cancelled
+    assert steps[1].status != "not tested" and steps[2].status != "not tested"
+    assert all(steps[k].status == "not tested" for k in range(3, 8))
+    assert "[cancelled]" in result.summary()
