@@ -482,3 +482,70 @@ def statistics_job(model_cache: dict, spec: str, items: list, *, progress, cance
 
     loaded = _cached_model(model_cache, spec, progress)
     return pattern_statistics(loaded, items, progress=progress, cancel=cancel.is_set)
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """What the Claims panel asks to check: the subjects (heads ``L1.H1``, routes
+    ``L1.H0+L1.H1``), the claim's words, the dataset source (``scenes`` or a pairs
+    JSONL / a folder holding one), ``n`` inputs per side, and the painted region used
+    as the target of every line without a mask of its own (None: none)."""
+
+    subjects: tuple[str, ...]
+    claim: str
+    dataset: str
+    n: int = 150
+    n_side: int = 50
+    region: object = None
+
+
+def validate_job(model_cache: dict, spec: str, request: ClaimRequest, *, progress, cancel):
+    """Worker job: the seven-step chain on each subject (:func:`core.validate.validate`),
+    cancellable between its steps."""
+    from core.validate import validate
+
+    loaded = _cached_model(model_cache, spec, progress)
+    return validate(
+        loaded,
+        list(request.subjects),
+        claim=request.claim,
+        dataset=request.dataset,
+        n=request.n,
+        n_side=request.n_side,
+        region=request.region,
+        progress=progress,
+        cancel=cancel.is_set,
+    )
+
+
+def nonunique_job(model_cache: dict, ask: Ask, head: str, mask, image_path: str | None, *, progress, cancel):
+    """Worker job: is ``head``'s attention pattern the only one giving its output at the answer
+    token read out (:func:`core.methods.nonunique.nonunique_of_input`)? The source set is the
+    painted region's tokens (``mask``), else the tokens holding half the head's image attention.
+    Returns ``(result, doc)``: the doc is the JSON ``vlm-readout nonunique`` writes."""
+    from core.methods.nonunique import nonunique_of_input
+
+    loaded = _cached_model(model_cache, ask.spec, progress)
+    progress(0, 0, f"non-unique attention of {head}…")
+    return nonunique_of_input(
+        loaded,
+        ask.image,
+        ask.question,
+        head,
+        mask=mask,
+        mask_name="painted region" if mask is not None else None,
+        image_path=image_path,
+        answer_text=ask.answer_text,
+        progress=progress,
+        cancel=cancel.is_set,
+    )
+
+
+def qk_ov_job(model_cache: dict, ask: Ask, head: str, *, progress, cancel):
+    """Worker job: ``head``'s QK / OV circuits (:func:`core.methods.qk_ov.qk_ov`): the weight
+    level, and the activation level on the shown input at the answer token read out."""
+    from core.methods.qk_ov import qk_ov
+
+    loaded = _cached_model(model_cache, ask.spec, progress)
+    progress(0, 0, f"QK / OV of {head}…")
+    return qk_ov(loaded, head, ask.image, ask.question, answer_text=ask.answer_text)

@@ -43,6 +43,7 @@ from PySide6.QtWidgets import (
 
 import core
 from app.canvas import ImageCanvas, describe_token_layout
+from app.claims import ClaimsMixin
 from app.components import ShownRun
 from app.components.selection import Selection, head_component, lens_component
 from app.jobs import (
@@ -91,7 +92,7 @@ def qimage_to_png(image: QImage) -> bytes:
     return bytes(data.data())
 
 
-class MainWindow(SessionMixin, AnswerTokensMixin, WorkspaceMixin, QMainWindow):
+class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, QMainWindow):
     """Image + question in, answer + top alternatives out.
 
     Opens on the first bundled sample. Nothing runs until
@@ -194,6 +195,7 @@ class MainWindow(SessionMixin, AnswerTokensMixin, WorkspaceMixin, QMainWindow):
         # their results table in a tab beside the answer change
         self.counterfactual_panel.add_controls(self.intervention_panel)
         self.counterfactual_panel.add_results(self.intervention_panel.results, "Interventions")
+        self._build_claims_widgets()  # the Claims tab and the Attention tab's head actions (app.claims)
         # A scroll area keeps the painter's width from setting the tab widget's minimum (which
         # would squeeze the image canvas in every other tab); its own tab hides the canvas.
         counterfactual_scroll = QScrollArea()
@@ -215,6 +217,7 @@ class MainWindow(SessionMixin, AnswerTokensMixin, WorkspaceMixin, QMainWindow):
             (frames["dla"], "DLA"),
             (frames["lens"], "Lens"),
             (frames["counterfactual"], "Counterfactual"),
+            (self.claims_panel, "Claims"),
             (self.audit_panel, "Audit"),
         ):
             self.tabs.addTab(widget, title)
@@ -711,15 +714,18 @@ class MainWindow(SessionMixin, AnswerTokensMixin, WorkspaceMixin, QMainWindow):
             self.cancel_button.setEnabled(False)
             self.status_label.setText("cancelling…")
 
-    def _start(self, show_result, fn, *args, clear: bool = True) -> None:
+    def _start(self, show_result, fn, *args, clear: bool = True, failed=None) -> None:
         """Run ``fn(*args)`` in a worker; ``show_result(result)`` runs on success, before the window goes idle.
-        ``clear``: forget the shown answer first (new answers; not for follow-up read-outs)."""
+        ``clear``: forget the shown answer first (new answers; not for follow-up read-outs); ``failed(message)``:
+        runs on failure after the error line shows it (a panel saying it too)."""
         self.show_error("")
         if clear:
             self._clear_answer()
         job = Worker(fn, *args)
         job.progress.connect(self._on_progress)
         job.failed.connect(self._on_failed)
+        if failed is not None:
+            job.failed.connect(failed)  # after _on_failed: its _end_job clears the panels' "running" lines
         job.cancelled.connect(self._on_cancelled)
         job.finished.connect(show_result)
         job.finished.connect(lambda _result: self._end_job("ready"))
@@ -748,6 +754,8 @@ class MainWindow(SessionMixin, AnswerTokensMixin, WorkspaceMixin, QMainWindow):
         if status != "ready":  # its "running …" line is over; the status and error lines say why
             self.counterfactual_panel.show_message("")
             self.intervention_panel.show_message("")
+            self.claims_panel.show_message("")
+            self.head_methods.show_message("")
         self._set_busy(False)
         self.workspace.set_input(model_fingerprint=self._fingerprint(self.model_spec()))  # known once loaded
         loaded = self.model_cache.get(self.model_spec())
@@ -763,6 +771,7 @@ class MainWindow(SessionMixin, AnswerTokensMixin, WorkspaceMixin, QMainWindow):
         panel = self.counterfactual_panel
         buttons = (self.answer_button, self.readout_button, panel.run_button, panel.sweep_button)
         buttons += (self.intervention_panel.ablate_button, self.intervention_panel.patch_button)
+        buttons += (self.claims_panel.run_button, self.head_methods.nonunique_button, self.head_methods.qk_ov_button)
         if busy and focused in (*buttons, self.model_folder_button, self.model_picker):
             self._focus_before_job = focused
             self.tabs.setFocus(Qt.FocusReason.OtherFocusReason)
@@ -771,6 +780,8 @@ class MainWindow(SessionMixin, AnswerTokensMixin, WorkspaceMixin, QMainWindow):
         self.readout_button.setEnabled(not busy)
         self.model_folder_button.setEnabled(not busy)
         self.intervention_panel.set_busy(busy)
+        self.claims_panel.set_busy(busy)
+        self.head_methods.set_busy(busy)
         self.model_picker.setEnabled(not busy)
         self.cancel_button.setEnabled(busy)
         self.progress_bar.setRange(0, 0 if busy else 1)

@@ -38,8 +38,11 @@ from core.session import Run, RunInfo, Session
 SESSION_FILTER = "VLM Readout sessions (*.vlmr *.sqlite *.db);;All files (*)"
 OPEN_MODES = ("append", "read_only")  # continue the file; or read it and record into a temporary copy
 READ_ONLY_NOTE = "read-only; new runs are not saved into it"
+# the Attention tab's actions on the selected head (app.claims)
+HEAD_METHOD_KINDS = ("nonunique", "qk-ov")
 # the run kinds whose panels a restore draws (other kinds restore their input only)
-PANEL_KINDS = ("analyze", "counterfactual", "sweep", "intervention")
+PANEL_KINDS = ("analyze", "counterfactual", "sweep", "intervention", *HEAD_METHOD_KINDS)
+CLAIM_KINDS = ("validate",)  # checked on a model and a dataset, not on the shown input: the Claims tab restores them
 
 
 def default_session_path() -> Path:
@@ -249,15 +252,16 @@ class SessionMixin:
         self._refresh_audit()
         self._refresh_history()
 
-    def _record(self, readout, *, mask=None, parameters: dict | None = None) -> int | None:
+    def _record(self, readout, *, mask=None, parameters: dict | None = None, with_image: bool = True) -> int | None:
         """Record a run in the session (autosaved): the readout, the shown image with its path as
-        given, the model. Returns the run's id (None, with the reason in the error line, when it
-        could not be saved). The audit table and history refresh from the session's event."""
+        given (``with_image`` False: a run of no image, a claim checked on a dataset), the model.
+        Returns the run's id (None, with the reason in the error line, when it could not be saved).
+        The audit table and history refresh from the session's event."""
         try:
             return self.session.record(
                 readout,
-                image=self.image,
-                image_path=self.workspace.input.image_path,
+                image=self.image if with_image else None,
+                image_path=self.workspace.input.image_path if with_image else None,
                 mask=mask,
                 parameters=parameters,
                 model=self.model_cache.get(self.model_spec()) or self.model_spec(),
@@ -337,7 +341,7 @@ class SessionMixin:
                 "created": info.created,
                 "image": Path(stored.path).name if stored and stored.path else (info.image_sha256 or "")[:12],
                 "thumbnail": self._thumbnail(info.image_sha256),
-                "question": question_of(run),
+                "question": question_of(run) or str((run.parameters or {}).get("claim", "")),
                 "answer": history_answer(run.kind, run.result) or info.summary,
                 "model": info.model or "",
             }
@@ -372,7 +376,10 @@ class SessionMixin:
             self.show_error("a job is running: wait for it or cancel it before showing another run")
             return self._keep_history_selection()
         try:
-            restored = self._read_run(int(run_id))
+            run = self.session.run(int(run_id))
+            if run.kind in CLAIM_KINDS:
+                return self._restore_claim(run)  # app.claims
+            restored = self._read_run(run)
         except core.ReadoutError as e:
             self.show_error(f"cannot show run #{run_id}: {e}")
             return self._keep_history_selection()
@@ -410,9 +417,8 @@ class SessionMixin:
         self.history_panel.show_current(shown.run_id if shown is not None else None)
         return False
 
-    def _read_run(self, run_id: int) -> RestoredRun:
-        """Read everything run ``run_id`` needs from the session (nothing on screen changes)."""
-        run = self.session.run(run_id)
+    def _read_run(self, run: Run) -> RestoredRun:
+        """Read everything ``run`` needs from the session (nothing on screen changes)."""
         image, name, path = self._run_image(run)
         answer_text = answer_text_of(run)
         answer, foil = target_fields(run.kind, run.result, answer_text)
@@ -517,6 +523,8 @@ class SessionMixin:
                 self.attention_panel.select_head(*head)  # its map goes onto the canvas, as when it was ablated
             self._show_intervention_result(run.result)
             self._restore_selection(run.parameters or {})  # the component ablated, in the view it was selected in
+        elif run.kind in HEAD_METHOD_KINDS:
+            self._draw_head_method(run.kind, run.result)  # app.claims
 
     def _show_intervention_result(self, result: dict) -> None:
         """The Interventions table of a stored intervention result (an ablation or a visual patch)."""

@@ -467,6 +467,15 @@ class Validation:
 
     kind = "validate"  # the session's run kind (core.readout.Readout)
 
+    @staticmethod
+    def held_back(chain: ValidationChain) -> str:
+        """The steps that keep ``chain`` from the next status (``"6 failed, 7 not tested"``), "" when supported."""
+        status = chain.status().status
+        if status == "supported":
+            return ""
+        gate = {"not a candidate": (1, 2, 3, 4), "mechanism candidate": (5,)}.get(status, (6, 7))
+        return ", ".join(f"{k} {chain.steps[k].status}" for k in gate if chain.steps[k].status != "passed")
+
     def verdict(self, chain: ValidationChain) -> str:
         """``supported on D`` when all seven steps pass, else the status reached
         and the steps that hold it back (the full reason is the chain's)."""
@@ -474,9 +483,7 @@ class Validation:
         where = self.heldout.describe()
         if status == "supported":
             return f"supported on {where}"
-        gate = {"not a candidate": (1, 2, 3, 4), "mechanism candidate": (5,)}.get(status, (6, 7))
-        held = ", ".join(f"{k} {chain.steps[k].status}" for k in gate if chain.steps[k].status != "passed")
-        return f"not supported on {where}: {status}, held back by step {held}"
+        return f"not supported on {where}: {status}, held back by step {self.held_back(chain)}"
 
     def verdicts(self) -> list[dict]:
         return [

@@ -23,6 +23,7 @@ it to be selected again in the read-out shown. Nothing shown at all clears it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,12 @@ from app.components.workspace import ShownRun, Workspace
 
 # the views that select a component, as their tabs name them
 VIEW_TITLES = {"attention": "Attention", "dla": "DLA", "lens": "Lens"}
+HEAD_NAME = re.compile(r"\.H\d+$")  # L1.H2, L0.xattn.H1 (not L1.mlp, embed, a whole block)
+
+
+def is_head(name: str) -> bool:
+    """Whether a component name names one attention head."""
+    return bool(HEAD_NAME.search(name))
 
 
 def head_component(block_names: Sequence[str], block: int, head: int) -> str:

@@ -467,7 +467,7 @@ class AttentionPanel(QWidget):
         self.text_grid.setMinimumSize(240, 200)
         self.text_note = plain_label(NO_TEXT_HEAD, wrap=True, selectable=True)
         self.text_note.setStyleSheet("color: #404040;")
-        side = stacked((self.patch_map, 3), (self.details, 2))
+        self.side = side = stacked((self.patch_map, 3), (self.details, 2))
         head_grids = split(Qt.Orientation.Horizontal, self.visual_grid, self.sink_grid)
         text_side = stacked((self.text_grid, 1), (self.text_note, 0))
         grids = split(Qt.Orientation.Vertical, head_grids, text_side, sizes=[340, 420])
@@ -493,6 +493,10 @@ class AttentionPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.addWidget(self.title)
         layout.addWidget(self.tabs, 1)
+
+    def add_side(self, widget: QWidget) -> None:
+        """Put ``widget`` under the selected head's details (the window's actions on the head)."""
+        self.side.layout().addWidget(widget, 2)
 
     # ---- data in ----------------------------------------------------------
 

@@ -27,6 +27,7 @@ from core.readout import RecordedResult
 
 LEVELS = ("a", "b", "c-query", "c-residual")  # core.methods.nonunique.LEVEL_NAMES (not imported: it loads torch)
 DEFAULT_SHARE = 0.5
+# core.methods.nonunique.TOP_TOKENS_RULE, for --help (not imported: it loads torch)
 TOP_TOKENS_RULE = (
     "the fewest visual tokens, most attended first, that hold at least {share:g} of the head's attention "
     "on the image at the answer position (tokens without a patch of their own, e.g. newline or CLS, excluded)"
@@ -129,57 +130,12 @@ def add_command(subparsers, load=load_from_args) -> None:
     p.set_defaults(func=lambda args: run(args, load))
 
 
-def head_of(name: str, adapter) -> tuple[int, int]:
-    """``(block, head)`` of a head name (:func:`core.methods.component_ablation.parse_head`)."""
-    from core.methods.component_ablation import parse_head
-
-    head = parse_head(name, adapter)
-    return head.block, head.head
-
-
-def region_keys(trace, block: int, head: int, tokens, mask=None, *, cover: float = 0.25, share: float = 0.5):
-    """``(visual token ordinals, key indices, rule)`` of the set mass is moved off:
-    the ``tokens`` (the image's :class:`core.geometry.VisualToken` s) that ``mask``
-    covers (:func:`core.geometry.region_tokens` at ``cover``), or without a mask
-    the fewest patch tokens, most attended first by ``head`` at the answer
-    position, that hold ``share`` of its attention on them; a one-line error
-    where the block has no visual keys or the mask covers none."""
-    from core.errors import InterventionError
-    from core.geometry import region_tokens
-    from core.methods.nonunique import visual_token_keys
-
-    cross = trace.block_kinds[block] == "cross"
-    if not cross and trace.visual_positions[0].numel() == 0:
-        readers = [b for b, kind in zip(trace.block_names, trace.block_kinds) if kind == "cross"]
-        raise InterventionError(
-            f"block {trace.block_names[block]} attends to no visual token (its keys are text): name a head of a "
-            f"block that reads the image ({', '.join(readers) or 'none'})"
-        )
-    if mask is not None:
-        ordinals = region_tokens(tokens, mask, cover)
-        if not ordinals:
-            raise InterventionError(f"the region covers no visual token by {cover:g} of its patch: paint a larger one")
-        return ordinals, visual_token_keys(trace, block, ordinals), f"the visual tokens the mask covers by {cover:g}"
-    patches = [i for i, t in enumerate(tokens) if t.col >= 0]
-    keys = visual_token_keys(trace, block, patches)
-    qi = int((trace.query_positions == int(trace.answer_positions[0])).nonzero()[0])
-    weights = trace.patterns[block][0, head, qi, keys].double().tolist()
-    order = sorted(range(len(keys)), key=lambda i: (-weights[i], keys[i]))
-    total, held, n = sum(weights), 0.0, 0
-    while n < len(order) and (n == 0 or held < share * total):
-        held += weights[order[n]]
-        n += 1
-    chosen = sorted(order[:n])
-    return [patches[i] for i in chosen], [keys[i] for i in chosen], TOP_TOKENS_RULE.format(share=share)
-
-
 def run(args, load=load_from_args) -> int:
     # function-local: the method imports torch, not needed for --help
     from core.atomic import check_output_file, write_text_atomic
-    from core.capture import capture
-    from core.images import image_sha256, load_image
+    from core.images import load_image
     from core.methods.counterfactual import mask_from_png
-    from core.methods.nonunique import nonunique_attention
+    from core.methods.nonunique import nonunique_of_input
 
     check_output_file(args.json)  # fail fast, before the model loads
     image = load_image(args.image)
@@ -189,54 +145,31 @@ def run(args, load=load_from_args) -> int:
 
         check_session_file(args.session)
     loaded = load(args)
-    adapter = loaded.adapter
-    block, head = head_of(args.head, adapter)
     answer_text = answer_text_of(args, loaded)
-    prefix = answer_text.prefix_ids if answer_text is not None else ()
-    inputs = adapter.prepare([image], [args.question], raw_prompt=args.raw_prompt, answer_prefix=prefix)
-    trace = capture(loaded, image, args.question, pattern_layers=[block], inputs=inputs)
-    tokens = adapter.visual_tokens(image.size, trace.visual_positions[0].tolist() or None)
-    ordinals, keys, rule = region_keys(trace, block, head, tokens, mask, cover=args.cover, share=args.share)
-    bounds = args.score_bound or [1.0, 2.0]
     with progress_bar("nonunique", quiet=args.quiet, messages=True) as progress:
-        result = nonunique_attention(
-            adapter,
-            trace,
-            block,
-            head,
-            sources=keys,
-            space=args.space,
+        result, doc = nonunique_of_input(
+            loaded,
+            image,
+            args.question,
+            args.head,
+            mask=mask,
+            mask_name=str(args.region) if args.region else None,
+            image_path=str(args.image),
+            answer_text=answer_text,
+            raw_prompt=args.raw_prompt,
+            cover=args.cover,
+            share=args.share,
             tol=args.tol,
-            score_bounds=bounds,
+            score_bounds=args.score_bound or [1.0, 2.0],
             levels=tuple(args.levels),
             objective=args.objective,
             min_moved=args.min_moved,
+            space=args.space,
             seed=args.seed,
             steps=args.steps,
             progress=progress,
         )
-    region = {
-        "rule": rule,
-        "mask": str(args.region) if args.region else None,
-        "cover": args.cover if args.region else None,
-        "share": None if args.region else args.share,
-        "visual_tokens": ordinals,
-        "keys": keys,
-    }
-    header = {
-        "component": args.head,
-        "region": region,
-        "model": {"spec": loaded.spec, "fingerprint": getattr(loaded, "fingerprint", None), **adapter.describe()},
-        "input": {
-            "question": args.question,
-            "image": str(args.image),
-            "image_sha256": image_sha256(image),
-            "image_size": list(image.size),
-            "raw_prompt": bool(args.raw_prompt),
-            **(answer_text.to_dict() if answer_text is not None else {}),
-        },
-    }
-    doc = {**result.to_dict(), **header}
+    rule = doc["region"]["rule"]
     write_text_atomic(Path(args.json), json.dumps(doc, allow_nan=False) + "\n")
     if args.session:
         from core.session import record_into

@@ -577,3 +577,32 @@ def test_panel_info_lines_never_set_the_panel_width(qtbot, results):
         panel.set_result(long)
         assert getattr(panel, label).wordWrap() and long["model"]["spec"] in getattr(panel, label).text()
         assert panel.minimumSizeHint().width() == narrow
+
+
+# ---- claims ---------------------------------------------------------------
+
+
+def test_claims_panel_reads_its_fields_and_fills_the_subject_from_a_selected_head(qtbot, tmp_path):
+    from app.components import RunInput, Workspace
+    from app.components.selection import Selection
+    from app.panels.claims_panel import ClaimsPanel
+
+    selection = Selection(Workspace(RunInput(model_spec="m")))
+    panel = ClaimsPanel(selection)
+    qtbot.addWidget(panel)
+    panel.subject_edit.setText("L1.H1, L1.H0 + L1.H2,")
+    assert panel.subjects() == ["L1.H1", "L1.H0+L1.H2"]  # a route is one subject, spaces dropped
+    assert panel.dataset() == "scenes"
+    panel.set_dataset("folder")
+    assert panel.dataset() is None  # no folder chosen yet
+    panel.set_folder(tmp_path)
+    assert panel.dataset() == str(tmp_path) and panel.dataset_combo.currentText() == f"folder: {tmp_path.name}"
+    panel.bundled = tmp_path / "samples"
+    panel.set_dataset("bundled")
+    assert panel.dataset() == str(tmp_path / "samples")
+    selection.select("L0.H3", "dla", None)
+    assert panel.subject_edit.text() == "L0.H3"
+    selection.select("L0.mlp", "dla", None)  # not a head: the subject stays
+    selection.select("L1.H1", "lens", None)  # a lens row is a block's writes, never a head's
+    assert panel.subject_edit.text() == "L0.H3"
+    assert panel.status_texts() == [] and not panel.select_step(1)

@@ -178,8 +178,10 @@ def test_help_explains_every_argument():
         assert action.help, action.option_strings
 
 
-def test_the_level_choices_are_the_methods_levels():
-    from core.cli.nonunique import LEVELS
+def test_the_parsers_copies_are_the_methods_levels_and_rule():
+    from core.cli.nonunique import LEVELS, TOP_TOKENS_RULE
     from core.methods.nonunique import LEVEL_NAMES
+    from core.methods.nonunique import TOP_TOKENS_RULE as METHOD_RULE
 
-    assert LEVELS == tuple(LEVEL_NAMES)  # the parser's copy (kept so that --help imports no torch)
+    # the parser's copies (kept so that --help imports no torch)
+    assert LEVELS == tuple(LEVEL_NAMES) and TOP_TOKENS_RULE == METHOD_RULE

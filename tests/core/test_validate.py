@@ -146,8 +146,11 @@ def test_random_weights_support_no_label(name, tmp_path):
 
 
 @pytest.mark.parametrize("family,kind", FAMILIES)
-def test_a_tiny_random_model_of_each_family_supports_no_label(family, kind, tmp_path):
+def test_a_tiny_random_model_of_each_family_supports_no_label(family, kind, tmp_path, monkeypatch):
+    """The command on a served family's tiny random model: five candidates (mllama reads the
+    image in one cross block of four heads), no "supported", the run in a session and its export."""
     m, question = _tiny(family, kind)
+    monkeypatch.setattr(core.cli, "_load", lambda args: m)
     words = set()
     for word in ("red", "green", "blue", "yellow", "purple", "orange", "circle", "square", "triangle"):
         try:
@@ -156,11 +159,17 @@ def test_a_tiny_random_model_of_each_family_supports_no_label(family, kind, tmp_
         except core.ReadoutError:
             pass
     files = _scene_files(tmp_path, 80, question, words)
-    result = validate(m, claim="moves the asked colour", dataset=files["val"], heldout=files["heldout"], candidates=5)
-    heads = {c.subject for c in result.chains if c.subject_kind == "head"}
-    assert len(heads) >= min(5, len(result.search_table))  # mllama reads the image in one cross block of 4 heads
-    assert not any(v["supported"] for v in result.verdicts())
-    assert all(len(c.steps) == 7 and c.steps[1].n > 0 for c in result.chains)
+    out, session, export = tmp_path / "v.json", tmp_path / "s.vlmr", tmp_path / "audit.md"
+    args = ["--candidates", "5", "--dataset", files["val"], "--heldout", files["heldout"], "--session", str(session)]
+    assert main(_validate_args(out, *args)) == 0
+    got = json.loads(out.read_text())
+    assert got["schema_version"] == 1 and got["search"]["n_samples"] >= 8 and got["heldout"]["n_samples"] >= 8
+    heads = {c["subject"] for c in got["chains"] if c["subject_kind"] == "head"}
+    assert len(heads) >= min(5, len(got["search_table"]))
+    assert not any(v["supported"] for v in got["verdicts"]), got["verdicts"]
+    assert all(len(c["steps"]) == 7 and c["steps"]["1"]["n"] > 0 for c in got["chains"])
+    assert main(["export", "--session", str(session), "--format", "md", "--out", str(export)]) == 0
+    assert "validate" in export.read_text()
 
 
 def _pairs_file(tmp_path, rows, name="d.jsonl"):
@@ -263,3 +272,15 @@ def test_cancel_keeps_the_steps_done(models):
     assert steps[1].status != "not tested" and steps[2].status != "not tested"
     assert all(steps[k].status == "not tested" for k in range(3, 8))
     assert "[cancelled]" in result.summary()
+
+
+def test_help_explains_each_argument(capsys):
+    from core.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices["validate"]
+    for action in sub._actions:
+        assert action.help, action.option_strings
+    assert main(["validate", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--head", "--route", "--candidates", "--claim", "--dataset", "--heldout", "--region", "--session"):
+        assert flag in out

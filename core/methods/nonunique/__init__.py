@@ -48,10 +48,13 @@ residual through the norm, W_Q, b_Q and rotation; :class:`QueryMap`),
 ``problem`` (:class:`HeadProblem`, :func:`head_problem`), ``results``
 (:class:`LevelResult`, :class:`NonuniqueResult`, their sentences and audit
 row), ``local_search`` (the penalty continuation levels b and c share),
-``level_a``, ``level_b``, ``level_c`` and ``search`` (:func:`solve`,
-:func:`nonunique_attention`); every public name is re-exported here.
+``level_a``, ``level_b``, ``level_c``, ``search`` (:func:`solve`,
+:func:`nonunique_attention`) and ``of_input`` (:func:`nonunique_of_input`: one head
+on one image and question, the command's and the app's call); every public name is
+re-exported here.
 """
 
+from core.methods.nonunique.of_input import TOP_TOKENS_RULE, nonunique_of_input, region_keys
 from core.methods.nonunique.problem import HeadProblem, head_problem, visual_token_keys, with_values
 from core.methods.nonunique.query_map import QueryMap
 from core.methods.nonunique.results import DOES_NOT_SAY, LEVEL_NAMES, LevelResult, NonuniqueResult
@@ -64,8 +67,11 @@ __all__ = [
     "LevelResult",
     "NonuniqueResult",
     "QueryMap",
+    "TOP_TOKENS_RULE",
     "head_problem",
     "nonunique_attention",
+    "nonunique_of_input",
+    "region_keys",
     "solve",
     "visual_token_keys",
     "with_values",

@@ -1,0 +1,218 @@
+"""The window's claims half: the Claims tab (a claim about a head or route checked
+with the seven-step chain, :func:`core.validate.validate`) and the Attention tab's
+actions on the selected head (Non-unique…, QK/OV).
+
+Each runs in a worker (:mod:`app.jobs`), is recorded in the session with its
+audit rows (kinds ``validate``, ``nonunique``, ``qk-ov``) and is restored from the
+History. A claim is checked on a model, not on an input: the Claims panel shows
+it only while that model is the one picked (another model clears it). The head
+actions are about the shown input: their result joins the shown run
+(``workspace.add_result``) and a header over it turns amber when the input moves on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.components import RunInput, RunView
+from app.components.selection import is_head
+from app.jobs import ClaimRequest, nonunique_job, qk_ov_job, validate_job
+from app.panels.claims_panel import ClaimsPanel
+from app.panels.head_methods_panel import HeadMethodsPanel
+from app.run_frame import RunFrame
+from app.samples import bundled_pairs_file
+from app.session_view import HEAD_METHOD_KINDS, asked_parameters
+from core.readout import RecordedResult
+
+
+class ClaimsMixin:
+    """Expects the window's ``workspace``, ``selection``, ``model_cache``, ``session``, ``tabs``,
+    ``attention_panel``, ``counterfactual_panel``, ``model_picker``, ``_start``, ``_record``,
+    ``_made_for``, ``_ask``, ``_has_image``, ``is_busy``, ``model_spec`` and ``show_error``.
+
+    Attributes:
+        claim_made_for: the model (spec and fingerprint) the shown claim was checked on, or None.
+        last_validation, last_head_method: the last results run here (for tests and scripts).
+    """
+
+    claim_made_for: RunInput | None = None
+    last_validation = None
+    last_head_method = None
+
+    def _build_claims_widgets(self) -> None:
+        """The Claims panel and the head actions (in the Attention tab, under a header of their own)."""
+        self.claims_panel = ClaimsPanel(self.selection)
+        self.claims_panel.bundled = bundled_pairs_file().parent
+        self.claims_panel.run_requested.connect(self.run_claim)
+        self.head_methods = HeadMethodsPanel(self.selection)
+        self.head_methods.nonunique_requested.connect(self.run_nonunique)
+        self.head_methods.qk_ov_requested.connect(self.run_qk_ov)
+        view = RunView(self.workspace, HEAD_METHOD_KINDS, "head methods")
+        view.changed.connect(lambda cleared: self.head_methods.clear_result() if cleared else None)
+        self.head_methods_frame = RunFrame(self.head_methods, view)
+        self.attention_panel.add_side(self.head_methods_frame)
+        self.workspace.events.input_changed.connect(self._follow_claim_model)
+
+    # ----- Claims --------------------------------------------------------
+
+    def _refuse_claim(self, message: str) -> bool:
+        self.claims_panel.show_message(message, error=True)
+        self.show_error(message)
+        return False
+
+    def run_claim(self) -> bool:
+        """Check the Claims panel's claim on its subjects and data in the background; False, with
+        the reason in the panel and the error line, when it cannot run as stated."""
+        if self.is_busy():
+            return False
+        panel = self.claims_panel
+        subjects, claim, dataset = panel.subjects(), panel.claim(), panel.dataset()
+        if not subjects:
+            return self._refuse_claim("name a head or route (L1.H1, L1.H0+L1.H1), or select a head in Attention or DLA")
+        if not claim:
+            return self._refuse_claim("state the claim: what the head or route is said to do, and on which inputs")
+        if dataset is None:
+            return self._refuse_claim("choose the dataset folder (holding a pairs JSONL), or another dataset")
+        region = self.counterfactual_panel.mask() if panel.uses_region() else None
+        if region is not None and not region.any():
+            return self._refuse_claim("painted region: paint one in the Counterfactual tab, or untick its box")
+        request = ClaimRequest(tuple(subjects), claim, dataset, panel.n(), max(1, panel.n() // 3), region)
+        asked = self.workspace.input
+
+        def show(validation) -> None:
+            self.last_validation = validation
+            self.claim_made_for = self._made_for(asked)
+            panel.show_message("")
+            panel.show_validation(validation)
+            self._record(validation, parameters=self._dataset_parameters(dataset), with_image=False)
+
+        self._start(
+            show, validate_job, self.model_cache, self.model_spec(), request, clear=False, failed=self._claim_failed
+        )
+        panel.show_message(f"running: the seven-step chain on {', '.join(subjects)}…")
+        return True
+
+    def _claim_failed(self, message: str) -> None:
+        self.claims_panel.show_message(message, error=True)
+
+    @staticmethod
+    def _dataset_parameters(dataset: str) -> dict:
+        """A file source is the run's input: its path and the SHA-256 of its bytes (as the command records)."""
+        if not Path(dataset).exists():
+            return {}
+        from core.session.records import dataset_sha256
+
+        return {"dataset": dataset, "dataset_sha256": dataset_sha256(dataset)}
+
+    def _follow_claim_model(self, fields: tuple) -> None:
+        """Another model picked (or other weights loaded): the claim checked on the previous one goes."""
+        made_for = self.claim_made_for
+        if made_for is None or not {"model_spec", "model_fingerprint"}.intersection(fields):
+            return
+        now = self.workspace.input
+        other_weights = made_for.model_fingerprint and now.model_fingerprint not in (None, made_for.model_fingerprint)
+        if made_for.model_spec != now.model_spec or other_weights:
+            self.claim_made_for = None
+            self.claims_panel.clear_result(
+                f"the claim shown was checked on {made_for.model_spec}; the model is now {now.model_spec or 'none'}: "
+                "run it again, or restore it from the History"
+            )
+
+    def _restore_claim(self, run) -> bool:
+        """Show a recorded ``validate`` run in the Claims tab, its model picked (it has no image)."""
+        from core.validate import Validation
+
+        validation = Validation.from_dict(run.result)
+        spec = (run.model or {}).get("spec") or validation.model
+        self.model_picker.setCurrentText(spec)
+        self.claim_made_for = RunInput(model_spec=spec, model_fingerprint=validation.fingerprint or None)
+        self.claims_panel.show_validation(validation)
+        self.claims_panel.show_message(f"run #{run.id} of {run.created}, restored from the History")
+        self.history_panel.show_current(run.id)
+        self.statusBar().showMessage(f"run #{run.id} ({run.kind}) of {run.created} shown in the Claims tab")
+        return True
+
+    # ----- the selected head's actions (Attention tab) ---------------------
+
+    def _selected_head(self) -> str | None:
+        """The selected head's name, or None with the reason in the head panel and the error line."""
+        selected = self.selection.current
+        if selected is None:
+            message = "select a head first: Read out, then click a head in Attention (or a head's bar in DLA)"
+        elif selected.stale:
+            message = f"{selected.name} was selected in another read-out than the one shown: select it again"
+        elif not is_head(selected.name):
+            message = f"{selected.name} is not an attention head: select a head (L1.H2) in Attention or DLA"
+        else:
+            return selected.name
+        self.head_methods.show_message(message, error=True)
+        self.show_error(message)
+        return None
+
+    def run_nonunique(self) -> bool:
+        """Non-unique attention of the selected head on the shown input (off the painted region, or off
+        the tokens holding half its image attention); False, with the reason, when nothing runs."""
+        if self.is_busy() or not self._has_image():
+            return False
+        head = self._selected_head()
+        if head is None:
+            return False
+        mask = self.counterfactual_panel.mask()
+        mask = mask if mask.any() else None
+        ask, asked = self._ask(), self.workspace.input
+
+        def show(found) -> None:
+            result, doc = found
+            self.last_head_method = result
+            self.head_methods.show_message("")
+            self.head_methods.show_nonunique(result, doc)
+            parameters = {
+                **asked_parameters(ask.question, ask.answer_text),
+                "component": head,
+                "region_rule": doc["region"]["rule"],
+            }
+            run_id = self._record(RecordedResult.of(result, doc), mask=mask, parameters=parameters)
+            self.workspace.add_result("nonunique", doc, run_id, self._made_for(asked))
+
+        path = self.current_image_path()
+        self._start(show, nonunique_job, self.model_cache, ask, head, mask, path, clear=False, failed=self._head_failed)
+        self.head_methods.show_message(f"running: non-unique attention of {head}…")
+        return True
+
+    def run_qk_ov(self) -> bool:
+        """The selected head's QK / OV circuits: the weight level, and the activation level on the shown
+        input; False, with the reason, when nothing runs."""
+        if self.is_busy() or not self._has_image():
+            return False
+        head = self._selected_head()
+        if head is None:
+            return False
+        ask, asked = self._ask(), self.workspace.input
+
+        def show(result) -> None:
+            self.last_head_method = result
+            doc = result.to_dict()
+            self.head_methods.show_message("")
+            self.head_methods.show_qk_ov(doc)
+            run_id = self._record(result, parameters=asked_parameters(ask.question, ask.answer_text))
+            self.workspace.add_result("qk-ov", doc, run_id, self._made_for(asked))
+
+        self._start(show, qk_ov_job, self.model_cache, ask, head, clear=False, failed=self._head_failed)
+        self.head_methods.show_message(f"running: QK / OV of {head}…")
+        return True
+
+    def _head_failed(self, message: str) -> None:
+        self.head_methods.show_message(message, error=True)
+
+    def _draw_head_method(self, kind: str, doc: dict) -> None:
+        """A recorded ``nonunique`` or ``qk-ov`` result in the head panel, its head selected in Attention."""
+        where = doc["head"] if kind == "qk-ov" else doc  # qk-ov names its head in a dict, nonunique at the top
+        block, index = where.get("block"), where.get("head")
+        if block is not None and index is not None:
+            self.attention_panel.select_head(int(block), int(index))
+        if kind == "qk-ov":
+            self.head_methods.show_qk_ov(doc)
+        else:
+            from core.methods.nonunique import NonuniqueResult
+
+            self.head_methods.show_nonunique(NonuniqueResult.from_dict(doc), doc)

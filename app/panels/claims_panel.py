@@ -1,0 +1,440 @@
+"""The Claims tab: state what a head or route does, check it with the seven-step
+validation chain (docs/METHODS.md §4.11), and read the verdict with its evidence.
+
+The panel never runs the model: Run emits :attr:`ClaimsPanel.run_requested` and
+the window reads the choices (:meth:`~ClaimsPanel.subjects`,
+:meth:`~ClaimsPanel.claim`, :meth:`~ClaimsPanel.dataset`, :meth:`~ClaimsPanel.n`,
+:meth:`~ClaimsPanel.uses_region`), runs :func:`core.validate.validate` in a
+worker and hands the :class:`core.validate.Validation` back with
+:meth:`~ClaimsPanel.show_validation`.
+
+* subject: a head (``L1.H1``; CoCa ``L1.xattn.H2``) or a route of one block
+  (``L1.H0+L1.H1``), several separated by commas; a head selected in Attention
+  or DLA (:class:`app.components.selection.Selection`) fills the field;
+* dataset: the bundled samples, generated shape scenes, or a folder holding a
+  pairs JSONL; ``n`` inputs per set; the painted region as the target of every
+  line without a mask of its own;
+* result: the verdict and the distribution it holds on, then the seven steps
+  as a checklist (status, key number, n, baselines with their 95% interval);
+  a step clicked shows its evidence (criterion, why, numbers, baselines, and
+  for steps 1, 4 and 5 the per-sample distribution / the swap pairs / the
+  ablation distribution). One chain per subject: the combo picks which.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QCheckBox,
+    QComboBox,
+    QFileDialog,
+    QGridLayout,
+    QHBoxLayout,
+    QHeaderView,
+    QLineEdit,
+    QPushButton,
+    QScrollArea,
+    QSpinBox,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.components.selection import SelectedComponent, Selection, is_head
+from app.widgets import ElidedLabel, boxed, plain_label, set_columns, set_title, split, stacked, style_plot
+
+COLUMNS = ("step", "title", "status", "key number", "n", "baselines (95% interval)")
+STATUS_COLUMN = COLUMNS.index("status")
+STATUS_COLOURS = {"passed": "#d6f5d6", "failed": "#f8d0d0", "not tested": "#e6e6e6"}
+DATASETS = {"bundled": "bundled samples", "scenes": "generated shape scenes", "folder": "folder…"}
+NO_RESULT = "no claim checked yet: name a head or route, state the claim, pick the data and Run"
+SUBJECT_HINT = "head or route: L1.H1, L1.H0+L1.H1 (several: comma-separated); a head selected in Attention or DLA"
+CLAIM_HINT = "the claim with its condition, e.g. 'L1.H1 reads the colour of the shape asked about, at the answer'"
+
+
+def _number(value) -> str:
+    return "—" if value is None else f"{value:.3g}"
+
+
+def interval(stats: dict | None) -> str:
+    """`` [0.494, 1.01]``: a 95% interval (empty when the stats have none)."""
+    ci = (stats or {}).get("ci95") or [None, None]
+    return "" if None in ci else f" [{ci[0]:.3g}, {ci[1]:.3g}]"
+
+
+def baseline_line(step, baseline) -> str:
+    """One baseline of a step: its value and 95% interval; step 6's are paired
+    comparisons (the baseline against the candidate on one step's metric)."""
+    if step.number == 6:
+        d = baseline.detail
+        return (
+            f"step {d.get('step')} {baseline.kind}: {_number(baseline.value)} vs {_number(d.get('candidate'))}, "
+            f"difference{interval(d.get('paired_difference'))}"
+        )
+    return f"{baseline.kind}: {_number(baseline.value)}{interval(baseline.detail.get('stats'))}"
+
+
+def baselines_cell(step) -> str:
+    """The checklist's compact baselines cell (step 6: how many comparisons; the details list them)."""
+    if not step.baselines:
+        return ""
+    if step.number == 6:
+        return f"{len(step.baselines)} paired comparisons (click for each)"
+    return "; ".join(baseline_line(step, b) for b in step.baselines)
+
+
+def step_cells(step) -> tuple[str, ...]:
+    """A checklist row: step, title, status, key number, n, baselines."""
+    key = f"{step.metric} {_number(step.value)}" if step.metric and step.value is not None else "—"
+    n = f"{step.n} ({step.split})" if step.n else ""
+    return str(step.number), step.title, step.status, key, n, baselines_cell(step)
+
+
+def _scalars(numbers: dict) -> list[str]:
+    """The step's numbers that are one value each (lists and tables are drawn, not printed)."""
+    lines = []
+    for name, v in numbers.items():
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            lines.append(f"  {name}: {v}")
+        elif isinstance(v, (int, float)):
+            lines.append(f"  {name}: {v:.4g}")
+    return lines
+
+
+def step_details(step) -> str:
+    """The evidence of one step as text: criterion, status and why, the numbers, the baselines, notes."""
+    lines = [f"step {step.number}: {step.title}", f"criterion: {step.criterion}", f"status: {step.status}"]
+    if step.why:
+        lines.append(f"why: {step.why}")
+    if step.n:
+        lines.append(f"n = {step.n} on {step.split}")
+    scalars = _scalars(step.numbers)
+    if scalars:
+        lines += ["numbers:", *scalars]
+    if step.baselines:
+        lines += ["baselines:", *(f"  {baseline_line(step, b)} (n={b.n})" for b in step.baselines)]
+    lines += [f"note: {note}" for note in step.notes]
+    return "\n".join(lines)
+
+
+def verdict_of(validation, chain) -> dict:
+    """The :meth:`core.validate.Validation.verdicts` entry of ``chain``."""
+    return validation.verdicts()[validation.chains.index(chain)]
+
+
+class ClaimsPanel(QWidget):
+    """The claim, its data, Run, and the checklist of the chain shown (see the module docstring).
+
+    Signals:
+        run_requested(): check the claim as the fields state it.
+    """
+
+    run_requested = Signal()
+
+    def __init__(self, selection: Selection, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.validation = None  # the core.validate.Validation shown
+        self.folder: Path | None = None
+        self.bundled: Path | None = None  # the bundled samples' folder (set by the window)
+
+        self.subject_edit = QLineEdit()
+        self.subject_edit.setPlaceholderText(SUBJECT_HINT)
+        self.claim_edit = QLineEdit()
+        self.claim_edit.setPlaceholderText(CLAIM_HINT)
+        self.dataset_combo = QComboBox()
+        for key, text in DATASETS.items():
+            self.dataset_combo.addItem(text, key)
+        self.dataset_combo.setCurrentIndex(self.dataset_combo.findData("scenes"))
+        self.dataset_combo.activated.connect(self._on_dataset_activated)
+        self.dataset_combo.setToolTip(
+            "where the inputs come from: the bundled samples (halved into search and held-out), the synthetic "
+            "shape scenes (their val split searched, the held-out split evaluated), or a folder holding a pairs JSONL"
+        )
+        self.n_spin = QSpinBox()
+        self.n_spin.setRange(2, 5000)
+        self.n_spin.setValue(150)
+        self.n_spin.setToolTip("inputs per set (search and held-out); the other question kinds (step 7) get a third")
+        self.region_check = QCheckBox("use the painted region for lines without a mask")
+        self.region_check.setToolTip(
+            "the region painted in the Counterfactual tab is the target of every line without one"
+        )
+        self.run_button = QPushButton("Run")
+        self.run_button.setToolTip("run the seven-step chain on each subject (cancel with the window's Cancel)")
+        self.run_button.clicked.connect(self.run_requested)
+        self.message_label = plain_label(wrap=True, selectable=True)
+
+        self.verdict_label = plain_label(NO_RESULT, wrap=True, selectable=True)
+        self.verdict_label.setStyleSheet("font-weight: bold;")
+        # one line each, the whole text a tooltip: the checklist keeps its room below
+        self.distribution_label = ElidedLabel(selectable=True)
+        self.condition_label = ElidedLabel(selectable=True)
+        self.condition_label.setStyleSheet("color: #444;")
+        self.chain_combo = QComboBox()
+        self.chain_combo.setToolTip("one chain per subject: the checklist shows this one")
+        self.chain_combo.currentIndexChanged.connect(lambda _i: self._show_chain())
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.setWordWrap(False)  # one line a step: the seven statuses at a glance (a cell's tooltip: all of it)
+        self.table.verticalHeader().setVisible(False)
+        header = set_columns(self.table, COLUMNS)
+        header.setSectionResizeMode(
+            0, QHeaderView.ResizeMode.ResizeToContents
+        )  # the title and baselines share the room
+        header.setSectionResizeMode(COLUMNS.index("title"), QHeaderView.ResizeMode.Stretch)
+        header.setSectionResizeMode(len(COLUMNS) - 1, QHeaderView.ResizeMode.Stretch)
+        self.table.itemSelectionChanged.connect(self._on_step_selected)
+        rows = self.table.verticalHeader().defaultSectionSize()
+        self.table.setMinimumHeight(self.table.horizontalHeader().sizeHint().height() + 7 * rows + 4)
+
+        self.details = plain_label("click a step to see its evidence", wrap=True, selectable=True)
+        self.details.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        # a step's evidence can run long: it scrolls, rather than growing the window past the screen
+        self.details_scroll = QScrollArea()
+        self.details_scroll.setWidgetResizable(True)
+        self.details_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        self.details_scroll.setWidget(self.details)
+        self.plot = pg.PlotWidget(background="w")
+        style_plot(self.plot.getPlotItem())
+        self.plot.setMinimumSize(220, 100)
+        self.pairs_table = QTableWidget(0, 5)
+        set_columns(self.pairs_table, ("sample", "target before", "target after", "partner before", "partner after"))
+        self.pairs_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.pairs_table.verticalHeader().setVisible(False)
+        self.pairs_table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        self.pairs_table.setMinimumHeight(60)
+        self.evidence_note = plain_label(wrap=True)
+        self.evidence_note.setStyleSheet("color: #555;")
+
+        form = QGridLayout()
+        form.addWidget(plain_label("Subject"), 0, 0)
+        form.addWidget(self.subject_edit, 0, 1, 1, 3)
+        form.addWidget(plain_label("Claim"), 1, 0)
+        form.addWidget(self.claim_edit, 1, 1, 1, 3)
+        form.addWidget(plain_label("Data"), 2, 0)
+        form.addWidget(self.dataset_combo, 2, 1)
+        form.addWidget(boxed(QHBoxLayout(), plain_label("n"), self.n_spin, end_stretch=True), 2, 2)
+        form.addWidget(self.run_button, 2, 3)
+        form.addWidget(self.region_check, 3, 1, 1, 3)
+        form.addWidget(self.message_label, 4, 0, 1, 4)
+        form.setColumnStretch(1, 1)
+        chain_row = boxed(QHBoxLayout(), plain_label("chain of"), (self.chain_combo, 1))
+        evidence = stacked((self.plot, 1), (self.pairs_table, 1), self.evidence_note)
+        lower = split(Qt.Orientation.Horizontal, self.details_scroll, evidence, sizes=[420, 380])
+        body = split(Qt.Orientation.Vertical, self.table, lower, sizes=[300, 300])
+        layout = QVBoxLayout(self)
+        layout.addLayout(form)
+        layout.addWidget(self.verdict_label)
+        layout.addWidget(self.distribution_label)
+        layout.addWidget(self.condition_label)
+        layout.addWidget(chain_row)
+        layout.addWidget(body, 1)
+
+        disconnect = selection.changed.connect(self._on_selection)
+        self.destroyed.connect(lambda *_: disconnect())  # the selection may outlive this widget
+        self.clear_result()
+
+    # ----- choices -------------------------------------------------------
+
+    def subjects(self) -> list[str]:
+        """The heads and routes named, in order (``L1.H0 + L1.H1`` is one route)."""
+        return [s.replace(" ", "") for s in self.subject_edit.text().split(",") if s.strip()]
+
+    def claim(self) -> str:
+        return self.claim_edit.text().strip()
+
+    def set_dataset(self, key: str) -> None:
+        """``bundled``, ``scenes`` or ``folder`` (the folder chosen with :meth:`set_folder`)."""
+        index = self.dataset_combo.findData(key)
+        if index < 0:
+            raise ValueError(f"dataset {key!r}: expected one of {', '.join(DATASETS)}")
+        self.dataset_combo.setCurrentIndex(index)
+
+    def set_folder(self, folder: str | Path) -> None:
+        """Use ``folder`` (a pairs JSONL, or a folder holding one) as the dataset."""
+        self.folder = Path(folder)
+        self.dataset_combo.setItemText(self.dataset_combo.findData("folder"), f"folder: {self.folder.name}")
+        self.dataset_combo.setItemData(
+            self.dataset_combo.findData("folder"), str(self.folder), Qt.ItemDataRole.ToolTipRole
+        )
+        self.set_dataset("folder")
+
+    def dataset(self) -> str | None:
+        """The source :func:`core.validate.validate` reads: ``scenes``, the bundled samples' folder, the
+        folder chosen; None when the choice has no place (a folder not chosen yet)."""
+        key = self.dataset_combo.currentData()
+        if key == "scenes":
+            return "scenes"
+        folder = self.bundled if key == "bundled" else self.folder
+        return None if folder is None else str(folder)
+
+    def n(self) -> int:
+        return int(self.n_spin.value())
+
+    def uses_region(self) -> bool:
+        return self.region_check.isChecked()
+
+    # ----- state -----------------------------------------------------------
+
+    def set_busy(self, busy: bool) -> None:
+        self.run_button.setEnabled(not busy)
+
+    def show_message(self, message: str, *, error: bool = False) -> None:
+        """One line under the fields (red for an error); empty clears it."""
+        self.message_label.setStyleSheet("color: #c00000;" if error else "color: #333;")
+        self.message_label.setText(" ".join(message.split()))
+
+    def show_validation(self, validation) -> None:
+        """Show a :class:`core.validate.Validation`: the verdict of its first chain, its checklist."""
+        self.validation = validation
+        self.chain_combo.blockSignals(True)
+        self.chain_combo.clear()
+        self.chain_combo.addItems([f"{c.subject} ({c.subject_kind})" for c in validation.chains])
+        self.chain_combo.blockSignals(False)
+        self.chain_combo.setEnabled(len(validation.chains) > 1)
+        search, held = validation.search, validation.heldout
+        self.condition_label.setText(
+            f"claim: {validation.claim.text!r} ({validation.claim.relation}, at the {validation.claim.position}); "
+            f"model {validation.model}; candidates {validation.found_by}, searched on {search.describe()}"
+            + (" [cancelled: the steps not reached are not tested]" if validation.cancelled else "")
+        )
+        if not validation.chains:
+            self.verdict_label.setText(f"no chain ran (held-out set: {held.describe()})")
+        self._show_chain()
+
+    def clear_result(self, note: str = "") -> None:
+        """Nothing shown (``note``: why, in place of the verdict)."""
+        self.validation = None
+        self.chain_combo.clear()
+        self.chain_combo.setEnabled(False)
+        self.verdict_label.setText(note or NO_RESULT)
+        self.condition_label.setText("")
+        self.distribution_label.setText("")
+        self.table.setRowCount(0)
+        self._show_step(None)
+
+    def chain(self):
+        """The :class:`core.methods.labels.ValidationChain` the checklist shows, or None."""
+        index = self.chain_combo.currentIndex()
+        if self.validation is None or not 0 <= index < len(self.validation.chains):
+            return None
+        return self.validation.chains[index]
+
+    def status_texts(self) -> list[str]:
+        """Each checklist row's status cell, step 1 first (what a reader sees)."""
+        return [self.table.item(r, STATUS_COLUMN).text() for r in range(self.table.rowCount())]
+
+    def select_step(self, number: int) -> bool:
+        """Show step ``number``'s evidence, as a click on its row does; False when no chain is shown."""
+        chain = self.chain()
+        if chain is None or number not in chain.steps:
+            return False
+        self.table.selectRow(list(chain.steps).index(number))
+        return True
+
+    # ----- drawing ---------------------------------------------------------
+
+    def _show_chain(self) -> None:
+        chain = self.chain()
+        if chain is None:
+            self.table.setRowCount(0)
+            self._show_step(None)
+            return
+        verdict = verdict_of(self.validation, chain)
+        held = self.validation.held_back(chain)
+        said = "supported" if verdict["supported"] else f"not supported: {verdict['status']}, held back by step {held}"
+        self.verdict_label.setText(f"{chain.subject}: {said}")
+        self.verdict_label.setToolTip(verdict["reason"])
+        self.distribution_label.setText(f"on {self.validation.heldout.describe()}")
+        steps = list(chain.steps.values())
+        self.table.blockSignals(True)
+        self.table.clearSelection()
+        self.table.setRowCount(len(steps))
+        for r, step in enumerate(steps):
+            baselines = "\n".join(baseline_line(step, x) for x in step.baselines)
+            for c, text in enumerate(step_cells(step)):
+                item = QTableWidgetItem(text)
+                item.setToolTip(baselines if c == len(COLUMNS) - 1 else step.why or step.criterion)
+                if c == STATUS_COLUMN:
+                    item.setBackground(QColor(STATUS_COLOURS[step.status]))
+                self.table.setItem(r, c, item)
+        self.table.blockSignals(False)
+        self._show_step(None)
+
+    def _on_step_selected(self) -> None:
+        rows = self.table.selectionModel().selectedRows()
+        chain = self.chain()
+        if rows and chain is not None:
+            self._show_step(list(chain.steps.values())[rows[0].row()])
+
+    def _show_step(self, step) -> None:
+        """The details pane and the evidence drawing of ``step`` (None: a hint)."""
+        self.plot.getPlotItem().clear()
+        self.plot.setVisible(False)
+        self.pairs_table.setVisible(False)
+        self.evidence_note.setText("")
+        if step is None:
+            self.details.setText("click a step to see its evidence" if self.validation is not None else "")
+            return
+        self.details.setText(step_details(step))
+        numbers = step.numbers
+        if step.number == 1 and numbers.get("per_sample"):
+            per = numbers["per_sample"]
+            self._histogram(per["target_mass"], "attention mass on the target per held-out input", "target mass")
+            hits = sum(1 for h in per.get("hit", []) if h)
+            self.evidence_note.setText(f"{hits} of {len(per['target_mass'])} inputs have their argmax on the target")
+        elif step.number == 5 and numbers.get("per_sample"):
+            per = numbers["per_sample"]
+            self._histogram(per["drop_mean"], "drop of S under mean ablation per held-out input", "drop of S")
+            self.evidence_note.setText(
+                f"zero ablation: mean drop {float(np.mean(per['drop_zero'])):.3g}" if per.get("drop_zero") else ""
+            )
+        elif step.number == 4 and numbers.get("pairs"):
+            self._show_pairs(numbers["pairs"])
+        elif step.number in (1, 4, 5):
+            self.evidence_note.setText("this result holds no per-sample evidence (recorded before it was kept)")
+
+    def _histogram(self, values, title: str, x_label: str) -> None:
+        values = np.asarray([v for v in values if v is not None], dtype=float)
+        plot = self.plot.getPlotItem()
+        if values.size:
+            counts, edges = np.histogram(values, bins=min(20, max(4, values.size // 2)))
+            plot.addItem(pg.BarGraphItem(x0=edges[:-1], x1=edges[1:], height=counts, brush="#4a78b5"))
+        set_title(plot, f"{title} (n={values.size})", "9pt")
+        plot.setLabel("bottom", x_label)
+        plot.setLabel("left", "inputs")
+        self.plot.setVisible(True)
+
+    def _show_pairs(self, pairs: list[dict]) -> None:
+        keys = ("sample", "mass_target_before", "mass_target_after", "mass_partner_before", "mass_partner_after")
+        self.pairs_table.setRowCount(len(pairs))
+        for r, pair in enumerate(pairs):
+            for c, key in enumerate(keys):
+                v = pair.get(key)
+                text = str(v) if c == 0 or v is None else f"{v:.3f}"
+                self.pairs_table.setItem(r, c, QTableWidgetItem(text))
+        self.pairs_table.setVisible(True)
+        followed = sum(1 for p in pairs if p.get("follows"))
+        self.evidence_note.setText(
+            f"swap pairs: the head's mass on the target and its partner location before and after the swap; "
+            f"{followed} of {len(pairs)} follow the swap"
+        )
+
+    def _on_selection(self, selected: SelectedComponent | None) -> None:
+        """A head selected in Attention or DLA names the subject (a lens row or a bar that is no head does not)."""
+        if selected is not None and selected.view in ("attention", "dla") and is_head(selected.name):
+            self.subject_edit.setText(selected.name)
+
+    def _on_dataset_activated(self, index: int) -> None:
+        if self.dataset_combo.itemData(index) == "folder":
+            folder = QFileDialog.getExistingDirectory(self, "Dataset folder (holding a pairs JSONL)")
+            if folder:
+                self.set_folder(folder)

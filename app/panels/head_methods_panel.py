@@ -1,0 +1,153 @@
+"""The Attention tab's actions on the selected head: Non-unique… (is the head's
+pattern the only one that gives its output? docs/METHODS.md §4.10) and QK/OV
+(what the head can select and write, and what it did on this input, §4.3).
+
+The panel never runs the model: its buttons emit :attr:`HeadMethodsPanel.nonunique_requested`
+and :attr:`HeadMethodsPanel.qk_ov_requested`; the window runs the job on the
+selected head (:class:`app.components.selection.Selection`) and hands the
+result's JSON back (:meth:`~HeadMethodsPanel.show_nonunique`,
+:meth:`~HeadMethodsPanel.show_qk_ov`). QK/OV keeps the weight level (potential,
+no input) and the activation level (this input) in two boxes of their own.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import QGroupBox, QHBoxLayout, QPushButton, QVBoxLayout, QWidget
+
+from app.components.selection import SelectedComponent, Selection
+from app.widgets import box, plain_label
+
+NO_HEAD = "select a head (click a cell above) to run Non-unique… or QK/OV on it"
+NO_RESULT = "Non-unique…: other patterns with the same output, off the painted region (or the most-attended tokens)"
+
+
+def nonunique_lines(result) -> list[str]:
+    """A :class:`core.methods.nonunique.NonuniqueResult` as the command prints it: the summary, one
+    statement per level, the verdict and the method's caveat."""
+    return [result.summary(), *(lv.statement for lv in result.levels), result.verdict, f"caveat: {result.does_not_say}"]
+
+
+def weight_level_lines(doc: dict) -> list[str]:
+    """The weight level of a ``qk-ov`` JSON: the flag, QK and OV singular values, the copying score."""
+    w = doc["weight_level"]
+    qk, ov = w["qk"], w["ov"]
+    lines = [
+        w["flag"],
+        f"QK {qk['form']}: singular values {', '.join(f'{s:.3g}' for s in qk['singular_values'][:5])} "
+        f"(left out: {qk['left_out']})",
+        f"OV {ov['form']}: singular values {', '.join(f'{s:.3g}' for s in ov['singular_values'][:5])}",
+    ]
+    copying = w.get("copying")
+    if copying is not None:
+        lines.append(f"copying score {copying['eigen_copying']:+.3f} over {len(copying['tokens'])} tokens")
+    else:
+        lines.append(f"copying score skipped: {w.get('copying_skipped')}")
+    return lines
+
+
+def activation_level_lines(doc: dict) -> list[str]:
+    """The activation level of a ``qk-ov`` JSON: the flag, the top keys, the check against the model's scores."""
+    act = doc.get("activation_level")
+    if act is None:
+        return ["no input: the weight level only"]
+    lines = [act["flag"], f"answer position {act['position']} ({act['position_scheme']}); keys: {act['keys']}"]
+    for k in act["top_keys"]:
+        lines.append(
+            f"  key {k['key']} {k['token']!r} ({k['role']}): weight {k['weight']:.3f}, score {k['score']:+.3f}"
+        )
+    agreement = act["agreement"]
+    lines.append(
+        f"against {agreement['against']}: max |score diff| {agreement['max_abs_score_difference']:.2e}, "
+        f"max |pattern diff| {agreement['max_abs_pattern_difference']:.2e}"
+    )
+    return lines
+
+
+class HeadMethodsPanel(QWidget):
+    """Non-unique… and QK/OV on the selected head, and the last result.
+
+    Signals:
+        nonunique_requested(): search other patterns with the selected head's output.
+        qk_ov_requested(): the selected head's QK / OV circuits.
+    """
+
+    nonunique_requested = Signal()
+    qk_ov_requested = Signal()
+
+    def __init__(self, selection: Selection, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.kind: str | None = None  # "nonunique" or "qk-ov": the result shown
+        self.head_label = plain_label(NO_HEAD, wrap=True, selectable=True)
+        self.nonunique_button = QPushButton("Non-unique…")
+        self.nonunique_button.setToolTip(
+            "could the head give the same output with its attention off the painted region (or off the tokens "
+            "holding half its image attention)? three constraint levels"
+        )
+        self.nonunique_button.clicked.connect(self.nonunique_requested)
+        self.qk_ov_button = QPushButton("QK/OV")
+        self.qk_ov_button.setToolTip("the head's QK and OV circuits: weight level, and the realised scores here")
+        self.qk_ov_button.clicked.connect(self.qk_ov_requested)
+        self.message_label = plain_label(wrap=True, selectable=True)
+        self.title = plain_label(NO_RESULT, wrap=True, selectable=True)
+        self.title.setStyleSheet("font-weight: bold;")
+        self.text = plain_label(wrap=True, selectable=True)
+        self.weight_box, self.weight_text = self._group("weight level: potential, no input")
+        self.activation_box, self.activation_text = self._group("activation level: this input")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.head_label)
+        layout.addLayout(box(QHBoxLayout(), self.nonunique_button, self.qk_ov_button, end_stretch=True))
+        for widget in (self.message_label, self.title, self.text, self.weight_box, self.activation_box):
+            layout.addWidget(widget)
+        layout.addStretch(1)
+        disconnect = selection.changed.connect(self._on_selection)
+        self.destroyed.connect(lambda *_: disconnect())  # the selection may outlive this widget
+        self._on_selection(selection.current)
+        self.clear_result()
+
+    @staticmethod
+    def _group(title: str):
+        group = QGroupBox(title)
+        text = plain_label(wrap=True, selectable=True)
+        QVBoxLayout(group).addWidget(text)
+        return group, text
+
+    def set_busy(self, busy: bool) -> None:
+        self.nonunique_button.setEnabled(not busy)
+        self.qk_ov_button.setEnabled(not busy)
+
+    def show_message(self, message: str, *, error: bool = False) -> None:
+        self.message_label.setStyleSheet("color: #c00000;" if error else "color: #333;")
+        self.message_label.setText(" ".join(message.split()))
+
+    def show_nonunique(self, result, doc: dict) -> None:
+        """A :class:`core.methods.nonunique.NonuniqueResult` and the JSON it was recorded as."""
+        self.kind = "nonunique"
+        self.title.setText(f"non-unique attention of {doc.get('component')}; source set: {doc['region']['rule']}")
+        self.text.setText("\n".join(nonunique_lines(result)))
+        self.text.setVisible(True)
+        self.weight_box.setVisible(False)
+        self.activation_box.setVisible(False)
+
+    def show_qk_ov(self, doc: dict) -> None:
+        """A ``qk-ov`` JSON (:meth:`core.methods.qk_ov.QkOvResult.to_dict`)."""
+        self.kind = "qk-ov"
+        self.title.setText(f"QK / OV of {doc['head']['name']} ({doc['head']['block_kind']}-attention)")
+        self.weight_text.setText("\n".join(weight_level_lines(doc)))
+        self.activation_text.setText("\n".join(activation_level_lines(doc)))
+        self.text.setVisible(False)
+        self.weight_box.setVisible(True)
+        self.activation_box.setVisible(True)
+
+    def clear_result(self) -> None:
+        self.kind = None
+        self.title.setText(NO_RESULT)
+        for label in (self.text, self.weight_text, self.activation_text):
+            label.setText("")
+        self.text.setVisible(False)
+        self.weight_box.setVisible(False)
+        self.activation_box.setVisible(False)
+
+    def _on_selection(self, selected: SelectedComponent | None) -> None:
+        self.head_label.setText(NO_HEAD if selected is None else f"selected: {selected.describe()}")
