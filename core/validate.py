@@ -344,28 +344,19 @@ def read_chain_data(
         if len(claim) < 2:
             raise ValidateError(f"{path}: {len(claim)} {kind} line(s); halving the file for a held-out set needs 2")
         (cs, ch), sides = _halves(claim, seed), {k: _halves(v, seed) for k, v in side.items()}
-        halves = {"halved_with_seed": seed}
-        search = _file_data(
-            loaded,
-            (_as_role(cs, "search half"), {k: _as_role(v[0], "search half") for k, v in sides.items()}),
-            "search half",
-            path,
-            n,
-            n_side,
-            min_distractors,
-            kind,
-            halves,
-        )
-        held = _file_data(
-            loaded,
-            (_as_role(ch, "held-out half"), {k: _as_role(v[1], "held-out half") for k, v in sides.items()}),
-            "held-out half",
-            path,
-            n,
-            n_side,
-            min_distractors,
-            kind,
-            halves,
+        search, held = (
+            _file_data(
+                loaded,
+                (_as_role(claim_half, role), {k: _as_role(v[i], role) for k, v in sides.items()}),
+                role,
+                path,
+                n,
+                n_side,
+                min_distractors,
+                kind,
+                {"halved_with_seed": seed},
+            )
+            for i, (claim_half, role) in enumerate(((cs, "search half"), (ch, "held-out half")))
         )
     else:
         search = (
