@@ -105,6 +105,14 @@ def test_round_trip_to_dict_from_dict():
     assert ld["condition"]["split"] == "heldout" and ld["condition"]["n_samples"] == 20
     with pytest.raises(LabelError, match="schema_version"):
         Label.from_dict({**ld, "schema_version": 99})
+    # a chain written by schema 1 ("pass" / "fail" / "not-run") reads back in today's words
+    old_words = {"passed": "pass", "failed": "fail", "not tested": "not-run"}
+    v1 = {
+        **d,
+        "schema_version": 1,
+        "steps": {k: {**x, "status": old_words[x["status"]]} for k, x in d["steps"].items()},
+    }
+    assert ValidationChain.from_dict(v1).to_dict() == d
 
 
 # ---------------------------------------------------------------- the steps on shapes-coca
