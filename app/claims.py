@@ -12,8 +12,6 @@ actions are about the shown input: their result joins the shown run
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from app.components import RunInput, RunView
 from app.components.selection import is_head
 from app.jobs import ClaimRequest, nonunique_job, qk_ov_job, validate_job
@@ -84,7 +82,9 @@ class ClaimsMixin:
             self.claim_made_for = self._made_for(asked)
             panel.show_message("")
             panel.show_validation(validation)
-            self._record(validation, parameters=self._dataset_parameters(dataset), with_image=False)
+            from core.validate import source_files  # function-local: the chain's modules load torch
+
+            self._record(validation, parameters=source_files(dataset), with_image=False)
 
         self._start(
             show, validate_job, self.model_cache, self.model_spec(), request, clear=False, failed=self._claim_failed
@@ -94,15 +94,6 @@ class ClaimsMixin:
 
     def _claim_failed(self, message: str) -> None:
         self.claims_panel.show_message(message, error=True)
-
-    @staticmethod
-    def _dataset_parameters(dataset: str) -> dict:
-        """A file source is the run's input: its path and the SHA-256 of its bytes (as the command records)."""
-        if not Path(dataset).exists():
-            return {}
-        from core.session.records import dataset_sha256
-
-        return {"dataset": dataset, "dataset_sha256": dataset_sha256(dataset)}
 
     def _follow_claim_model(self, fields: tuple) -> None:
         """Another model picked (or other weights loaded): the claim checked on the previous one goes."""

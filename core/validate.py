@@ -382,6 +382,19 @@ def read_chain_data(
     return search, held
 
 
+def source_files(dataset: str, heldout: str | None = None) -> dict:
+    """What a session records of the sources that are files (a run's input, as an image is
+    another run's): ``{"dataset", "dataset_sha256"[, "heldout", "heldout_sha256"]}``, the
+    SHA-256 of each file's bytes now; a scene source records nothing here."""
+    from core.session.records import dataset_sha256
+
+    out = {}
+    for key, source in (("dataset", dataset), ("heldout", heldout)):
+        if source and Path(source).exists():
+            out[key], out[f"{key}_sha256"] = str(source), dataset_sha256(source)
+    return out
+
+
 # ------------------------------------------------------------------ subjects
 
 

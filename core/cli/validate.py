@@ -174,13 +174,9 @@ def run(args, load=load_from_args) -> int:
     write_text_atomic(Path(args.json), json.dumps(doc, allow_nan=False) + "\n")
     if args.session:
         from core.session import record_into
-        from core.session.records import dataset_sha256
+        from core.validate import source_files
 
-        files = {}  # a file source is the run's input: its path and the SHA-256 of its bytes
-        for key, source in (("dataset", args.dataset), ("heldout", args.heldout)):
-            if source and Path(source).exists():
-                files[key], files[f"{key}_sha256"] = str(source), dataset_sha256(source)
-        record_into(args.session, result, model=loaded, parameters=files)
+        record_into(args.session, result, model=loaded, parameters=source_files(args.dataset, args.heldout))
     for chain, verdict in zip(result.chains, result.verdicts()):
         print("\n".join(checklist(chain)))
         print(f"  verdict: {verdict['verdict']}")
