@@ -17,9 +17,9 @@ from core.audit import AuditRecord
 from core.capture import capture
 from core.errors import QuestionError
 from core.images import image_sha256, load_image
-from core.methods.patterns import FULL_PATTERN_LIMIT  # re-exported: core.analyze.FULL_PATTERN_LIMIT
+from core.methods.patterns import FULL_PATTERN_LIMIT, RolloutStream  # FULL_PATTERN_LIMIT: re-exported
 from core.readout import Target, jsonable
-from core.readouts import ANALYZE_READOUTS, READOUTS, TEXT_PATTERN_LIMIT, ReadoutOptions, SampleContext
+from core.readouts import ANALYZE_READOUTS, READOUTS, TEXT_PATTERN_LIMIT, ReadoutOptions, SampleContext, pattern_rows
 from core.views import family_view_names
 
 __all__ = ["FULL_PATTERN_LIMIT", "SCHEMA_VERSION", "TEXT_PATTERN_LIMIT", "TOP_K", "AnalyzeResult", "analyze"]
@@ -135,7 +135,7 @@ class AnalyzeResult(dict):
 
     def parameters(self) -> dict:
         """What the run was called with: question, answer and foil tokens,
-        rollout weight; ``raw_prompt`` and ``tuned_lens`` only when used."""
+        rollout weight; ``raw_prompt``, ``attention`` (eager) and ``tuned_lens`` only when used."""
         out: dict[str, Any] = {
             "question": self.input["question"],
             "answer": self.target.answer,
@@ -144,6 +144,8 @@ class AnalyzeResult(dict):
         }
         if self.input.get("raw_prompt"):
             out["raw_prompt"] = True
+        if self.input.get("attention", "sdpa") != "sdpa":
+            out["attention"] = self.input["attention"]
         out.update(run_parameters(self.answer_text))
         if self.tuned_lens is not None:
             out["tuned_lens"] = True
@@ -170,6 +172,7 @@ def analyze(
     raw_prompt: bool = False,
     answer_text: AnswerText | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    attention: str = "sdpa",
 ) -> AnalyzeResult:
     """Run the model once and read it out. ``answer`` defaults to the model's
     own top token; ``foil`` is optional (then ``u`` is the answer's column); each
@@ -182,6 +185,15 @@ def analyze(
     reader and baselines are added as ``tuned_lens`` beside the logit lens.
     ``raw_prompt``: let the question hold the model's special tokens (see
     :meth:`core.models.adapter.Adapter.check_question`); recorded in ``input``.
+    ``attention``: "sdpa" (the model's own attention, patterns recomputed for
+    the rows the read-outs use) or "eager" (see :func:`core.capture.capture`);
+    recorded in ``input`` when eager.
+
+    The capture keeps the pattern rows the read-outs read
+    (:func:`core.readouts.pattern_rows`: the answer rows and the text rows
+    nearest them, never the visual rows) and folds every block's whole
+    pattern into the rollout as it runs (:class:`core.methods.patterns.RolloutStream`,
+    for prompts of at most :data:`FULL_PATTERN_LIMIT` tokens).
 
     Besides the keys of the analyze JSON (docs/ARCHITECTURE.md, schema version 1), ``text_patterns`` holds
     :meth:`core.methods.patterns.TextPatterns.to_dict`: every self-attention
@@ -196,9 +208,16 @@ def analyze(
     prefix = answer_text.prefix_ids if answer_text is not None else ()
     inputs = adapter.prepare([img], [question], raw_prompt=raw_prompt, answer_prefix=prefix)
     n_tokens = inputs.input_ids.shape[1]
-    full = n_tokens <= FULL_PATTERN_LIMIT
-    query_positions = range(n_tokens) if full else _non_visual_rows(adapter, inputs, len(prefix))
-    trace = capture(loaded, img, question, query_positions=query_positions, inputs=inputs)
+    stream = RolloutStream(rollout_alpha) if n_tokens <= FULL_PATTERN_LIMIT else None
+    trace = capture(
+        loaded,
+        img,
+        question,
+        query_positions=pattern_rows(adapter, inputs, len(prefix)),
+        inputs=inputs,
+        attention=attention,
+        pattern_streams=[stream] if stream is not None else [],
+    )
     pos = int(trace.answer_positions[0])
     logits = trace.logits[0, pos].float().cpu()
     predicted = int(logits.argmax())
@@ -220,7 +239,7 @@ def analyze(
         trace,
         0,
         trace.query_positions.tolist().index(pos),
-        full,
+        stream,
         logits,
         answer_id,
         foil_id,
@@ -234,7 +253,7 @@ def analyze(
     sections: dict[str, Any] = {}
     audits: list[AuditRecord] = []
     for name in ANALYZE_READOUTS:
-        if name in _STEPS and (name != "rollout" or full):
+        if name in _STEPS and (name != "rollout" or stream is not None):
             done, message = _STEPS[name]
             step(done, 4, message)
         readout = READOUTS[name]
@@ -250,6 +269,7 @@ def analyze(
             "question": question,
             "prompt": adapter.prompt(question),
             "raw_prompt": raw_prompt,
+            **({"attention": attention} if attention != "sdpa" else {}),
             "input_ids": trace.input_ids[0].tolist(),
             "tokens": ctx.token_strings,
             "image_sha256": image_sha256(img),
@@ -264,15 +284,3 @@ def analyze(
         rollout_alpha=rollout_alpha,
         **sections,
     )
-
-
-def _non_visual_rows(adapter, inputs, n_answer_prefix: int = 0) -> list[int]:
-    """The pattern rows a long prompt keeps: the last :data:`TEXT_PATTERN_LIMIT`
-    non-visual positions up to the answer (the answer row among them), a superset
-    of the text rows the text-text patterns read (token roles need a trace), and
-    every answer row (the prompt's last token and the ``n_answer_prefix`` answer
-    tokens after it: ``answer_patterns``)."""
-    answer = int(inputs.answer_positions[0])
-    visual = set(adapter.visual_positions(inputs)[0].tolist())
-    rows = [p for p in range(answer + 1) if p not in visual]
-    return sorted(set(rows[-TEXT_PATTERN_LIMIT:]) | set(range(answer - n_answer_prefix, answer + 1)))

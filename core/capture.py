@@ -1,9 +1,14 @@
 """One no-grad forward that records what the read-outs need: a :class:`Trace`.
 
 Hooks are scoped: registered inside :func:`hooks` and removed in its
-``finally``, so none outlives a run. Attention patterns need eager attention
-(under sdpa transformers returns no weights), so the language model is
-switched to eager for the run and switched back afterwards.
+``finally``, so none outlives a run. By default the model runs its own
+attention implementation (sdpa, or flash where it was loaded with it) and the
+attention patterns a read-out asks for are recomputed, row by row, from the
+queries, keys and mask each attention call received (core/attention_rows.py,
+docs/ARCHITECTURE.md "Capture on the sdpa path"); ``attention="eager"``
+switches the language model to eager attention for the run instead (and back
+afterwards) and keeps the rows of the weights it returns: the oracle the
+recomputed rows are tested against.
 
 Each head's output is kept as the output projection's input ``z``
 ``(batch, pos, heads, d_head)`` (a view, no copy); ``W_O^h z^h`` is
@@ -12,13 +17,14 @@ materialised only for the positions a method asks for.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
+from core import attention_rows
+from core.attention_rows import RecomputedRows
 from core.errors import oom_guard
 from core.lazy import make_module_callable
 
@@ -38,7 +44,9 @@ class Trace:
         visual_positions: ``(batch, n_visual)`` sequence positions of the visual tokens.
         resid_pre: per layer ``(batch, pos, d_model)``: the residual entering block l.
         z: per layer ``(batch, pos, heads, d_head)``: each head's output before W_O.
-        attn_out: per layer ``(batch, pos, d_model)``: the attention block's output (W_O z + b_O).
+        attn_out: per layer ``(batch, pos, d_model)``: the attention block's output
+            (W_O z + b_O, as the block adds it), on request (``keep_attn_out``): no
+            read-out needs it beside ``z``; it is what the heads are checked to sum to.
         mlp_out: per layer ``(batch, pos, d_model)``.
         patterns: per kept block ``(batch, heads, n_query, keys)``: attention weights
             of the kept query positions (keys: sequence positions for self-attention,
@@ -60,6 +68,13 @@ class Trace:
         query_positions: ``(n_query,)`` the kept query positions (same for every batch row).
         final_resid: ``(batch, pos, d_model)`` x_L, before the final norm.
         logits: ``(batch, pos, vocab)``.
+        attention: how the patterns were obtained: "sdpa" (recomputed rows of
+            the model's own attention calls) or "eager" (the weights eager
+            attention returned).
+        pattern_blocks: the blocks whose rows ``patterns`` keeps.
+        pattern_streams: during the capture only, callables
+            ``stream(block, kind, rows)`` each block's whole pattern is offered
+            to (``rows.rows(positions)``, chunk by chunk: rollout); emptied after.
     """
 
     input_ids: torch.Tensor
@@ -85,6 +100,10 @@ class Trace:
     answer_id: int | None = None  # the target token the caller named (capture(answer=...)), else None
     foil_id: int | None = None
     norm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # post-norm families: each stream norm's input
+    attention: str = "sdpa"
+    pattern_blocks: set[int] = field(default_factory=set)
+    keep_attn_out: bool = False
+    pattern_streams: list[Callable] = field(default_factory=list)
 
     @property
     def n_blocks(self) -> int:
@@ -129,6 +148,9 @@ def eager_attention(model) -> Iterator[None]:
         model.set_attn_implementation(before)
 
 
+ATTENTION_MODES = ("sdpa", "eager")
+
+
 @torch.no_grad()
 def capture(
     loaded,
@@ -142,6 +164,9 @@ def capture(
     keep_qk: bool | Sequence[int] = False,
     edits: Sequence = (),
     inputs=None,
+    attention: str = "sdpa",
+    pattern_streams: Sequence[Callable] = (),
+    keep_attn_out: bool = False,
 ) -> Trace:
     """Run the model once on (image, question) and record a :class:`Trace`.
 
@@ -157,7 +182,20 @@ def capture(
             trace then records the edited run and says so in ``trace.edits``.
         inputs: the prepared batch, when the caller already has it (saves
             running the processor twice).
+        attention: "sdpa" (default): the model's own attention runs and the
+            kept rows are recomputed from what each call received; "eager":
+            the language model runs eager attention and the rows are those of
+            the weights it returns. Families whose attention has no fast path
+            (BLIP's, CoCa's replay) compute their pattern either way.
+        pattern_streams: ``stream(block, kind, rows)`` called once per block
+            with its whole pattern, which ``rows.rows(positions)`` gives a
+            chunk at a time (see :class:`core.methods.patterns.RolloutStream`).
+        keep_attn_out: also keep each block's attention output (``trace.attn_out``,
+            one ``(batch, pos, d_model)`` per block: the memory of a forward's
+            activations, for checks that the heads sum to it).
     """
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention: {attention!r} is not one of {', '.join(ATTENTION_MODES)}")
     adapter = loaded.adapter
     if inputs is None:
         inputs = adapter.prepare([image], [question])
@@ -168,6 +206,9 @@ def capture(
         list(query_positions) if query_positions is not None else [int(inputs.answer_positions[0])],
         dtype=torch.long,
     )
+    n_pos = inputs.input_ids.shape[1]
+    if len(qpos) and not (-n_pos <= int(qpos.min()) and int(qpos.max()) < n_pos):
+        raise IndexError(f"query positions out of range: the sequence has {n_pos} positions")
     trace = Trace(
         inputs.input_ids,
         inputs.answer_positions,
@@ -184,72 +225,94 @@ def capture(
         edits=list(edits),
         answer_id=adapter.token_id(answer) if answer else None,
         foil_id=adapter.token_id(foil) if foil else None,
+        attention=attention,
+        pattern_blocks=keep,
+        pattern_streams=list(pattern_streams),
+        keep_attn_out=keep_attn_out,
     )
     qk_blocks = set(range(n)) if keep_qk is True else set(keep_qk or ())
-    with oom_guard("capturing (keep fewer layers or query positions)"):
-        with record_qk(adapter, trace, qk_blocks):
-            adapter.run_capture(inputs, trace, keep)
+    try:
+        with oom_guard("capturing (keep fewer layers or query positions)"):
+            with record_attention(adapter, trace, qk_blocks):
+                adapter.run_capture(inputs, trace, keep)
+    finally:
+        trace.pattern_streams = []
     return trace
 
 
+def record_pattern(trace: Trace, block: int, source) -> None:
+    """What block ``block``'s pattern gives the trace: the rows of
+    ``trace.query_positions`` (if the block's are kept) and the whole
+    pattern, offered to each of ``trace.pattern_streams``. ``source`` is a
+    :class:`core.attention_rows.WeightsRows` (a pattern the model computed)
+    or :class:`core.attention_rows.RecomputedRows` (a recorded call)."""
+    if block in trace.pattern_blocks:
+        trace.patterns[block] = source.rows(trace.query_positions)
+    for stream in trace.pattern_streams:
+        stream(block, trace.block_kinds[block], source)
+
+
+def recomputes_patterns(adapter, trace: Trace) -> bool:
+    """Whether this capture recomputes patterns from recorded attention calls
+    (the sdpa path of a family whose attention goes through transformers'
+    attention functions); otherwise the family's hooks read the pattern the
+    model computed."""
+    return trace.attention == "sdpa" and getattr(adapter, "attention_functions", True)
+
+
+def wants_pattern(trace: Trace, block: int) -> bool:
+    """Whether block ``block``'s pattern is needed at all (kept rows or a stream)."""
+    return block in trace.pattern_blocks or bool(trace.pattern_streams)
+
+
 @contextmanager
-def record_qk(adapter, trace: Trace, blocks: set[int]) -> Iterator[None]:
-    """Record the queries and keys the model's eager attention receives, for
-    ``blocks``. transformers resolves ``eager_attention_forward`` in the
-    attention class's own module at call time, so it is wrapped there for the
-    run and restored in ``finally``; other modules' calls (the vision tower)
-    pass through untouched. Families that replay the forward themselves
-    (``adapter.records_qk``) fill ``trace.q``/``trace.k`` in their replay."""
-    if not blocks or getattr(adapter, "records_qk", False):
-        yield
-        return
-    own = adapter.qk_record_hooks(trace, blocks)
-    if own is not None:  # attention computed inline (BLIP): hooks on the q/k projections
-        with hooks(own):
+def record_attention(adapter, trace: Trace, qk_blocks: set[int]) -> Iterator[None]:
+    """Record what the language model's attention calls receive, for the
+    run: the queries and keys of ``qk_blocks`` (``trace.q``, ``trace.k``,
+    ``trace.score_scale``: the model's own pre-softmax scores are
+    ``q k^T * scale`` before the mask) and, on the sdpa path, each block's
+    pattern rows (:func:`record_pattern` of a
+    :class:`core.attention_rows.RecomputedRows`). Families that replay the
+    forward themselves (``adapter.records_qk``) fill ``trace.q``/``trace.k``
+    in their replay; families whose attention is computed inline (BLIP) hook
+    their q/k projections (``adapter.qk_record_hooks``)."""
+    rows = recomputes_patterns(adapter, trace)
+    blocks = set(qk_blocks)
+    if rows:
+        blocks |= {b for b in range(trace.n_blocks) if wants_pattern(trace, b)}
+    own = None if getattr(adapter, "records_qk", False) else adapter.qk_record_hooks(trace, qk_blocks)
+    if not blocks or getattr(adapter, "records_qk", False) or own is not None:
+        with hooks(own or []):
             yield
         return
 
-    by_module = {id(adapter.attention_module(b)): b for b in blocks}
-    patched: dict[object, object] = {}
+    def on_call(block, call):
+        if block in qk_blocks:
+            # (batch, heads, pos, d_head) -> (batch, pos, heads, d_head)
+            trace.q[block] = call.query.transpose(1, 2)
+            trace.k[block] = call.key.transpose(1, 2)
+            trace.score_scale[block] = call.scaling
+        if rows and wants_pattern(trace, block):
+            record_pattern(trace, block, RecomputedRows(call))
 
-    def wrap(original):
-        def eager_attention_forward(module, query, key, value, attention_mask, scaling, *args, **kwargs):
-            block = by_module.get(id(module))
-            if block is not None:
-                # (batch, heads, pos, d_head) -> (batch, pos, heads, d_head)
-                trace.q[block] = query.transpose(1, 2)
-                trace.k[block] = key.transpose(1, 2)
-                trace.score_scale[block] = float(scaling)
-            return original(module, query, key, value, attention_mask, scaling, *args, **kwargs)
-
-        return eager_attention_forward
-
-    try:
-        for b in blocks:
-            mod = sys.modules[type(adapter.attention_module(b)).__module__]
-            if mod not in patched:
-                if not hasattr(mod, "eager_attention_forward"):
-                    raise NotImplementedError(
-                        f"{adapter.family}: cannot record q/k ({mod.__name__} has no eager attention)"
-                    )
-                patched[mod] = mod.eager_attention_forward
-                mod.eager_attention_forward = wrap(mod.eager_attention_forward)
+    with attention_rows.recording({b: adapter.attention_module(b) for b in blocks}, on_call) as seen:
         yield
-    finally:
-        for mod, original in patched.items():
-            mod.eager_attention_forward = original
-    missing = blocks - set(trace.q)
+    missing = blocks - seen
     if missing:
-        raise RuntimeError(f"q/k not recorded for blocks {sorted(missing)}: the attention did not run eagerly")
+        raise RuntimeError(f"attention of blocks {sorted(missing)} not recorded: it did not go through transformers")
 
 
 def run_with_hooks(adapter, inputs, trace: Trace, keep: set[int]) -> None:
-    """The default capture: the family's hooks around the library's own forward."""
+    """The default capture: the family's hooks around the library's own
+    forward; under ``attention="eager"`` with the language model switched to
+    eager attention and each block's weights read by the family's hooks."""
+    eager = not recomputes_patterns(adapter, trace)
     regs = adapter.edit_hooks(trace.edits)  # first, so the capture hooks see the edited values
     for block in range(trace.n_blocks):
-        regs += adapter.capture_hooks(block, trace, keep_pattern=block in keep)
+        regs += adapter.capture_hooks(block, trace, keep_pattern=eager and wants_pattern(trace, block))
     regs += adapter.final_hooks(trace)
-    with eager_attention(adapter.model), hooks(regs):
+    switch = eager_attention(adapter.model) if trace.attention == "eager" else nullcontext()
+    with switch, hooks(regs):
         trace.logits = adapter.forward_logits(inputs)
 
 

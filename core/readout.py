@@ -31,6 +31,8 @@ def jsonable(x):
     if isinstance(x, dict):
         return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
+        if x and all(type(v) is float for v in x):  # the common grid row: no call per number
+            return [v if math.isfinite(v) else None for v in x]
         return [jsonable(v) for v in x]
     if x is None or isinstance(x, (str, int, bool)):
         return x

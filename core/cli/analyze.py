@@ -24,6 +24,13 @@ def add_command(subparsers, load=load_from_args) -> None:
     add_raw_prompt_arg(an)
     add_answer_text_args(an)
     an.add_argument("--lens", help="tuned-lens folder: its reader and baselines beside the logit lens")
+    an.add_argument(
+        "--attention",
+        choices=["sdpa", "eager"],
+        default="sdpa",
+        help="sdpa (default): the model's own attention, the pattern rows the read-outs use recomputed "
+        "from each call's queries, keys and mask; eager: run eager attention and read its weights",
+    )
     an.set_defaults(func=lambda args: run(args, load))
 
 
@@ -57,6 +64,7 @@ def run(args, load=load_from_args) -> int:
             raw_prompt=args.raw_prompt,
             answer_text=answer_text,
             progress=progress,
+            attention=args.attention,
         )
     write_text_atomic(Path(args.json), json.dumps(result.to_dict()) + "\n")
     if args.session:

@@ -15,9 +15,9 @@ from core.capture import capture
 from core.dataset_audit.dataset import token_cover
 from core.errors import QuestionError, ReadoutError, oom_guard
 from core.geometry import region_tokens
-from core.methods.patterns import FULL_PATTERN_LIMIT
+from core.methods.patterns import FULL_PATTERN_LIMIT, RolloutStream
 from core.pairs import Pair, load_pair_image, load_pair_mask
-from core.readouts import ReadoutMethod, ReadoutOptions, SampleContext
+from core.readouts import ReadoutMethod, ReadoutOptions, SampleContext, pattern_rows
 
 
 def base_record(item: Pair) -> dict:
@@ -91,12 +91,21 @@ def run_batch(loaded, batch: list[_Prepared], methods: list[ReadoutMethod], opti
     answer_pos = [int(x) for x in inputs.answer_positions.tolist()]
     n_tokens = inputs.input_ids.shape[1]
     want = {m.patterns for m in methods}
-    full = "full" in want and n_tokens <= FULL_PATTERN_LIMIT
+    stream = RolloutStream(options.rollout_alpha) if "rollout" in want and n_tokens <= FULL_PATTERN_LIMIT else None
     trace = None
     if any(m.needs_capture for m in methods):
-        qpos = list(range(n_tokens)) if full else sorted(set(answer_pos))
-        layers = None if (want & {"answer", "full"}) else []
-        trace = capture(loaded, None, "", inputs=inputs, query_positions=qpos, pattern_layers=layers)
+        n_prefix = len(batch[0].answer_prefix)
+        qpos = pattern_rows(adapter, inputs, n_prefix) if "text" in want else sorted(set(answer_pos))
+        layers = None if (want & {"answer", "text"}) else []
+        trace = capture(
+            loaded,
+            None,
+            "",
+            inputs=inputs,
+            query_positions=qpos,
+            pattern_layers=layers,
+            pattern_streams=[stream] if stream is not None else [],
+        )
         logits = trace.logits[torch.arange(len(batch)), torch.as_tensor(answer_pos)].float().cpu()
     else:
         with oom_guard(f"running a batch of {len(batch)}"), torch.no_grad():
@@ -137,7 +146,7 @@ def run_batch(loaded, batch: list[_Prepared], methods: list[ReadoutMethod], opti
                 trace,
                 b,
                 trace.query_positions.tolist().index(answer_pos[b]) if trace is not None else None,
-                full,
+                stream,
                 row,
                 p.answer_id if p.answer_id is not None else predicted,
                 p.foil_id,

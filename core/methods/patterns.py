@@ -16,7 +16,7 @@ from core.capture import capture
 from core.geometry import region_tokens
 from core.images import load_image
 
-FULL_PATTERN_LIMIT = 1024  # longer prompts keep only the answer and text rows (no rollout)
+FULL_PATTERN_LIMIT = 1024  # rollout's limit: it costs a pos^3 product per block (RolloutStream)
 
 
 @dataclass
@@ -647,10 +647,76 @@ def rollout(trace, alpha: float = 0.5, heads: str | int = "mean", batch: int = 0
     return out
 
 
-def rollout_visual_mass(trace, tokens, alpha: float = 0.5, batch: int = 0) -> list[tuple[int, torch.Tensor]]:
+class RolloutStream:
+    """Attention rollout (docs/METHODS.md §4.6) accumulated block by block while
+    a capture runs: a pattern stream (``core.capture.capture(pattern_streams=...)``).
+
+    Each block's head-mean pattern is read :data:`core.attention_rows.ROW_CHUNK`
+    rows at a time and folded into ``R <- (alpha A_l + (1 - alpha) I) R``, so no
+    ``(heads, pos, pos)`` pattern is ever held and the only ``pos x pos``
+    tensor is ``R`` itself (one, not per head or layer). Cost per block: one
+    ``pos x pos x pos`` product (``FULL_PATTERN_LIMIT`` bounds it), besides
+    recomputing the pattern on the sdpa path. The nodes are those of
+    :func:`rollout`, which computes the same matrix from full patterns (the
+    oracle in tests).
+
+    Attributes:
+        matrix: ``(batch, nodes, nodes)`` float32 after the capture (None before).
+    """
+
+    def __init__(self, alpha: float = 0.5, heads: str | int = "mean"):
+        self.alpha, self.heads = alpha, heads
+        self.matrix: torch.Tensor | None = None
+        self.n_pos: int | None = None
+
+    def _mixed(self, rows, chunk: torch.Tensor, n_keys: int) -> torch.Tensor:
+        pat = rows.rows(chunk, n_keys).float()  # (batch, heads, n, keys)
+        return pat.mean(1) if self.heads == "mean" else pat[:, int(self.heads)]
+
+    def __call__(self, block: int, kind: str, rows) -> None:
+        from core.attention_rows import ROW_CHUNK
+
+        n = rows.n_rows
+        if self.matrix is None:
+            self.n_pos = n
+            self.matrix = torch.eye(n).expand(rows.batch, n, n).clone()
+        out = self.matrix
+        if kind == "cross":
+            n_keys = rows.n_keys
+            if out.shape[1] == n:  # the first cross block: the visual nodes join with identity rows
+                grown = torch.eye(n + n_keys).expand(out.shape[0], n + n_keys, n + n_keys).clone()
+                grown[:, :n, :n] = out
+                out = grown
+            source = out[:, n:]  # the visual nodes' rows
+        else:
+            source = out[:, :n]
+        new = torch.empty_like(out[:, :n])
+        for i in range(0, n, ROW_CHUNK):
+            chunk = torch.arange(i, min(i + ROW_CHUNK, n))
+            reads = rows.keys_read(int(chunk[-1]))  # a causal pattern's chunk reads no later key
+            a = self._mixed(rows, chunk, reads).to(out.device)  # (batch, chunk, keys read)
+            new[:, chunk] = self.alpha * torch.bmm(a, source[:, :reads]) + (1 - self.alpha) * out[:, chunk]
+        out[:, :n] = new
+        self.matrix = out
+
+    def answer_row(self, trace, batch: int = 0) -> torch.Tensor:
+        """``(nodes,)``: the answer position's row of ``R``."""
+        if self.matrix is None:
+            raise ValueError("the rollout stream saw no pattern: pass it to capture(pattern_streams=...)")
+        return self.matrix[batch, int(trace.answer_positions[batch])]
+
+
+def rollout_visual_mass(
+    trace, tokens, alpha: float = 0.5, batch: int = 0, stream=None
+) -> list[tuple[int, torch.Tensor]]:
     """Rollout mass from the answer position onto the visual tokens, laid out
-    per image as :func:`patch_grids` does: ``[(image, (rows, cols))]``."""
-    r = rollout(trace, alpha, batch=batch)[int(trace.answer_positions[batch])]
+    per image as :func:`patch_grids` does: ``[(image, (rows, cols))]``; from
+    ``stream`` (a :class:`RolloutStream` the capture ran) or else from the
+    trace's full patterns (:func:`rollout`)."""
+    if stream is not None:
+        r = stream.answer_row(trace, batch)
+    else:
+        r = rollout(trace, alpha, batch=batch)[int(trace.answer_positions[batch])]
     n = trace.input_ids.shape[1]
     vis = trace.visual_positions[batch] if trace.visual_positions.shape[1] else torch.arange(n, r.shape[0])
     return patch_grids(r[vis], tokens)

@@ -63,6 +63,11 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
     frozen_convention: ClassVar[str] = "final norm scale frozen at x_L"
     attention_kind: ClassVar[str]
     position_scheme: ClassVar[str]
+    # Whether the language model's attention goes through transformers' attention
+    # functions (sdpa, flash, eager), so a capture can record each call and recompute
+    # pattern rows (core/attention_rows.py); False: the family's own computation
+    # yields the pattern (BLIP's inline softmax, CoCa's replay).
+    attention_functions: ClassVar[bool] = True
 
     # Config token ids the adapter (or the model, through the adapter's inputs)
     # reads: (attribute path, required). Checked as integers before the weights
@@ -395,8 +400,8 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
 
     def qk_record_hooks(self, trace, blocks: set[int]) -> list | None:
         """Hooks recording ``trace.q`` / ``trace.k`` / ``trace.score_scale`` for
-        families whose attention does not go through transformers' eager
-        function; None: the eager function is wrapped (see core.capture.record_qk)."""
+        families whose attention does not go through transformers' attention
+        functions; None: those functions are wrapped (core.capture.record_attention)."""
         return None
 
     def score_scale(self, block: int) -> float:

@@ -31,7 +31,8 @@ CANONICAL: dict[str, dict[str, str]] = {
     "unembedding": {"W_U": "(d_model, vocab)", "b_U": "(vocab,) (zeros if the unembedding has no bias)"},
     "capture": {
         "capture_hooks": "[(module, kind, fn)] filling the trace for block l: resid_pre, z (batch, pos, heads, "
-        "d_head), attn_out, mlp_out and, if asked, the patterns of trace.query_positions (core.capture.hooks)",
+        "d_head), mlp_out, attn_out if trace.keep_attn_out and, under eager attention, the weights handed to "
+        "core.capture.record_pattern (core.capture.hooks)",
         "final_hooks": "hooks that record trace.final_resid (the final norm's input)",
     },
     "positions": {

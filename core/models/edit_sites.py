@@ -46,7 +46,9 @@ class EditSites:
         entering it, hooks on :meth:`visual_site_module` change visual features,
         and a pre-hook on the attention module adds ``-inf`` to the knocked-out
         entries of the additive attention mask it is called with (so only the
-        chosen block's softmax sees them, and its other weights renormalise)."""
+        chosen block's softmax sees them, and its other weights renormalise;
+        under sdpa's causal fast path, called with no mask, the causal mask is
+        made explicit first)."""
         self.check_edits(edits)
         regs = []
         for e in edits:
@@ -94,12 +96,17 @@ class EditSites:
 
         def knock(module, args, kwargs):
             mask = kwargs.get("attention_mask")
-            if mask is None:
-                raise InterventionError(
-                    f"{self.family}: cannot knock out edges, the attention is called without a mask"
-                )
-            if mask.dtype == torch.bool:  # True = may attend
-                additive = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if mask is None:  # sdpa's causal fast path: the causal mask it would apply, made explicit
+                if not getattr(module, "is_causal", True) or kwargs.get("cross_attention_states") is not None:
+                    raise InterventionError(
+                        f"{self.family}: cannot knock out edges, the attention is called without a mask"
+                    )
+                n = hidden.shape[1]
+                causal = torch.ones(n, n, dtype=torch.bool, device=hidden.device).tril()
+                mask = causal.view(1, 1, n, n).expand(hidden.shape[0], 1, n, n)
+            if mask.dtype == torch.bool:  # True = may attend; additive in the stream's dtype (sdpa takes no other)
+                additive = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device)
                 mask = additive.masked_fill(~mask, float("-inf"))
             b, _, q, k = mask.shape
             mask = e.knock(mask.expand(b, self.n_heads, q, k))

@@ -30,12 +30,12 @@ from collections.abc import Iterator, Mapping
 from core.readouts.answer import AnswerReadout
 from core.readouts.answer_patterns import AnswerPatternsReadout
 from core.readouts.attention import AttentionReadout
-from core.readouts.base import ReadoutMethod, ReadoutOptions, SampleContext
+from core.readouts.base import TEXT_PATTERN_LIMIT, ReadoutMethod, ReadoutOptions, SampleContext, pattern_rows
 from core.readouts.counterfactual import CounterfactualReadout
 from core.readouts.logit_lens import LensReadout
 from core.readouts.residual import DlaReadout
 from core.readouts.rollout import RolloutReadout
-from core.readouts.text_patterns import TEXT_PATTERN_LIMIT, TextPatternsReadout
+from core.readouts.text_patterns import TextPatternsReadout
 from core.readouts.tuned_lens import TunedLensReadout
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "ReadoutOptions",
     "SampleContext",
     "dataset_names",
+    "pattern_rows",
     "register_method",
 ]
 

@@ -12,7 +12,7 @@ class AnswerPatternsReadout(ReadoutMethod):
     audit_method = "pattern analysis"
     analyze_key = "answer_patterns"
     dataset_scale = False
-    patterns = "full"
+    patterns = "text"
 
     def run(self, ctx):
         # function-local: see core.readouts

@@ -28,6 +28,28 @@ if TYPE_CHECKING:
     from core.audit import AuditRecord
 
 
+# Text tokens in the text-text patterns (those nearest the answer): bounds the JSON,
+# which holds blocks x heads x TEXT_PATTERN_LIMIT^2 weights at most.
+TEXT_PATTERN_LIMIT = 48
+
+
+def pattern_rows(adapter, inputs, n_answer_prefix: int = 0) -> list[int]:
+    """The query rows the text-side read-outs read, for every row of the batch
+    ``inputs``: the last :data:`TEXT_PATTERN_LIMIT` non-visual positions up to
+    each answer position (the answer row among them; a superset of the text
+    rows the text-text patterns keep, since token roles need a trace) and every
+    answer row (the prompt's last token and the ``n_answer_prefix`` answer
+    tokens after it: ``answer_patterns``). Never the visual rows: what the
+    capture recomputes stays linear in the sequence length."""
+    visual = adapter.visual_positions(inputs)
+    rows: set[int] = set()
+    for b, answer in enumerate(int(a) for a in inputs.answer_positions.tolist()):
+        seen = set(visual[b].tolist())
+        text = [p for p in range(answer + 1) if p not in seen]
+        rows |= set(text[-TEXT_PATTERN_LIMIT:]) | set(range(answer - n_answer_prefix, answer + 1))
+    return sorted(rows)
+
+
 @dataclass
 class ReadoutOptions:
     """What every read-out of one run is run with.
@@ -56,7 +78,8 @@ class SampleContext:
             needs one); ``batch`` is this sample's row in it.
         position: the answer position (the row read out).
         query_index: where ``position`` sits in ``trace.query_positions``.
-        full_patterns: whether every query row was kept (rollout needs them).
+        rollout: the :class:`core.methods.patterns.RolloutStream` the capture
+            fed (None: no rollout this run, a prompt over ``FULL_PATTERN_LIMIT`` tokens).
         logits: ``(vocab,)`` float32 logits at the answer position, on the CPU.
         tokens: the visual tokens (:class:`core.geometry.VisualToken`).
         cover: ``(n_tokens,)`` share of each token's box inside the target
@@ -76,7 +99,7 @@ class SampleContext:
     trace: Any
     batch: int
     query_index: int | None
-    full_patterns: bool
+    rollout: Any
     logits: torch.Tensor
     answer_id: int
     foil_id: int | None
@@ -113,7 +136,9 @@ class ReadoutMethod:
             part of analyze).
         dataset_scale: whether the audit may run it (False: analyze only).
         patterns: which attention rows the capture must keep: "none",
-            "answer" (the answer position) or "full" (every query row).
+            "answer" (the answer position), "text" (:func:`pattern_rows`: the
+            answer rows and the text rows nearest them) or "rollout" (no rows:
+            a :class:`core.methods.patterns.RolloutStream` fed during the capture).
         needs_capture: whether it reads a Trace (else logits suffice).
         batched: True when :meth:`run_batch` handles a whole batch at once.
         long_table: ``(file name, columns)`` of the audit's long table, or None.

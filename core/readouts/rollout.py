@@ -11,18 +11,18 @@ class RolloutReadout(ReadoutMethod):
     name = "rollout"
     audit_method = "rollout / flow"
     analyze_key = "rollout"
-    patterns = "full"
+    patterns = "rollout"
 
     def run(self, ctx):
         """``({alpha, visual_patch_mass, primary_image[, visual_patch_mass_by_image]}, audit)``,
-        or ``(None, None)`` when the capture kept only some rows (a long prompt)."""
+        or ``(None, None)`` when the capture fed no rollout stream (a long prompt)."""
         # function-local: see core.readouts
         from core.methods.patterns import primary_image, rollout_audit, rollout_visual_mass
 
-        if not ctx.full_patterns:
+        if ctx.rollout is None:
             return None, None
         alpha = ctx.options.rollout_alpha
-        grids = rollout_visual_mass(ctx.trace, ctx.tokens, alpha, batch=ctx.batch)
+        grids = rollout_visual_mass(ctx.trace, ctx.tokens, alpha, batch=ctx.batch, stream=ctx.rollout)
         primary = primary_image(ctx.tokens)
         section = {"alpha": alpha, "visual_patch_mass": dict(grids)[primary].tolist(), "primary_image": primary}
         if len(grids) > 1:

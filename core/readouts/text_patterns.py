@@ -4,11 +4,7 @@ self-attention block's pattern among the prompt's text tokens. Analyze only:
 
 from __future__ import annotations
 
-from core.readouts.base import ReadoutMethod
-
-# Text tokens in the text-text patterns (those nearest the answer): bounds the JSON,
-# which holds blocks x heads x TEXT_PATTERN_LIMIT^2 weights at most.
-TEXT_PATTERN_LIMIT = 48
+from core.readouts.base import TEXT_PATTERN_LIMIT, ReadoutMethod
 
 
 class TextPatternsReadout(ReadoutMethod):
@@ -16,7 +12,7 @@ class TextPatternsReadout(ReadoutMethod):
     audit_method = "pattern analysis"
     analyze_key = "text_patterns"
     dataset_scale = False
-    patterns = "full"
+    patterns = "text"
 
     def run(self, ctx):
         """:meth:`core.methods.patterns.TextPatterns.to_dict` of at most

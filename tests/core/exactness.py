@@ -571,3 +571,61 @@ def projected_visual_tokens(loaded, image: Image.Image, question: str, *tensor_n
     with torch.no_grad():
         out = loaded.model.model.get_image_features(*(inputs.tensors.get(n) for n in tensor_names), return_dict=True)
     return torch.cat(list(out.pooler_output), dim=0)
+
+
+@torch.no_grad()
+def assert_recomputed_rows_are_eager(loaded, inputs) -> None:
+    """The sdpa path's pattern rows (core/attention_rows.py) against eager attention's own weights.
+
+    1. On the same attention calls (one eager forward, recorded): every row
+       :class:`core.attention_rows.RecomputedRows` gives is the weights eager
+       attention returned, to eager's float32 softmax rounding (``softmax_rtol``
+       of the scores; masked weights 0 on both sides) and the queries and keys
+       recorded are the ones an eager capture keeps (``keep_qk``), bitwise.
+    2. Across runs: a default capture's rows (its attention calls went to sdpa,
+       with sdpa's own masks: None for causal, bool, prefix-LM) are an eager
+       capture's to within two forwards' distance (``forwards_tol``).
+
+    Families without a fast path (``attention_functions`` False: BLIP, CoCa)
+    compute the same pattern either way: the two captures agree bitwise."""
+    from core.attention_rows import RecomputedRows, recording
+    from core.capture import capture, eager_attention, hooks
+
+    adapter = loaded.adapter
+    n = inputs.input_ids.shape[1]
+    rows = torch.arange(n)
+    sdpa = capture(loaded, None, "", inputs=inputs, query_positions=rows, keep_qk=[0])
+    eager = capture(loaded, None, "", inputs=inputs, query_positions=rows, keep_qk=[0], attention="eager")
+    assert sdpa.attention == "sdpa" and eager.attention == "eager"
+    blocks = list(range(sdpa.n_blocks))
+    if not adapter.attention_functions:
+        for b in blocks:
+            torch.testing.assert_close(sdpa.patterns[b], eager.patterns[b], atol=0, rtol=0)
+        return
+    recomputed, weights = {}, {}
+
+    def on_call(block, call):
+        r = RecomputedRows(call)
+        recomputed[block] = (r.rows(rows), r.scores(rows), call)
+
+    def weights_hook(block):
+        def keep(module, args, out):
+            weights[block] = out[1]
+
+        return keep
+
+    modules = {b: adapter.attention_module(b) for b in blocks}
+    with eager_attention(loaded.model), hooks([(modules[b], "fwd", weights_hook(b)) for b in blocks]):
+        with recording(modules, on_call) as seen:
+            adapter.forward_logits(inputs)
+    assert seen == set(blocks)
+    call = recomputed[0][2]  # what the capture records as q / k: (batch, pos, heads, d_head)
+    torch.testing.assert_close(call.query.transpose(1, 2), eager.q[0], atol=0, rtol=0)
+    torch.testing.assert_close(call.key.transpose(1, 2), eager.k[0], atol=0, rtol=0)
+    for b in blocks:
+        got, scores, _ = recomputed[b]
+        scores = scores.double().masked_fill(scores <= torch.finfo(scores.dtype).min / 2, float("-inf"))
+        torch.testing.assert_close(got, weights[b].to(got.dtype), atol=0, rtol=softmax_rtol(scores, torch.float32))
+        n_keys = got.shape[-1]
+        tol = forwards_tol(adapter, 1.0, n_keys)
+        torch.testing.assert_close(sdpa.patterns[b], eager.patterns[b].to(sdpa.patterns[b].dtype), atol=tol, rtol=0)

@@ -26,7 +26,8 @@ def test_answer_rows_split_the_models_own_weights(tiny):
     loaded, image, question = tiny
     adapter = loaded.adapter
     at = AnswerText.of_text(adapter, ANSWER, 2)
-    d = analyze(loaded, image, question, answer_text=at)
+    d = analyze(loaded, image, question, answer_text=at, attention="eager")  # the weights are the eager forward's
+    assert d["input"]["attention"] == "eager"
     ap = d["answer_patterns"]
     inputs = adapter.prepare([image], [question], answer_prefix=at.prefix_ids)
     n_prompt = adapter.prepare([image], [question]).input_ids.shape[1]

@@ -126,7 +126,7 @@ def traced_case(kind: str = "blip"):
     m = tiny_blip_float64()
     image = noise_image(IMAGE_SIZE)
     n_pos = m.adapter.prepare([image], [PREFIX]).input_ids.shape[1]
-    tr = capture(m, image, PREFIX, query_positions=range(n_pos))
+    tr = capture(m, image, PREFIX, query_positions=range(n_pos), keep_attn_out=True)
     return m, tr
 
 

@@ -14,6 +14,7 @@ from core.zoo import scenes
 from tests.core.exactness import (
     assert_decomposition_is_exact,
     assert_jacobian_dla_is_autograd,
+    assert_recomputed_rows_are_eager,
     assert_source_contributions_sum_to_each_heads_terms,
     forwards_tol,
     norm_replay_tol,
@@ -79,6 +80,7 @@ def case(request):
         s.image,
         s.question,
         query_positions=range(m.adapter.prepare([Image.fromarray(s.image)], [s.question]).input_ids.shape[1]),
+        keep_attn_out=True,
     )
     return m, tr, s
 
@@ -93,6 +95,12 @@ def test_replay_equals_open_clip_forward(case):
     n_keys = max(tr.input_ids.shape[1], tr.kv_source[-1].shape[1])
     torch.testing.assert_close(tr.logits, library, atol=forwards_tol(m.adapter, library, n_keys), rtol=0)
     assert tr.block_names[-1] == f"L{m.adapter.n_layers - 1}.xattn" and tr.block_kinds[-1] == "cross"
+
+
+def test_recomputed_rows_equal_eager_attention(case):
+    """CoCa's replay computes its pattern whatever the attention option: an sdpa and an eager capture agree bitwise."""
+    m, _, s = case
+    assert_recomputed_rows_are_eager(m, m.adapter.prepare([Image.fromarray(s.image)], [s.question]))
 
 
 def test_patterns_equal_multihead_attention_weights(case):

@@ -13,6 +13,7 @@ from core.models.loading import LoadedModel
 from core.zoo import build, scenes
 from tests.core.exactness import (
     assert_heads_sum_to_attention_output,
+    assert_recomputed_rows_are_eager,
     assert_reconstruction_and_lens_at_last_layer,
     module_hook_counts,
     pattern_rtol,
@@ -47,8 +48,15 @@ def traced(request):
     m = tiny_llava_float64() if request.param == "tiny-float64" else load_model("shapes-llava")
     s = scenes.make_sample("heldout", 4)
     pos = list(range(0, 70, 7))
-    tr = capture(m, s.image, s.question, query_positions=pos)
+    tr = capture(m, s.image, s.question, query_positions=pos, keep_attn_out=True)
     return m, tr
+
+
+def test_recomputed_rows_equal_eager_attention(traced):
+    """Grouped-query heads, causal sdpa (no mask tensor) and padding-free: the recomputed rows are eager's."""
+    m, _ = traced
+    s = scenes.make_sample("heldout", 4)
+    assert_recomputed_rows_are_eager(m, m.adapter.prepare([Image.fromarray(s.image)], [s.question]))
 
 
 def test_heads_sum_to_attention_output(traced):

@@ -30,6 +30,7 @@ from tests.core.exactness import (
     assert_heads_sum_to_attention_output,
     assert_jacobian_dla_is_autograd,
     assert_lens_last_row_is_the_model,
+    assert_recomputed_rows_are_eager,
     assert_reconstruction_and_lens_at_last_layer,
     assert_source_contributions_sum_to_each_heads_terms,
     forwards_tol,
@@ -281,21 +282,26 @@ def test_heads_sum_to_attention_output(case):
 
 def test_residual_reconstruction_and_lens_at_last_layer(decoder_case):
     """x_L = x_0 + sum attn + sum mlp and the lens on x_L is the captured logits,
-    which are a plain forward's (no hook of ours): under eager attention (what a
-    capture runs) exactly, under the default sdpa (a float64 softmax, not eager's
-    float32) as far as two forwards may differ. x_0 is the token embeddings with
-    the family's visual inputs (``visual_inputs``) scattered into their positions."""
+    which are a plain forward's (no hook of ours changes the computation): the
+    default capture's are the model's own (sdpa) forward's bitwise, an eager
+    capture's the eager forward's bitwise, and the two differ only as far as two
+    forwards may (a float64 softmax, not eager's float32). x_0 is the token
+    embeddings with the family's visual inputs (``visual_inputs``) scattered into their positions."""
     c = decoder_case
     m, a, tr = c.m, c.m.adapter, c.trace
+    assert tr.attention == "sdpa"
     assert_reconstruction_and_lens_at_last_layer(a, tr)
     inputs = c.inputs()
     with torch.no_grad():
         sdpa = a.forward_logits(inputs)
         with eager_attention(m.model):
             eager = a.forward_logits(inputs)
-    torch.testing.assert_close(tr.logits, eager, atol=0, rtol=0)
+    torch.testing.assert_close(tr.logits, sdpa, atol=0, rtol=0)
+    eager_trace = capture(m, None, "", inputs=inputs, attention="eager", keep_attn_out=True)
+    assert_reconstruction_and_lens_at_last_layer(a, eager_trace)
+    torch.testing.assert_close(eager_trace.logits, eager, atol=0, rtol=0)
     n_keys = c.n_keys(tr.input_ids.shape[1])
-    torch.testing.assert_close(tr.logits, sdpa, atol=forwards_tol(a, eager, n_keys), rtol=0)
+    torch.testing.assert_close(tr.logits, eager, atol=forwards_tol(a, eager, n_keys), rtol=0)
     vis = tr.visual_positions[0]
     text = torch.ones(tr.input_ids.shape[1], dtype=torch.bool)
     text[vis] = False
@@ -303,7 +309,7 @@ def test_residual_reconstruction_and_lens_at_last_layer(decoder_case):
     torch.testing.assert_close(tr.resid_pre[0][0, text], emb[text], atol=0, rtol=0)
     visual_inputs = c.hook("visual_inputs")
     if visual_inputs is not None:
-        with eager_attention(m.model):  # as in the capture (the vision tower's eager softmax is float32)
+        with torch.no_grad():  # as in the capture: the model's own attention in the vision tower too
             projected = visual_inputs(m, noise_image(c.image_size))
         torch.testing.assert_close(tr.resid_pre[0][0, vis], projected, atol=0, rtol=0)
     extra = c.hook("check_reconstruction")
@@ -391,6 +397,12 @@ def test_patterns_and_values_recomputed_from_canonical_weights(patterns_case):
     extra = c.hook("check_patterns_and_values")
     if extra is not None:
         extra(c.m, tr)
+
+
+def test_recomputed_rows_equal_eager_attention(case):
+    """The default (sdpa) capture's pattern rows are eager attention's weights:
+    on the same calls to eager's float32 rounding, across runs to two forwards' distance."""
+    assert_recomputed_rows_are_eager(case.m, case.inputs())
 
 
 def test_hooks_are_removed_and_attention_restored(case):

@@ -187,7 +187,9 @@ def traced_case(kind: str):
     m = tiny_model_float64(kind, tie, bias)
     image = noise_image(IMAGE_SIZE)
     inputs = m.adapter.prepare([image], [QUESTION])
-    tr = capture(m, image, QUESTION, query_positions=range(inputs.input_ids.shape[1]), inputs=inputs)
+    tr = capture(
+        m, image, QUESTION, query_positions=range(inputs.input_ids.shape[1]), inputs=inputs, keep_attn_out=True
+    )
     return m, tr
 
 

@@ -159,7 +159,7 @@ def traced_case(kind: str = "llava_next"):
     m = tiny_llava_next_float64()
     image = noise_image(IMAGE_SIZE)
     n_pos = m.adapter.prepare([image], [QUESTION]).input_ids.shape[1]
-    tr = capture(m, image, QUESTION, query_positions=range(n_pos))
+    tr = capture(m, image, QUESTION, query_positions=range(n_pos), keep_attn_out=True)
     return m, tr
 
 

@@ -163,7 +163,7 @@ def traced_case(kind: str):
     m = tiny_qwen_float64(kind, kind == "qwen2_5_vl")
     image = noise_image(IMAGE_SIZE)
     n_pos = m.adapter.prepare([image], [QUESTION]).input_ids.shape[1]
-    tr = capture(m, image, QUESTION, query_positions=range(n_pos))
+    tr = capture(m, image, QUESTION, query_positions=range(n_pos), keep_attn_out=True)
     return m, tr
 
 

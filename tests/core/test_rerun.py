@@ -21,7 +21,7 @@ def case(request):
     m = m() if m else load_model(request.param)
     s = scenes.make_sample("heldout", 9)
     inputs = m.adapter.prepare([Image.fromarray(s.image)], [s.question])
-    trace = capture(m, None, "", inputs=inputs)
+    trace = capture(m, None, "", inputs=inputs, keep_attn_out=True)
     return m, inputs, trace, s
 
 
@@ -30,7 +30,7 @@ def test_zeroing_a_head_removes_exactly_its_write_at_that_position(case):
     a = m.adapter
     pos = int(trace.answer_positions[0])
     block, head = 1, 2
-    edited = capture(m, None, "", inputs=inputs, edits=[Edit(block, head, (pos,))])
+    edited = capture(m, None, "", inputs=inputs, edits=[Edit(block, head, (pos,))], keep_attn_out=True)
     assert edited.edits and not trace.edits
     expected = trace.attn_out[block][0, pos] - trace.head_output(a, block, pos)[head]
     tol = head_removal_tol(a, trace, block, pos)

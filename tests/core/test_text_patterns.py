@@ -20,9 +20,12 @@ analyze_module = importlib.import_module("core.analyze")  # the module (its FULL
 
 
 def full_capture(loaded, image, question):
+    """Every row, under eager attention: the weights are then the eager forward's
+    own, bitwise (the sdpa path's recomputed rows are checked against them per
+    family in tests/core/test_family_conformance.py)."""
     inputs = loaded.adapter.prepare([image], [question])
     n = inputs.input_ids.shape[1]
-    return inputs, capture(loaded, None, "", query_positions=range(n), inputs=inputs)
+    return inputs, capture(loaded, None, "", query_positions=range(n), inputs=inputs, attention="eager")
 
 
 def assert_rows_sum_to_one(tp: TextPatterns, loaded, trace):

@@ -24,7 +24,7 @@ from core.images import load_image
 from core.methods.contributions import source_contributions
 from core.methods.counterfactual.fills import Fill, as_fill
 from core.methods.counterfactual.regions import RegionError, check_mask
-from core.methods.patterns import FULL_PATTERN_LIMIT, rollout, rollout_audit
+from core.methods.patterns import FULL_PATTERN_LIMIT, RolloutStream, rollout_audit
 from core.readout import Target, change_line
 from core.stats import pearson, ranks, spearman
 
@@ -235,8 +235,8 @@ def token_routing(
     inputs=None,
     answer_prefix: Sequence[int] = (),
 ) -> TokenRouting:
-    """One capture of the ORIGINAL image: the answer row at every block (the
-    full pattern, for rollout, when the prompt has at most
+    """One capture of the ORIGINAL image: the answer row at every block (and
+    the rollout, fed block by block, when the prompt has at most
     ``core.methods.patterns.FULL_PATTERN_LIMIT`` tokens), then per visual token its
     attention weight per head, rollout mass and frozen-scale DLA."""
 
@@ -245,10 +245,10 @@ def token_routing(
     if inputs is None:
         inputs = adapter.prepare([img], [question], answer_prefix=answer_prefix)
     n = inputs.input_ids.shape[1]
-    full = n <= FULL_PATTERN_LIMIT
+    stream = RolloutStream(rollout_alpha) if n <= FULL_PATTERN_LIMIT else None
     pos = int(inputs.answer_positions[0])
-    trace = capture(loaded, img, question, query_positions=range(n) if full else [pos], inputs=inputs)
-    qi = pos if full else 0
+    trace = capture(loaded, img, question, inputs=inputs, pattern_streams=[stream] if stream is not None else [])
+    qi = 0
     tokens = adapter.visual_tokens(img.size, trace.visual_positions[0].tolist())
     vis_pos = trace.visual_positions[0]
     heads, rows = [], []
@@ -266,8 +266,8 @@ def token_routing(
     attention = np.stack(rows) if rows else np.zeros((0, len(tokens)))
     roll = None
     audits = []
-    if full:
-        r = rollout(trace, rollout_alpha)[pos].double().cpu()
+    if stream is not None:
+        r = stream.answer_row(trace).double().cpu()
         vis_nodes = vis_pos.cpu() if vis_pos.numel() else torch.arange(n, r.shape[0])
         roll = r[vis_nodes].numpy()
     sc = source_contributions(adapter, trace, answer_id, foil_id, position=pos)
@@ -291,7 +291,7 @@ def token_routing(
             notes=["attention on the region shows routing co-occurrence only; compare with the answer effect"],
         )
     )
-    if full:
+    if stream is not None:
         audits.append(rollout_audit(rollout_alpha, "mean"))
     audits.append(sc.audit)
     audits[-1].notes.append(

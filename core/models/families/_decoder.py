@@ -6,20 +6,22 @@ from __future__ import annotations
 
 import torch
 
+from core.attention_rows import WeightsRows
+from core.capture import record_pattern
 from core.errors import QuestionError
 from core.models.adapter import config_int
 from core.models.norms import Norm
 
 
 def pattern_hook(trace, layer: int):
-    """A forward hook on an eager attention module that keeps block ``layer``'s
-    pattern rows of ``trace.query_positions`` ``(batch, heads, queries, keys)``."""
+    """A forward hook on an eager attention module that gives block ``layer``'s
+    weights ``(batch, heads, queries, keys)`` to :func:`core.capture.record_pattern`."""
 
     def pattern(module, args, out):
         weights = out[1]
         if weights is None:
             raise RuntimeError("attention weights missing: the model is not running eager attention")
-        trace.patterns[layer] = weights[:, :, trace.query_positions.to(weights.device)]
+        record_pattern(trace, layer, WeightsRows(weights))
 
     return pattern
 
@@ -203,9 +205,10 @@ class LlamaStyleWeights(TextConfigSizes):
         regs = [
             (block, "pre_kw", resid_pre),
             (attn.o_proj, "pre", z_in),
-            (attn.o_proj, "fwd", attn_out),
             (block.mlp, "fwd", mlp_out),
         ]
+        if trace.keep_attn_out:
+            regs.append((attn.o_proj, "fwd", attn_out))
         if keep_pattern:
             regs.append((attn, "fwd", pattern_hook(trace, layer)))
         return regs

@@ -49,7 +49,8 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from core.capture import run_with_hooks
+from core.attention_rows import WeightsRows
+from core.capture import record_pattern, run_with_hooks
 from core.errors import QuestionError
 from core.geometry import VisualToken
 from core.models.adapter import Adapter, ModelInputs, config_int, size_value
@@ -176,6 +177,7 @@ class BlipAdapter(TextConfigSizes, Adapter):
     final_norm = "layernorm"  # the head transform ends in a LayerNorm; see HeadTransform
     attention_kind = "cross"
     position_scheme = "absolute"
+    attention_functions = False  # BLIP's text attention computes its softmax inline and returns it
 
     # ---- sizes (n_layers, n_heads, d_model: TextConfigSizes)
     @property
@@ -413,7 +415,7 @@ class BlipAdapter(TextConfigSizes, Adapter):
             trace.attn_out[block] = out
 
         def pattern(module, args, out):
-            trace.patterns[block] = out[1][:, :, trace.query_positions.to(out[1].device)]
+            record_pattern(trace, block, WeightsRows(out[1]))
 
         def norm_in(key):
             def fn(module, args):
@@ -421,7 +423,9 @@ class BlipAdapter(TextConfigSizes, Adapter):
 
             return fn
 
-        regs = [(attn.output.dense, "pre", z_in), (attn.output.dense, "fwd", attn_out)]
+        regs = [(attn.output.dense, "pre", z_in)]
+        if trace.keep_attn_out:
+            regs.append((attn.output.dense, "fwd", attn_out))
         if cross:
 
             def resid_pre(module, args, kwargs):

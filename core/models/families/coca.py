@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
+from core.attention_rows import WeightsRows
+from core.capture import record_pattern, wants_pattern
 from core.errors import InterventionError, QuestionError
 from core.geometry import VisualToken, resize_crop_boxes
 from core.models.adapter import Adapter, ModelInputs
@@ -19,6 +21,7 @@ class CocaAdapter(Adapter):
     open_clip_classes = ("CoCa",)
 
     records_qk = True  # the replay fills trace.q / trace.k itself
+    attention_functions = False  # the replay computes each pattern (open_clip's attention has no weights to hook)
     edit_sites = ("z", "mlp", "resid", "knockout", "kv_source")  # applied in the replay (run_capture)
 
     family = "coca"
@@ -278,7 +281,6 @@ class CocaAdapter(Adapter):
         x = tt.token_embedding(text) + tt.positional_embedding[:n_pos].to(visual.dtype)
         # The CLS token open_clip appends at the end cannot reach earlier positions.
         causal = torch.full((n_pos, n_pos), float("-inf"), dtype=x.dtype).triu(1)
-        qpos = trace.query_positions
         # Blocks run in order; the decoder reads the text tower's tokens without its ln_final.
         for block, (_, kind) in enumerate(blocks):
             module = self._block(block)
@@ -312,9 +314,11 @@ class CocaAdapter(Adapter):
                 if e.block == block and e.site == "z":
                     z = e.apply(z.flatten(2), self.d_head).view_as(z)
             out = torch.einsum("bqhd,hdm->bqm", z, self.W_O(block)) + self.b_O(block)
-            trace.z[block], trace.attn_out[block] = z, out
-            if block in keep:
-                trace.patterns[block] = pattern[:, :, qpos]
+            trace.z[block] = z
+            if trace.keep_attn_out:
+                trace.attn_out[block] = out
+            if wants_pattern(trace, block):
+                record_pattern(trace, block, WeightsRows(pattern))
             x = x + out
             mlp = module.mlp(module.ln_2(x))
             gamma = self._layer_scale(module.ls_2)

@@ -345,12 +345,15 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
             trace.z[layer] = x.view(*x.shape[:-1], self.n_heads, self.d_head)
 
         def attn_out(module, args, out):
-            state["o_out"] = out
-            trace.attn_out[layer] = block.cross_attn_attn_gate.tanh() * out if cross else out
+            gated = block.cross_attn_attn_gate.tanh() * out if cross else out
+            if cross:  # held until the layer's output is checked (layer_out)
+                state["o_out"], state["attn_out"] = out, gated
+            if trace.keep_attn_out:
+                trace.attn_out[layer] = gated
 
         def mlp_out(module, args, out):
-            state["mlp_raw"] = out
-            if cross:  # the same operations, in the same order, as the layer
+            if cross:
+                state["mlp_raw"] = out  # the same operations, in the same order, as the layer
                 row = state.get("row_mask")
                 if row is not None:
                     out = row[:, 0] * out
@@ -363,7 +366,8 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
             applies (transformers issue #39379) before giving up."""
             out = out[0] if isinstance(out, tuple) else out
             x = trace.resid_pre[layer]
-            if torch.equal(out, (x + trace.attn_out[layer]) + trace.mlp_out[layer]):
+            if torch.equal(out, (x + state.pop("attn_out")) + trace.mlp_out[layer]):
+                state.clear()
                 return
             row = state.get("row_mask")
             if row is not None:
@@ -373,11 +377,15 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
                     a = gate_a * (row * state["o_out"]) if attn_masked else gate_a * state["o_out"]
                     m = gate_m * (row * state["mlp_raw"]) if mlp_masked else gate_m * state["mlp_raw"]
                     if torch.equal(out, (x + a) + m):
-                        trace.attn_out[layer], trace.mlp_out[layer] = a, m
+                        trace.mlp_out[layer] = m
+                        if trace.keep_attn_out:
+                            trace.attn_out[layer] = a
                         if attn_masked:  # so that sum_h z^h W_O^h is still the block's write
                             trace.z[layer] = row.unsqueeze(-1) * trace.z[layer]
+                        state.clear()
                         return
-            err = float((out - (x + trace.attn_out[layer]) - trace.mlp_out[layer]).abs().max())
+            gated = block.cross_attn_attn_gate.tanh() * state["o_out"]
+            err = float((out - (x + gated) - trace.mlp_out[layer]).abs().max())
             raise RuntimeError(
                 f"cross layer {layer}: the recorded attention and MLP writes miss its output by {err:.3g}; "
                 "transformers' MllamaCrossAttentionDecoderLayer changed"
