@@ -44,6 +44,7 @@ from PySide6.QtWidgets import QApplication  # noqa: E402
 from timing import interleaved_times  # noqa: E402  # bench/timing.py (the script's folder is on sys.path)
 
 from core import answer  # noqa: E402
+from core.atomic import write_text_atomic  # noqa: E402
 
 MODELS = ("shapes-llava", "shapes-coca")
 
@@ -220,10 +221,7 @@ def main() -> None:
             "readout": rows,
             "brush": brush,
         }
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(a.json).with_suffix(".tmp")
-        tmp.write_text(json.dumps(out, indent=2) + "\n")
-        os.replace(tmp, a.json)
+        write_text_atomic(a.json, json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from core import load_model
+from core.atomic import write_text_atomic
 from core.capture import capture
 from core.geometry import region_tokens
 from core.methods.nonunique import nonunique_attention, visual_token_keys
@@ -154,11 +153,7 @@ def main() -> None:
         "score_bounds": [1.0, 2.0],
         "models": [run_model(spec, args.n) for spec in ("shapes-llava", "shapes-coca")],
     }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1, allow_nan=False))
-    os.replace(tmp, path)
+    write_text_atomic(args.json, json.dumps(out, indent=1, allow_nan=False))
     for m in out["models"]:
         print(m["model"], json.dumps(m["summary"], indent=1))
 

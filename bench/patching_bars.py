@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from core import load_model
+from core.atomic import write_text_atomic
 from core.capture import capture, hooks
 from core.geometry import region_tokens
 from core.methods.interventions import visual_patch_edit
@@ -227,10 +228,7 @@ def main(argv=None) -> None:
         "measured": time.strftime("%Y-%m-%d"),
         "models": [measure(spec, args.n, args.min_cover) for spec in args.models],
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.json.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(args.json)
+    write_text_atomic(args.json, json.dumps(result, indent=2))
     for m in result["models"]:
         print(f"{m['spec']} ({m['fingerprint']}): n={m['n_questions']}, accuracy {m['accuracy_original']:.3f} / "
               f"{m['accuracy_counterfactual']:.3f} (original / counterfactual)")  # fmt: skip

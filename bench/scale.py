@@ -13,44 +13,49 @@ CLIP ViT-L/14). The number of visual tokens follows the image side (14 px
 patches): 24^2 = 576 at 336 px (588 tokens with the prompt), 54^2 = 2,916 at
 756 px, 89^2 = 7,921 at 1,246 px.
 
-Each round runs, back to back and in the same order, a plain forward
-(``model(**inputs)``, the model's own sdpa attention, no hook), the default
+Each length runs in its own process (a length's allocator state and memory
+never carry into the next), in two phases. Timing: rounds of the default
 capture (the answer row of every block's pattern, every z, MLP output and
 residual), ``core.analyze.analyze`` (every read-out, rollout included up to
-FULL_PATTERN_LIMIT tokens) and, where it fits, an eager capture (the
-reference the sdpa path replaces). Ratios are medians over rounds of each
-call's time over its own round's forward. Memory: the peak resident set
-growth of each call above the resident set before it (Linux VmHWM, reset by
-``/proc/self/clear_refs`` before every call; glibc's mmap threshold pinned so
-freed tensors leave the resident set), or on CUDA the peak allocated memory
-above the allocated memory before the call. The fit: peak growth against T,
-least squares, per call.
+FULL_PATTERN_LIMIT tokens) and, where it fits, an eager capture (the reference
+the sdpa path replaces), each between two plain forwards (``model(**inputs)``,
+the model's own sdpa attention, no hook): F C F A F E F. A call's ratio is its
+time over the mean of its two forwards; the table gives medians over rounds.
+Before every timed call (forwards too) the garbage is collected and glibc
+returns its free heap pages (``malloc_trim(0)``), so every call starts from
+the same allocator state and pays for the pages it touches: without that a
+call's time depends on what the call before it left on the heap (on this VM a
+page fault costs about 2.6 us, and a 588-token capture touches some 15,000
+pages a forward does not). Memory: then, glibc's mmap threshold pinned at
+128 KiB (a freed tensor leaves the resident set rather than staying on the
+heap), the peak resident set growth of each call above the resident set
+before it (Linux VmHWM, reset by ``/proc/self/clear_refs``); on CUDA the peak
+allocated memory above the allocated memory before the call. The phases are
+apart because a pinned threshold makes every large allocation a fresh mapping
+whose faults would be billed to the calls that allocate most. The fit: peak
+growth against T, least squares, per depth.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
-import os
+import multiprocessing
 import platform
 import statistics
 import subprocess
-import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-
-# Freed tensors must leave the resident set for peak growth to mean anything:
-# pin glibc's mmap threshold (it otherwise grows to 32 MB and keeps big blocks on the heap).
-if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and __name__ == "__main__":
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import numpy as np
 import torch
 from PIL import Image
 
 from core.analyze import analyze
+from core.atomic import write_text_atomic
 from core.capture import capture
 from core.models.loading import LoadedModel
 
@@ -70,7 +75,7 @@ PRESETS = {
     ),
 }
 PATCH = 14
-QUESTION = "what color is the circle ?"
+QUESTION = "what color is the big circle in the picture ?"  # 588 tokens with 576 visual ones
 
 
 def image_side(tokens: int) -> int:
@@ -131,10 +136,11 @@ def random_llava(preset: str, side: int, layers: int | None, dtype: torch.dtype,
 
 
 class Memory:
-    """Peak memory growth of one call: resident set on the CPU, allocated memory on CUDA."""
+    """Seconds and peak memory growth of one call: resident set on the CPU, allocated memory on CUDA."""
 
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
+        self._libc = None if self.cuda else ctypes.CDLL("libc.so.6")
 
     def _rss(self, field: str) -> int:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -142,60 +148,105 @@ class Memory:
                 return int(line.split()[1]) * 1024
         raise RuntimeError(f"/proc/self/status has no {field}")
 
-    def measure(self, fn) -> tuple[float, int]:
-        """``(seconds, peak bytes above the start)`` of ``fn()``; its result is dropped after the peak is read."""
+    def _settle(self) -> None:
+        """The same allocator state before every call: garbage collected, free heap pages returned."""
         gc.collect()
         if self.cuda:
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            start = torch.cuda.memory_allocated()
         else:
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-            start = self._rss("VmRSS")
+            self._libc.malloc_trim(0)
+
+    def pin(self) -> None:
+        """From now on a freed tensor leaves the resident set (CPU; see the module docstring)."""
+        M_MMAP_THRESHOLD = -3
+        if not self.cuda and not self._libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024):
+            raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+
+    def seconds(self, fn) -> float:
+        self._settle()
         t = time.perf_counter()
         out = fn()
         if self.cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t
+        del out
+        return seconds
+
+    def peak(self, fn) -> int:
+        """Peak bytes above the start during ``fn()``; its result is dropped after the peak is read."""
+        self._settle()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            start = self._rss("VmRSS")
+        out = fn()
+        if self.cuda:
+            torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() if self.cuda else self._rss("VmHWM")
         del out
-        return seconds, peak - start
+        return peak - start
 
 
 @torch.no_grad()
-def bench_case(loaded: LoadedModel, image, rounds: int, memory: Memory, eager: bool) -> dict:
+def bench_case(
+    loaded: LoadedModel, image, rounds: int, memory_rounds: int, memory: Memory, eager: bool, warm_up: bool
+) -> dict:
     inputs = loaded.adapter.prepare([image], [QUESTION])
+    forward = lambda: loaded.model(**inputs.tensors, use_cache=False)  # noqa: E731
     calls = {
-        "forward": lambda: loaded.model(**inputs.tensors, use_cache=False),
         "capture": lambda: capture(loaded, None, "", inputs=inputs),
         "analyze": lambda: analyze(loaded, image, QUESTION),
     }
     if eager:
         calls["capture_eager"] = lambda: capture(loaded, None, "", inputs=inputs, attention="eager")
-    for fn in calls.values():  # warm-up
+    for fn in (forward, *calls.values()) if warm_up else (forward,):  # warm-up
         fn()
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    peaks: dict[str, list[int]] = {k: [] for k in calls}
+    # Each call between two forwards (F C F A F E F): its ratio is over the mean of the two.
+    forwards: list[float] = []
+    ratios: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(rounds):
+        before = memory.seconds(forward)
+        forwards.append(before)
         for k, fn in calls.items():
-            seconds, peak = memory.measure(fn)
-            times[k].append(seconds)
-            peaks[k].append(peak)
-    ratios = {k: statistics.median(t / f for t, f in zip(times[k], times["forward"])) for k in calls if k != "forward"}
+            seconds = memory.seconds(fn)
+            after = memory.seconds(forward)
+            forwards.append(after)
+            ratios[k].append(seconds / ((before + after) / 2))
+            before = after
+    memory.pin()
+    peaks: dict[str, list[int]] = {k: [] for k in ("forward", *calls)}
+    for _ in range(memory_rounds):
+        for k, fn in (("forward", forward), *calls.items()):
+            peaks[k].append(memory.peak(fn))
     mb = {k: statistics.median(v) / 2**20 for k, v in peaks.items()}
     a = loaded.adapter
     return {
+        "device": torch.cuda.get_device_name() if memory.cuda else "cpu",
         "tokens": int(inputs.input_ids.shape[1]),
         "visual_tokens": int(a.visual_positions(inputs).shape[1]),
         "layers": a.n_layers,
         "heads": a.n_heads,
         "d_model": a.d_model,
         "rounds": rounds,
-        "forward_s": round(statistics.median(times["forward"]), 4),
-        **{f"{k}_over_forward": round(v, 3) for k, v in ratios.items()},
+        "memory_rounds": memory_rounds,
+        "forward_s": round(statistics.median(forwards), 4),
+        **{f"{k}_over_forward": round(statistics.median(v), 3) for k, v in ratios.items()},
+        **{f"{k}_over_forward_rounds": [round(r, 3) for r in v] for k, v in ratios.items()},
         **{f"{k}_peak_growth_mb": round(v, 1) for k, v in mb.items()},
-        **{f"{k}_above_forward_mb": round(mb[k] - mb["forward"], 1) for k in calls if k != "forward"},
+        **{f"{k}_above_forward_mb": round(mb[k] - mb["forward"], 1) for k in calls},
     }
+
+
+def run_case(preset, tokens, layers, rounds, memory_rounds, dtype_name, device, threads, eager, warm_up, seed) -> dict:
+    """One length, in the calling process (``main`` runs each in a fresh one)."""
+    torch.set_num_threads(threads)
+    side = image_side(tokens)
+    loaded = random_llava(preset, side, layers, getattr(torch, dtype_name), device)
+    rng = np.random.default_rng(seed)
+    image = Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8))
+    return {"commit": commit(), **bench_case(loaded, image, rounds, memory_rounds, Memory(device), eager, warm_up)}
 
 
 def line_fit(rows: list[dict], key: str) -> dict | None:
@@ -225,39 +276,51 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[600, 2900, 8000], help="sequence lengths (about)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="llava-1024")
     p.add_argument("--layers", type=int, nargs="+", default=None, help="the depth per length (default: the preset's)")
-    p.add_argument("--rounds", type=int, nargs="+", default=None, help="rounds per length (default 9, 3, 1, ...)")
+    p.add_argument("--rounds", type=int, nargs="+", default=None, help="timing rounds per length (default 9, 3, 1)")
+    p.add_argument("--memory-rounds", type=int, nargs="+", default=[2, 1], help="memory rounds per length")
     p.add_argument("--eager-up-to", type=int, default=3000, help="also time an eager capture up to this length")
+    p.add_argument(
+        "--warm-up-to", type=int, default=3000, help="warm every call up to this length (beyond: the forward only)"
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write here, keeping its rows of other lengths (same setup)")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
     default_rounds = [9, 3, 1]
-    memory = Memory(args.device)
     rows = []
-    rng = np.random.default_rng(0)
+    spawn = multiprocessing.get_context("spawn")
     for i, tokens in enumerate(args.tokens):
-        side = image_side(tokens)
         layers = args.layers[min(i, len(args.layers) - 1)] if args.layers else None
         rounds = args.rounds[min(i, len(args.rounds) - 1)] if args.rounds else default_rounds[min(i, 2)]
-        loaded = random_llava(args.preset, side, layers, dtype, args.device)
-        image = Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8))
-        row = bench_case(loaded, image, rounds, memory, eager=tokens <= args.eager_up_to)
+        memory_rounds = args.memory_rounds[min(i, len(args.memory_rounds) - 1)]
+        case = (args.preset, tokens, layers, rounds, memory_rounds, args.dtype, args.device, args.threads)
+        with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:  # a fresh process per length
+            row = pool.submit(run_case, *case, tokens <= args.eager_up_to, tokens <= args.warm_up_to, i).result()
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del loaded
-        gc.collect()
-    unit = "peak CUDA MB" if memory.cuda else "peak RSS MB"
+    setup = {
+        "machine": platform.machine(),
+        "device": rows[0]["device"] if rows else args.device,
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "preset": args.preset,
+    }
+    if args.json and Path(args.json).is_file():  # keep the file's other lengths when they were measured alike
+        old = json.loads(Path(args.json).read_text())
+        if all(old.get(k) == v for k, v in setup.items()):
+            measured = {r["tokens"] for r in rows}
+            rows = sorted([r for r in old["rows"] if r["tokens"] not in measured] + rows, key=lambda r: r["tokens"])
+    unit = "peak CUDA MB" if args.device.startswith("cuda") else "peak RSS MB"
     print(
-        f"\n| tokens | layers | forward s | capture / forward | analyze / forward | eager capture / forward | "
+        f"\n| tokens | commit | layers | forward s | capture / forward | analyze / forward | eager capture / forward | "
         f"forward {unit} | capture above forward MB | analyze above forward MB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['tokens']} | {r['layers']} | {r['forward_s']} | {r['capture_over_forward']} | "
+            f"| {r['tokens']} | {r.get('commit', '')} | {r['layers']} | {r['forward_s']} | {r['capture_over_forward']} | "
             f"{r['analyze_over_forward']} | {r.get('capture_eager_over_forward', '-')} | "
             f"{r['forward_peak_growth_mb']} | {r['capture_above_forward_mb']} | {r['analyze_above_forward_mb']} |"
         )
@@ -267,21 +330,8 @@ def main() -> None:
         fits[str(depth)] = {k: line_fit(same, f"{k}_peak_growth_mb") for k in ("forward", "capture", "analyze")}
     print("\nline fit of peak growth against T (per depth):", json.dumps(fits))
     if args.json:
-        out = {
-            "commit": commit(),
-            "machine": platform.machine(),
-            "device": torch.cuda.get_device_name() if memory.cuda else "cpu",
-            "torch": torch.__version__,
-            "threads": args.threads,
-            "dtype": args.dtype,
-            "preset": args.preset,
-            "rows": rows,
-            "fits": fits,
-        }
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(json.dumps(out, indent=2) + "\n")
-        os.replace(tmp, args.json)
+        out = {**setup, "rows": rows, "fits": fits}
+        write_text_atomic(args.json, json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -175,8 +175,11 @@ class RecomputedRows:
                 padded = torch.cat([rows, rows[-1:].expand(ROW_CHUNK - len(rows))])
                 limit = min(n_keys_all, (chunk + 1) * ROW_CHUNK) if self.causal_only else n_keys_all
                 pieces.append((part, self.scores(padded, limit).softmax(dim=-1, dtype=dtype)[:, :, : len(rows)]))
-        if len(pieces) == 1 and pieces[0][1].shape[-1] >= n_keys:  # one chunk read whole: no copy
-            return pieces[0][1][..., :n_keys]
+        if len(pieces) == 1 and pieces[0][1].shape[-1] >= n_keys:
+            rows = pieces[0][1][..., :n_keys]
+            # a view of the padded chunk would keep all ROW_CHUNK rows alive in the trace
+            whole = rows.untyped_storage().nbytes() == rows.numel() * rows.element_size()
+            return rows if whole else rows.clone()
         out = torch.zeros(b, h, len(positions), n_keys, dtype=dtype, device=c.query.device)
         for part, weights in pieces:
             limit = min(weights.shape[-1], n_keys)

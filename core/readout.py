@@ -31,8 +31,12 @@ def jsonable(x):
     if isinstance(x, dict):
         return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        if x and all(type(v) is float for v in x):  # the common grid row: no call per number
-            return [v if math.isfinite(v) else None for v in x]
+        types = set(map(type, x))
+        if types == {float}:  # the common grid row: no Python call per number
+            # a finite sum has no inf or nan among its terms (either makes the sum inf or nan)
+            return list(x) if math.isfinite(sum(x)) else [v if math.isfinite(v) else None for v in x]
+        if types == {int}:
+            return list(x)
         return [jsonable(v) for v in x]
     if x is None or isinstance(x, (str, int, bool)):
         return x

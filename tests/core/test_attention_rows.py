@@ -107,6 +107,16 @@ def test_a_row_is_the_same_whichever_rows_are_asked_with_it(llava, sample):
         rows.rows(torch.tensor([n]))
 
 
+def test_kept_pattern_rows_hold_only_their_own_storage(llava, sample):
+    """The answer row of a capture is one row, not a view into its padded ROW_CHUNK-row chunk
+    (which would keep ROW_CHUNK times the memory alive in the trace)."""
+    trace = capture(llava, *sample)
+    assert trace.attention == "sdpa"
+    for block, rows in trace.patterns.items():
+        assert rows.shape[2] == len(trace.query_positions)
+        assert rows.untyped_storage().nbytes() == rows.numel() * rows.element_size(), block
+
+
 def test_capture_refuses_an_unknown_attention_mode_and_rows_out_of_range(llava, sample):
     with pytest.raises(ValueError, match="attention"):
         capture(llava, sample[0], sample[1], attention="flash")

@@ -146,3 +146,29 @@ def test_target_from_logits_against_a_hand_softmax():
     assert Target.from_dict({**t.to_dict(), "top": []}) == t  # extra keys of a stored JSON are ignored
     plain = Target.from_logits(Tokens(), logits, 0)
     assert plain.foil is None and plain.logit_diff is None and plain.score == 0.5 and plain.position is None
+
+
+def test_jsonable_maps_every_non_finite_float_to_none_on_the_fast_path_and_off_it():
+    import math
+
+    import numpy as np
+    import torch
+
+    from core.readout import jsonable
+
+    big = 1e308
+    cases = {
+        "finite": ([0.5, -2.0, 3.25], [0.5, -2.0, 3.25]),
+        "nan": ([1.0, math.nan, 2.0], [1.0, None, 2.0]),
+        "inf_and_minus_inf": ([math.inf, -math.inf, 1.0], [None, None, 1.0]),  # their sum is nan
+        "sum_overflows": ([big, big, -1.0], [big, big, -1.0]),  # finite numbers whose sum is inf
+        "ints": ((1, 2, 3), [1, 2, 3]),
+        "mixed": ([1, 2.0, True, None, math.nan], [1, 2.0, True, None, None]),
+        "nested": ([[1.0, math.inf], (2.0,)], [[1.0, None], [2.0]]),
+        "tensor": (torch.tensor([[1.0, float("nan")], [float("inf"), 0.0]]), [[1.0, None], [None, 0.0]]),
+        "array": (np.array([np.float32(0.25), np.nan]), [0.25, None]),
+    }
+    for name, (value, expected) in cases.items():
+        out = jsonable(value)
+        assert out == expected, name
+        json.dumps(out, allow_nan=False)  # strict JSON
