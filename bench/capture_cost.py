@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from timing import interleaved_times  # bench/timing.py (the script's folder is on sys.path)
+from scale import random_llava  # bench/scale.py (the script's folder is on sys.path)
+from timing import interleaved_times  # bench/timing.py
 
 from core import load_model
 from core.capture import capture
@@ -38,64 +39,8 @@ from core.models.loading import LoadedModel
 
 
 def big_llava() -> LoadedModel:
-    """A random LLaVA with a 7B-shaped (scaled) language model and 576 visual tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-        PreTrainedTokenizerFast,
-    )
-
-    from core.models.families.llava import LlavaAdapter
-
-    words = ["<unk>", "<s>", "</s>", "<pad>", "<image>"] + "user assistant : what color is the circle ?".split()
-    vocab = {w: i for i, w in enumerate(words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
-    )
-    fast.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    vision = CLIPVisionConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=336,
-        patch_size=14,
-    )
-    text = LlamaConfig(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-    )
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_id=vocab["<image>"],
-        image_seq_length=576,
-        vision_feature_select_strategy="default",
-    )
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config).eval()
-    ip = CLIPImageProcessor(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
-    processor = LlavaProcessor(
-        image_processor=ip,
-        tokenizer=fast,
-        patch_size=14,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-    )
-    adapter = LlavaAdapter(model, processor, fast)
-    return LoadedModel("random-llava-7b-shaped", "llava", model, processor, fast, adapter)
+    """A random LLaVA with a 7B-shaped (scaled) language model of 8 heads of 128 and 576 visual tokens."""
+    return random_llava("llava-1024", 336, None, torch.float32, "cpu", heads=8)
 
 
 def _interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:

@@ -83,8 +83,11 @@ def image_side(tokens: int) -> int:
     return max(1, round((max(tokens - 12, 1)) ** 0.5)) * PATCH
 
 
-def random_llava(preset: str, side: int, layers: int | None, dtype: torch.dtype, device: str) -> LoadedModel:
-    """A random LLaVA of ``preset``'s shape reading ``side`` px images (``layers``: the language model's depth)."""
+def random_llava(
+    preset: str, side: int, layers: int | None, dtype: torch.dtype, device: str, heads: int | None = None
+) -> LoadedModel:
+    """A random LLaVA of ``preset``'s shape reading ``side`` px images (``layers``: the language
+    model's depth; ``heads``: its heads, as many key / value heads, d_head following)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
         CLIPImageProcessor,
@@ -108,6 +111,8 @@ def random_llava(preset: str, side: int, layers: int | None, dtype: torch.dtype,
     fast.add_special_tokens({"additional_special_tokens": ["<image>"]})
     lm, vision = PRESETS[preset]
     lm = {**lm, **({"num_hidden_layers": layers} if layers else {})}
+    if heads:
+        lm.update(num_attention_heads=heads, num_key_value_heads=heads)
     grid = side // PATCH
     config = LlavaConfig(
         vision_config=CLIPVisionConfig(**vision, image_size=side, patch_size=PATCH),

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import torch
 
 # Rows recomputed at once: bounds the transient (batch, heads, rows, keys) scores.
-# Every product runs on exactly this many rows (the last chunk padded), so a row's
-# numbers never depend on which other rows were asked for: a matrix product's
-# rows agree bitwise only across calls of one shape.
+# Rows are computed by aligned chunks of this many (the last padded with the last
+# row), so a row always sits at the same place in the same product and its numbers
+# never depend on which other rows were asked for: a matrix product's rows agree
+# bitwise only across calls of one shape (and, on some kernels, one place in it).
 ROW_CHUNK = 64
 
 
@@ -86,15 +87,24 @@ class AttentionCall:
 
 class RecomputedRows:
     """The pattern rows of one recorded attention call, recomputed on demand
-    the way eager attention computes the whole pattern (see the module docstring)."""
+    the way eager attention computes the whole pattern (see the module docstring).
 
-    def __init__(self, call: AttentionCall):
+    Args:
+        reuse: how many computed row chunks to keep for a later request in
+            this call (a read-out's rows, then a stream walking every chunk,
+            compute the chunks they share once); each is ``(batch, heads,
+            ROW_CHUNK, keys)``. 0: none.
+    """
+
+    def __init__(self, call: AttentionCall, reuse: int = 0):
         self.call = call
         self.batch, self.n_rows, self.n_keys = call.query.shape[0], call.query.shape[2], call.key.shape[2]
         c = call
         # sdpa / flash applying causality themselves (no mask tensor): a row reads no key after it,
         # so the keys past a row chunk are not computed at all.
         self.causal_only = c.kind != "eager" and c.causal and self.n_rows > 1 and (c.mask is None or c.mask.ndim == 2)
+        self.reuse = reuse
+        self._kept: dict[int, torch.Tensor] = {}
 
     def scores(self, positions: torch.Tensor, n_keys: int | None = None) -> torch.Tensor:
         """``(batch, heads, n, keys)``: the scaled (soft-capped) scores of the
@@ -146,6 +156,22 @@ class RecomputedRows:
         on sdpa's causal path, else all (a mask tensor may open any key)."""
         return min(self.n_keys, last_row + 1) if self.causal_only else self.n_keys
 
+    def chunk(self, index: int) -> torch.Tensor:
+        """``(batch, heads, ROW_CHUNK, keys)``: the pattern of the aligned rows
+        ``index * ROW_CHUNK ...`` (past the last row, the last row again); on
+        sdpa's causal path only the keys its last row may read."""
+        if index in self._kept:
+            return self._kept[index]
+        c = self.call
+        dtype = torch.float64 if c.query.dtype == torch.float64 else torch.float32
+        first = index * ROW_CHUNK
+        rows = torch.arange(first, first + ROW_CHUNK).clamp_(max=self.n_rows - 1)
+        limit = min(self.n_keys, first + ROW_CHUNK) if self.causal_only else self.n_keys
+        weights = self.scores(rows, limit).softmax(dim=-1, dtype=dtype)
+        if len(self._kept) < self.reuse:
+            self._kept[index] = weights
+        return weights
+
     def rows(self, positions: torch.Tensor, n_keys: int | None = None) -> torch.Tensor:
         """``(batch, heads, len(positions), keys)`` (``n_keys``: only the first
         keys, when the caller knows the rest unread), in float32, or float64 for
@@ -153,37 +179,29 @@ class RecomputedRows:
         (eager attention's weights are its float32 softmax cast to the model's
         dtype, so the two agree to that rounding).
 
-        Rows are computed by aligned chunks of :data:`ROW_CHUNK` (row ``p`` in
-        chunk ``p // ROW_CHUNK``, padded to full size), and on sdpa's causal
-        path each chunk only over the keys its last row may read, zeros
-        beyond: the same products whichever rows are asked for together."""
-        c = self.call
+        Every row comes from its aligned :meth:`chunk` (row ``p`` at index
+        ``p % ROW_CHUNK`` of chunk ``p // ROW_CHUNK``), zeros past the keys
+        the chunk reads: the same product whichever rows are asked for together."""
         positions = torch.as_tensor(positions, dtype=torch.long).flatten().cpu()
-        dtype = torch.float64 if c.query.dtype == torch.float64 else torch.float32
-        b, h, n_keys_all = c.query.shape[0], c.query.shape[1], c.key.shape[2]
         if len(positions) and not (-self.n_rows <= int(positions.min()) and int(positions.max()) < self.n_rows):
             raise IndexError(f"query rows out of range: the attention had {self.n_rows} queries")
         positions = positions % max(self.n_rows, 1)
-        n_keys = n_keys_all if n_keys is None else min(n_keys, n_keys_all)
+        n_keys = self.n_keys if n_keys is None else min(n_keys, self.n_keys)
         chunks = positions // ROW_CHUNK
-        pieces = []
-        for chunk in chunks.unique().tolist():
-            where = (chunks == chunk).nonzero().flatten()
-            for i in range(0, len(where), ROW_CHUNK):
-                part = where[i : i + ROW_CHUNK]
-                rows = positions[part]
-                padded = torch.cat([rows, rows[-1:].expand(ROW_CHUNK - len(rows))])
-                limit = min(n_keys_all, (chunk + 1) * ROW_CHUNK) if self.causal_only else n_keys_all
-                pieces.append((part, self.scores(padded, limit).softmax(dim=-1, dtype=dtype)[:, :, : len(rows)]))
-        if len(pieces) == 1 and pieces[0][1].shape[-1] >= n_keys:
-            rows = pieces[0][1][..., :n_keys]
-            # a view of the padded chunk would keep all ROW_CHUNK rows alive in the trace
-            whole = rows.untyped_storage().nbytes() == rows.numel() * rows.element_size()
-            return rows if whole else rows.clone()
-        out = torch.zeros(b, h, len(positions), n_keys, dtype=dtype, device=c.query.device)
-        for part, weights in pieces:
+        indices = chunks.unique().tolist()
+        whole = len(positions) == ROW_CHUNK and bool((positions == positions[0] + torch.arange(ROW_CHUNK)).all())
+        if whole and len(indices) == 1:  # one aligned chunk, in order: the chunk itself, no copy
+            weights = self.chunk(indices[0])
+            if weights.shape[-1] >= n_keys:
+                return weights[..., :n_keys]
+        c = self.call
+        dtype = torch.float64 if c.query.dtype == torch.float64 else torch.float32
+        out = torch.zeros(self.batch, c.query.shape[1], len(positions), n_keys, dtype=dtype, device=c.query.device)
+        for index in indices:
+            where = (chunks == index).nonzero().flatten()
+            weights = self.chunk(index)
             limit = min(weights.shape[-1], n_keys)
-            out[:, :, part.to(out.device), :limit] = weights[..., :limit]
+            out[:, :, where.to(out.device), :limit] = weights[:, :, positions[where] - index * ROW_CHUNK, :limit]
         return out
 
 

@@ -276,14 +276,18 @@ def record_attention(adapter, trace: Trace, qk_blocks: set[int]) -> Iterator[Non
     forward themselves (``adapter.records_qk``) fill ``trace.q``/``trace.k``
     in their replay; families whose attention is computed inline (BLIP) hook
     their q/k projections (``adapter.qk_record_hooks``)."""
-    rows = recomputes_patterns(adapter, trace)
-    blocks = set(qk_blocks)
-    if rows:
-        blocks |= {b for b in range(trace.n_blocks) if wants_pattern(trace, b)}
-    own = None if getattr(adapter, "records_qk", False) else adapter.qk_record_hooks(trace, qk_blocks)
-    if not blocks or getattr(adapter, "records_qk", False) or own is not None:
-        with hooks(own or []):
+    if getattr(adapter, "records_qk", False):  # the family's replay fills trace.q / trace.k itself
+        yield
+        return
+    own = adapter.qk_record_hooks(trace, qk_blocks)
+    if own is not None:  # attention computed inline: the family hooks its q / k projections
+        with hooks(own):
             yield
+        return
+    rows = recomputes_patterns(adapter, trace)
+    blocks = set(qk_blocks) | ({b for b in range(trace.n_blocks) if wants_pattern(trace, b)} if rows else set())
+    if not blocks:
+        yield
         return
 
     def on_call(block, call):
@@ -293,7 +297,9 @@ def record_attention(adapter, trace: Trace, qk_blocks: set[int]) -> Iterator[Non
             trace.k[block] = call.key.transpose(1, 2)
             trace.score_scale[block] = call.scaling
         if rows and wants_pattern(trace, block):
-            record_pattern(trace, block, RecomputedRows(call))
+            # a stream walks every chunk after the kept rows asked for theirs: those (the prompt's
+            # first and last chunks, as a rule) are computed once
+            record_pattern(trace, block, RecomputedRows(call, reuse=2 if trace.pattern_streams else 0))
 
     with attention_rows.recording({b: adapter.attention_module(b) for b in blocks}, on_call) as seen:
         yield

@@ -691,11 +691,12 @@ class RolloutStream:
         else:
             source = out[:, :n]
         new = torch.empty_like(out[:, :n])
-        for i in range(0, n, ROW_CHUNK):
-            chunk = torch.arange(i, min(i + ROW_CHUNK, n))
-            reads = rows.keys_read(int(chunk[-1]))  # a causal pattern's chunk reads no later key
-            a = self._mixed(rows, chunk, reads).to(out.device)  # (batch, chunk, keys read)
-            new[:, chunk] = self.alpha * torch.bmm(a, source[:, :reads]) + (1 - self.alpha) * out[:, chunk]
+        for i in range(0, n, ROW_CHUNK):  # aligned chunks: each one product (core.attention_rows)
+            j = min(i + ROW_CHUNK, n)
+            reads = rows.keys_read(j - 1)  # a causal pattern's chunk reads no later key
+            a = self._mixed(rows, torch.arange(i, j), reads).to(out.device)  # (batch, chunk, keys read)
+            # new rows = alpha A R + (1 - alpha) R, in one call
+            torch.baddbmm(out[:, i:j], a, source[:, :reads], beta=1 - self.alpha, alpha=self.alpha, out=new[:, i:j])
         out[:, :n] = new
         self.matrix = out
 

@@ -107,6 +107,25 @@ def test_a_row_is_the_same_whichever_rows_are_asked_with_it(llava, sample):
         rows.rows(torch.tensor([n]))
 
 
+def test_the_chunks_kept_rows_computed_are_reused_by_a_stream_and_equal_bitwise(llava, sample):
+    inputs = llava.adapter.prepare([sample[0]], [sample[1]])
+    n = inputs.input_ids.shape[1]
+    calls = {}
+    with recording({1: llava.adapter.attention_module(1)}, lambda block, call: calls.setdefault(block, call)):
+        llava.adapter.forward_logits(inputs)
+    plain, reusing = RecomputedRows(calls[1]), RecomputedRows(calls[1], reuse=2)
+    computed = []
+    scores = reusing.scores
+    reusing.scores = lambda rows, limit: computed.append(int(rows[0]) // ROW_CHUNK) or scores(rows, limit)
+    ends = torch.tensor([0, n - 1])
+    kept = reusing.rows(ends)  # the kept rows first (two chunks), then a stream walks them all
+    walked = [reusing.rows(torch.arange(i, min(i + ROW_CHUNK, n))) for i in range(0, n, ROW_CHUNK)]
+    n_chunks = -(-n // ROW_CHUNK)
+    assert n_chunks >= 2 and sorted(computed) == list(range(n_chunks))  # every chunk once
+    torch.testing.assert_close(kept, plain.rows(ends), atol=0, rtol=0)
+    torch.testing.assert_close(torch.cat(walked, dim=2), plain.rows(torch.arange(n)), atol=0, rtol=0)
+
+
 def test_kept_pattern_rows_hold_only_their_own_storage(llava, sample):
     """The answer row of a capture is one row, not a view into its padded ROW_CHUNK-row chunk
     (which would keep ROW_CHUNK times the memory alive in the trace)."""
