@@ -21,18 +21,19 @@ FULL_PATTERN_LIMIT tokens) and, where it fits, an eager capture (the reference
 the sdpa path replaces), each between two plain forwards (``model(**inputs)``,
 the model's own sdpa attention, no hook): F C F A F E F. A call's ratio is its
 time over the mean of its two forwards; the table gives medians over rounds.
-Before every timed call (forwards too) the garbage is collected and glibc
-returns its free heap pages (``malloc_trim(0)``), so every call starts from
-the same allocator state and pays for the pages it touches: without that a
-call's time depends on what the call before it left on the heap (on this VM a
-page fault costs about 2.6 us, and a 588-token capture touches some 15,000
-pages a forward does not). Memory: then, glibc's mmap threshold pinned at
-128 KiB (a freed tensor leaves the resident set rather than staying on the
-heap), the peak resident set growth of each call above the resident set
-before it (Linux VmHWM, reset by ``/proc/self/clear_refs``); on CUDA the peak
-allocated memory above the allocated memory before the call. The phases are
-apart because a pinned threshold makes every large allocation a fresh mapping
-whose faults would be billed to the calls that allocate most. The fit: peak
+Timing runs with glibc keeping what the process frees (no mmap for large
+blocks, no trimming: a long-running app's steady state, which the warm-up
+reaches), so no call is billed for pages the system hands back: on this
+machine (a nested VM with free page reporting) memory freed for more than a
+moment goes back to the host and costs about 70 us per 4 KiB page to touch
+again, 30 times a local page fault, which made a capture's time track how
+much it keeps rather than what it computes (see bench/README.md). Memory:
+then, glibc's mmap and trim thresholds pinned at 128 KiB (a freed tensor
+leaves the resident set rather than staying on the heap) and ``malloc_trim(0)``
+before every call, the peak resident set growth of each call above the
+resident set before it (Linux VmHWM, reset by ``/proc/self/clear_refs``); on
+CUDA the peak allocated memory above the allocated memory before the call.
+The fit: peak
 growth against T, least squares, per depth.
 """
 
@@ -75,6 +76,7 @@ PRESETS = {
     ),
 }
 PATCH = 14
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc's mallopt options
 QUESTION = "what color is the big circle in the picture ?"  # 588 tokens with 576 visual ones
 
 
@@ -146,6 +148,14 @@ class Memory:
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
         self._libc = None if self.cuda else ctypes.CDLL("libc.so.6")
+        self._pinned = False
+        if self._libc is not None:  # timing first: freed memory stays with the process (see the module docstring)
+            self._mallopt(M_MMAP_MAX, 0)
+            self._mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+
+    def _mallopt(self, option: int, value: int) -> None:
+        if not self._libc.mallopt(option, value):
+            raise RuntimeError(f"mallopt({option}, {value}) failed")
 
     def _rss(self, field: str) -> int:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -154,18 +164,19 @@ class Memory:
         raise RuntimeError(f"/proc/self/status has no {field}")
 
     def _settle(self) -> None:
-        """The same allocator state before every call: garbage collected, free heap pages returned."""
         gc.collect()
         if self.cuda:
             torch.cuda.synchronize()
-        else:
-            self._libc.malloc_trim(0)
+        elif self._pinned:
+            self._libc.malloc_trim(0)  # free heap pages returned: the start is what is live
 
     def pin(self) -> None:
         """From now on a freed tensor leaves the resident set (CPU; see the module docstring)."""
-        M_MMAP_THRESHOLD = -3
-        if not self.cuda and not self._libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024):
-            raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+        if self._libc is not None:
+            self._mallopt(M_MMAP_MAX, 65536)  # glibc's default
+            self._mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+            self._mallopt(M_TRIM_THRESHOLD, 128 * 1024)
+            self._pinned = True
 
     def seconds(self, fn) -> float:
         self._settle()
@@ -247,11 +258,12 @@ def bench_case(
 def run_case(preset, tokens, layers, rounds, memory_rounds, dtype_name, device, threads, eager, warm_up, seed) -> dict:
     """One length, in the calling process (``main`` runs each in a fresh one)."""
     torch.set_num_threads(threads)
+    memory = Memory(device)  # first: the allocator's options hold for the model's weights too
     side = image_side(tokens)
     loaded = random_llava(preset, side, layers, getattr(torch, dtype_name), device)
     rng = np.random.default_rng(seed)
     image = Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8))
-    return {"commit": commit(), **bench_case(loaded, image, rounds, memory_rounds, Memory(device), eager, warm_up)}
+    return {"commit": commit(), **bench_case(loaded, image, rounds, memory_rounds, memory, eager, warm_up)}
 
 
 def line_fit(rows: list[dict], key: str) -> dict | None:
