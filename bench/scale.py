@@ -33,8 +33,7 @@ leaves the resident set rather than staying on the heap) and ``malloc_trim(0)``
 before every call, the peak resident set growth of each call above the
 resident set before it (Linux VmHWM, reset by ``/proc/self/clear_refs``); on
 CUDA the peak allocated memory above the allocated memory before the call.
-The fit: peak
-growth against T, least squares, per depth.
+The fit: peak growth against T, least squares, per depth.
 """
 
 from __future__ import annotations
@@ -246,6 +245,8 @@ def bench_case(
         "heads": a.n_heads,
         "d_model": a.d_model,
         "rounds": rounds,
+        # how the heap stood between timed calls: "kept" (this protocol) or "trimmed" (rows of commit 5a1becc)
+        "timing_heap": "cuda" if memory.cuda else "kept",
         "memory_rounds": memory_rounds,
         "forward_s": round(statistics.median(forwards), 4),
         **{f"{k}_over_forward": round(statistics.median(v), 3) for k, v in ratios.items()},

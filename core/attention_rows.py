@@ -121,9 +121,9 @@ class RecomputedRows:
         # Grouped heads read their key head without repeat_kv's copy: query head i reads key head i // group.
         keys = c.key[:, :, :n_keys].transpose(2, 3)
         scores = torch.matmul(q.reshape(b, kv_heads, group * n, d), keys).view(b, h, n, n_keys)
-        scores = scores * c.scaling
+        scores.mul_(c.scaling)  # in place: the same operations as eager's, one buffer
         if c.softcap is not None:
-            scores = torch.tanh(scores / c.softcap) * c.softcap
+            scores.div_(c.softcap).tanh_().mul_(c.softcap)
         return self._masked(scores, positions, n_keys)
 
     def _masked(self, scores: torch.Tensor, positions: torch.Tensor, n_keys: int) -> torch.Tensor:
@@ -134,8 +134,8 @@ class RecomputedRows:
             rows = mask[:, :, positions] if mask.shape[2] > 1 else mask
             rows = rows[..., :n_keys].to(scores.device)
             if rows.dtype == torch.bool:
-                return scores.masked_fill(~rows, floor)
-            return scores + rows
+                return scores.masked_fill_(~rows, floor)
+            return scores.add_(rows) if rows.dtype == scores.dtype else scores + rows  # eager's promotion
         if not self.causal_only:
             return scores  # eager given no mask: none
         keys = torch.arange(n_keys, device=scores.device)
