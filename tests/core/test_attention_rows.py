@@ -88,14 +88,19 @@ def test_captures_of_two_models_in_two_threads_record_their_own_calls(llava, sam
     assert _attention_functions() == before
 
 
+def _recorded_call(llava, sample, block: int = 1):
+    """``(the AttentionCall block ``block`` received, the sequence length)`` of one forward."""
+    inputs = llava.adapter.prepare([sample[0]], [sample[1]])
+    calls = {}
+    with recording({block: llava.adapter.attention_module(block)}, lambda b, call: calls.setdefault(b, call)):
+        llava.adapter.forward_logits(inputs)
+    return calls[block], inputs.input_ids.shape[1]
+
+
 def test_a_row_is_the_same_whichever_rows_are_asked_with_it(llava, sample):
     """Bitwise: row p alone, among its chunk, among every row, repeated or negative-indexed."""
-    inputs = llava.adapter.prepare([sample[0]], [sample[1]])
-    n = inputs.input_ids.shape[1]
-    calls = {}
-    with recording({1: llava.adapter.attention_module(1)}, lambda block, call: calls.setdefault(block, call)):
-        llava.adapter.forward_logits(inputs)
-    rows = RecomputedRows(calls[1])
+    call, n = _recorded_call(llava, sample)
+    rows = RecomputedRows(call)
     assert rows.causal_only  # sdpa got no mask tensor: causal by itself
     every = rows.rows(torch.arange(n))
     for p in (0, ROW_CHUNK - 1, ROW_CHUNK, n - 1):
@@ -108,12 +113,8 @@ def test_a_row_is_the_same_whichever_rows_are_asked_with_it(llava, sample):
 
 
 def test_the_chunks_kept_rows_computed_are_reused_by_a_stream_and_equal_bitwise(llava, sample):
-    inputs = llava.adapter.prepare([sample[0]], [sample[1]])
-    n = inputs.input_ids.shape[1]
-    calls = {}
-    with recording({1: llava.adapter.attention_module(1)}, lambda block, call: calls.setdefault(block, call)):
-        llava.adapter.forward_logits(inputs)
-    plain, reusing = RecomputedRows(calls[1]), RecomputedRows(calls[1], reuse=2)
+    call, n = _recorded_call(llava, sample)
+    plain, reusing = RecomputedRows(call), RecomputedRows(call, reuse=2)
     computed = []
     scores = reusing.scores
     reusing.scores = lambda rows, limit: computed.append(int(rows[0]) // ROW_CHUNK) or scores(rows, limit)
