@@ -25,8 +25,8 @@ Timing runs with glibc keeping what the process frees (no mmap for large
 blocks, no trimming: a long-running app's steady state, which the warm-up
 reaches), so no call is billed for pages the system hands back: on this
 machine (a nested VM with free page reporting) memory freed for more than a
-moment goes back to the host and costs about 70 us per 4 KiB page to touch
-again, 30 times a local page fault, which made a capture's time track how
+moment goes back to the host and costs 14-80 us per 4 KiB page to touch
+again (bench/page_cost.py), against about 2 us for a warm page, which made a capture's time track how
 much it keeps rather than what it computes (see bench/README.md). Memory:
 then, glibc's mmap and trim thresholds pinned at 128 KiB (a freed tensor
 leaves the resident set rather than staying on the heap) and ``malloc_trim(0)``

@@ -103,6 +103,8 @@ class RecomputedRows:
         # sdpa / flash applying causality themselves (no mask tensor): a row reads no key after it,
         # so the keys past a row chunk are not computed at all.
         self.causal_only = c.kind != "eager" and c.causal and self.n_rows > 1 and (c.mask is None or c.mask.ndim == 2)
+        # the precision sdpa weights the values with (see rows)
+        self.dtype = torch.float64 if c.query.dtype == torch.float64 else torch.float32
         self.reuse = reuse
         self._kept: dict[int, torch.Tensor] = {}
 
@@ -162,12 +164,10 @@ class RecomputedRows:
         sdpa's causal path only the keys its last row may read."""
         if index in self._kept:
             return self._kept[index]
-        c = self.call
-        dtype = torch.float64 if c.query.dtype == torch.float64 else torch.float32
         first = index * ROW_CHUNK
         rows = torch.arange(first, first + ROW_CHUNK).clamp_(max=self.n_rows - 1)
         limit = min(self.n_keys, first + ROW_CHUNK) if self.causal_only else self.n_keys
-        weights = self.scores(rows, limit).softmax(dim=-1, dtype=dtype)
+        weights = self.scores(rows, limit).softmax(dim=-1, dtype=self.dtype)
         if len(self._kept) < self.reuse:
             self._kept[index] = weights
         return weights
@@ -194,9 +194,8 @@ class RecomputedRows:
             weights = self.chunk(indices[0])
             if weights.shape[-1] >= n_keys:
                 return weights[..., :n_keys]
-        c = self.call
-        dtype = torch.float64 if c.query.dtype == torch.float64 else torch.float32
-        out = torch.zeros(self.batch, c.query.shape[1], len(positions), n_keys, dtype=dtype, device=c.query.device)
+        q = self.call.query
+        out = torch.zeros(self.batch, q.shape[1], len(positions), n_keys, dtype=self.dtype, device=q.device)
         for index in indices:
             where = (chunks == index).nonzero().flatten()
             weights = self.chunk(index)
