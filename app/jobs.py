@@ -63,7 +63,7 @@ def typed_token(adapter, text: str) -> TypedToken | None:
     if len(pieces) <= 1:  # one token (or none): the engine's own checks and message
         token_id = adapter.token_id(text)
         return TypedToken(text, (token_id,), (adapter.token_str(token_id),))
-    adapter.check_known_words(text, [i for i, _ in pieces])
+    adapter.check_known_words(text, [i for i, _ in pieces], what=repr(text))
     return TypedToken(text, tuple(i for i, _ in pieces), tuple(t for _, t in pieces))
 
 

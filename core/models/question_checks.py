@@ -190,8 +190,11 @@ class QuestionChecks:
                 "read it as markup); pass raw prompts explicitly (raw_prompt=True, --raw-prompt) to allow it"
             )
 
-    def check_known_words(self, question: str, ids: list[int] | None = None, *, raw_prompt: bool = False) -> None:
-        """QuestionError naming the words the tokenizer maps to its unk token.
+    def check_known_words(
+        self, question: str, ids: list[int] | None = None, *, raw_prompt: bool = False, what: str = "the question"
+    ) -> None:
+        """QuestionError naming the words the tokenizer maps to its unk token
+        (``what``: what the message calls the text: a Target field's is no question).
         The unk token's own string is no unknown word where the question may
         hold it: typed on purpose in a raw prompt, or a plain word (an unk
         token spelled ``unk``), which that tokenizer always reads so."""
@@ -210,7 +213,7 @@ class QuestionChecks:
         words = [
             w if w.isprintable() else repr(w) for w in unknown_words(tok, text)
         ]  # control characters shown escaped
-        raise QuestionError(f"the question uses words this model's vocabulary does not have: {', '.join(words) or '?'}")
+        raise QuestionError(f"{what} uses words this model's vocabulary does not have: {', '.join(words) or '?'}")
 
     def check_fits(self, question: str, ids: list[int]) -> None:
         """Raise QuestionError if the prompt for ``question`` (``ids``: its own

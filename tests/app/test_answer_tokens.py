@@ -285,6 +285,12 @@ def test_a_typed_word_of_several_tokens_says_which_sub_token_is_read(qtbot, wind
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
         assert window.run_readout()
     assert window.error_label.text().startswith("'xyzzy' is not in this model's vocabulary")
+    # several words, none the model has: the message names the target's text, not the question
+    window.target_edit.setText("xyzzy plugh")
+    assert note.text() == "target: 'xyzzy plugh' uses words this model's vocabulary does not have: xyzzy, plugh"
+    with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
+        assert window.run_readout()
+    assert window.error_label.text().startswith("'xyzzy plugh' uses words")
 
 
 def test_a_heads_sources_are_read_at_the_chosen_token(qtbot, at_third_token):
