@@ -25,6 +25,7 @@ from core.models.edit_sites import EditSites
 from core.models.inputs import ModelInputs
 from core.models.markup import PROBE_QUESTION, PromptMarkup, check_pairs, check_text, is_markup
 from core.models.question_checks import QuestionChecks
+from core.models.precision import dtype_name, placement
 
 # Re-exported: the names families, methods and tests import from here.
 __all__ = [
@@ -509,4 +510,7 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
             "final_norm": self.final_norm,
             "attention_kind": self.attention_kind,
             "position_scheme": self.position_scheme,
+            # what the numbers were computed in: a bfloat16 run's are not a float32 run's
+            "dtype": dtype_name(self.parameters_dtype),
+            "device": placement(self.model),
         }
