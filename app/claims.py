@@ -19,14 +19,14 @@ from app.panels.claims_panel import ClaimsPanel
 from app.panels.head_methods_panel import HeadMethodsPanel
 from app.run_frame import RunFrame
 from app.samples import bundled_pairs_file
-from app.session_view import HEAD_METHOD_KINDS, asked_parameters
+from app.session_view import HEAD_METHOD_KINDS, asked_parameters, picked_dtype_and_device
 from core.readout import RecordedResult
 
 
 class ClaimsMixin:
     """Expects the window's ``workspace``, ``selection``, ``model_cache``, ``session``, ``tabs``,
     ``attention_panel``, ``counterfactual_panel``, ``model_picker``, ``_start``, ``_record``,
-    ``_made_for``, ``_ask``, ``_has_image``, ``is_busy``, ``model_spec`` and ``show_error``.
+    ``_made_for``, ``_ask``, ``_has_image``, ``is_busy``, ``model_choice``, ``set_model_choice`` and ``show_error``.
 
     Attributes:
         claim_made_for: the model (spec and fingerprint) the shown claim was checked on, or None.
@@ -87,7 +87,7 @@ class ClaimsMixin:
             self._record(validation, parameters=source_files(dataset), with_image=False)
 
         self._start(
-            show, validate_job, self.model_cache, self.model_spec(), request, clear=False, failed=self._claim_failed
+            show, validate_job, self.model_cache, self.model_choice(), request, clear=False, failed=self._claim_failed
         )
         panel.show_message(f"running: the seven-step chain on {', '.join(subjects)}…")
         return True
@@ -98,15 +98,17 @@ class ClaimsMixin:
     def _follow_claim_model(self, fields: tuple) -> None:
         """Another model picked (or other weights loaded): the claim checked on the previous one goes."""
         made_for = self.claim_made_for
-        if made_for is None or not {"model_spec", "model_fingerprint"}.intersection(fields):
+        if made_for is None or not {"model_spec", "model_dtype", "model_device", "model_fingerprint"}.intersection(
+            fields
+        ):
             return
         now = self.workspace.input
         other_weights = made_for.model_fingerprint and now.model_fingerprint not in (None, made_for.model_fingerprint)
-        if made_for.model_spec != now.model_spec or other_weights:
+        if made_for.model_choice() != now.model_choice() or other_weights:
             self.claim_made_for = None
             self.claims_panel.clear_result(
-                f"the claim shown was checked on {made_for.model_spec}; the model is now {now.model_spec or 'none'}: "
-                "run it again, or restore it from the History"
+                f"the claim shown was checked on {made_for.model_label()}; the model is now "
+                f"{now.model_label() if now.model_spec else 'none'}: run it again, or restore it from the History"
             )
 
     def _restore_claim(self, run) -> bool:
@@ -116,7 +118,13 @@ class ClaimsMixin:
         validation = Validation.from_dict(run.result)
         spec = (run.model or {}).get("spec") or validation.model
         self.model_picker.setCurrentText(spec)
-        self.claim_made_for = RunInput(model_spec=spec, model_fingerprint=validation.fingerprint or None)
+        dtype, device = picked_dtype_and_device(run.dtype_and_device, self.model_choice())
+        missing = self.set_model_choice(dtype, device)
+        if missing:  # a device this machine lacks
+            self.show_error("; ".join(missing))
+        self.claim_made_for = RunInput(
+            model_spec=spec, model_fingerprint=validation.fingerprint or None, model_dtype=dtype, model_device=device
+        )
         self.claims_panel.show_validation(validation)
         self.claims_panel.show_message(f"run #{run.id} of {run.created}, restored from the History")
         self.history_panel.show_current(run.id)

@@ -16,6 +16,7 @@ from pathlib import Path
 from PIL import Image
 
 import core
+from app.components.model_choice import ModelChoice
 from app.panels.dla_panel import visual_token_values
 from core.answer_text import AnswerText, word_tokens
 from core.images import image_sha256
@@ -81,11 +82,11 @@ def engine_tokens(adapter, answer: str, foil: str, answer_text: AnswerText | Non
 
 @dataclass(frozen=True)
 class Ask:
-    """What a follow-up job asks about: the model spec, the image, the question,
-    the answer and foil tokens as typed (``""``: the model's top token, no foil),
+    """What a follow-up job asks about: the model (spec, dtype, device), the image, the
+    question, the answer and foil tokens as typed (``""``: the model's top token, no foil),
     and the answer token read out (None: the first token after the bare prompt)."""
 
-    spec: str
+    model: ModelChoice
     image: Image.Image
     question: str
     answer: str = ""
@@ -102,27 +103,29 @@ class Ask:
         return self.answer_text.prefix_ids if self.answer_text is not None else ()
 
 
-def _cached_model(model_cache: dict, spec: str, progress) -> core.LoadedModel:
-    """The model for ``spec`` from the cache, loading (and caching) it on a miss.
+def _cached_model(model_cache: dict, model: ModelChoice, progress) -> core.LoadedModel:
+    """The model of ``model`` (spec, dtype, device: the cache's key, so a model loaded in
+    one dtype or on one device is never served for another) from the cache, loading (and
+    caching) it on a miss.
 
     Runs in a worker; the window runs one job at a time, so the dict needs no lock.
     """
-    if spec not in model_cache:
-        progress(0, 0, f"loading model {spec}…")
-        model_cache[spec] = core.load_model(spec)
-    return model_cache[spec]
+    if model not in model_cache:
+        progress(0, 0, f"loading model {model.spec} ({model.dtype}, {model.device})…")
+        model_cache[model] = core.load_model(model.spec, **model.load_options())
+    return model_cache[model]
 
 
-def model_load_job(model_cache: dict, spec: str, *, progress, cancel) -> core.LoadedModel:
+def model_load_job(model_cache: dict, model: ModelChoice, *, progress, cancel) -> core.LoadedModel:
     """Worker job: load (or reuse) the model of a restored run, so that follow-ups can run on it."""
-    return _cached_model(model_cache, spec, progress)
+    return _cached_model(model_cache, model, progress)
 
 
 def answer_job(
-    model_cache: dict, spec: str, image: Image.Image, question: str, *, progress, cancel
+    model_cache: dict, model: ModelChoice, image: Image.Image, question: str, *, progress, cancel
 ) -> core.Answer | None:
     """Worker job: load (or reuse) the model and answer one question."""
-    loaded = _cached_model(model_cache, spec, progress)
+    loaded = _cached_model(model_cache, model, progress)
     if cancel.is_set():
         return None
     progress(0, 1, "answering…")
@@ -132,10 +135,17 @@ def answer_job(
 
 
 def answer_pairs_job(
-    model_cache: dict, spec: str, images: Sequence, questions: Sequence[str], batch_size: int, *, progress, cancel
+    model_cache: dict,
+    model: ModelChoice,
+    images: Sequence,
+    questions: Sequence[str],
+    batch_size: int,
+    *,
+    progress,
+    cancel,
 ) -> list[core.Answer]:
     """Worker job: answer many (image, question) pairs; stops early on cancel."""
-    loaded = _cached_model(model_cache, spec, progress)
+    loaded = _cached_model(model_cache, model, progress)
     progress(0, len(questions), f"answering 0/{len(questions)}…")
     return core.answer_batch(
         loaded,
@@ -148,14 +158,14 @@ def answer_pairs_job(
 
 
 def generate_job(
-    model_cache: dict, spec: str, image: Image.Image, question: str, max_new_tokens: int, *, progress, cancel
+    model_cache: dict, model: ModelChoice, image: Image.Image, question: str, max_new_tokens: int, *, progress, cancel
 ):
     """Worker job: the model's answer, decoded greedily token by token
     (:func:`core.generate.generate`: each token's probability and alternatives,
     why it stopped), cancellable between tokens."""
     from core import generate
 
-    loaded = _cached_model(model_cache, spec, progress)
+    loaded = _cached_model(model_cache, model, progress)
     if cancel.is_set():
         return None
     progress(0, max_new_tokens, "generating…")
@@ -166,7 +176,7 @@ def generate_job(
 
 def readout_job(
     model_cache: dict,
-    spec: str,
+    model: ModelChoice,
     image: Image.Image,
     question: str,
     answer: str,
@@ -183,7 +193,7 @@ def readout_job(
     its first sub-token (:func:`typed_token`)."""
     from core.analyze import analyze
 
-    loaded = _cached_model(model_cache, spec, progress)
+    loaded = _cached_model(model_cache, model, progress)
     if cancel.is_set():
         return None
     analysis = analyze(
@@ -232,13 +242,22 @@ def _model_lens(loaded):
 
 
 def head_sources_job(
-    model_cache: dict, spec: str, analysis: dict, image, question: str, layer: int, head: int, *, progress, cancel
+    model_cache: dict,
+    model: ModelChoice,
+    analysis: dict,
+    image,
+    question: str,
+    layer: int,
+    head: int,
+    *,
+    progress,
+    cancel,
 ):
     """Worker job: one head's per-source contributions at the answer position,
     as values per visual token (frozen-scale DLA)."""
     from core.methods.contributions import source_contributions
 
-    loaded = _cached_model(model_cache, spec, progress)
+    loaded = _cached_model(model_cache, model, progress)
     progress(0, 0, f"source contributions of block {layer} head {head}…")
     target = analysis["target"]
     answer_text = AnswerText.from_dict(analysis["input"])  # the same answer token the read-out was at
@@ -254,7 +273,7 @@ def counterfactual_job(model_cache: dict, ask: Ask, mask, fill: str, options: di
     """Worker job: fill the painted region and re-run (with the routing read-outs)."""
     from core.methods.counterfactual import region_counterfactual
 
-    loaded = _cached_model(model_cache, ask.spec, progress)
+    loaded = _cached_model(model_cache, ask.model, progress)
     progress(0, 0, f"counterfactual ({fill} fill)…")
     return region_counterfactual(
         loaded,
@@ -272,7 +291,7 @@ def sweep_job(model_cache: dict, ask: Ask, k: int, fill: str, options: dict, *, 
     """Worker job: the occlusion sweep, batched, cancellable between batches."""
     from core.methods.counterfactual import occlusion_sweep
 
-    loaded = _cached_model(model_cache, ask.spec, progress)
+    loaded = _cached_model(model_cache, ask.model, progress)
     return occlusion_sweep(
         loaded,
         ask.image,
@@ -350,7 +369,7 @@ def ablation_job(model_cache: dict, ask: Ask, request: AblationRequest, *, progr
     from core.methods.counterfactual import resolve_tokens
     from core.methods.interventions import run_interventions
 
-    loaded = _cached_model(model_cache, ask.spec, progress)
+    loaded = _cached_model(model_cache, ask.model, progress)
     adapter, prefix = loaded.adapter, ask.answer_prefix
 
     def capture_of(image):
@@ -442,7 +461,7 @@ def patch_job(
     forward and reverse: the painted region's tokens, or every visual token when ``mask`` is None."""
     from core.methods.interventions import patch_visual_features
 
-    loaded = _cached_model(model_cache, ask.spec, progress)
+    loaded = _cached_model(model_cache, ask.model, progress)
     adapter = loaded.adapter
     sites = patch_sites(adapter)
     if site is None:
@@ -476,11 +495,11 @@ def patch_job(
     )
 
 
-def statistics_job(model_cache: dict, spec: str, items: list, *, progress, cancel):
+def statistics_job(model_cache: dict, model: ModelChoice, items: list, *, progress, cancel):
     """Worker job: answer-row attention of every head over many samples (distributions)."""
     from core.methods.patterns import pattern_statistics
 
-    loaded = _cached_model(model_cache, spec, progress)
+    loaded = _cached_model(model_cache, model, progress)
     return pattern_statistics(loaded, items, progress=progress, cancel=cancel.is_set)
 
 
@@ -499,12 +518,12 @@ class ClaimRequest:
     region: object = None
 
 
-def validate_job(model_cache: dict, spec: str, request: ClaimRequest, *, progress, cancel):
+def validate_job(model_cache: dict, model: ModelChoice, request: ClaimRequest, *, progress, cancel):
     """Worker job: the seven-step chain on each subject (:func:`core.validate.validate`),
     cancellable between its steps."""
     from core.validate import validate
 
-    loaded = _cached_model(model_cache, spec, progress)
+    loaded = _cached_model(model_cache, model, progress)
     return validate(
         loaded,
         list(request.subjects),
@@ -525,7 +544,7 @@ def nonunique_job(model_cache: dict, ask: Ask, head: str, mask, image_path: str 
     Returns ``(result, doc)``: the doc is the JSON ``vlm-readout nonunique`` writes."""
     from core.methods.nonunique import nonunique_of_input
 
-    loaded = _cached_model(model_cache, ask.spec, progress)
+    loaded = _cached_model(model_cache, ask.model, progress)
     progress(0, 0, f"non-unique attention of {head}…")
     return nonunique_of_input(
         loaded,
@@ -546,6 +565,6 @@ def qk_ov_job(model_cache: dict, ask: Ask, head: str, *, progress, cancel):
     level, and the activation level on the shown input at the answer token read out."""
     from core.methods.qk_ov import qk_ov
 
-    loaded = _cached_model(model_cache, ask.spec, progress)
+    loaded = _cached_model(model_cache, ask.model, progress)
     progress(0, 0, f"QK / OV of {head}…")
     return qk_ov(loaded, head, ask.image, ask.question, answer_text=ask.answer_text)

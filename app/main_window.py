@@ -9,7 +9,8 @@ events (:mod:`app.session_view`).
 
 The model runs in :mod:`app.workers`, never on the GUI thread; the jobs are
 :mod:`app.jobs` (importable from here too). Loaded models are cached by spec
-in ``MainWindow.model_cache`` and reused. Errors show as one red line in the
+in ``MainWindow.model_cache`` by spec, dtype and device (:class:`app.components.ModelChoice`)
+and reused. Errors show as one red line in the
 window; nothing here opens a blocking dialog except the file pickers the user
 asks for.
 """
@@ -44,7 +45,8 @@ from PySide6.QtWidgets import (
 import core
 from app.canvas import ImageCanvas, describe_token_layout
 from app.claims import ClaimsMixin
-from app.components import ShownRun
+from app.components import ModelChoice, ShownRun
+from app.components.model_choice import CPU, device_choices
 from app.components.selection import Selection, head_component, lens_component
 from app.jobs import (
     AblationRequest,
@@ -68,13 +70,14 @@ from app.panels.counterfactual_panel import CounterfactualPanel
 from app.panels.dla_panel import DLAPanel
 from app.panels.intervention_panel import InterventionPanel
 from app.panels.lens_panel import LensPanel
-from app.recent_models import BUILTIN_MODELS, recent_models, remember_model
+from app.recent_models import BUILTIN_MODELS, recent_models, remember_model, remembered_choice
 from app.run_frame import TARGET_PLACEHOLDER, AnswerTokensMixin, WorkspaceMixin
 from app.samples import Sample, bundled_pairs_file, bundled_samples
 from app.session_view import SessionMixin, SessionWatch, asked_parameters, open_start_session
 from app.widgets import plain_label
 from app.workers import Worker, WorkerPool
 from core.images import image_sha256
+from core.precision import AUTO_DTYPE_MEANING, DTYPE_CHOICES
 from core.readout import RecordedResult
 from core.views import patch_values
 
@@ -99,8 +102,9 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
     :meth:`answer_question` (the Answer button) is called.
 
     Args:
-        model_spec: the model shown in the picker at start.
-        model_cache: ``{spec: LoadedModel}`` shared with the caller (tests
+        model_spec: the model shown in the picker at start (in the dtype and on the
+            device it was last loaded in, when the recent models remember it).
+        model_cache: ``{ModelChoice: LoadedModel}`` shared with the caller (tests
             pass one to load each model once); a fresh dict by default.
     """
 
@@ -116,7 +120,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         self.session_watch = SessionWatch(self)  # the audit table follows the session's recorded runs
         self.session_watch.recorded.connect(self._on_run_recorded)
         self.analysis: dict | None = None  # the last analyze result shown in the panels
-        self.analysis_inputs: tuple | None = None  # (spec, image, question) it was computed on
+        self.analysis_inputs: tuple | None = None  # (ModelChoice, image, question) it was computed on
         self.last_counterfactual = None
         self.last_intervention = None
         self.workers = WorkerPool(self)
@@ -155,6 +159,20 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         for spec in recent_models():
             if self.model_picker.findText(spec) < 0:
                 self.model_picker.addItem(spec)
+        # the dtype the model runs in and where: part of the model (a bfloat16 run is another run)
+        self.dtype_picker = QComboBox()
+        self.dtype_picker.addItems(DTYPE_CHOICES)
+        self.dtype_picker.setToolTip(f"the dtype the model runs in ({AUTO_DTYPE_MEANING})")
+        self.device_picker = QComboBox()
+        devices = device_choices()
+        self.device_picker.addItems(devices)
+        self.device_picker.setEnabled(len(devices) > 1)  # no CUDA: the CPU only, shown disabled
+        self.device_picker.setToolTip(
+            "where the model runs: cpu, cuda, cuda:N, or auto (spread over the GPUs)"
+            if len(devices) > 1
+            else "where the model runs: no CUDA device here, so the CPU"
+        )
+        self._pick_remembered(model_spec)
         self.model_folder_button = QPushButton("Folder…")
         self.model_folder_button.setToolTip("choose a local model folder (Hugging Face or open_clip)")
         self.model_folder_button.clicked.connect(self.choose_model_folder)
@@ -189,7 +207,8 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         samples = bundled_samples()
         self.intervention_panel.set_references([s.image_path for s in samples], "bundled sample")
         self.intervention_panel.set_sources([(s.image_path.name, s.image_path) for s in samples])
-        self.model_picker.currentTextChanged.connect(lambda _text: self._refresh_patch_sites())
+        for picker in (self.model_picker, self.dtype_picker, self.device_picker):
+            picker.currentTextChanged.connect(lambda _text: self._refresh_patch_sites())
         self.idle.connect(self._refresh_patch_sites)  # a job may have loaded the model: its sites are known
         # the intervention controls go in the controls column beside the painter (on screen with it),
         # their results table in a tab beside the answer change
@@ -262,6 +281,10 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         model_row = QHBoxLayout()
         model_row.addWidget(self.model_picker)
         model_row.addWidget(self.model_folder_button)
+        model_row.addWidget(plain_label("dtype"))
+        model_row.addWidget(self.dtype_picker)
+        model_row.addWidget(plain_label("device"))
+        model_row.addWidget(self.device_picker)
         model_row.addStretch(1)
         controls.addLayout(model_row, 0, 1, 1, 2)
         controls.addWidget(plain_label("Question"), 1, 0)
@@ -406,10 +429,40 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
     def model_spec(self) -> str:
         return self.model_picker.currentText().strip()
 
-    def _remember_model(self, spec: str) -> None:
-        """Keep the last few model specs that loaded, for the picker."""
-        if remember_model(spec) and self.model_picker.findText(spec) < 0:
-            self.model_picker.addItem(spec)
+    def model_choice(self) -> ModelChoice:
+        """The model the picker names: spec, dtype and device (the model cache's key)."""
+        return ModelChoice(self.model_spec(), self.dtype_picker.currentText(), self.device_picker.currentText())
+
+    def loaded_model(self) -> core.LoadedModel | None:
+        """The picker's model when it is loaded (in its dtype, on its device), else None."""
+        loaded = self.model_cache.get(self.model_choice())
+        return loaded if isinstance(loaded, core.LoadedModel) else None
+
+    def set_model_choice(self, dtype: str | None = None, device: str | None = None) -> list[str]:
+        """Pick ``dtype`` and ``device`` (None: leave as is); returns what could not be picked
+        (a dtype not offered, a device this machine lacks), one phrase each."""
+        missing = []
+        for picker, value, what in ((self.dtype_picker, dtype, "dtype"), (self.device_picker, device, "device")):
+            if value is None:
+                continue
+            index = picker.findText(value)
+            if index < 0:
+                missing.append(f"{what} {value} is not offered here (now {picker.currentText()})")
+            else:
+                picker.setCurrentIndex(index)
+        return missing
+
+    def _pick_remembered(self, spec: str) -> None:
+        """The dtype and device ``spec`` was last loaded in, when the recent models remember it."""
+        choice = remembered_choice(spec.strip())
+        if choice is not None:
+            self.set_model_choice(choice.dtype, choice.device if choice.device in device_choices() else CPU)
+
+    def _remember_model(self, model: ModelChoice) -> None:
+        """Keep the last few models that loaded (with their dtype and device), for the picker."""
+        remember_model(model)
+        if model.spec not in BUILTIN_MODELS and self.model_picker.findText(model.spec) < 0:
+            self.model_picker.addItem(model.spec)
 
     def choose_model_folder(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Model folder")
@@ -436,7 +489,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         if self.is_busy() or not self._has_image():
             return False
         self._forget_answer_token()  # the model's answer: the first token after the bare prompt
-        spec, question = self.model_spec(), self.question_edit.text().strip()
+        model, question = self.model_choice(), self.question_edit.text().strip()
         caption = self._caption(question)
         asked = self.workspace.input
 
@@ -445,7 +498,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
             # not recorded: the Answer tab names this input; the read-out views compare theirs with it
             self.workspace.show_run(ShownRun(None, "answer", self._made_for(asked), {"answer": result.to_dict()}))
 
-        self._start(show, answer_job, self.model_cache, spec, self.image, question)
+        self._start(show, answer_job, self.model_cache, model, self.image, question)
         return True
 
     def answer_pairs(
@@ -462,7 +515,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
             lambda answers: self._show_pairs(questions, answers, expected),
             answer_pairs_job,
             self.model_cache,
-            self.model_spec(),
+            self.model_choice(),
             list(images),
             list(questions),
             batch_size,
@@ -481,13 +534,13 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
     def _ask(self) -> Ask:
         """The shown model, image, question and target tokens, for a follow-up job."""
         question, answer_text = self.question_edit.text().strip(), self.workspace.input.answer_text
-        return Ask(self.model_spec(), self.image, question, *self._targets(), answer_text=answer_text)
+        return Ask(self.model_choice(), self.image, question, *self._targets(), answer_text=answer_text)
 
     def run_readout(self) -> bool:
         """Answer and read out the shown pair in the background; False if not started."""
         if self.is_busy() or not self._has_image():
             return False
-        spec, question = self.model_spec(), self.question_edit.text().strip()
+        model, question = self.model_choice(), self.question_edit.text().strip()
         caption = self._caption(question)
         image = self.image
         answer, foil = self._targets()
@@ -498,25 +551,25 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
                 return
             answered, analysis = result
             self._show_answer(answered, caption)
-            self.analysis_inputs = (spec, image, question)
+            self.analysis_inputs = (model, image, question)
             self._show_analysis(analysis)
             run_id = self._record(analysis, parameters={"question": question})
             results = {"analyze": analysis, "answer": answered.to_dict()}
             self.workspace.show_run(ShownRun(run_id, "analyze", self._made_for(asked), results))
 
-        self._start(show, readout_job, self.model_cache, spec, image, question, answer, foil, asked.answer_text)
+        self._start(show, readout_job, self.model_cache, model, image, question, answer, foil, asked.answer_text)
         return True
 
     def request_head_sources(self, layer: int, head: int) -> bool:
         """Compute one head's per-source contributions for the shown read-out (DLA panel)."""
         if self.is_busy() or self.analysis is None or self.analysis_inputs is None:
             return False
-        spec, image, question = self.analysis_inputs
+        model, image, question = self.analysis_inputs
         self._start(
             lambda r: self.dla_panel.set_sources(*r),
             head_sources_job,
             self.model_cache,
-            spec,
+            model,
             self.analysis,
             image,
             question,
@@ -576,7 +629,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
             parameters = {"n_samples": stats.n_samples, **({"dataset": str(dataset)} if dataset else {})}
             self._record(RecordedResult("statistics", doc, line, parameters, audits=[stats.audit]))
 
-        self._start(show, statistics_job, self.model_cache, self.model_spec(), list(items), clear=False)
+        self._start(show, statistics_job, self.model_cache, self.model_choice(), list(items), clear=False)
         return True
 
     def attention_statistics_of_samples(self) -> bool:
@@ -612,8 +665,8 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
 
     def _refresh_patch_sites(self) -> None:
         """The Interventions box offers the patch sites of the model picked, once it is loaded."""
-        loaded = self.model_cache.get(self.model_spec())
-        if isinstance(loaded, core.LoadedModel):
+        loaded = self.loaded_model()
+        if loaded is not None:
             sites = patch_sites(loaded.adapter)
             self.intervention_panel.set_patch_sites(sites, loaded.adapter.blocks, default_patch_site(sites))
         else:
@@ -757,9 +810,9 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
             self.claims_panel.show_message("")
             self.head_methods.show_message("")
         self._set_busy(False)
-        self.workspace.set_input(model_fingerprint=self._fingerprint(self.model_spec()))  # known once loaded
-        loaded = self.model_cache.get(self.model_spec())
-        notes = loaded.info.get("warnings", []) if isinstance(loaded, core.LoadedModel) else []
+        self._note_loaded_model()  # its fingerprint, dtype and device: known once loaded
+        loaded = self.loaded_model()
+        notes = loaded.info.get("warnings", []) if loaded is not None else []
         # a load warning (e.g. unexpected tensors in the weights) stays beside every status of that model
         self.status_label.setText("; ".join([status, *(f"warning: {' '.join(n.split())}" for n in notes)]))
         self.idle.emit()
@@ -772,7 +825,8 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         buttons = (self.answer_button, self.readout_button, panel.run_button, panel.sweep_button)
         buttons += (self.intervention_panel.ablate_button, self.intervention_panel.patch_button)
         buttons += (self.claims_panel.run_button, self.head_methods.nonunique_button, self.head_methods.qk_ov_button)
-        if busy and focused in (*buttons, self.model_folder_button, self.model_picker):
+        pickers = (self.model_picker, self.dtype_picker, self.device_picker)
+        if busy and focused in (*buttons, self.model_folder_button, *pickers):
             self._focus_before_job = focused
             self.tabs.setFocus(Qt.FocusReason.OtherFocusReason)
         self.answer_button.setEnabled(not busy)
@@ -783,6 +837,8 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         self.claims_panel.set_busy(busy)
         self.head_methods.set_busy(busy)
         self.model_picker.setEnabled(not busy)
+        self.dtype_picker.setEnabled(not busy)
+        self.device_picker.setEnabled(not busy and self.device_picker.count() > 1)
         self.cancel_button.setEnabled(busy)
         self.progress_bar.setRange(0, 0 if busy else 1)
         self.progress_bar.setValue(0)
@@ -803,7 +859,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
 
     def _show_answer(self, result: core.Answer, caption: str) -> None:
         self.last_answer = result
-        self._remember_model(self.model_spec())
+        self._remember_model(self.model_choice())
         self.answer_panel.show_answer(result, caption)
 
     def _show_pairs(

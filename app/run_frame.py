@@ -3,9 +3,9 @@ window's half that keeps the workspace current (:class:`WorkspaceMixin`).
 
 :class:`RunFrame` wraps a panel (the panel knows nothing of runs) and draws a
 :class:`app.components.RunView`: grey ``run #4 · analyze · 'what shape…?' ·
-sample_00.png · shapes-llava`` while the content shows the current input;
-amber ``stale (question changed): drawn for …; the input is now …`` once the
-image, question, model, answer token or target has moved on; ``no run shown
+sample_00.png · shapes-llava · bfloat16 · cpu`` while the content shows the current
+input; amber ``stale (question changed): drawn for …; the input is now …`` once the
+image, question, model, its dtype or device, answer token or target has moved on; ``no run shown
 yet`` when the workspace shows nothing (the window empties the panels then: a
 new image).
 
@@ -22,7 +22,7 @@ import dataclasses
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 import core
-from app.components import RunInput, RunView, ShownRun, Workspace
+from app.components import ModelChoice, RunInput, RunView, ShownRun, Workspace
 from app.components.workspace import ASKED_FIELDS, AnswerTokens, answer_token_label
 from app.jobs import GENERATE_TOKENS, generate_job, typed_token
 from app.widgets import ElidedLabel
@@ -84,7 +84,7 @@ class WorkspaceMixin:
     (:class:`app.components.Workspace`) current from the window's fields, frames the
     read-out views, and empties them when the workspace shows nothing. Expects the
     window's ``model_cache``, fields (``question_edit``, ``target_edit``, ``foil_edit``,
-    ``model_picker``) and panels."""
+    ``model_picker``, ``dtype_picker``, ``device_picker``, ``model_choice()``) and panels."""
 
     def _use_workspace(self, model_spec: str) -> None:
         """Create the workspace (before the widgets, which follow it)."""
@@ -100,29 +100,43 @@ class WorkspaceMixin:
         return self.run_frames
 
     def _follow_fields(self) -> None:
-        """The question, target, foil and model fields write into the workspace as they change."""
+        """The question, target, foil and model fields (spec, dtype, device) write into the
+        workspace as they change; a spec picked brings the dtype and device it was last loaded in."""
         self.question_edit.textChanged.connect(lambda text: self.workspace.set_input(question=text.strip()))
         self.target_edit.textChanged.connect(lambda text: self.workspace.set_input(answer=text.strip()))
         self.foil_edit.textChanged.connect(lambda text: self.workspace.set_input(foil=text.strip()))
-        self.model_picker.currentTextChanged.connect(self._on_model_changed)
+        self.model_picker.currentTextChanged.connect(self._pick_remembered)
+        for picker in (self.model_picker, self.dtype_picker, self.device_picker):
+            picker.currentTextChanged.connect(self._on_model_changed)
+        self._on_model_changed()  # the pickers may start on a remembered dtype and device
 
-    def _fingerprint(self, spec: str) -> str | None:
-        """The fingerprint of the model loaded for ``spec``, None while it is not loaded."""
-        loaded = self.model_cache.get(spec)
-        return loaded.fingerprint if isinstance(loaded, core.LoadedModel) else None
+    def _loaded_fields(self, model: ModelChoice) -> dict:
+        """The RunInput fields known once ``model`` is loaded: its fingerprint and the dtype and
+        device it runs in (each None while it is not loaded)."""
+        loaded = self.model_cache.get(model)
+        if not isinstance(loaded, core.LoadedModel):
+            return {"model_fingerprint": None, "loaded_dtype": None, "loaded_device": None}
+        ran = loaded.adapter.dtype_and_device()
+        return {"model_fingerprint": loaded.fingerprint, "loaded_dtype": ran["dtype"], "loaded_device": ran["device"]}
+
+    def _note_loaded_model(self) -> None:
+        """The workspace's input learns what the picker's model is, once loaded."""
+        self.workspace.set_input(**self._loaded_fields(self.model_choice()))
 
     def _made_for(self, asked: RunInput) -> RunInput:
-        """``asked`` (the input a job started with) with the fingerprint of the model it ran."""
-        fingerprint = self._fingerprint(asked.model_spec) or asked.model_fingerprint
-        return dataclasses.replace(asked, model_fingerprint=fingerprint)
+        """``asked`` (the input a job started with) with the fingerprint, dtype and device of the model it ran."""
+        known = self._loaded_fields(asked.model_choice())
+        return dataclasses.replace(asked, **{k: v if v is not None else getattr(asked, k) for k, v in known.items()})
 
     def current_image_path(self) -> str | None:
         """The shown image's path as given (None: pasted or dropped pixels, or no image)."""
         return self.workspace.input.image_path
 
-    def _on_model_changed(self, text: str) -> None:
-        spec = text.strip()
-        if self.workspace.set_input(model_spec=spec, model_fingerprint=self._fingerprint(spec)):
+    def _on_model_changed(self, _text: str = "") -> None:
+        """Another spec, dtype or device picked: another model (the views drawn for the previous one turn stale)."""
+        model = self.model_choice()
+        picked = {"model_spec": model.spec, "model_dtype": model.dtype, "model_device": model.device}
+        if self.workspace.set_input(**picked, **self._loaded_fields(model)):
             self.attention_panel.set_statistics(None)  # the dataset distribution was another model's heads
 
     def _on_input_changed(self, fields: tuple) -> None:
@@ -174,7 +188,7 @@ class AnswerTokensMixin:
         if self.is_busy() or not self._has_image():
             return False
         budget = int(max_new_tokens or self.answer_panel.max_tokens.value())
-        spec, question, asked = self.model_spec(), self.question_edit.text().strip(), self.workspace.input
+        model, question, asked = self.model_choice(), self.question_edit.text().strip(), self.workspace.input
         caption = self._caption(question)
 
         def show(generation) -> None:
@@ -187,7 +201,7 @@ class AnswerTokensMixin:
                 self._forget_answer_token()
             made_for = self._made_for(dataclasses.replace(asked, answer_text=kept))
             tokens = AnswerTokens.of_generation(generation, made_for)
-            self._remember_model(spec)
+            self._remember_model(model)
             self._set_answer_tokens(tokens)
             self.answer_panel.show_generated(tokens, caption)
             if not tokens.token_ids:
@@ -195,7 +209,7 @@ class AnswerTokensMixin:
             run_id = self._record(generation)
             self.workspace.show_run(ShownRun(run_id, "generate", made_for, {"generate": generation.to_dict()}))
 
-        self._start(show, generate_job, self.model_cache, spec, self.image, question, budget)
+        self._start(show, generate_job, self.model_cache, model, self.image, question, budget)
         return True
 
     def choose_answer_token(self, index: int) -> bool:
@@ -278,8 +292,8 @@ class AnswerTokensMixin:
     def _refresh_target_note(self) -> None:
         """The one-line note on a typed Target / foil of several tokens (with the offer to read at
         the answer token where the word starts), or a typed token the model does not have."""
-        loaded = self.model_cache.get(self.model_spec())
-        if not isinstance(loaded, core.LoadedModel):
+        loaded = self.loaded_model()
+        if loaded is None:
             self.target_note.show_note("")  # said once the model is loaded (after the next job)
             return
         notes, read_at = [], None

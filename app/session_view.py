@@ -10,8 +10,8 @@ window refreshes both tables there. Nothing refreshes them by hand after a recor
 
 A run is restored from what the session stored (:meth:`SessionMixin.restore_run`):
 the image (its file when that still holds the same pixels, else the stored
-pixels), the question, the model, the answer token read out (the answer's
-tokens, the chosen one highlighted), the target fields and the panels, drawn
+pixels), the question, the model (in the dtype and on the device it ran in), the
+answer token read out (the answer's tokens, the chosen one highlighted), the target fields and the panels, drawn
 from the stored result JSON exactly as they were drawn when the run was made.
 """
 
@@ -28,11 +28,13 @@ from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import QFileDialog, QMessageBox
 
 import core
+from app.components import ModelChoice
 from app.components.workspace import AnswerTokens, RunInput, ShownRun, answer_token_label
 from app.jobs import answer_of, model_load_job
 from app.panels.history_panel import THUMBNAIL_PX, HistoryPanel
 from core.answer_text import AnswerText
 from core.images import image_sha256
+from core.precision import DTYPE_CHOICES
 from core.session import Run, RunInfo, Session
 
 SESSION_FILTER = "VLM Readout sessions (*.vlmr *.sqlite *.db);;All files (*)"
@@ -183,6 +185,15 @@ def asked_parameters(question: str, answer_text: AnswerText | None) -> dict:
     return {"question": question, **(answer_text.to_dict() if answer_text is not None else {})}
 
 
+def picked_dtype_and_device(ran_in: dict, shown: ModelChoice) -> tuple[str, str]:
+    """The dtype and device the pickers take for a run that ran in ``ran_in`` (``{"dtype",
+    "device"}``, as much as it records): its dtype when the picker offers it, its device
+    (a model spread over several devices: "auto"); the ``shown`` ones where it records none."""
+    dtype = ran_in.get("dtype") if ran_in.get("dtype") in DTYPE_CHOICES else shown.dtype
+    device = ran_in.get("device") or shown.device
+    return dtype, "auto" if "+" in device else device
+
+
 def target_fields(kind: str, result, answer_text: AnswerText | None = None) -> tuple[str, str]:
     """What the Target and foil fields held for the run: the answer token when it was not the one
     an empty field asks for (the answer token read, ``answer_text``, else the model's own top
@@ -208,6 +219,9 @@ class RestoredRun:
     question: str
     spec: str  # the run's model spec (the shown one for a run recorded without a model)
     fingerprint: str | None
+    dtype: str  # the dtype and device to pick: the run's (the shown ones for a run that records none)
+    device: str
+    ran_in: dict  # {"dtype", "device"} the run records (Run.dtype_and_device), {} for an older run
     answer: str
     foil: str
     answer_text: AnswerText | None = None  # the answer token read out (None: the first token, bare prompt)
@@ -216,6 +230,10 @@ class RestoredRun:
     mask: np.ndarray | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
 
+    @property
+    def model(self) -> ModelChoice:
+        return ModelChoice(self.spec, self.dtype, self.device)
+
     def input(self, sha: str) -> RunInput:
         return RunInput(
             image_sha256=sha,
@@ -223,6 +241,10 @@ class RestoredRun:
             question=self.question,
             model_spec=self.spec,
             model_fingerprint=self.fingerprint,
+            model_dtype=self.dtype,
+            model_device=self.device,
+            loaded_dtype=self.ran_in.get("dtype"),
+            loaded_device=self.ran_in.get("device"),
             answer_text=self.answer_text,
             answer=self.answer or None,
             foil=self.foil or None,
@@ -264,7 +286,7 @@ class SessionMixin:
                 image_path=self.workspace.input.image_path if with_image else None,
                 mask=mask,
                 parameters=parameters,
-                model=self.model_cache.get(self.model_spec()) or self.model_spec(),
+                model=self.loaded_model() or self.model_spec(),  # loaded: its dtype and device are recorded
             )
         except core.ReadoutError as e:
             self.show_error(f"not saved in the session: {e}")
@@ -387,11 +409,15 @@ class SessionMixin:
         if not self.set_image(restored.image, name=restored.image_name):
             return self._keep_history_selection()
         self.model_picker.setCurrentText(restored.spec)
+        restored.notes += self.set_model_choice(restored.dtype, restored.device)
         self.question_edit.setText(restored.question)
         self.target_edit.setText(restored.answer)
         self.foil_edit.setText(restored.foil)
         sha = image_sha256(restored.image)
         self.workspace.set_input(**restored.input(sha).fields())
+        # what the pickers hold (a device this machine lacks is not picked: the run shows stale)
+        picked = self.model_choice()
+        self.workspace.set_input(model_dtype=picked.dtype, model_device=picked.device)
         results = {run.kind: run.result}
         try:
             self._draw_run(restored)
@@ -422,14 +448,18 @@ class SessionMixin:
         image, name, path = self._run_image(run)
         answer_text = answer_text_of(run)
         answer, foil = target_fields(run.kind, run.result, answer_text)
+        ran_in = run.dtype_and_device
+        spec = (run.model or {}).get("spec") or self.model_spec()
         restored = RestoredRun(
             run,
             image,
             name,
             path,
             question_of(run),
-            (run.model or {}).get("spec") or self.model_spec(),
+            spec,
             (run.model or {}).get("fingerprint"),
+            *self._dtype_and_device_for(spec, ran_in),
+            ran_in,
             answer,
             foil,
             answer_text,
@@ -441,6 +471,19 @@ class SessionMixin:
         if run.mask_id is not None:
             restored.mask = self.session.mask(run.mask_id)
         return restored
+
+    def _dtype_and_device_for(self, spec: str, ran_in: dict) -> tuple[str, str]:
+        """What the pickers take to show a run of ``spec`` that ran in ``ran_in``: the choice of a
+        loaded model of ``spec`` that runs in that dtype on that device (the one picked first; an
+        "auto" that resolved to it is that model), else :func:`picked_dtype_and_device`."""
+        shown = self.model_choice()
+        loaded = [(shown, self.model_cache.get(shown))] if shown.spec == spec else []
+        loaded += [(c, m) for c, m in self.model_cache.items() if isinstance(c, ModelChoice) and c.spec == spec]
+        for choice, model in loaded:
+            if ran_in and isinstance(model, core.LoadedModel):
+                if all(model.adapter.dtype_and_device().get(k) == v for k, v in ran_in.items()):
+                    return choice.dtype, choice.device
+        return picked_dtype_and_device(ran_in, shown)
 
     def _run_image(self, run: Run):
         """``(PIL image, name, path)`` of the run's image: its file when that still holds the
@@ -501,7 +544,7 @@ class SessionMixin:
     def _draw_run(self, restored: RestoredRun) -> None:
         """Fill the Answer tab, the read-out panels, the canvas and the run's own panel."""
         run, analysis = restored.run, restored.analysis
-        self.analysis_inputs = (restored.spec, restored.image, restored.question) if analysis else None
+        self.analysis_inputs = (restored.model, restored.image, restored.question) if analysis else None
         self._show_analysis(analysis)
         if analysis is not None:
             self._show_answer(answer_of(analysis), self._caption(restored.question))
@@ -536,13 +579,13 @@ class SessionMixin:
         the loaded weights are not the ones the run used."""
         if restored.run.model is None:  # recorded without a model: the shown one stays
             return
-        loaded = self.model_cache.get(restored.spec)
+        loaded = self.model_cache.get(restored.model)
         if loaded is None:
             self._start(
                 lambda model: self._check_run_model(model, restored),
                 model_load_job,
                 self.model_cache,
-                restored.spec,
+                restored.model,
                 clear=False,
             )
         else:

@@ -13,6 +13,7 @@ a second and a half; bench/startup.py).
 from core.errors import (
     ImageLoadError,
     ModelLoadError,
+    ModelTooLargeError,
     OutOfMemoryError,
     QuestionError,
     ReadoutError,
@@ -46,6 +47,7 @@ __all__ = [
     "ImageLoadError",
     "LoadedModel",
     "ModelLoadError",
+    "ModelTooLargeError",
     "OutOfMemoryError",
     "QuestionError",
     "ReadoutError",

@@ -18,8 +18,10 @@ from core.capture import capture
 from core.errors import QuestionError
 from core.images import image_sha256, load_image
 from core.methods.patterns import FULL_PATTERN_LIMIT, RolloutStream  # FULL_PATTERN_LIMIT: re-exported
+from core.models.memory import check_working_set
 from core.readout import Target, jsonable
 from core.readouts import ANALYZE_READOUTS, READOUTS, TEXT_PATTERN_LIMIT, ReadoutOptions, SampleContext, pattern_rows
+from core.readouts.residual import reconstruction_line
 from core.views import family_view_names
 
 __all__ = ["FULL_PATTERN_LIMIT", "SCHEMA_VERSION", "TEXT_PATTERN_LIMIT", "TOP_K", "AnalyzeResult", "analyze"]
@@ -130,7 +132,7 @@ class AnalyzeResult(dict):
         if comps:
             c = max(comps, key=lambda c: abs(c["dla_frozen"]))
             parts.append(f"largest frozen-scale DLA {c['name']} {c['dla_frozen']:+.2f}")
-        parts.append(f"reconstruction error {self.residual_decomposition['reconstruction_max_abs_err']:.2e}")
+        parts.append(reconstruction_line(self.residual_decomposition, self.model.get("dtype")))
         return "; ".join(parts)
 
     def parameters(self) -> dict:
@@ -208,6 +210,8 @@ def analyze(
     prefix = answer_text.prefix_ids if answer_text is not None else ()
     inputs = adapter.prepare([img], [question], raw_prompt=raw_prompt, answer_prefix=prefix)
     n_tokens = inputs.input_ids.shape[1]
+    # refused in one line before the forward, not by the allocator halfway through it
+    check_working_set(loaded, n_tokens, "capture", eager=attention == "eager")
     stream = RolloutStream(rollout_alpha) if n_tokens <= FULL_PATTERN_LIMIT else None
     trace = capture(
         loaded,
@@ -277,6 +281,7 @@ def analyze(
             "visual_tokens": [t.to_dict() for t in tokens],
             **({"view_names": view_names} if view_names else {}),
             **(answer_text.to_dict() if answer_text is not None else {}),
+            **adapter.dtype_and_device(),
         },
         target=Target.from_dict(target),
         top=top,

@@ -13,7 +13,10 @@ asks for, computed as eager attention computes it::
 
     softmax(q_rows K^T * scaling [soft-capped] + mask, dim=-1)
 
-in float32 (float64 for a float64 model), the precision sdpa weights the values with,
+in float32 (float64 for a float64 model), the precision sdpa weights the values with:
+a half-precision call's queries and keys are upcast (exactly) before the product,
+so the scores are float32 sums of the half-precision q and k, as sdpa's kernels
+accumulate them (eager attention rounds its scores to the model's dtype first),
 
 with the model's own mask: the tensor the call was given (causal, padding,
 prefix-LM, sliding window), or, where sdpa / flash were given none, the
@@ -31,6 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from core.precision import accumulation_dtype
 
 # Rows recomputed at once: bounds the transient (batch, heads, rows, keys) scores.
 # Rows are computed by aligned chunks of this many (the last padded with the last
@@ -104,7 +109,7 @@ class RecomputedRows:
         # so the keys past a row chunk are not computed at all.
         self.causal_only = c.kind != "eager" and c.causal and self.n_rows > 1 and (c.mask is None or c.mask.ndim == 2)
         # the precision sdpa weights the values with (see rows)
-        self.dtype = torch.float64 if c.query.dtype == torch.float64 else torch.float32
+        self.dtype = accumulation_dtype(c.query.dtype)
         self.reuse = reuse
         self._kept: dict[int, torch.Tensor] = {}
 
@@ -115,13 +120,13 @@ class RecomputedRows:
         leaves them. ``n_keys``: only the first keys (all the rows may read)."""
         c = self.call
         positions = positions.to(c.query.device)
-        q = c.query[:, :, positions]  # (batch, heads, n, d_head)
+        q = c.query[:, :, positions].to(self.dtype)  # (batch, heads, n, d_head); half upcast exactly
         b, h, n, d = q.shape
         kv_heads = c.key.shape[1]
         n_keys = c.key.shape[2] if n_keys is None else n_keys
         group = h // kv_heads
         # Grouped heads read their key head without repeat_kv's copy: query head i reads key head i // group.
-        keys = c.key[:, :, :n_keys].transpose(2, 3)
+        keys = c.key[:, :, :n_keys].to(self.dtype).transpose(2, 3)
         scores = torch.matmul(q.reshape(b, kv_heads, group * n, d), keys).view(b, h, n, n_keys)
         scores.mul_(c.scaling)  # in place: the same operations as eager's, one buffer
         if c.softcap is not None:

@@ -115,6 +115,15 @@ class Trace:
         return torch.einsum("...hd,hdm->...hm", z, adapter.W_O(block).to(z.dtype))
 
 
+def on_device_of(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the device of ``module``'s weights: what a capture hook records of a
+    module's input, so a model spread over devices (accelerate's device map, whose
+    hook moves the input only after the forward pre-hooks ran) keeps each block's
+    record where the block's weights are; ``x`` itself when already there."""
+    p = next(module.parameters(), None)
+    return x if p is None else x.to(p.device)
+
+
 @contextmanager
 def hooks(registrations: Sequence[tuple[torch.nn.Module, str, object]]) -> Iterator[None]:
     """Register ``(module, kind, fn)`` hooks (kind: "pre", "pre_kw", "fwd") and

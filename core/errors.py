@@ -29,6 +29,12 @@ class UnsafeCheckpointError(ModelLoadError):
     """Loading would run code (pickle, remote code) and the user did not opt in."""
 
 
+class ModelTooLargeError(ModelLoadError):
+    """The model, or a read-out of it, would not fit in the memory available:
+    refused before anything is allocated (core/models/memory.py), naming both
+    figures and the dtype that would fit."""
+
+
 class QuestionError(ReadoutError):
     """The question does not fit the model (too long, unknown words)."""
 

@@ -93,6 +93,8 @@ class Generation:
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("question", "raw_prompt")}
         d["input"] = {"question": self.question, "raw_prompt": self.raw_prompt, "prompt_length": self.prompt_length}
+        # the dtype and device it ran in, as the model block states them (Adapter.dtype_and_device)
+        d["input"].update({k: self.model[k] for k in ("dtype", "device") if k in self.model})
         del d["prompt_length"]
         return jsonable({"schema_version": SCHEMA_VERSION, "kind": self.kind, **d})
 

@@ -468,6 +468,7 @@ class Validation:
     cancelled: bool = False
     seconds: float = 0.0
     schema_version: int = SCHEMA_VERSION
+    dtype_and_device: dict = field(default_factory=dict)  # what the chains ran in (Adapter.dtype_and_device)
 
     kind = "validate"  # the session's run kind (core.readout.Readout)
 
@@ -536,7 +537,7 @@ class Validation:
                 "schema_version": self.schema_version,
                 "kind": self.kind,
                 "claim": self.claim.to_dict(),
-                "model": {"spec": self.model, "fingerprint": self.fingerprint},
+                "model": {"spec": self.model, "fingerprint": self.fingerprint, **self.dtype_and_device},
                 "search": self.search.to_dict(),
                 "heldout": self.heldout.to_dict(),
                 "found_by": self.found_by,
@@ -566,6 +567,7 @@ class Validation:
             list(d.get("search_table", [])),
             bool(d.get("cancelled", False)),
             float(d.get("seconds", 0.0)),
+            dtype_and_device={k: d["model"][k] for k in ("dtype", "device") if k in d["model"]},
         )
 
 
@@ -656,4 +658,5 @@ def validate(
         table,
         cancelled,
         time.perf_counter() - t0,
+        dtype_and_device=loaded.adapter.dtype_and_device(),
     )

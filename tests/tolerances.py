@@ -25,6 +25,23 @@ by 1e-4 of its size); for long float32 chains (the shipped float32 models'
 recomputed attention patterns) the worst case is loose, and it is the float64
 variant of each such test that resolves small bugs.
 
+Half precision (bfloat16, float16). torch's CPU kernels accumulate a half
+reduction (matmul / addmm, sum, mean, softmax, layer_norm) in float32
+(``at::opmath_type``, ATen/OpMathType.h: "For FP16 or BFloat16 inputs, ops
+should perform internal math in FP32"; a product of two half values is exact
+there) and round the result once; elementwise ops (a residual add, a gate, a
+cast) round once each. Higham's ``gamma_n`` taken in the half dtype would model
+every addition rounding to 8 or 11 bits: useless (no bound at all above
+``n = 256`` in bfloat16) and a check that cannot fail. So :func:`gamma` of a
+half dtype is ``gamma_n(float32) + u_half`` (one float32 accumulation, one
+rounding of the result, which is at most the terms' size), and the elementwise
+roundings that float32 / float64 checks count among their ``n`` are counted
+explicitly (:func:`half_rounding_tol`). The read-outs accumulate in float32
+for a half model (core.precision.accumulation_dtype): a comparison of two
+read-outs uses float32's ``gamma`` (:func:`opmath_dtype`), so a read-out that
+sums in the half dtype (``u_half`` of its result) is caught. float32 and
+float64 numbers are unchanged.
+
 Where two sides run the *same* ops on the same values (a capture against the
 same eager forward, a write patched with its own value) the checks stay exact.
 """
@@ -36,6 +53,7 @@ import math
 import torch
 
 FLOAT32 = torch.float32
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 # Steps that transformers computes in float32 whatever the model's dtype
 # (transformers 5.x, modeling_<family>.py):
@@ -77,13 +95,40 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
+def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype torch's kernels accumulate a ``dtype`` reduction in
+    (``at::opmath_type``, ATen/OpMathType.h): float32 for bfloat16 and float16,
+    the dtype itself otherwise."""
+    return FLOAT32 if dtype in HALF_DTYPES else dtype
+
+
 def gamma(n: int, dtype: torch.dtype) -> float:
-    """Higham's ``gamma_n = n u / (1 - n u)``: the worst-case relative error of an
-    ``n``-term sum or dot product evaluated in ``dtype`` in any order, relative to
-    the sum of the ``|terms|`` (Higham 2002, Lemma 3.1 and eq. 3.5)."""
+    """The worst-case relative error of an ``n``-term sum or dot product whose
+    result is stored in ``dtype``, evaluated in any order, relative to the sum of
+    the ``|terms|``.
+
+    float32 / float64: Higham's ``gamma_n = n u / (1 - n u)`` (Higham 2002,
+    Lemma 3.1 and eq. 3.5). Half dtypes: the kernel accumulates in float32
+    (:func:`opmath_dtype`; a product of two half values is exact there) and
+    rounds the result once, ``gamma_n(float32) + u_half`` (the rounding is
+    ``u_half |result| <= u_half sum |terms|``)."""
+    if dtype in HALF_DTYPES:
+        return gamma(n, opmath_dtype(dtype)) + unit_roundoff(dtype)
     nu = n * unit_roundoff(dtype)
     assert nu < 1, f"gamma({n}) is no bound in {dtype}"
     return nu / (1 - nu)
+
+
+def half_rounding_tol(magnitude: float, dtype: torch.dtype, n_roundings: int) -> float:
+    """What ``n_roundings`` elementwise roundings to ``dtype`` (a residual add, a
+    gate, a cast of a norm's output) can add, ``magnitude`` being the size of the
+    terms each rounded value is part of: ``n_roundings * u * magnitude`` for a
+    half dtype, 0 for float32 / float64, whose checks count these steps among
+    the ``n`` of their ``gamma_n`` (``u`` of one step is what ``gamma_{n+1}``
+    adds to ``gamma_n``). In a half model they are not covered that way: the
+    reductions accumulate in float32 (:func:`gamma`), each elementwise step
+    rounds to the half dtype."""
+    return rounding_tol(magnitude, dtype, n_roundings) if dtype in HALF_DTYPES else 0.0
 
 
 def coarsest(*dtypes: torch.dtype) -> torch.dtype:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.components.events import Event
+from app.components.model_choice import CPU, ModelChoice
 from core.answer_text import AnswerText
 
 QUESTION_CHARS = 40  # a question longer than this is shortened in headers
@@ -34,12 +35,15 @@ COMPARED_FIELDS = {
     "image_sha256": "image",
     "question": "question",
     "model_spec": "model",
+    "model_dtype": "dtype",
+    "model_device": "device",
     "answer_text": "answer token",
     "answer": "target",
     "foil": "foil",
 }
 # what is asked about: an answer (generated, or its tokens chosen) belongs to one image, question and model
-ASKED_FIELDS = ("image_sha256", "question", "model_spec")
+# (in one dtype, on one device: a bfloat16 model's answer need not be float32's)
+ASKED_FIELDS = ("image_sha256", "question", "model_spec", "model_dtype", "model_device")
 
 
 def short_question(question: str, limit: int = QUESTION_CHARS) -> str:
@@ -60,6 +64,14 @@ def short_model(spec: str) -> str:
     return spec
 
 
+def as_run(asked: str, used: str | None) -> str:
+    """A dtype or device for a header: the one the model ran in once known, marked ``(auto)``
+    when the loader chose it (``float32 (auto)``); the one asked for before."""
+    if not used:
+        return asked
+    return f"{used} (auto)" if asked == "auto" and used != "auto" else used
+
+
 def answer_token_label(answer_text: AnswerText) -> str:
     """``answer token 2 'square'``: which token of the answer a run reads out (0 = the first)."""
     return f"answer token {answer_text.index} {answer_text.token!r}"
@@ -69,7 +81,8 @@ def answer_token_label(answer_text: AnswerText) -> str:
 class RunInput:
     """What one run asks: the image (pixels' SHA-256 as :func:`core.images.image_sha256`,
     and the path as given, None for pasted or dropped bytes), the question, the model
-    (spec as typed and, once loaded, its fingerprint), the answer token read out
+    (spec as typed, the dtype and device picked, and once loaded its fingerprint and the
+    dtype and device it runs in: ``loaded_dtype`` float32 for "auto" on the CPU), the answer token read out
     (``answer_text``: token ``index`` of an answer, read after the prompt and the
     answer's tokens before it; None: the first token after the bare prompt), and the
     answer and foil tokens the user asked for (None: the model's top token, or the
@@ -80,6 +93,10 @@ class RunInput:
     question: str = ""
     model_spec: str = ""
     model_fingerprint: str | None = None
+    model_dtype: str = "auto"
+    model_device: str = CPU
+    loaded_dtype: str | None = None
+    loaded_device: str | None = None
     answer_text: AnswerText | None = None
     answer: str | None = None
     foil: str | None = None
@@ -92,10 +109,19 @@ class RunInput:
             return f"image {self.image_sha256[:8]}"
         return "no image"
 
+    def model_choice(self) -> ModelChoice:
+        """The model asked for: spec, dtype, device (the model cache's key)."""
+        return ModelChoice(self.model_spec, self.model_dtype, self.model_device)
+
+    def model_label(self) -> str:
+        """``shapes-llava · bfloat16 · cpu``: the model, the dtype and the device (as run, once loaded)."""
+        dtype, device = as_run(self.model_dtype, self.loaded_dtype), as_run(self.model_device, self.loaded_device)
+        return f"{short_model(self.model_spec)} · {dtype} · {device}"
+
     def describe(self) -> str:
-        """One line: question, image, model (and the answer token read out, the target tokens
-        when the user chose them)."""
-        parts = [short_question(self.question), self.image_name(), short_model(self.model_spec)]
+        """One line: question, image, model with its dtype and device (and the answer token
+        read out, the target tokens when the user chose them)."""
+        parts = [short_question(self.question), self.image_name(), self.model_label()]
         if self.answer_text is not None:
             parts.append(answer_token_label(self.answer_text))
         if self.answer:
@@ -109,11 +135,12 @@ class RunInput:
         return tuple(getattr(self, name) for name in COMPARED_FIELDS)
 
     def differences(self, other: RunInput) -> list[str]:
-        """The names (image, question, model, answer token, target, foil) of what differs from ``other``."""
+        """The names (image, question, model, dtype, device, answer token, target, foil) of what
+        differs from ``other``."""
         return [label for name, label in COMPARED_FIELDS.items() if getattr(self, name) != getattr(other, name)]
 
     def asked(self) -> tuple:
-        """What an answer to this input belongs to: the image pixels, the question and the model."""
+        """What an answer to this input belongs to: the image pixels, the question and the model (dtype, device)."""
         return tuple(getattr(self, name) for name in ASKED_FIELDS)
 
     def fields(self) -> dict:
@@ -201,7 +228,8 @@ class ShownRun:
         return self.run_ids.get(kind, self.run_id) if kind != self.kind else self.run_id
 
     def header(self, kind: str | None = None) -> str:
-        """``run #4 · analyze · 'what shape…?' · sample_00.png · shapes-llava`` (``kind``: a follow-up's)."""
+        """``run #4 · analyze · 'what shape…?' · sample_00.png · shapes-llava · float32 (auto) · cpu``
+        (``kind``: a follow-up's)."""
         kind = kind or self.kind
         run_id = self.id_of(kind)
         named = f"run #{run_id}" if run_id is not None else "not recorded"
@@ -291,7 +319,7 @@ class Workspace:
 
     def is_current(self, run: ShownRun | None = None) -> bool:
         """Whether ``run`` (default: the shown run) was made for the current input:
-        same image pixels, question, model spec, answer token read out, answer and foil tokens."""
+        same image pixels, question, model spec, dtype and device, answer token read out, answer and foil tokens."""
         run = self.shown if run is None else run
         return run is not None and run.input.key() == self.input.key()
 

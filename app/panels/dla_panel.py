@@ -37,6 +37,7 @@ from PySide6.QtWidgets import (
 
 from app.panels.attention_panel import SIGNED_MAP, HeatGrid, block_names, is_cross_block, token_grid
 from app.widgets import FOREGROUND, plain_label, set_title, split, stacked, style_plot
+from core.readouts.residual import reconstruction_line
 
 # convention shown in the combo -> (field, axis label, caveat)
 CONVENTIONS: dict[str, tuple[str, str, str]] = {
@@ -252,7 +253,8 @@ class DLAPanel(QWidget):
                 f"{rd.get('target_logit', float('nan')):.3f}"
             )
             self.error_label.setText(
-                f"reconstruction: max |sum of components - x_L| = {rd.get('reconstruction_max_abs_err', float('nan')):.2e}"
+                reconstruction_line(rd, result.get("model", {}).get("dtype"))
+                + f"; max |sum of components - x_L| = {rd.get('reconstruction_max_abs_err', float('nan')):.2e}"
             )
         else:
             self.target_label.setText("no analysis yet: press Run")

@@ -68,6 +68,6 @@ def run(args, load=load_from_args) -> int:
         )
     write_text_atomic(Path(args.json), json.dumps(result.to_dict()) + "\n")
     if args.session:
-        record_into(args.session, result, image=image, image_path=args.image)
+        record_into(args.session, result, image=image, image_path=args.image, model=loaded)
     print(result.summary())
     return 0

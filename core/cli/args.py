@@ -8,16 +8,25 @@ from __future__ import annotations
 
 import argparse
 
+from core.precision import AUTO_DTYPE_MEANING, DTYPE_CHOICES  # torch-free
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """``--model``, ``--device``, ``--allow-pickle``, ``--trust-remote-code``,
-    ``--allow-download``: what :func:`core.cli.loading.load_from_args` reads."""
+    """``--model``, ``--device``, ``--dtype``, ``--allow-pickle``, ``--trust-remote-code``,
+    ``--allow-download``: what :func:`core.cli.loading.load_from_args` reads. Every
+    model command takes them from here."""
     p.add_argument(
         "--model",
         default="shapes-llava",
         help="built-in name, model folder, cached repo id, or open_clip name:checkpoint",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N, or auto (spread over devices)")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help=f"the dtype the model runs in (default {AUTO_DTYPE_MEANING}); the result records the one used",
+    )
     p.add_argument("--allow-pickle", action="store_true", help="accept pickle checkpoints (they can run code)")
     p.add_argument("--trust-remote-code", action="store_true", help="accept models that ship their own code")
     p.add_argument("--allow-download", action="store_true", help="allow fetching a repo id that is not cached")

@@ -40,6 +40,7 @@ def run_params_for(loaded, dataset: Path, methods, args, n_items: int) -> dict:
         "model": loaded.spec,
         "fingerprint": getattr(loaded, "fingerprint", ""),
         "family": loaded.adapter.family,
+        **loaded.adapter.dtype_and_device(),
         "dataset": str(dataset),
         "n_samples": n_items,
         "limit": args.limit,
@@ -135,7 +136,7 @@ def run(args, load=load_from_args) -> int:
         merged = merge_shards(shards)
         run_params = run_params_for(loaded, dataset, methods, args, len(items))
         files = write_outputs(args.out, merged, methods, run_params, options, len(items))
-        _write_run_json(args.out, started, world, backend, args.device, complete=not merged.cancelled, files=files)
+        _write_run_json(args.out, started, world, backend, run_params, complete=not merged.cancelled, files=files)
         if args.session:  # one summary run per audit (per-sample numbers stay in samples.jsonl): core/session.py
             from core.readout import RecordedResult, jsonable
             from core.session import record_into
@@ -190,7 +191,8 @@ def cancel_on_sigint():
         signal.signal(signal.SIGINT, before)
 
 
-def _write_run_json(out, started, world, backend, device, *, complete: bool, files: list[str]) -> None:
+def _write_run_json(out, started, world, backend, run_params: dict, *, complete: bool, files: list[str]) -> None:
+    """``run.json``: how the run ran (processes, backend, the dtype and device of rank 0's model, libraries)."""
     import torch  # function-local: the versions of the run's libraries, read when it ends
     import transformers
 
@@ -202,7 +204,8 @@ def _write_run_json(out, started, world, backend, device, *, complete: bool, fil
         "complete": complete,
         "world_size": world,
         "backend": backend,
-        "device": device,
+        "dtype": run_params["dtype"],
+        "device": run_params["device"],
         "elapsed_s": round(time.time() - started, 3),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

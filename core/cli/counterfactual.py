@@ -122,6 +122,7 @@ def run(args, load=load_from_args) -> int:
             "mask": str(args.mask) if args.mask else None,
             "paste_from": str(args.paste_from) if args.paste_from else None,
             **(answer_text.to_dict() if answer_text is not None else {}),
+            **loaded.adapter.dtype_and_device(),
         },
     }
     if args.sweep is not None:
@@ -174,6 +175,7 @@ def run(args, load=load_from_args) -> int:
             image_path=args.image,
             mask=mask,
             parameters=extra,
+            model=loaded,
         )
     print(line)
     return 0

@@ -94,5 +94,5 @@ def run(args, load=load_from_args) -> int:
     if args.session:
         from core.session import record_into
 
-        record_into(args.session, result, image=image, image_path=args.image)
+        record_into(args.session, result, image=image, image_path=args.image, model=loaded)
     return 0

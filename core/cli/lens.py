@@ -219,7 +219,9 @@ def run_eval(args, load=load_from_args) -> int:
         ev = evaluate_lens(
             loaded, lens, corpus, n, primary=args.positions, batch_size=args.batch_size, progress=progress
         )
-    write_text_atomic(Path(args.json), json.dumps(ev.to_dict()) + "\n")
+    # the model it read, with the dtype and device the readers were computed in
+    model = {"spec": loaded.spec, "fingerprint": loaded.fingerprint, **loaded.adapter.describe()}
+    write_text_atomic(Path(args.json), json.dumps({**ev.to_dict(), "model": model}) + "\n")
     print(f"KL(final || lens) in bits ({ev.data.get('n_samples')} pairs, positions {ev.primary}):")
     print(ev.markdown())
     return 0

@@ -8,7 +8,7 @@ import warnings
 
 def load_from_args(args):
     """The model of ``--model`` (with the options of
-    :func:`core.cli.args.add_model_args`); each warning of the load
+    :func:`core.cli.args.add_model_args`: ``--device``, ``--dtype``, ...); each warning of the load
     (unexpected tensors in the weights, ...) is one ``warning: ...`` line on
     stderr."""
     # function-local: core.models.loading imports torch and transformers, and this
@@ -20,6 +20,7 @@ def load_from_args(args):
         loaded = load_model(
             args.model,
             device=args.device,
+            dtype=args.dtype,
             allow_pickle=args.allow_pickle,
             trust_remote_code=args.trust_remote_code,
             allow_download=args.allow_download,

@@ -182,6 +182,7 @@ def run(args, load=load_from_args) -> int:
             image_path=args.image,
             mask=mask,
             parameters=extra,
+            model=loaded,
         )
     print(result.summary())
     for lv in result.levels:

@@ -96,8 +96,8 @@ def run(args, load=load_from_args) -> int:
         from core.session import record_into
 
         if image is None:
-            record_into(args.session, result)
+            record_into(args.session, result, model=loaded)
         else:
-            record_into(args.session, result, image=image, image_path=args.image)
+            record_into(args.session, result, image=image, image_path=args.image, model=loaded)
     print(result.summary())
     return 0

@@ -22,6 +22,7 @@ import torch
 
 from core.audit import AuditRecord
 from core.methods.residual import target_direction
+from core.precision import accumulating
 
 
 @dataclass
@@ -51,9 +52,9 @@ def source_contributions(
     if len(qi) == 0 or len(trace.patterns) != trace.n_blocks:
         raise ValueError(f"capture the pattern of position {pos} at every block first")
     qi = int(qi[0])
-    x_L = trace.final_resid[batch, pos]
-    dtype = x_L.dtype
-    u = target_direction(adapter, answer_id, foil_id).to(dtype)
+    x_L = accumulating(trace.final_resid[batch, pos])
+    dtype = x_L.dtype  # float32 for a half-precision model: every product below sums in it
+    u = target_direction(adapter, answer_id, foil_id).to(x_L.device, dtype)
     norm_f = adapter.final_norm_layer()
     directions = torch.stack([u, norm_f.frozen_readout(x_L, u), norm_f.vjp(x_L, u)])  # (3, d_model)
     out = {k: [] for k in ("norm", "projection", "dla_frozen", "dla_jacobian")}
@@ -63,18 +64,18 @@ def source_contributions(
         r = trace.resid_pre[layer][batch] if source is None else source[batch]
         v = torch.einsum("pm,hmd->phd", adapter.kv_norm(layer)(r), adapter.W_V(layer).to(dtype))
         v = v + adapter.b_V(layer).to(dtype)  # (sources, heads, d_head)
-        A = trace.patterns[layer][batch, :, qi, : r.shape[0]].to(dtype)  # (heads, sources)
+        A = trace.patterns[layer][batch, :, qi, : r.shape[0]].to(v.device, dtype)  # (heads, sources)
         W_O = adapter.W_O(layer).to(dtype)  # (heads, d_head, d_model)
         # post-norm families (BLIP): the frozen norms between this block's output and x_L, transposed
         dirs = adapter.readout_pullback(trace, layer, pos, directions, batch)
-        read = torch.einsum("hdm,km->khd", W_O, dirs)  # (3, heads, d_head)
+        read = torch.einsum("hdm,km->khd", W_O, dirs.to(W_O.device))  # (3, heads, d_head); a device map: the block's
         proj = torch.einsum("phd,khd->khp", v, read) * A  # (3, heads, sources)
         gram = torch.einsum("hdm,hem->hde", W_O, W_O)
         nrm = torch.einsum("phd,hde,phe->hp", v, gram, v).clamp_min(0).sqrt() * A
-        out["projection"].append(proj[0])
-        out["dla_frozen"].append(proj[1])
-        out["dla_jacobian"].append(proj[2])
-        out["norm"].append(nrm)
+        out["projection"].append(proj[0].to(x_L.device))
+        out["dla_frozen"].append(proj[1].to(x_L.device))
+        out["dla_jacobian"].append(proj[2].to(x_L.device))
+        out["norm"].append(nrm.to(x_L.device))
     audit = AuditRecord.for_method(
         "source contribution",
         controls=[

@@ -14,6 +14,7 @@ import torch
 from core.audit import AuditRecord
 from core.capture import capture
 from core.methods.patterns import Distribution
+from core.precision import accumulating
 
 
 @dataclass
@@ -46,8 +47,13 @@ class LogitLens:
 
 
 def lens_logits(adapter, x: torch.Tensor) -> torch.Tensor:
-    """``(..., d_model) -> (..., vocab)``: the final norm recomputed on ``x``, then unembedding."""
-    return adapter.final_norm_layer()(x) @ adapter.W_U.to(x.dtype) + adapter.b_U.to(x.dtype)
+    """``(..., d_model) -> (..., vocab)``: the final norm recomputed on ``x``, then unembedding,
+    in the accumulation dtype (float32 for a half-precision ``x``)."""
+    x = accumulating(x)
+    # on the unembedding's device: a device map puts each block's residual on its own device
+    W_U = adapter.W_U
+    x = x.to(W_U.device)
+    return adapter.final_norm_layer()(x) @ W_U.to(x.dtype) + adapter.b_U.to(x.device, x.dtype)
 
 
 def lens_row(

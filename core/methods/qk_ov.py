@@ -26,6 +26,7 @@ import torch
 
 from core.answer_text import AnswerText, run_parameters
 from core.audit import AuditRecord
+from core.precision import accumulating
 
 
 @dataclass
@@ -218,7 +219,9 @@ def model_scores(trace, block: int, batch: int = 0) -> torch.Tensor:
     capture recorded (``keep_qk``), grouped keys expanded; before the mask."""
     if block not in trace.q:
         raise ValueError(f"capture with keep_qk to record block {block}'s queries and keys")
-    q, k = trace.q[block][batch], trace.k[block][batch]  # (pos, heads, d), (keys, kv_heads, d)
+    # half-precision q and k summed in float32, as the model's attention kernel does
+    q = accumulating(trace.q[block][batch])  # (pos, heads, d)
+    k = accumulating(trace.k[block][batch])  # (keys, kv_heads, d)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     return torch.einsum("qhd,khd->hqk", q, k) * trace.score_scale[block]
 
@@ -439,6 +442,7 @@ def qk_ov(
             "image_sha256": image_sha256(img),
             "image_size": list(img.size),
             **(answer_text.to_dict() if answer_text is not None else {}),
+            **adapter.dtype_and_device(),
         }
     return QkOvResult(
         model={"spec": loaded.spec, "fingerprint": loaded.fingerprint, **adapter.describe()},

@@ -12,6 +12,10 @@ Each component ``c`` is reported under every convention, side by side:
   scale-invariant norm it sums to about 0, so it is not an additive split.
 
 ``u`` is W_U[:, answer] - W_U[:, foil] with a foil, else W_U[:, answer].
+
+Every product and sum runs in the accumulation dtype of the captured tensors
+(:func:`core.precision.accumulating`): float32 for a bfloat16 or float16
+model, the model's own dtype for float32 and float64 (docs/METHODS.md, "Precision").
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from core.audit import AuditRecord
 from core.capture import capture
 from core.edits import Edit
+from core.precision import accumulating, dtype_name, unit_roundoff
 from core.stats import spearman
 
 
@@ -44,8 +49,15 @@ class ResidualDecomposition:
 
     Attributes:
         reconstruction_max_abs_err: max |sum of components - x_L|.
+        reconstruction_rel_err: ||sum of components - x_L||_2 / ||x_L||_2.
+        reconstruction_bound: what rounding alone allows ``reconstruction_rel_err``
+            to reach in the model's dtype (:func:`reconstruction_bound`).
+        reconstruction_ok: ``reconstruction_rel_err <= reconstruction_bound``: the
+            split is exact to the model's rounding; False says a component is
+            missing or wrong, not that the model runs in half precision.
+        dtype: the dtype the model ran in (the captured tensors'), e.g. "bfloat16".
         target_logit: u^T (W_U^T Norm_f(x_L)) + u^T b_U, the model's own logit
-            (difference) at this position.
+            (difference) at this position (recomputed in the accumulation dtype).
         frozen_sum_expected: what ``dla_frozen`` must sum to:
             target_logit - u^T b_U - u^T bias_f.
     """
@@ -57,7 +69,14 @@ class ResidualDecomposition:
     reconstruction_max_abs_err: float
     target_logit: float
     frozen_sum_expected: float
+    reconstruction_rel_err: float = 0.0
+    reconstruction_bound: float = 0.0
+    dtype: str = "float32"
     audit: AuditRecord = field(repr=False, default=None)
+
+    @property
+    def reconstruction_ok(self) -> bool:
+        return self.reconstruction_rel_err <= self.reconstruction_bound
 
     def to_dict(self) -> dict:
         return {
@@ -65,11 +84,43 @@ class ResidualDecomposition:
             "answer_id": self.answer_id,
             "foil_id": self.foil_id,
             "reconstruction_max_abs_err": self.reconstruction_max_abs_err,
+            "reconstruction_rel_err": self.reconstruction_rel_err,
+            "reconstruction_bound": self.reconstruction_bound,
+            "reconstruction_ok": self.reconstruction_ok,
+            "dtype": self.dtype,
             "target_logit": self.target_logit,
             "frozen_sum_expected": self.frozen_sum_expected,
             "components": [c.to_dict() for c in self.components],
             "audit": self.audit.to_dict() if self.audit else None,
         }
+
+
+def reconstruction_bound(C: torch.Tensor, x_L: torch.Tensor, n_blocks: int, model_dtype: torch.dtype) -> float:
+    """How far ``||sum C - x_L|| / ||x_L||`` may be from 0 by rounding alone.
+
+    The model builds x_L by adding each block's writes to the stream in its own
+    dtype: per block the attention output is rounded once (one ``o_proj`` product,
+    which the stack splits into per-head writes) and the attention and MLP writes
+    are each added with one rounding, so about ``3 n_blocks`` roundings, each at
+    most ``u |s_k|`` elementwise (``u``: the model dtype's unit roundoff, 2^-8 for
+    bfloat16, 2^-11 for float16), ``s_k`` the partial sum the add produced; in the
+    2-norm ``||e_k|| <= u ||s_k||``. Both the model's products (``d_model`` terms)
+    and the read-out's sum of the ``n`` components accumulate in the accumulation
+    dtype (unit roundoff ``u_acc``), adding at most ``(d_model + n) u_acc`` of the
+    same sizes. So
+
+        ||sum C - x_L|| <= (3 n_blocks u + (d_model + n) u_acc) max_k ||s_k||
+
+    with the partial sums ``s_k`` read as the running sums of the stack (stream
+    order; ``C`` in the accumulation dtype). A bfloat16 run therefore reaches an
+    error of order ``n_layers u_bf16 |x_L|`` by construction, while a float32 run
+    whose stack lost or doubled a component fails by orders of magnitude.
+    Returned relative to ``||x_L||``."""
+    u_model = unit_roundoff(model_dtype)
+    u_acc = unit_roundoff(C.dtype)
+    largest_partial = float(C.cumsum(0).norm(dim=-1).max())
+    roundings = 3 * n_blocks * u_model + (C.shape[-1] + C.shape[0]) * u_acc
+    return roundings * largest_partial / max(float(x_L.norm()), torch.finfo(C.dtype).tiny)
 
 
 def target_direction(adapter, answer_id: int, foil_id: int | None) -> torch.Tensor:
@@ -93,13 +144,18 @@ def decompose(
     """Split x_L at ``position`` (default: the answer position) into components."""
     pos = int(trace.answer_positions[batch]) if position is None else int(position)
     names, C = component_stack(adapter, trace, pos, batch)
-    x_L = trace.final_resid[batch, pos]
+    model_dtype = trace.final_resid.dtype
+    # half-precision captures are summed in float32 (exact upcast); float32 / float64 as they are
+    C = accumulating(C)
+    x_L = accumulating(trace.final_resid[batch, pos])
     norm_f = adapter.final_norm_layer()
-    u = target_direction(adapter, answer_id, foil_id).to(C.dtype)
-    b_U = adapter.b_U.to(C.dtype)
+    u = target_direction(adapter, answer_id, foil_id).to(C.device, C.dtype)
+    b_U = adapter.b_U.to(C.device, C.dtype)
     u_bias = b_U[answer_id] - (b_U[foil_id] if foil_id is not None else 0)
     bias_f = norm_f.frozen_bias(x_L)  # a head transform's (BLIP) depends on x_L under the frozen convention
-    norm_bias = bias_f.to(C.dtype) @ u if bias_f is not None else torch.zeros((), dtype=C.dtype)
+    norm_bias = (
+        bias_f.to(C.device, C.dtype) @ u if bias_f is not None else torch.zeros((), dtype=C.dtype, device=C.device)
+    )
     target = norm_f(x_L) @ u + u_bias
     proj = C @ u
     frozen = norm_f.frozen(x_L, C) @ u
@@ -108,7 +164,10 @@ def decompose(
     comps = [
         Component(n, float(a), float(b), float(c), float(d)) for n, a, b, c, d in zip(names, norms, proj, frozen, jac)
     ]
-    err = float((C.sum(0) - x_L).abs().max())
+    residue = C.sum(0) - x_L
+    err = float(residue.abs().max())
+    rel_err = float(residue.norm()) / max(float(x_L.norm()), torch.finfo(C.dtype).tiny)
+    bound = reconstruction_bound(C, x_L, trace.n_blocks, model_dtype)
     audit = AuditRecord.for_method(
         "residual DLA",
         controls=[
@@ -122,11 +181,27 @@ def decompose(
             "dla_frozen is additive: it sums to the logit (difference) minus the unembedding and final-norm biases",
             "dla_jacobian is a first-order sensitivity at x_L; it does not sum to the logit",
             "an addend's direct projection says nothing of its indirect effect through later layers",
-        ],
+        ]
+        + ([] if rel_err <= bound else [reconstruction_failure(dtype_name(model_dtype))]),
     )
     return ResidualDecomposition(
-        pos, answer_id, foil_id, comps, err, float(target), float(target - u_bias - norm_bias), audit
+        pos,
+        answer_id,
+        foil_id,
+        comps,
+        err,
+        float(target),
+        float(target - u_bias - norm_bias),
+        rel_err,
+        bound,
+        dtype_name(model_dtype),
+        audit,
     )
+
+
+def reconstruction_failure(dtype: str) -> str:
+    """The audit note of a decomposition whose error exceeds its dtype's bound."""
+    return f"reconstruction error exceeds the {dtype} bound: the decomposition is not exact"
 
 
 def component_edit(trace, name: str, positions: tuple[int, ...] | None):
@@ -230,11 +305,13 @@ def compare_with_rerun(
         removable = [c for c in r.components if component_edit(trace, c.name, where) is not None]
         names = [c.name for c in sorted(removable, key=lambda c: -abs(c.dla_frozen))[:top]]
     all_names, C = component_stack(adapter, trace, pos)
-    x_L = trace.final_resid[0, pos]
+    C = accumulating(C)
+    x_L = accumulating(trace.final_resid[0, pos])
     norm_f = adapter.final_norm_layer()
-    u = target_direction(adapter, answer_id, foil_id).to(x_L.dtype)
+    u = target_direction(adapter, answer_id, foil_id).to(x_L.device, x_L.dtype)
 
     def readout(logits_row: torch.Tensor) -> float:
+        logits_row = accumulating(logits_row)  # a half-precision difference would round again
         return float(logits_row[answer_id] - (logits_row[foil_id] if foil_id is not None else 0))
 
     base = readout(trace.logits[0, pos])

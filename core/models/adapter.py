@@ -25,7 +25,7 @@ from core.models.edit_sites import EditSites
 from core.models.inputs import ModelInputs
 from core.models.markup import PROBE_QUESTION, PromptMarkup, check_pairs, check_text, is_markup
 from core.models.question_checks import QuestionChecks
-from core.models.precision import dtype_name, placement
+from core.precision import dtype_name, placement
 
 # Re-exported: the names families, methods and tests import from here.
 __all__ = [
@@ -391,7 +391,8 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
                 vecs.append(b_O.to(heads.dtype))
             names.append(f"{block_name}.mlp")
             vecs.append(trace.mlp_out[block][batch, position])
-        return names, torch.stack(vecs)
+        device = trace.final_resid.device  # blocks spread over devices meet where x_L is
+        return names, torch.stack([v.to(device) for v in vecs])
 
     def readout_pullback(self, trace, block: int, position: int, g: torch.Tensor, batch: int = 0) -> torch.Tensor:
         """Directions ``g (..., d_model)`` on x_L mapped back to block ``block``'s
@@ -501,6 +502,13 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
         carry no patch (image start/end markers, row newlines); default none."""
         return []
 
+    def dtype_and_device(self) -> dict:
+        """``{"dtype", "device"}``: what the numbers were computed in (``"bfloat16"``; a
+        bfloat16 run's numbers are not a float32 run's) and where the weights sit
+        (``"cpu"``, ``"cuda:0"``, ``"cuda:0+cuda:1"``): every result's ``input`` and
+        ``model`` blocks and every session run record them."""
+        return {"dtype": dtype_name(self.parameters_dtype), "device": placement(self.model)}
+
     def describe(self) -> dict:
         return {
             "family": self.family,
@@ -510,7 +518,5 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
             "final_norm": self.final_norm,
             "attention_kind": self.attention_kind,
             "position_scheme": self.position_scheme,
-            # what the numbers were computed in: a bfloat16 run's are not a float32 run's
-            "dtype": dtype_name(self.parameters_dtype),
-            "device": placement(self.model),
+            **self.dtype_and_device(),
         }

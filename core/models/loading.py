@@ -18,6 +18,10 @@ Trust rules (a wrong model must not answer as if it were right):
 * a config describing far more weights than the files hold (over 1 GiB of
   them) is refused before the model is built: the library would allocate
   and randomly fill memory the weights never provide.
+* a model that would not fit in the memory available (its weights at the
+  chosen dtype, from the safetensors headers, plus a read-out of one image
+  and a short question) is refused before anything is allocated, naming the
+  dtype that would fit (core/models/memory.py).
 * tokenizer: its files must agree with each other (added and post-processor
   token ids, a BPE / Unigram vocabulary's training order) and with the
   model's config (the special tokens' ids, the vocabulary size against the
@@ -45,6 +49,16 @@ from typing import Any
 from core.errors import ModelLoadError, ReadoutError, UnsafeCheckpointError, UnsupportedArchitectureError
 from core.models import registry
 from core.models.adapter import Adapter
+from core.models.memory import (
+    ModelSizes,
+    available_bytes,
+    checkpoint_dtype,
+    floating_parameters,
+    module_parameter_counts,
+    parameter_counts,
+    plan_memory,
+    resolve_dtype,
+)
 from core.models.model_files import (
     MANIFEST,
     PICKLE_SUFFIXES,
@@ -67,6 +81,8 @@ from core.models.weights_check import (
     dtype_name,
     integer_tensors_in_floating_slots,
 )
+from core.precision import check_device, placement
+from core.precision import dtype_name as precision_dtype_name
 
 # Importable from here as before the split (the CLI, the zoo's build and the tests use them).
 _check_tokenizer_json = check_tokenizer_json
@@ -113,7 +129,9 @@ class LoadedModel:
         fingerprint: hash of every file the load read (config, weights,
             tokenizer, processor, chat template), to match lenses, sessions
             and results to the exact model.
-        info: extra facts; ``info["warnings"]`` lists the load's warnings.
+        info: extra facts; ``info["warnings"]`` lists the load's warnings,
+            ``info["dtype"]`` the dtype the weights were loaded in ("bfloat16"),
+            ``info["device"]`` where they sit ("cpu", "cuda:0+cuda:1").
     """
 
     spec: str
@@ -189,7 +207,7 @@ def load_model(
     spec: str | os.PathLike,
     *,
     device: str | None = None,
-    dtype: Any = None,
+    dtype: Any = "auto",
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     allow_download: bool = False,
@@ -203,22 +221,26 @@ def load_model(
             local cache, or an open_clip ``name:checkpoint``.
         device: "cpu", "cuda", "cuda:1"...; "auto" spreads a large model over
             the available devices with accelerate's ``device_map="auto"``.
-        dtype: torch dtype (default float32).
+        dtype: "auto" (the default; None too), a name ("float32",
+            "bfloat16", "float16") or a torch dtype. "auto": float32 on the CPU
+            when the model fits in float32, else bfloat16; on a GPU the
+            checkpoint's own dtype, bfloat16 for a float32 checkpoint of over
+            1B parameters (:func:`core.models.memory.resolve_dtype`).
         allow_pickle: accept pickle checkpoints (they can run code).
         trust_remote_code: accept models whose code lives in the model repo.
         allow_download: allow fetching a repo id that is not cached.
 
     Raises:
         ModelLoadError: and its subclasses, with a one-line reason (see the
-            module's trust rules).
+            module's trust rules); :class:`core.errors.ModelTooLargeError`
+            when the model would not fit in the memory available (before
+            anything is allocated; ``VLM_READOUT_MEMORY_AVAILABLE`` replaces the figure).
 
     Warns:
         ModelLoadWarning: one line each (also in ``info["warnings"]``), e.g.
             weights the model does not use.
     """
-    import torch
-
-    dtype = dtype or torch.float32
+    device = check_device(device)  # a misspelled device or a missing GPU: one line, before any file is read
     spec_str = str(spec)
     if spec_str in BUILTIN:
         path = resources_dir() / "models" / spec_str
@@ -243,6 +265,8 @@ def load_model(
                 "cached repo id or open_clip name:checkpoint"
             )
     loaded.spec = spec_str
+    loaded.info["dtype"] = precision_dtype_name(loaded.adapter.parameters_dtype)
+    loaded.info["device"] = placement(loaded.model)
     for message in loaded.info.get("warnings", []):
         warnings.warn(message, ModelLoadWarning, stacklevel=2)
     return loaded
@@ -299,6 +323,29 @@ def _single_device(device) -> str:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device or "cpu"
+
+
+def _plan_load(requested, device, counts: dict, sizes: ModelSizes, config_dtype=None):
+    """The dtype to load in (``requested``, "auto" resolved), after checking that
+    the weights (``counts``: elements by dtype, from the headers) and a read-out
+    of the nominal prompt fit in the memory available; before anything is allocated."""
+    import torch
+
+    available = available_bytes(device)
+
+    def plan(dtype):
+        return plan_memory(counts, sizes, sizes.nominal_tokens, dtype, available)
+
+    dtype = resolve_dtype(
+        "auto" if requested is None else requested,
+        device=device,
+        config_dtype=checkpoint_dtype(config_dtype, counts),
+        n_params=floating_parameters(counts),
+        need_bytes_by_dtype={torch.float32: plan(torch.float32).need},
+        available=available,
+    )
+    plan(dtype).check()
+    return dtype
 
 
 def _architecture(config_file: Path, config: dict) -> str:
@@ -362,6 +409,10 @@ def _load_hf_dir(path: Path, device, dtype, allow_pickle: bool, trust_remote_cod
 
     with torch.device("meta"), _library_errors(path), _quiet_libraries():
         skeleton = AutoModelForImageTextToText.from_config(model_config, trust_remote_code=trust_remote_code)
+    # the skeleton's counts for a pickle (no header to read): what the library will allocate
+    counts = parameter_counts(stored) if use_safetensors else module_parameter_counts(skeleton)
+    config_dtype = config.get("dtype", config.get("torch_dtype"))
+    dtype = _plan_load(dtype, device, counts, ModelSizes.from_hf_config(model_config), config_dtype)
     if use_safetensors:
         n_stored = sum(math.prod(shape) for _, shape in stored.values())
     else:
@@ -425,6 +476,15 @@ def _open_clip_tokenizer(path: Path, tokenizer_dir: Path | None):
         return open_clip.get_tokenizer(f"local-dir:{path}")
 
 
+def _open_clip_counts(checkpoint: Path) -> dict:
+    """Elements by dtype of an open_clip checkpoint, from its safetensors header
+    (checked); a pickle's are not readable without unpickling it, so its size
+    is counted as float32 values."""
+    if checkpoint.suffix == ".safetensors":
+        return parameter_counts(check_safetensors([checkpoint]))
+    return {"F32": checkpoint.stat().st_size // 4}
+
+
 def _open_clip_state(checkpoint: Path, allow_pickle: bool) -> dict:
     """``{name: tensor}`` of an open_clip checkpoint (safetensors, or a pickle with ``allow_pickle``)."""
     import torch
@@ -486,8 +546,6 @@ def _load_open_clip_dir(path: Path, device, dtype, allow_pickle: bool) -> Loaded
     cfg = read_json(path / "open_clip_config.json")
     model_cfg = open_clip_model_cfg(path, cfg)
     checkpoint = open_clip_checkpoint(path, allow_pickle)
-    if checkpoint.suffix == ".safetensors":
-        check_safetensors([checkpoint])
     model_class = "CoCa" if "multimodal_cfg" in model_cfg else "CLIP"
     adapter_cls = registry.adapter_for_open_clip(model_class)
     tokenizer_dir = open_clip_tokenizer_dir(path, model_cfg)
@@ -495,10 +553,13 @@ def _load_open_clip_dir(path: Path, device, dtype, allow_pickle: bool) -> Loaded
     text_cfg = model_cfg.get("text_cfg", {})
     pad = [("open_clip_config.json model_cfg.text_cfg.pad_id", "pad", text_cfg.get("pad_id"))]
     check_tokenizer(tokenizer_dir or path, tokenizer, pad)
+    device = _single_device(device)
+    dtype = _plan_load(dtype, device, _open_clip_counts(checkpoint), ModelSizes.from_open_clip(model_cfg))
     state = _open_clip_state(checkpoint, allow_pickle)
     model, preprocess = _open_clip_model(f"local-dir:{path}", path, state=state)
     unexpected = _load_open_clip_weights(model, checkpoint, state)
-    model = model.to(device=_single_device(device), dtype=dtype).eval()
+    del state  # copied into the model: not held through the cast
+    model = model.to(device=device, dtype=dtype).eval()
     check_finite(checkpoint, model)
     with _library_errors(path):
         adapter = adapter_cls(model, preprocess, tokenizer, cfg.get("vlm_readout", {}))
@@ -527,20 +588,23 @@ def _load_open_clip_spec(spec: str, device, dtype, allow_pickle: bool, allow_dow
                     f"{ckpt}: pickle checkpoint; unpickling can run arbitrary code, so it is refused "
                     "unless allow_pickle=True (--allow-pickle)"
                 )
-        else:
-            check_safetensors([ckpt])
     elif not allow_download:
         raise ModelLoadError(f"{checkpoint}: no such checkpoint file (downloads need allow_download=True)")
     model_class = "CoCa" if name.lower().startswith("coca") else "CLIP"
     adapter_cls = registry.adapter_for_open_clip(model_class)
     unexpected = None
+    device = _single_device(device)
     if ckpt.is_file():
+        sizes = ModelSizes.from_open_clip(open_clip.get_model_config(name) or {})
+        dtype = _plan_load(dtype, device, _open_clip_counts(ckpt), sizes)
         state = _open_clip_state(ckpt, allow_pickle)
         model, preprocess = _open_clip_model(name, spec, state=state)
         unexpected = _load_open_clip_weights(model, ckpt, state)
-    else:
+        del state  # copied into the model: not held through the cast
+    else:  # a pretrained tag, downloaded: no header to plan from before the download
+        dtype = resolve_dtype("auto" if dtype is None else dtype, device=device)
         model, preprocess = _open_clip_model(name, spec, pretrained=checkpoint)
-    model = model.to(device=_single_device(device), dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
     check_finite(ckpt if ckpt.is_file() else Path(spec), model)
     tokenizer = open_clip.get_tokenizer(name)
     adapter = adapter_cls(model, preprocess, tokenizer, {})

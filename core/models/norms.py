@@ -3,6 +3,11 @@
 Every read-out that passes a residual vector through a model's norm uses
 :class:`Norm`, so the final-norm convention (recomputed, frozen scale, or
 linearised) is stated in one place.
+
+Every method computes in the accumulation dtype of its inputs
+(:func:`core.precision.accumulating`): a bfloat16 or float16 residual is
+upcast to float32 first and the result is float32 (the read-outs sum in it); a
+float32 or float64 input is computed as it always was, bit for bit.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from core.precision import accumulating
 
 
 @dataclass
@@ -37,10 +44,13 @@ class Norm:
     def _gain(self, like: torch.Tensor) -> torch.Tensor | None:
         if self.weight is None:
             return None
-        return (self.weight_offset + self.weight.to(like.dtype)).to(like.dtype)
+        return (self.weight_offset + self.weight.to(like.device, like.dtype)).to(
+            like.dtype
+        )  # the input's device: a device map
 
     def scale(self, x: torch.Tensor) -> torch.Tensor:
         """``1 / sigma(x)``, shape ``(..., 1)``: the per-vector factor the norm divides by."""
+        x = accumulating(x)
         xf = x.to(self.compute_dtype) if self.compute_dtype else x
         if self.kind == "rmsnorm":
             return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps).to(x.dtype)
@@ -48,11 +58,15 @@ class Norm:
 
     def center(self, x: torch.Tensor) -> torch.Tensor:
         """The linear part before scaling: identity for RMSNorm, mean removal for LayerNorm."""
+        x = accumulating(x)
         return x if self.kind == "rmsnorm" else x - x.mean(-1, keepdim=True)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., d_model) -> (..., d_model)``, as the model computes it
-        (statistics and normalisation in ``compute_dtype``, gain after)."""
+        (statistics and normalisation in ``compute_dtype``, gain after); a
+        half-precision ``x`` is normalised in float32 and stays float32 (the
+        model rounds its output to its dtype; a read-out does not)."""
+        x = accumulating(x)
         if self.compute_dtype is not None:
             xf = x.to(self.compute_dtype)
             y = (self.center(xf) * self.scale(xf)).to(x.dtype)
@@ -62,7 +76,7 @@ class Norm:
         if gain is not None:
             y = y * gain
         if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+            y = y + self.bias.to(y.device, y.dtype)
         return y
 
     def frozen(self, x_ref: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -76,6 +90,7 @@ class Norm:
         Summed over an additive split of ``x_ref`` this gives
         ``norm(x_ref) - bias`` exactly.
         """
+        x_ref, c = accumulating(x_ref), accumulating(c)
         y = self.center(c) * self.scale(x_ref)
         gain = self._gain(y)
         return y * gain if gain is not None else y
@@ -88,6 +103,7 @@ class Norm:
     def frozen_readout(self, x_ref: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The vector ``g`` with ``g . c == u . frozen(x_ref, c)`` for every ``c``:
         ``center(gain * u) / sigma(x_ref)`` (the frozen map is symmetric but for the gain)."""
+        x_ref, u = accumulating(x_ref), accumulating(u)
         gain = self._gain(u)
         return self.center(u * gain if gain is not None else u) * self.scale(x_ref)
 
@@ -98,6 +114,7 @@ class Norm:
             x: ``(d_model,)`` linearisation point.
             v: ``(..., d_model)`` directions.
         """
+        x, v = accumulating(x), accumulating(v)
         d = x.shape[-1]
         s = self.scale(x)  # 1/sigma
         xc = self.center(x)
@@ -110,6 +127,7 @@ class Norm:
     def vjp(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """``J(x)^T u`` for ``u (d_model,)``: the direction whose dot product with
         any ``c`` is ``u^T J(x) c`` (one vector for all components)."""
+        x, u = accumulating(x), accumulating(u)
         gain = self._gain(u)
         g = u * gain if gain is not None else u
         d = x.shape[-1]
@@ -124,28 +142,28 @@ class IdentityNorm(Norm):
     """No norm at all, where a sublayer reads its input as it is (BLIP's
     post-LN sublayers read the previous LayerNorm's output; Mllama's and BLIP's
     cross-attention keys and values read the vision output directly): every
-    method reduces to the identity."""
+    method reduces to the identity (in the accumulation dtype, as every Norm's result)."""
 
     def __init__(self):
         super().__init__("identity", None, None, 0.0)
 
     def scale(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ones_like(x[..., :1])
+        return torch.ones_like(accumulating(x[..., :1]))
 
     def center(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        return accumulating(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        return accumulating(x)
 
     def frozen(self, x_ref: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return c
+        return accumulating(c)
 
     def frozen_readout(self, x_ref: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return u
+        return accumulating(u)
 
     def jvp(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return v
+        return accumulating(v)
 
     def vjp(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return u
+        return accumulating(u)

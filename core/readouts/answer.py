@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from core.precision import accumulating
 from core.readout import Target
 from core.readouts.base import ReadoutMethod, distribution
 
@@ -10,7 +11,9 @@ from core.readouts.base import ReadoutMethod, distribution
 def target_of(adapter, logits, answer_id: int, foil_id: int | None, position: int | None) -> Target:
     """The :class:`core.readout.Target` of ``logits`` ``(vocab,)`` in their own
     (float32) arithmetic, the numbers analyze has always written (unlike
-    :meth:`Target.from_logits`, which works in float64)."""
+    :meth:`Target.from_logits`, which works in float64); half-precision logits
+    are upcast first, so the softmax and the difference add no half-precision rounding."""
+    logits = accumulating(logits)
     probs = logits.softmax(-1)
     predicted = int(logits.argmax())
     return Target(

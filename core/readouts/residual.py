@@ -5,6 +5,28 @@ from __future__ import annotations
 
 from core.readouts.base import ReadoutMethod, distribution
 
+# The reconstruction verdict (core.methods.residual.ResidualDecomposition): the error relative
+# to |x_L|, the bound the model dtype's rounding allows, whether the error is within it.
+RECONSTRUCTION_KEYS = ("reconstruction_rel_err", "reconstruction_bound", "reconstruction_ok")
+
+
+def reconstruction_verdict(res) -> dict:
+    """``{key: value}`` of :data:`RECONSTRUCTION_KEYS` of a decomposition."""
+    return {k: getattr(res, k) for k in RECONSTRUCTION_KEYS}
+
+
+def reconstruction_line(section: dict, dtype: str | None) -> str:
+    """``reconstruction error 1.2e-03 of |x_L| (bound 3.1e-02 for bfloat16): ok``
+    from an analyze ``residual_decomposition`` section (the summary line, the DLA
+    tab); a JSON written before the verdict existed gives its max abs error alone."""
+    if "reconstruction_rel_err" not in section:
+        return f"reconstruction error {section['reconstruction_max_abs_err']:.2e}"
+    verdict = "ok" if section["reconstruction_ok"] else "NOT EXACT"
+    return (
+        f"reconstruction error {section['reconstruction_rel_err']:.2e} of |x_L| "
+        f"(bound {section['reconstruction_bound']:.2e} for {dtype or 'the model dtype'}): {verdict}"
+    )
+
 
 class DlaReadout(ReadoutMethod):
     name = "dla"
@@ -20,6 +42,7 @@ class DlaReadout(ReadoutMethod):
         res = decompose(ctx.adapter, ctx.trace, ctx.answer_id, ctx.foil_id, batch=ctx.batch)
         section = {
             "reconstruction_max_abs_err": res.reconstruction_max_abs_err,
+            **reconstruction_verdict(res),
             "target_logit": res.target_logit,
             "frozen_sum_expected": res.frozen_sum_expected,
             "components": [c.to_dict() for c in res.components],
@@ -32,6 +55,7 @@ class DlaReadout(ReadoutMethod):
         return {
             "position": ctx.position,
             "reconstruction_max_abs_err": section["reconstruction_max_abs_err"],
+            **{k: section[k] for k in RECONSTRUCTION_KEYS},
             "target_logit": section["target_logit"],
             "frozen_sum_expected": section["frozen_sum_expected"],
             "top": [comps[i] for i in order[: ctx.options.dla_top_k]],
@@ -42,7 +66,7 @@ class DlaReadout(ReadoutMethod):
         cols = []
         for k in range(1, self.CSV_TOP + 1):
             cols += [f"dla_top{k}_name", f"dla_top{k}_frozen"]
-        return [*cols, "dla_reconstruction_err"]
+        return [*cols, "dla_reconstruction_err", "dla_reconstruction_rel_err", "dla_reconstruction_ok"]
 
     def csv_values(self, s):
         out = {}
@@ -51,6 +75,8 @@ class DlaReadout(ReadoutMethod):
             out[f"dla_top{k}_name"] = c["name"] if c else None
             out[f"dla_top{k}_frozen"] = c["dla_frozen"] if c else None
         out["dla_reconstruction_err"] = s["reconstruction_max_abs_err"]
+        out["dla_reconstruction_rel_err"] = s["reconstruction_rel_err"]
+        out["dla_reconstruction_ok"] = s["reconstruction_ok"]
         return out
 
     def long_rows(self, index, s):
@@ -62,6 +88,9 @@ class DlaReadout(ReadoutMethod):
         names = list(sections[0]["dla_frozen"])
         return {
             "reconstruction_max_abs_err": max(s["reconstruction_max_abs_err"] for s in sections),
+            "reconstruction_rel_err": max(s["reconstruction_rel_err"] for s in sections),
+            # samples whose split is not exact to their dtype's rounding (core.methods.residual.reconstruction_bound)
+            "reconstruction_failures": sum(not s["reconstruction_ok"] for s in sections),
             "components": [
                 {"name": n, "dla_frozen": distribution([s["dla_frozen"].get(n) for s in sections])} for n in names
             ],

@@ -137,6 +137,12 @@ class Run:
         """``{"answer", "foil", "position"}`` the run read out (see :func:`run_target`)."""
         return run_target(self.parameters, self.result)
 
+    @property
+    def dtype_and_device(self) -> dict:
+        """``{"dtype", "device"}`` the run was computed in (see :func:`dtype_and_device`); ``{}``
+        for a run recorded before they were."""
+        return dtype_and_device(None, self.result, self.parameters)
+
     def pixels(self):
         """The run's image as an RGB ``PIL.Image`` (None without an image or stored pixels).
 
@@ -409,6 +415,23 @@ def _model_fields(model) -> dict | None:
         "family": getattr(model, "family", None),
         "info": info,
     }
+
+
+def dtype_and_device(model_fields: dict | None, result, parameters: dict | None = None) -> dict:
+    """``{"dtype", "device"}`` a run's numbers were computed in: as its ``parameters``
+    state them, else its model (:meth:`core.models.adapter.Adapter.dtype_and_device`,
+    through ``describe()`` or a result's ``model`` block), else the result's ``input``
+    block; only the keys known (an older run states neither)."""
+    sources = [parameters, (model_fields or {}).get("info")]
+    if isinstance(result, dict):
+        sources += [result.get("model"), result.get("input")]
+    found = {}
+    for source in sources:
+        if isinstance(source, dict):
+            for key in ("dtype", "device"):
+                if source.get(key) is not None:
+                    found.setdefault(key, source[key])
+    return found
 
 
 def _prepare_image(image, image_path, store: bool):

@@ -36,6 +36,7 @@ from core.session.records import (
     _prepare_image,
     _sqlite_problem,
     dataset_sha256,
+    dtype_and_device,
     run_columns,
     stored_mask,
 )
@@ -466,6 +467,12 @@ class Session:
         bytes as they are now, in its stored parameters (unless given): the
         dataset is its input, as an image is another run's.
 
+        The stored parameters also hold ``dtype`` and ``device``, what the numbers
+        were computed in (unless given): from the model (a LoadedModel's adapter,
+        or the result's ``model`` block), else the result's ``input`` block
+        (:func:`core.session.records.dtype_and_device`). They reach the audit rows'
+        ``specification`` and ``run_parameters`` and every export.
+
         Args:
             readout: a method's result, or :class:`core.readout.RecordedResult`
                 for a document without a class of its own (a plain dict is refused).
@@ -496,11 +503,13 @@ class Session:
         params = {**readout.parameters(), **(parameters or {})}
         if image is None and params.get("dataset") is not None and "dataset_sha256" not in params:
             params["dataset_sha256"] = dataset_sha256(params["dataset"])
-        params_json = _dumps(params, "parameters")
-        summary = " ".join(str(readout.summary()).split())
         if model is None and isinstance(result, dict):
             model = result.get("model")
         model_fields = _model_fields(model)
+        for key, value in dtype_and_device(model_fields, result).items():  # what the numbers were computed in
+            params.setdefault(key, value)
+        params_json = _dumps(params, "parameters")
+        summary = " ".join(str(readout.summary()).split())
         if store_image is None:
             store_image = self.meta().get("store_images", "1") == "1"
         img = _prepare_image(image, image_path, store_image) if image is not None else None

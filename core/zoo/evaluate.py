@@ -68,6 +68,7 @@ def evaluate(
         "schema_version": 1,
         "model": loaded.spec,
         "fingerprint": loaded.fingerprint,
+        **loaded.adapter.dtype_and_device(),  # what the accuracies were computed in
         "split": split if renderer == "main" else "alt-renderer",
         "renderer": renderer,
         "n": n,

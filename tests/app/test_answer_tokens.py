@@ -44,7 +44,7 @@ def run_until_idle(qtbot, window, start) -> None:
 def generate_in_window(qtbot, window):
     """Press Generate; the answer the model gives independently (the same greedy decoding)."""
     run_until_idle(qtbot, window, lambda: qtbot.mouseClick(window.answer_panel.generate_button, Qt.LeftButton) or 1)
-    loaded = window.model_cache["shapes-llava"]
+    loaded = window.loaded_model()
     return generate(loaded, window.image, window.question_edit.text(), max_new_tokens=GENERATE_TOKENS)
 
 
@@ -56,7 +56,7 @@ def click_token(qtbot, window, k: int) -> None:
 
 def next_token(window, prefix) -> tuple[torch.Tensor, object]:
     """``(probabilities (vocab,) in float64, inputs)`` of the token after the prompt and ``prefix``."""
-    adapter = window.model_cache["shapes-llava"].adapter
+    adapter = window.loaded_model().adapter
     inputs = adapter.prepare([window.image], [window.question_edit.text()], answer_prefix=list(prefix))
     with torch.no_grad():
         logits = adapter.next_token_logits(inputs)[0].double()
@@ -124,7 +124,7 @@ def test_clicking_the_third_token_makes_every_panel_read_that_token(at_third_tok
     assert label.startswith(f"answer token {CHOSEN} {token!r}")
     assert abs(shown_number(label, "p =") - float(probs[token_id])) <= SHOWN
     top = probs.topk(window.top_table.rowCount())
-    adapter = window.model_cache["shapes-llava"].adapter
+    adapter = window.loaded_model().adapter
     assert [window.top_table.item(r, 0).text() for r in range(window.top_table.rowCount())] == [
         adapter.token_str(i) for i in top.indices.tolist()
     ]
@@ -136,7 +136,7 @@ def test_clicking_the_third_token_makes_every_panel_read_that_token(at_third_tok
     assert f"at position {position}," in dla.target_label.text() and f"answer {token!r}" in dla.target_label.text()
     assert abs(shown_number(dla.target_label.text(), "model logit") - float(logits[token_id])) <= SHOWN
     rd = analysis["residual_decomposition"]
-    trace = core.capture(window.model_cache["shapes-llava"], None, "", inputs=inputs)
+    trace = core.capture(window.loaded_model(), None, "", inputs=inputs)
     tol = frozen_sum_tol(adapter, trace, position, token_id, None)  # the decomposition's own bound
     assert abs(sum(dla.values().values()) - rd["frozen_sum_expected"]) <= tol
 
@@ -247,7 +247,7 @@ def test_history_brings_the_answer_tokens_and_the_chosen_one_back(qtbot, at_thir
 
 def test_a_typed_word_of_several_tokens_says_which_sub_token_is_read(qtbot, window):
     generation = generate_in_window(qtbot, window)
-    adapter = window.model_cache["shapes-llava"].adapter
+    adapter = window.loaded_model().adapter
     # two tokens of the answer, in a row, typed as one target
     start = next(k for k in range(1, len(generation.tokens) - 1) if generation.tokens[k] != generation.tokens[0])
     word = f"{generation.tokens[start]} {generation.tokens[start + 1]}"
@@ -301,7 +301,7 @@ def test_a_heads_sources_are_read_at_the_chosen_token(qtbot, at_third_token):
     window, generation = at_third_token
     layer, head = 1, 0
     run_until_idle(qtbot, window, lambda: window.request_head_sources(layer, head))
-    loaded = window.model_cache["shapes-llava"]
+    loaded = window.loaded_model()
     token_id = generation.token_ids[CHOSEN]
     traces = {}
     for k in (CHOSEN, 0):

@@ -12,6 +12,7 @@ from PySide6.QtWidgets import QApplication
 import core
 from app.canvas import ImageCanvas
 from app.canvas.views import ALL_VIEWS, ALL_VIEWS_TEXT
+from app.components import ModelChoice
 from tests.app.test_window import run_until_idle
 
 
@@ -88,7 +89,7 @@ def test_each_view_of_a_llava_next_run_is_drawn_from_the_adapters_geometry(qtbot
     window.set_question(QUESTION)
     run_until_idle(qtbot, window, window.run_readout)
     assert window.analysis is not None, window.error_label.text()
-    adapter = window.model_cache[llava_next_folder].adapter  # what the window loaded from the folder
+    adapter = window.loaded_model().adapter  # what the window loaded from the folder
     assert adapter.family == "llava_next"
     canvas = window.canvas
     tokens = adapter.visual_tokens(IMAGE_SIZE)
@@ -157,9 +158,10 @@ def test_each_view_of_a_llava_next_run_is_drawn_from_the_adapters_geometry(qtbot
 
 def test_llava_centre_crop_outline(canvas, model_cache):
     """LLaVA-1.5's centre crop leaves a wide image's sides out: the one view's outline shows it."""
-    if "shapes-llava" not in model_cache:
-        model_cache["shapes-llava"] = core.load_model("shapes-llava")
-    adapter = model_cache["shapes-llava"].adapter
+    llava = ModelChoice("shapes-llava")  # the window's cache key: the default dtype and device
+    if llava not in model_cache:
+        model_cache[llava] = core.load_model("shapes-llava", **llava.load_options())
+    adapter = model_cache[llava].adapter
     size = (300, 200)
     canvas.set_image(np.zeros((size[1], size[0], 3), np.uint8))
     canvas.set_tokens(adapter.visual_tokens(size))

@@ -102,7 +102,8 @@ def test_another_model_clears_the_claim(qtbot, checked):
     window, panel = checked, checked.claims_panel
     window.model_picker.setCurrentText("shapes-coca")
     assert panel.validation is None and panel.status_texts() == []
-    assert "checked on shapes-llava; the model is now shapes-coca" in panel.verdict_label.text()
+    said = panel.verdict_label.text()
+    assert "checked on shapes-llava · float32 (auto) · cpu; the model is now shapes-coca · auto · cpu" in said
     window.model_picker.setCurrentText("shapes-llava")  # back: the claim stays gone (run or restore it)
     assert panel.validation is None
 
@@ -162,7 +163,7 @@ def test_nonunique_on_the_selected_head_is_the_librarys_and_is_recorded(qtbot, r
     run_until_idle(qtbot, window, window.run_nonunique)
     assert window.error_label.text() == ""
     result = window.last_head_method
-    loaded = window.model_cache["shapes-llava"]
+    loaded = window.loaded_model()
     path = window.current_image_path()
     _, want = nonunique_of_input(loaded, window.image, window.question_edit.text(), "L1.H2", image_path=path)
     (info,) = window.session.runs("nonunique")
@@ -187,7 +188,7 @@ def test_qk_ov_keeps_the_weight_and_activation_levels_apart_and_is_restored(qtbo
     assert window.attention_panel.select_head(0, 1)
     run_until_idle(qtbot, window, window.run_qk_ov)
     assert window.error_label.text() == ""
-    want = qk_ov(window.model_cache["shapes-llava"], "L0.H1", window.image, window.question_edit.text()).to_dict()
+    want = qk_ov(window.loaded_model(), "L0.H1", window.image, window.question_edit.text()).to_dict()
     (info,) = window.session.runs("qk-ov")
     stored = window.session.run(info.id).result
     # the factored SVD (float32 QR + SVD) differs by ~1e-7 between the worker's thread and this one

@@ -115,8 +115,8 @@ def test_tiled_model_readout_says_its_tokens_are_not_one_grid(qtbot, window):
     from tests.core.test_llava_next import IMAGE_SIZE, QUESTION, tiny_llava_next_float64
 
     torch.manual_seed(0)
-    window.model_cache["tiny-llava-next"] = tiny_llava_next_float64()
     window.model_picker.setCurrentText("tiny-llava-next")
+    window.model_cache[window.model_choice()] = tiny_llava_next_float64()  # served for the picker's choice
     assert window.set_image(noise_image(IMAGE_SIZE), name="noise")
     window.set_question(QUESTION)
     with qtbot.waitSignal(window.idle, timeout=60_000):
@@ -183,8 +183,8 @@ def test_readout_makes_one_forward_and_its_answer_is_the_models(qtbot, window, m
     forward), and equal what core.answer gives for the same input."""
     import core.answer as answer_module
 
-    loaded = window.model_cache.get("shapes-llava") or core.load_model("shapes-llava")
-    window.model_cache["shapes-llava"] = loaded
+    loaded = window.loaded_model() or core.load_model("shapes-llava", **window.model_choice().load_options())
+    window.model_cache[window.model_choice()] = loaded
     expected = core.answer(loaded, window.image, window.question_edit.text())
     calls = []
     original = loaded.adapter.forward_logits

@@ -82,7 +82,7 @@ def read_out(qtbot, window):
 
 
 def loaded_model(window) -> core.LoadedModel:
-    return window.model_cache[window.model_spec()]
+    return window.loaded_model()
 
 
 def engine_ablation(window, name: str, kind: str = "zero", positions: str = "target", region=(), source=None):

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from app.components import NOTHING_SHOWN
+from app.components import NOTHING_SHOWN, ModelChoice
 from app.main_window import MainWindow
 from app.panels.dla_panel import CONVENTIONS
 from app.samples import bundled_samples
@@ -226,9 +226,10 @@ def _record_analyze(session_path, model_cache, sample, image_path=None) -> None:
     """One analyze run of ``sample`` recorded straight through the engine (no window)."""
     from core.analyze import analyze
 
-    loaded = model_cache.get("shapes-llava")
+    llava = ModelChoice("shapes-llava")  # the window's cache key: the default dtype and device
+    loaded = model_cache.get(llava)
     if loaded is None:
-        loaded = model_cache["shapes-llava"] = __import__("core").load_model("shapes-llava")
+        loaded = model_cache[llava] = __import__("core").load_model("shapes-llava", **llava.load_options())
     image_path = image_path or sample.image_path
     result = analyze(loaded, Image.open(image_path).convert("RGB"), sample.question)
     with Session.open_or_create(session_path) as s:
@@ -249,7 +250,9 @@ def test_read_only_open_records_elsewhere_and_loads_the_model(qtbot, model_cache
     try:
         with qtbot.waitSignal(win.idle, timeout=60_000):
             assert win.open_session(shared, mode="read_only")
-        assert "shapes-llava" in fresh_cache and not win.is_busy()
+        # loaded in the dtype and on the device the run records (it was made with "auto": float32 on the CPU)
+        assert list(fresh_cache) == [ModelChoice("shapes-llava", "float32", "cpu")] and not win.is_busy()
+        assert win.loaded_model() is fresh_cache[win.model_choice()]
         assert win.session_label.text() == f"session: {shared} (read-only; new runs are not saved into it)"
         assert image_sha256(win.image) == win.session.runs()[-1].image_sha256
         assert win.question_edit.text() == sample.question and win.answer_label.text() != "no answer yet"

@@ -7,6 +7,7 @@ import torch
 from PySide6.QtCore import Qt
 
 import core
+from app.components import ModelChoice
 from app.panels.attention_panel import AttentionPanel
 from app.samples import bundled_samples
 from core.analyze import analyze
@@ -38,8 +39,8 @@ def test_clicking_a_head_after_a_readout_shows_its_text_pattern(qtbot, window):
         qtbot.mouseClick(
             panel.visual_grid.viewport(), Qt.MouseButton.LeftButton, pos=panel.visual_grid.cell_center(row, col)
         )
-    spec, image, question = window.analysis_inputs
-    expected = core_text_patterns(window.model_cache[spec], image, question)
+    model, image, question = window.analysis_inputs
+    expected = core_text_patterns(window.model_cache[model], image, question)
     labels = panel.text_grid.row_labels
     assert labels == panel.text_grid.col_labels == expected.tokens
     words = question.replace("?", " ?").split()
@@ -74,10 +75,11 @@ def test_clicking_a_head_after_a_readout_shows_its_text_pattern(qtbot, window):
 
 @pytest.fixture(scope="module")
 def coca_result(model_cache):
-    if "shapes-coca" not in model_cache:
-        model_cache["shapes-coca"] = core.load_model("shapes-coca")
+    coca = ModelChoice("shapes-coca")  # the window's cache key: the default dtype and device
+    if coca not in model_cache:
+        model_cache[coca] = core.load_model("shapes-coca", **coca.load_options())
     sample = bundled_samples()[0]
-    return analyze(model_cache["shapes-coca"], sample.image_path, sample.question)
+    return analyze(model_cache[coca], sample.image_path, sample.question)
 
 
 def test_cross_attention_heads_have_no_text_pattern(qtbot, coca_result):

@@ -34,7 +34,7 @@ def test_opens_on_sample_and_answers_like_core(qtbot, window):
     run_until_idle(qtbot, window, window.answer_question)
 
     assert window.error_label.text() == ""
-    loaded = window.model_cache["shapes-llava"]
+    loaded = window.loaded_model()
     expected = core.answer(loaded, core.load_image(sample.image_path), sample.question)
     shown = window.last_answer
     assert shown.answer == expected.answer == loaded.adapter.token_str(shown.answer_id)
@@ -59,10 +59,10 @@ def test_image_is_upright_not_transposed(window):
 
 def test_second_answer_reuses_loaded_model(qtbot, window):
     run_until_idle(qtbot, window, window.answer_question)
-    loaded = window.model_cache["shapes-llava"]
+    loaded = window.loaded_model()
     window.set_question("how many triangles are there?")
     run_until_idle(qtbot, window, window.answer_question)
-    assert window.model_cache["shapes-llava"] is loaded
+    assert window.loaded_model() is loaded
     assert window.last_answer is not None
 
 
@@ -98,8 +98,8 @@ def test_bad_image_shows_one_line_error(qtbot, window, tmp_path):
 
 
 def test_unknown_word_shows_question_error(qtbot, window):
-    loaded = window.model_cache.get("shapes-llava") or core.load_model("shapes-llava")
-    window.model_cache["shapes-llava"] = loaded
+    loaded = window.loaded_model() or core.load_model("shapes-llava", **window.model_choice().load_options())
+    window.model_cache[window.model_choice()] = loaded
     with pytest.raises(core.QuestionError) as expected:
         core.answer(loaded, window.image, "what is a zebra?")
     window.set_question("what is a zebra?")

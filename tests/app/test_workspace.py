@@ -40,15 +40,17 @@ def test_an_event_calls_its_callbacks_until_disconnected():
 
 
 def test_describe_and_header_name_question_image_and_model():
-    assert INPUT.describe() == "'what shape is left of the square?' · sample_00.png · shapes-llava"
+    assert INPUT.describe() == "'what shape is left of the square?' · sample_00.png · shapes-llava · auto · cpu"
     long = RunInput(question="what colour is the shape that is the furthest from the circle?", model_spec="m")
     assert long.describe().startswith("'what colour is the shape that is the f…?'")
     pasted = RunInput(image_sha256="0123456789" * 6, question="q", model_spec="/models/shapes-coca")
-    assert pasted.describe() == "'q' · image 01234567 · shapes-coca"
+    assert pasted.describe() == "'q' · image 01234567 · shapes-coca · auto · cpu"
     targeted = RunInput(question="q", model_spec="m", answer="red", foil="blue")
-    assert targeted.describe() == "'q' · no image · m · target 'red' vs 'blue'"
+    assert targeted.describe() == "'q' · no image · m · auto · cpu · target 'red' vs 'blue'"
     run = ShownRun(4, "analyze", INPUT, {"analyze": {}})
-    assert run.header() == "run #4 · analyze · 'what shape is left of the square?' · sample_00.png · shapes-llava"
+    assert run.header() == (
+        "run #4 · analyze · 'what shape is left of the square?' · sample_00.png · shapes-llava · auto · cpu"
+    )
     assert ShownRun(None, "answer", INPUT).header().startswith("not recorded · answer · ")
 
 
@@ -118,12 +120,14 @@ def test_a_view_names_its_run_turns_stale_and_clears():
     assert not answer_view.stale and "'how many circles?'" in answer_view.header()
     assert analysis_view.stale and analysis_view.run is readout
     assert analysis_view.header() == (
-        "stale (question changed): drawn for 'what shape is left of the square?' · sample_00.png · shapes-llava; "
-        "the input is now 'how many circles?' · sample_00.png · shapes-llava"
+        "stale (question changed): drawn for 'what shape is left of the square?' · sample_00.png · shapes-llava · "
+        "auto · cpu; the input is now 'how many circles?' · sample_00.png · shapes-llava · auto · cpu"
     )
     # the model box changed too: the note says which model the run was for
     workspace.set_input(model_spec="shapes-coca")
-    assert "(question, model changed)" in analysis_view.header() and "shapes-llava;" in analysis_view.header()
+    assert "(question, model changed)" in analysis_view.header() and "shapes-llava · auto · cpu;" in (
+        analysis_view.header()
+    )
     # back to the run's input: current again
     workspace.set_input(question=INPUT.question, model_spec=INPUT.model_spec)
     assert not analysis_view.stale and analysis_view.header() == readout.header()
@@ -134,6 +138,32 @@ def test_a_view_names_its_run_turns_stale_and_clears():
     analysis_view.disconnect()
     workspace.set_input(question="x")
     assert changes[-1] == {"cleared": True}
+
+
+def test_the_dtype_and_device_are_part_of_the_input():
+    """Another dtype or device is another model: a run drawn for float32 turns stale on bfloat16
+    (naming what changed), its header names the dtype and device it ran in, and an answer
+    generated in one dtype is not offered as the answer of another."""
+    ran = dataclasses.replace(INPUT, loaded_dtype="float32", loaded_device="cpu")  # "auto" resolved on the CPU
+    assert ran.describe().endswith("shapes-llava · float32 (auto) · cpu")
+    workspace = Workspace(ran)
+    view = RunView(workspace, ["analyze"])
+    workspace.show_run(ShownRun(3, "analyze", ran, {"analyze": {}}))
+    assert not view.stale and view.header().endswith("· shapes-llava · float32 (auto) · cpu")
+    seen = recorder(workspace.events.input_changed)
+    workspace.set_input(model_dtype="bfloat16", loaded_dtype=None, loaded_device=None)  # picked, not yet loaded
+    assert seen == [{"fields": ("model_dtype", "loaded_dtype", "loaded_device")}]
+    assert view.stale and view.header().startswith("stale (dtype changed): drawn for ")
+    now = "the input is now 'what shape is left of the square?' · sample_00.png · shapes-llava · bfloat16 · cpu"
+    assert view.header().endswith(now)
+    workspace.set_input(model_device="cuda:0")
+    assert "(dtype, device changed)" in view.header()
+    tokens = AnswerTokens("square", (33,), ("square",), ran)
+    assert not tokens.answers(workspace.input)
+    workspace.set_input(model_dtype="auto", model_device="cpu")
+    assert not view.stale and tokens.answers(workspace.input)
+    float32 = dataclasses.replace(ran, model_dtype="float32")
+    assert ran.model_choice() == workspace.input.model_choice() != float32.model_choice()
 
 
 def test_the_components_import_no_qt():
@@ -148,7 +178,7 @@ def test_the_answer_token_read_is_part_of_the_input():
     answer = AnswerText("square yes zero", (33, 44, 45), ("square", "yes", "zero"), 2)
     workspace = Workspace(dataclasses.replace(INPUT, answer_text=answer))
     assert workspace.input.describe() == (
-        "'what shape is left of the square?' · sample_00.png · shapes-llava · answer token 2 'zero'"
+        "'what shape is left of the square?' · sample_00.png · shapes-llava · auto · cpu · answer token 2 'zero'"
     )
     run = ShownRun(7, "analyze", workspace.input, {"analyze": {}})
     workspace.show_run(run)

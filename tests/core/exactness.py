@@ -11,9 +11,12 @@ from core.methods.residual import component_stack, decompose, target_direction
 from tests.tolerances import (
     NORM_ROUNDINGS,
     abs_terms,
+    coarsest,
     forward_tol,
     gamma,
+    half_rounding_tol,
     matmul_tol,
+    opmath_dtype,
     rounding_tol,
     softmax_rtol,
     statistic_tol,
@@ -28,8 +31,20 @@ _FROZEN_MAP_DEPTH = {"rmsnorm": 1, "layernorm": 2, "head_transform": 3}
 
 
 def norm_dtype(adapter, trace) -> torch.dtype:
-    """The dtype the family's norms run in for this trace's model dtype."""
-    return step_dtype(adapter.family, trace.final_resid.dtype, "norm")
+    """The dtype the adapter's norms (:class:`core.models.norms.Norm`) run in on this
+    trace: the family's norm step in the read-outs' accumulation dtype (a half model's
+    read-outs normalise in float32; the model's rounding of its norm's output to its
+    dtype is :func:`unembedding_tol`'s)."""
+    return step_dtype(adapter.family, opmath_dtype(trace.final_resid.dtype), "norm")
+
+
+def stream_roundings(adapter, trace) -> int:
+    """How many elementwise roundings the model's residual stream commits between
+    x_0 and x_L: a residual add per sublayer (two per block), and in a post-norm
+    model (BLIP) also each stream LayerNorm's output (and its add)."""
+    if adapter.describe().get("norm_placement") == "post":
+        return 2 * len(adapter.stream_norms())
+    return 2 * trace.n_blocks
 
 
 @torch.no_grad()
@@ -104,14 +119,17 @@ def assert_heads_sum_to_attention_output(adapter, trace):
 
     Both sides are the output projection's ``heads * d_head``-term dot product in
     the model's dtype, summed in other orders; a gate or LayerScale folded into
-    W_O (Mllama, CoCa) is one more rounding."""
+    W_O (Mllama, CoCa) is one more rounding. The heads are added here in the
+    accumulation dtype (float32 for a half model: no rounding of this side's own)."""
+    acc = opmath_dtype(trace.attn_out[0].dtype)
     for block in range(trace.n_blocks):
         pos = torch.arange(trace.input_ids.shape[1])
         heads = trace.head_output(adapter, block, pos)
-        terms = head_write_terms(adapter, trace, block, pos)
+        terms = head_write_terms(adapter, trace, block, pos).max()
         n = trace.z[block].shape[-2] * trace.z[block].shape[-1] + 2
-        tol = sum_tol(terms.max(), n, heads.dtype)
-        torch.testing.assert_close(heads.sum(1) + adapter.b_O(block), trace.attn_out[block][0], atol=tol, rtol=0)
+        tol = sum_tol(terms, n, heads.dtype) + half_rounding_tol(terms, heads.dtype, 1)
+        got = heads.to(acc).sum(1) + adapter.b_O(block).to(acc)
+        torch.testing.assert_close(got, trace.attn_out[block][0].to(acc), atol=tol, rtol=0)
 
 
 @torch.no_grad()
@@ -126,7 +144,8 @@ def reconstruction_tol(adapter, trace, positions=None, batch: int = 0) -> float:
     for block in range(trace.n_blocks):
         terms = terms + head_write_terms(adapter, trace, block, pos, batch) + trace.mlp_out[block][batch, pos].abs()
         n += trace.z[block].shape[-2] * trace.z[block].shape[-1] + 4
-    return sum_tol(terms.max(), n, trace.final_resid.dtype)
+    dtype = trace.final_resid.dtype
+    return sum_tol(terms.max(), n, dtype) + half_rounding_tol(terms.max(), dtype, stream_roundings(adapter, trace))
 
 
 @torch.no_grad()
@@ -141,17 +160,23 @@ def stack_tol(adapter, trace, position: int, batch: int = 0) -> float:
     _, C = component_stack(adapter, trace, position, batch)
     terms = (C.abs() + C.abs().mean(-1, keepdim=True)).sum(0).max()
     n = C.shape[0] + len(adapter.stream_norms()) * (2 * C.shape[-1] + 4)
-    return sum_tol(terms, n, C.dtype)
+    stream = half_rounding_tol(terms, trace.final_resid.dtype, stream_roundings(adapter, trace))
+    return sum_tol(terms, n, C.dtype) + stream
 
 
 @torch.no_grad()
 def unembedding_tol(adapter, normed: torch.Tensor, token_ids=None) -> float:
     """How far two evaluations of ``normed @ W_U + b_U`` (the lens and the model's
-    lm_head) may differ, over ``token_ids`` (default: every token)."""
+    lm_head) may differ, over ``token_ids`` (default: every token): each in the
+    coarser of the read-out's and the model's dtype. A half model's lm_head also
+    reads its norm's output rounded to the model's dtype (the read-out's float32
+    ``normed`` is not): one rounding of the terms."""
     W, b = adapter.W_U.to(normed.dtype), adapter.b_U.to(normed.dtype)
     if token_ids is not None:
         W, b = W[:, token_ids], b[token_ids]
-    return sum_tol(abs_terms(normed, W, b).max(), normed.shape[-1] + 1, normed.dtype)
+    terms = abs_terms(normed, W, b).max()
+    model = adapter.W_U.dtype
+    return sum_tol(terms, normed.shape[-1] + 1, coarsest(normed.dtype, model)) + half_rounding_tol(terms, model, 1)
 
 
 @torch.no_grad()
@@ -187,14 +212,16 @@ def reader_at_last_layer_tol(adapter, dtype: torch.dtype) -> float:
 def assert_reconstruction_and_lens_at_last_layer(adapter, trace):
     """x_L = x_0 + sum attn + sum mlp, and the lens on x_L is the model's logits
     (the same final norm, then the unembedding summed in another order)."""
-    recon = trace.resid_pre[0] + sum(trace.attn_out) + sum(trace.mlp_out)
-    assert (recon - trace.final_resid).abs().max() <= reconstruction_tol(adapter, trace)
+    acc = opmath_dtype(trace.final_resid.dtype)  # the sum here adds no rounding of its own in a half model
+    recon = trace.resid_pre[0].to(acc) + sum(o.to(acc) for o in trace.attn_out) + sum(o.to(acc) for o in trace.mlp_out)
+    assert (recon - trace.final_resid.to(acc)).abs().max() <= reconstruction_tol(adapter, trace)
     norm_f = adapter.final_norm_layer()
     normed = norm_f(trace.final_resid[0])
-    logit_terms = abs_terms(normed, adapter.W_U.to(normed.dtype), adapter.b_U.to(normed.dtype)).max()
+    W_U, b_U = adapter.W_U.to(normed.dtype), adapter.b_U.to(normed.dtype)
+    logit_terms = abs_terms(normed, W_U, b_U).max()
     tol = unembedding_tol(adapter, normed) + norm_replay_tol(norm_f, logit_terms, norm_dtype(adapter, trace))
-    lens = normed @ adapter.W_U + adapter.b_U
-    torch.testing.assert_close(lens, trace.logits[0], atol=tol, rtol=0)
+    lens = normed @ W_U + b_U
+    torch.testing.assert_close(lens, trace.logits[0].to(lens.dtype), atol=tol, rtol=0)
 
 
 @torch.no_grad()
@@ -234,7 +261,7 @@ def frozen_map_terms(norm_f, x_ref: torch.Tensor, vectors: torch.Tensor, u: torc
     ``frozen(x_ref, e_k)``), so the centring, gains and scale are all counted."""
     d = x_ref.shape[-1]
     F = norm_f.frozen(x_ref, torch.eye(d, dtype=vectors.dtype, device=vectors.device))  # (d, d): row k = F e_k
-    return (vectors.abs() @ F.abs()) @ u.abs().to(vectors.dtype)
+    return (vectors.abs().to(F.dtype) @ F.abs()) @ u.abs().to(F.dtype)
 
 
 @torch.no_grad()
@@ -247,22 +274,32 @@ def frozen_sum_tol(adapter, trace, position: int, answer_id: int, foil_id, batch
     side and x_L's on the other; and the model's norm rounds x_L and its output
     in the norm's own dtype (float32 for Llama-style RMSNorm even in a float64
     model, :data:`NORM_ROUNDINGS` times), which the frozen split, taken in the
-    model's dtype, does not."""
+    model's dtype, does not.
+
+    In a half model both sides are read-outs accumulating in float32; the
+    components sum to x_L only up to the model's roundings of its stream
+    (:func:`stream_roundings`) and, where the stack is stored in the half dtype,
+    one rounding of each component."""
     _, C = component_stack(adapter, trace, position, batch)
     x_L = trace.final_resid[batch, position]
     norm_f = adapter.final_norm_layer()
-    u = target_direction(adapter, answer_id, foil_id).to(C.dtype)
+    acc = opmath_dtype(C.dtype)
+    u = target_direction(adapter, answer_id, foil_id).to(acc)
     d = x_L.shape[-1]
     n = _FROZEN_MAP_DEPTH[norm_f.kind] * d + 4
     components = float(frozen_map_terms(norm_f, x_L, C, u).sum())
     whole = float(frozen_map_terms(norm_f, x_L, x_L[None], u)[0])
     bias_f = norm_f.frozen_bias(x_L)
-    b_U = adapter.b_U.to(C.dtype)
+    b_U = adapter.b_U.to(acc)
     biases = float(b_U[answer_id].abs() + (b_U[foil_id].abs() if foil_id is not None else 0))
-    biases += float(bias_f.abs().to(C.dtype) @ u.abs()) if bias_f is not None else 0.0
+    biases += float(bias_f.abs().to(acc) @ u.abs()) if bias_f is not None else 0.0
     # each side evaluates once, so gamma of both sides' terms (not sum_tol's two evaluations of one)
-    return gamma(n, C.dtype) * (components + whole + biases) + rounding_tol(
-        whole, norm_dtype(adapter, trace), NORM_ROUNDINGS
+    half = half_rounding_tol(components, x_L.dtype, stream_roundings(adapter, trace))
+    half += half_rounding_tol(components, C.dtype, 1)
+    return (
+        gamma(n, acc) * (components + whole + biases)
+        + rounding_tol(whole, norm_dtype(adapter, trace), NORM_ROUNDINGS)
+        + half
     )
 
 
@@ -344,12 +381,12 @@ def jacobian_tol(adapter, trace, x_L: torch.Tensor, c: torch.Tensor, u: torch.Te
     norm_f = adapter.final_norm_layer()
     d = x_L.shape[-1]
     J = norm_f.jvp(x_L, torch.eye(d, dtype=x_L.dtype, device=x_L.device))  # (d, d): row k = J e_k
-    terms = float((c.abs() @ J.abs()) @ u.abs().to(c.dtype))
+    terms = float((c.abs().to(J.dtype) @ J.abs()) @ u.abs().to(J.dtype))
     depth = _FROZEN_MAP_DEPTH[norm_f.kind]
     # autograd: the norm's own ops on the tangent (the d-term statistic's derivative, a few
     # products) in the norm's dtype; the closed form (vjp, then C @ w): two more d-term dots
     n_norm, n_model = depth * d + 6, (depth + 1) * d + 6
-    return (gamma(n_norm, norm_dtype(adapter, trace)) + gamma(n_model, x_L.dtype)) * terms
+    return (gamma(n_norm, norm_dtype(adapter, trace)) + gamma(n_model, opmath_dtype(x_L.dtype))) * terms
 
 
 def assert_jacobian_dla_is_autograd(adapter, trace, answer_id, foil_id, which=None):
@@ -359,9 +396,10 @@ def assert_jacobian_dla_is_autograd(adapter, trace, answer_id, foil_id, which=No
     u = target_direction(adapter, answer_id, foil_id).detach()
     norm_f = adapter.final_norm_layer()
     names, C = component_stack(adapter, trace, r.position)
+    acc = opmath_dtype(x_L.dtype)  # a half x_L: autograd's own backward would round its gradients to the half dtype
     for i in which or (0, 3, len(names) - 1):
         c = C[i].detach()
-        _, d = torch.autograd.functional.jvp(lambda x: norm_f(x) @ u, x_L, c)
+        _, d = torch.autograd.functional.jvp(lambda x: norm_f(x) @ u.to(acc), x_L.to(acc), c.to(acc))
         assert r.components[i].dla_jacobian == pytest.approx(float(d), abs=jacobian_tol(adapter, trace, x_L, c, u))
     return r, names
 
@@ -625,7 +663,9 @@ def assert_recomputed_rows_are_eager(loaded, inputs) -> None:
     for b in blocks:
         got, scores, _ = recomputed[b]
         scores = scores.double().masked_fill(scores <= torch.finfo(scores.dtype).min / 2, float("-inf"))
-        torch.testing.assert_close(got, weights[b].to(got.dtype), atol=0, rtol=softmax_rtol(scores, torch.float32))
+        # eager's softmax runs in float32 and its weights are cast to the model's dtype (a half model's: one rounding)
+        softmax = coarsest(weights[b].dtype, torch.float32)
+        torch.testing.assert_close(got, weights[b].to(got.dtype), atol=0, rtol=softmax_rtol(scores, softmax))
         n_keys = got.shape[-1]
         tol = forwards_tol(adapter, 1.0, n_keys)
         torch.testing.assert_close(sdpa.patterns[b], eager.patterns[b].to(sdpa.patterns[b].dtype), atol=tol, rtol=0)

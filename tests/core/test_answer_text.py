@@ -89,7 +89,12 @@ def _bias_terms(adapter, answer_id: int, foil_id: int) -> float:
 
 
 def test_every_answer_token_reads_the_plain_forward_of_its_prefix(model_and_sample):
-    loaded, image, question = model_and_sample
+    assert_every_answer_token_reads_the_plain_forward(*model_and_sample)
+
+
+def assert_every_answer_token_reads_the_plain_forward(loaded, image, question: str) -> None:
+    """analyze at every token k of ANSWER (teacher forcing) reads one plain forward
+    of the prompt and the answer's first k tokens: the lens's last row and the frozen DLA sum."""
     adapter = loaded.adapter
     full = AnswerText.of_text(adapter, ANSWER)
     assert len(full.token_ids) == 3, full.tokens

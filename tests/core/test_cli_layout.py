@@ -83,6 +83,30 @@ def test_the_help_lists_every_command_in_order(capsys):
     assert list(sub.choices) == COMMAND_NAMES
 
 
+def test_every_model_command_takes_dtype_and_device():
+    """Every command that loads a model offers ``--dtype`` (auto, float32, bfloat16,
+    float16; default auto) and ``--device``, from the one place (core.cli.args)."""
+    from core.precision import DTYPE_CHOICES
+
+    sub = build_parser()._subparsers._group_actions[0]
+    model_commands = [name for name in COMMAND_NAMES if name != "export"]
+    assert len(model_commands) == 11
+    for name in model_commands:
+        options = sub.choices[name]._option_string_actions
+        assert "--device" in options, name
+        dtype = options.get("--dtype")
+        assert dtype is not None, name
+        assert tuple(dtype.choices) == DTYPE_CHOICES and dtype.default == "auto", name
+        assert "float32 on the CPU" in dtype.help, name
+    assert "--dtype" not in sub.choices["export"]._option_string_actions
+
+
+def test_a_dtype_not_offered_is_refused_in_one_line(capsys):
+    assert main(["analyze", "--image", "x.png", "--question", "q", "--dtype", "fp8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--dtype" in err and "bfloat16" in err, err
+
+
 def test_every_command_module_has_add_command_and_run():
     for module in COMMANDS:
         assert module.__name__.startswith("core.cli."), module

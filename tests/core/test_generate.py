@@ -91,10 +91,13 @@ def no_end_tokens(monkeypatch):
 
 @pytest.mark.parametrize("key", ALL, ids=ALL_IDS)
 def test_cached_steps_equal_a_rerun_of_the_prefix(key, no_end_tokens):
+    assert_cached_steps_equal_a_rerun(*case_of(key), no_end_tokens)
+
+
+def assert_cached_steps_equal_a_rerun(m, image, question, cross: int, no_end_tokens) -> None:
     """Step by step (the same tokens fed to both): the cached logits are the
     full re-run's; generate with and without the cache gives the same tokens and
-    probabilities."""
-    m, image, question, cross = case_of(key)
+    probabilities (``cross``: :func:`case_of`'s; tolerances in the model's dtype)."""
     a = m.adapter
     with torch.no_grad():
         inputs = a.prepare([image], [question])
@@ -363,7 +366,14 @@ def test_generation_is_a_readout_that_round_trips(tmp_path):
     assert isinstance(g, Readout) and g.kind == "generate"
     doc = json.loads(json.dumps(g.to_dict(), allow_nan=False))
     assert Generation.from_dict(doc) == g
-    assert doc["input"] == {"question": question, "raw_prompt": False, "prompt_length": g.prompt_length}
+    assert doc["input"] == {
+        "question": question,
+        "raw_prompt": False,
+        "prompt_length": g.prompt_length,
+        "dtype": "float32",  # what it ran in (Adapter.dtype_and_device), as the model block says
+        "device": "cpu",
+    }
+    assert {k: doc["model"][k] for k in ("dtype", "device")} == {"dtype": "float32", "device": "cpu"}
     assert doc["model"]["spec"] == "shapes-llava" and doc["model"]["fingerprint"] == m.fingerprint
     line = g.summary()
     assert "\n" not in line and f"{len(g.token_ids)} tokens" in line and "KV cache" in line
@@ -384,7 +394,8 @@ def test_generation_is_a_readout_that_round_trips(tmp_path):
     with Session.create(tmp_path / "s.vlmr") as s:
         run_id = s.record(g, image=image, model=m)
         run = s.run(run_id)
-    assert run.kind == "generate" and run.summary == line and run.parameters == g.parameters()
+    assert run.kind == "generate" and run.summary == line
+    assert run.parameters == {**g.parameters(), "dtype": "float32", "device": "cpu"}  # what it ran in
     assert Generation.from_dict(run.result) == g and run.audits[0]["method"] == "model output"
 
 

@@ -3,7 +3,6 @@ piece is checked against an independent computation (the model's own outputs,
 autograd, or a recomputation from canonical weights and the adapter's RoPE),
 and the tiled geometry by experiment."""
 
-import contextlib
 import functools
 import math
 
@@ -73,21 +72,6 @@ def tiny_tokenizer(kind: str):
     )
 
 
-@contextlib.contextmanager
-def num2words_stub():
-    """SmolVLMProcessor refuses to start without ``num2words`` (it only words
-    video frame counts); a stub stands in when the package is absent."""
-    import transformers.models.smolvlm.processing_smolvlm as sp
-
-    saved = sp.num2words
-    if saved is None:
-        sp.num2words = str
-    try:
-        yield
-    finally:
-        sp.num2words = saved
-
-
 def tiny_processor(kind: str, chat_template: bool = True):
     template = CHAT_TEMPLATE.format(bos=BOS[kind]) if chat_template else None
     sizes = {"size": {"longest_edge": LONGEST}, "max_image_size": {"longest_edge": TILE}}
@@ -102,14 +86,13 @@ def tiny_processor(kind: str, chat_template: bool = True):
         )
     from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
 
-    with num2words_stub():
-        return SmolVLMProcessor(
-            image_processor=SmolVLMImageProcessor(**sizes),
-            tokenizer=tiny_tokenizer(kind),
-            video_processor=SmolVLMVideoProcessor(),
-            image_seq_len=GRID * GRID,
-            chat_template=template,
-        )
+    return SmolVLMProcessor(  # needs num2words (a dependency: it words video frame counts)
+        image_processor=SmolVLMImageProcessor(**sizes),
+        tokenizer=tiny_tokenizer(kind),
+        video_processor=SmolVLMVideoProcessor(),
+        image_seq_len=GRID * GRID,
+        chat_template=template,
+    )
 
 
 def tiny_model_float64(kind: str = "idefics3", tie: bool = False, bias: bool = True) -> LoadedModel:
@@ -224,7 +207,6 @@ BAD_QUESTIONS = (
     ("too long", "red " * 600),
 )
 PERTURB_SIZES = [IMAGE_SIZE]
-loading_context = num2words_stub
 
 
 def check_canonical_weights(m, x) -> None:

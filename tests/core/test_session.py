@@ -99,6 +99,8 @@ def test_analyze_result_round_trips_identically(tmp_path, llava, analyzed):
             "answer": "square",
             "foil": "triangle",
             "rollout_alpha": 0.5,
+            "dtype": "float32",
+            "device": "cpu",
         }
         assert "answer 'square'" in run.summary
         assert run.model["spec"] == "shapes-llava" and run.model["fingerprint"] == llava.fingerprint
@@ -394,6 +396,43 @@ def test_cli_session_runs_land_in_one_exported_table(tmp_path, llava, monkeypatc
     bad.write_bytes(b"garbage" * 30)
     assert main(["analyze", *base, "--json", str(tmp_path / "x.json"), "--session", str(bad)]) == 2
     assert "not a session file" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_a_run_records_the_dtype_and_device_it_ran_in(session, llava, analyzed):
+    """The analyze result states them in its input and model blocks; the run's parameters hold
+    them (from the loaded model), and so every audit row's specification and run_parameters."""
+    assert analyzed["input"]["dtype"] == analyzed["model"]["dtype"] == "float32"
+    assert analyzed["input"]["device"] == analyzed["model"]["device"] == "cpu"
+    rid = session.record(analyzed, image=IMAGE, model=llava)
+    run = session.run(rid)
+    assert run.parameters["dtype"] == "float32" and run.parameters["device"] == "cpu"
+    rows = [r for r in session.audit_table() if r["run_id"] == rid]
+    assert len(rows) == len(analyzed["audit"]) > 0
+    for row in rows:
+        assert "dtype=float32" in row["specification"].split("; ")
+        assert "device=cpu" in row["specification"].split("; ")
+        assert row["run_parameters"]["dtype"] == "float32" and row["run_parameters"]["device"] == "cpu"
+    # a caller's own statement wins; a document of no model states none
+    given = session.record(RecordedResult("note", {"x": 1}), parameters={"dtype": "float16", "device": "cuda:1"})
+    assert session.run(given).parameters == {"dtype": "float16", "device": "cuda:1"}
+    assert session.run(session.record(RecordedResult("note", {"x": 1}))).parameters == {}
+
+
+def test_dtype_bfloat16_on_the_command_line_is_recorded_everywhere(tmp_path, capsys):
+    """``--dtype bfloat16`` loads the model in bfloat16 (the real loader): the analyze JSON's
+    input and model blocks and the session's run say bfloat16, on the CPU."""
+    out, sess = tmp_path / "a.json", tmp_path / "bf16.vlmr"
+    argv = ["analyze", "--model", "shapes-llava", "--dtype", "bfloat16", "--device", "cpu", "--image", str(IMAGE)]
+    argv += ["--question", QUESTION, "--answer", "square", "--quiet", "--json", str(out), "--session", str(sess)]
+    assert main(argv) == 0, capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    assert doc["input"]["dtype"] == doc["model"]["dtype"] == "bfloat16"
+    assert doc["input"]["device"] == doc["model"]["device"] == "cpu"
+    with Session.open(sess, read_only=True) as s:
+        (info,) = s.runs()
+        run = s.run(info.id)
+        assert run.parameters["dtype"] == "bfloat16" and run.parameters["device"] == "cpu"
+        assert all("dtype=bfloat16" in r["specification"] for r in s.audit_table())
 
 
 # ---------------------------------------------------------------- killed mid-write

@@ -430,13 +430,11 @@ def _tiny(family: str):
     "family", ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "paligemma", "idefics3", "smolvlm", "mllama", "blip"]
 )
 def test_every_family_round_trips_with_no_error_and_no_warning(tmp_path, family, capfd):
-    from tests.core.test_idefics3 import num2words_stub
-
     model, processor = _tiny(family)
     model.save_pretrained(tmp_path, safe_serialization=True)
     processor.save_pretrained(tmp_path)
     capfd.readouterr()
-    with num2words_stub(), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("error", ModelLoadWarning)
         loaded = load_model(tmp_path)
     assert capfd.readouterr().err == "" and "warnings" not in loaded.info

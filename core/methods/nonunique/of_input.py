@@ -136,6 +136,7 @@ def nonunique_of_input(
             "image_size": list(image.size),
             "raw_prompt": bool(raw_prompt),
             **(answer_text.to_dict() if answer_text is not None else {}),
+            **adapter.dtype_and_device(),
         },
     }
     return result, {**result.to_dict(), **header}

@@ -11,6 +11,7 @@ import torch
 from core.errors import InterventionError
 from core.methods.nonunique.query_map import QueryMap, query_path
 from core.models.adapter import Adapter
+from core.precision import accumulation_dtype
 
 
 @dataclass
@@ -166,7 +167,7 @@ def head_problem(
     qi = int(hits[0])
     source = trace.kv_source[block]
     r = trace.resid_pre[block][batch] if source is None else source[batch]
-    dt = r.dtype
+    dt = accumulation_dtype(r.dtype)  # the norm's output dtype: float32 for a half-precision model
     f64 = torch.float64
     dev = r.device
     cpu = {"device": "cpu", "dtype": f64}  # everything the search touches: CPU, float64

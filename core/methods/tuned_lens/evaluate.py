@@ -29,9 +29,9 @@ from core.methods.tuned_lens.lens import (
     Progress,
     TunedLens,
     _kl_nats,
-    _work,
 )
 from core.methods.tuned_lens.readers import _reader_logits, _readers, lens_audit
+from core.precision import accumulating
 
 LN2 = math.log(2.0)
 
@@ -227,7 +227,7 @@ def evaluate_lens(
             greedy = final_logp_all.argmax(-1)  # (b, pos)
             states = [*trace.resid_pre, trace.final_resid]
             for layer in range(nb + 1):
-                x = _work(states[layer])  # (b, pos, d)
+                x = accumulating(states[layer])  # (b, pos, d)
                 for name, reader in readers.items():
                     if layer == nb and name not in ("identity", "mean", "trained"):
                         continue  # no translator at x_L: the random/orthogonal readers are undefined there

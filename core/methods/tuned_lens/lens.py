@@ -103,12 +103,6 @@ class LensConfig:
         return asdict(self)
 
 
-def _work(x: torch.Tensor) -> torch.Tensor:
-    """Half-precision states are read in float32 (translators train and read in
-    float32, or float64 for a float64 model); float32/float64 pass unchanged."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
 def _rms(x: torch.Tensor) -> torch.Tensor:
     return x.pow(2).mean(-1, keepdim=True).add(1e-12).sqrt()
 

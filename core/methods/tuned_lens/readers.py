@@ -23,7 +23,8 @@ import torch
 
 from core.audit import AuditRecord
 from core.methods.logit_lens import lens_logits, lens_row
-from core.methods.tuned_lens.lens import LensError, LensMismatchError, TunedLens, _work
+from core.methods.tuned_lens.lens import LensError, LensMismatchError, TunedLens
+from core.precision import accumulating
 
 
 def _readers(lens: TunedLens, extra: bool = True) -> dict[str, TunedLens | str]:
@@ -135,7 +136,7 @@ def tuned_lens_rows(
     final = trace.logits[batch, pos].float().log_softmax(-1)
     rows = []
     for layer, x in enumerate(states):
-        x = _work(x)
+        x = accumulating(x)  # half-precision states read in float32, as the lens trained on them
         if layer == lens.n_blocks and reader in ("random", "orthogonal"):
             continue
         lg = _reader_logits(adapter, lens, reader, readers[reader], layer, x).float()

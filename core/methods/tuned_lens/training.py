@@ -28,8 +28,8 @@ from core.methods.tuned_lens.lens import (
     Progress,
     TunedLens,
     _kl_nats,
-    _work,
 )
+from core.precision import accumulating
 
 
 @dataclass
@@ -173,9 +173,9 @@ def train_lens(
                 with oom_guard(f"training the lens on a batch of {cfg.batch_size} (try a smaller --batch-size)"):
                     trace = _captured(loaded, batch)
                     mask = position_mask(adapter, trace, cfg.positions).to(trace.final_resid.device)
-                    xs = _work(torch.stack([r[mask] for r in trace.resid_pre]))  # (n, n_tok, d)
-                    x_final = _work(trace.final_resid[mask])  # (n_tok, d)
-                    target = _work(trace.logits[mask]).log_softmax(-1)  # (n_tok, vocab)
+                    xs = accumulating(torch.stack([r[mask] for r in trace.resid_pre]))  # (n, n_tok, d)
+                    x_final = accumulating(trace.final_resid[mask])  # (n_tok, d)
+                    target = accumulating(trace.logits[mask]).log_softmax(-1)  # (n_tok, vocab)
                     k = int(mask.sum())
                     if not k:
                         raise LensError(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from core.attention_rows import WeightsRows
-from core.capture import record_pattern
+from core.capture import on_device_of, record_pattern
 from core.errors import QuestionError
 from core.models.adapter import config_int
 from core.models.norms import Norm
@@ -182,7 +182,11 @@ class LlamaStyleWeights(TextConfigSizes):
     @property
     def b_U(self) -> torch.Tensor:
         head = self.lm_head
-        return head.bias if head.bias is not None else torch.zeros(head.weight.shape[0], dtype=head.weight.dtype)
+        return (
+            head.bias
+            if head.bias is not None
+            else torch.zeros(head.weight.shape[0], dtype=head.weight.dtype, device=head.weight.device)
+        )
 
     def capture_hooks(self, layer: int, trace, keep_pattern: bool) -> list:
         """Hooks that fill ``trace`` for block ``layer`` (see core.capture.Trace)."""
@@ -190,7 +194,7 @@ class LlamaStyleWeights(TextConfigSizes):
         attn = block.self_attn
 
         def resid_pre(module, args, kwargs):
-            trace.resid_pre[layer] = args[0] if args else kwargs["hidden_states"]
+            trace.resid_pre[layer] = on_device_of(block, args[0] if args else kwargs["hidden_states"])
 
         def z_in(module, args):
             x = args[0]
@@ -215,7 +219,7 @@ class LlamaStyleWeights(TextConfigSizes):
 
     def final_hooks(self, trace) -> list:
         def final(module, args):
-            trace.final_resid = args[0]
+            trace.final_resid = on_device_of(module, args[0])
 
         return [(self.language_model.norm, "pre", final)]
 
@@ -225,5 +229,5 @@ class LlamaStyleWeights(TextConfigSizes):
         from transformers.models.llama.modeling_llama import rotate_half
 
         cos, sin = self.language_model.rotary_emb(x, positions.to(x.device).view(1, -1))
-        cos, sin = cos[0].to(x.dtype).unsqueeze(-2), sin[0].to(x.dtype).unsqueeze(-2)  # (pos, 1, d_head)
+        cos, sin = cos[0].to(x).unsqueeze(-2), sin[0].to(x).unsqueeze(-2)  # (pos, 1, d_head), on x's device
         return x * cos + rotate_half(x) * sin

@@ -50,12 +50,13 @@ import torch
 from PIL import Image
 
 from core.attention_rows import WeightsRows
-from core.capture import record_pattern, run_with_hooks
+from core.capture import on_device_of, record_pattern, run_with_hooks
 from core.errors import QuestionError
 from core.geometry import VisualToken
 from core.models.adapter import Adapter, ModelInputs, config_int, size_value
 from core.models.families._decoder import TextConfigSizes
 from core.models.norms import IdentityNorm, Norm
+from core.precision import accumulating, is_half
 
 
 class HeadTransform:
@@ -101,7 +102,11 @@ class HeadTransform:
         self.eps = ln.eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``(..., d_model) -> (..., d_model)``, the model's own transform."""
+        """``(..., d_model) -> (..., d_model)``, the model's own transform; in a
+        half-precision model (or on a half ``x``) the same transform in float32,
+        as :class:`Norm` does: a read-out upcasts x_L and must not meet half weights."""
+        if is_half(x.dtype) or is_half(self.dense.weight.dtype):
+            return self.ln(self.act(self._pre(accumulating(x))))
         return self.transform(x)
 
     def _pre(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +124,7 @@ class HeadTransform:
 
     def gate(self, x_ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(phi, a)``: the frozen activation gain ``act(y) / y`` and ``a = act(y)`` at ``x_ref``."""
-        y = self._pre(x_ref)
+        y = self._pre(accumulating(x_ref))
         a = self.act(y)
         zero = y == 0
         phi = a / torch.where(zero, torch.ones_like(y), y)
@@ -131,28 +136,28 @@ class HeadTransform:
         """``M c`` ``(..., d_model)``: the head linearised at ``x_ref (d_model,)``
         with the activation gain and LN_h's scale frozen (no bias)."""
         phi, a = self.gate(x_ref)
-        return self.ln.frozen(a, phi * self._linear(c))
+        return self.ln.frozen(a, phi * self._linear(accumulating(c)))
 
     def frozen_bias(self, x_ref: torch.Tensor) -> torch.Tensor:
         """``(d_model,)``: ``T(x_ref) - M x_ref``, the dense and LayerNorm biases
         through the frozen gain and scale."""
         phi, a = self.gate(x_ref)
-        return self.ln.frozen(a, phi * self.dense.bias.to(x_ref.dtype)) + self.ln.bias.to(x_ref.dtype)
+        return self.ln.frozen(a, phi * self.dense.bias.to(a.dtype)) + self.ln.bias.to(a.dtype)
 
     def frozen_readout(self, x_ref: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """``M^T u``: the vector ``g`` with ``g . c == u . frozen(x_ref, c)``. ``u (..., d_model)``."""
         phi, a = self.gate(x_ref)
-        return (phi * self.ln.frozen_readout(a, u)) @ self.dense.weight.to(u.dtype)
+        return (phi * self.ln.frozen_readout(a, u)) @ self.dense.weight.to(a.dtype)
 
     def jvp(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``J_T(x) v`` for ``x (d_model,)``, ``v (..., d_model)``."""
-        y = self._pre(x)
-        return self.ln.jvp(self.act(y), self.act_derivative(y) * self._linear(v))
+        y = self._pre(accumulating(x))
+        return self.ln.jvp(self.act(y), self.act_derivative(y) * self._linear(accumulating(v)))
 
     def vjp(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """``J_T(x)^T u`` for ``x (d_model,)``, ``u (d_model,)``."""
-        y = self._pre(x)
-        return (self.act_derivative(y) * self.ln.vjp(self.act(y), u)) @ self.dense.weight.to(u.dtype)
+        y = self._pre(accumulating(x))
+        return (self.act_derivative(y) * self.ln.vjp(self.act(y), u)) @ self.dense.weight.to(y.dtype)
 
 
 class BlipAdapter(TextConfigSizes, Adapter):
@@ -429,7 +434,7 @@ class BlipAdapter(TextConfigSizes, Adapter):
         if cross:
 
             def resid_pre(module, args, kwargs):
-                trace.resid_pre[block] = args[0] if args else kwargs["hidden_states"]
+                trace.resid_pre[block] = on_device_of(module, args[0] if args else kwargs["hidden_states"])
                 trace.kv_source[block] = kwargs["encoder_hidden_states"]
 
             def mlp_out(module, args, out):
@@ -444,7 +449,7 @@ class BlipAdapter(TextConfigSizes, Adapter):
         else:
 
             def resid_pre(module, args, kwargs):
-                trace.resid_pre[block] = args[0] if args else kwargs["hidden_states"]
+                trace.resid_pre[block] = on_device_of(module, args[0] if args else kwargs["hidden_states"])
 
             regs += [(mod, "pre_kw", resid_pre), (attn.output.LayerNorm, "pre", norm_in(f"L{layer}.ln_self"))]
         if keep_pattern:
@@ -456,7 +461,7 @@ class BlipAdapter(TextConfigSizes, Adapter):
             trace.norm_inputs["embed.ln"] = args[0]
 
         def final(module, args):
-            trace.final_resid = args[0]
+            trace.final_resid = on_device_of(module, args[0])
 
         return [(self.decoder.bert.embeddings.LayerNorm, "pre", embed_in), (self.decoder.cls, "pre", final)]
 

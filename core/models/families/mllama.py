@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import torch
 
-from core.capture import run_with_hooks
+from core.capture import on_device_of, run_with_hooks
 from core.edits import Edit
 from core.errors import ModelLoadError
 from core.geometry import VisualToken
@@ -332,7 +332,7 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
 
         def resid_pre(module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
-            trace.resid_pre[layer] = x
+            trace.resid_pre[layer] = on_device_of(block, x)
             if cross:
                 states = kwargs.get("cross_attention_states")
                 if states is None:

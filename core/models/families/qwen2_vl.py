@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from core.capture import on_device_of
 from core.errors import ImageLoadError
 from core.geometry import VisualToken
 from core.models.adapter import Adapter, ModelInputs
@@ -116,7 +117,7 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
         decoder ran with (what :meth:`rotate` takes, one batch row at a time)."""
 
         def final(module, args):
-            trace.final_resid = args[0]
+            trace.final_resid = on_device_of(module, args[0])
 
         def positions(module, args, kwargs):
             trace.position_ids = self._decoder_positions(kwargs)
