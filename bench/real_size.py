@@ -5,12 +5,12 @@ in bfloat16, loaded with ``--dtype bfloat16`` and read out with ``analyze`` at
     python bench/real_size.py [--preset llava-1.5-7b] [--folder /tmp/llava-1.5-7b-shaped] \\
         [--json bench/results/real_size.json] [--keep]
 
-Model: built from a config (no download): Llama d_model 4096 x 32 layers of 32
-heads, SwiGLU 11008, vocabulary 32064, behind CLIP ViT-L/14 at 336 px (576
-visual tokens) and LLaVA-1.5's two-layer GELU projector, initialised at random
-in bfloat16 and saved with ``save_pretrained`` (safetensors shards, ~14 GB)
-with a word-level tokenizer, CLIP's image processor and a chat template, as a
-user's folder is. The folder is deleted after unless ``--keep``.
+Model: bench/scale.py's ``random_llava`` of the ``llava-7b`` shape, built from
+a config (no download): Llama d_model 4096 x 32 layers of 32 heads, SwiGLU
+11008, vocabulary 32000, behind CLIP ViT-L/14 at 336 px (576 visual tokens)
+and LLaVA-1.5's two-layer GELU projector, initialised at random in bfloat16
+and saved with ``save_pretrained`` (safetensors shards, ~14 GB) with its
+word-level tokenizer and CLIP's image processor, as a user's folder is. The folder is deleted after unless ``--keep``.
 
 Each step runs in a fresh process (nothing one leaves in memory reaches the next):
 
@@ -44,100 +44,29 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from scale import QUESTION  # bench/scale.py (the script's folder is on sys.path); 588 tokens with 576 visual
 
-QUESTION = "what color is the big circle in the picture ?"  # 588 tokens with LLaVA-1.5's 576 visual ones
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] == 'user' %}USER: "
-    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image>\n"
-    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %} {% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
-)
-PATCH = 14
-PRESETS = {
-    # name: language model, vision tower, image side
-    "llava-1.5-7b": (
-        {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32},
-        {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16},
-        336,
-    ),
-    "tiny": (
-        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
-        {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
-        336,
-    ),
-}
+ROOT = Path(__file__).resolve().parents[1]
+
+PRESETS = {"llava-1.5-7b": "llava-7b", "tiny": "tiny"}  # bench/scale.py's shapes of the same names
+SIDE = 336  # CLIP ViT-L/14-336: 24 x 24 = 576 visual tokens
 GB = 1e9
 
 
 def build(preset: str, folder: Path) -> dict:
-    """Build the random model in bfloat16 and save it as a user's folder."""
+    """Build the random model in bfloat16 (bench/scale.py's ``random_llava``) and save it as a user's folder."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-        PreTrainedTokenizerFast,
-    )
+    from scale import random_llava
 
-    words = ["<unk>", "<s>", "</s>", "<pad>", "<image>", *QUESTION.split(), "USER", "ASSISTANT", ":", "red", "blue"]
-    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        extra_special_tokens={"image_token": "<image>"},
-    )
-    lm, vision, side = PRESETS[preset]
-    grid = side // PATCH
-    config = LlavaConfig(
-        vision_config=CLIPVisionConfig(**vision, image_size=side, patch_size=PATCH, projection_dim=768),
-        text_config=LlamaConfig(
-            **lm,
-            vocab_size=32064,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-5,
-            bos_token_id=vocab["<s>"],
-            eos_token_id=vocab["</s>"],
-            pad_token_id=vocab["<pad>"],
-        ),
-        image_token_id=vocab["<image>"],
-        image_seq_length=grid * grid,
-        vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
-    )
-    config.architectures = ["LlavaForConditionalGeneration"]
     t = time.perf_counter()
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = LlavaForConditionalGeneration(config).eval()
-    finally:
-        torch.set_default_dtype(default)
+    loaded = random_llava(PRESETS[preset], SIDE, None, torch.bfloat16, "cpu")
     built = time.perf_counter() - t
-    ip = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
-    processor = LlavaProcessor(
-        image_processor=ip,
-        tokenizer=fast,
-        patch_size=PATCH,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE,
-    )
+    model = loaded.model
+    model.config.architectures = ["LlavaForConditionalGeneration"]
     folder.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     model.save_pretrained(folder, max_shard_size="2GB")
-    processor.save_pretrained(folder)
+    loaded.processor.save_pretrained(folder)
     saved = time.perf_counter() - t
     n_params = sum(p.numel() for p in model.parameters())
     on_disk = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
@@ -162,7 +91,8 @@ def cli(args: list[str]) -> dict:
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return {
         "exit_status": done.returncode,
-        "stderr": done.stderr.strip(),
+        # the lines a user reads as the command's verdict (the progress bar's are left out)
+        "stderr": "\n".join(line for line in done.stderr.splitlines() if line.startswith(("error:", "warning:"))),
         "stdout": done.stdout.strip()[-500:],
         "wall_s": round(seconds, 1),
         # ru_maxrss of the children is the largest of any child so far: each step runs in its own bench process
@@ -296,7 +226,7 @@ def main() -> None:
         if not (folder / "config.json").is_file():
             out["build"] = step("build", "--preset", args.preset, "--folder", str(folder))
             print("built:", json.dumps(out["build"]), flush=True)
-        noise_image(image, PRESETS[args.preset][2])
+        noise_image(image, SIDE)
         analyze_args = ["analyze", "--model", str(folder), "--image", str(image), "--question", QUESTION]
         refuse = cli([*analyze_args, "--dtype", "float32", "--json", str(folder.with_name("refused.json"))])
         out["float32_refusal"] = {k: refuse[k] for k in ("exit_status", "stderr", "wall_s")}

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from core.attention_rows import ROW_CHUNK
 from core.errors import ModelLoadError, ModelTooLargeError
 from core.models.config_fields import config_value
 from core.precision import dtype_name, dtype_of, is_half, placement
@@ -43,9 +44,6 @@ DEFAULT_VISUAL_TOKENS = 1024
 # What a read-out keeps: "forward" (answer, generate: the logits only) or "capture"
 # (a Trace: per block resid_pre, z, mlp_out, the pattern rows, the logits).
 READOUTS = ("forward", "capture")
-# Rows of a pattern recomputed at once: core.attention_rows.ROW_CHUNK, which core.models cannot
-# import (attention_rows imports core.models); tests/core/test_memory.py keeps the two equal.
-ROW_CHUNK = 64
 # Activation-sized tensors a decoder layer holds at once during its forward (MLP
 # gate, up and product, norm output, residual, attention output), each T x max(d_model, d_mlp).
 _FORWARD_ACTIVATIONS = 6

@@ -12,7 +12,7 @@ from PySide6.QtCore import QThreadPool  # noqa: E402
 
 @pytest.fixture(scope="session")
 def model_cache() -> dict:
-    """``{spec: LoadedModel}`` shared by every window, so each model loads once per run."""
+    """``{ModelChoice: LoadedModel}`` shared by every window, so each model loads once per run."""
     return {}
 
 

@@ -10,6 +10,7 @@ from PySide6.QtWidgets import QApplication
 
 import core
 from app.canvas import INTERPOLATED_TEXT, ImageCanvas, box_slices, describe_token_layout, stroke_footprint
+from app.components import ModelChoice
 from app.panels.counterfactual_panel import CounterfactualPanel
 from app.samples import bundled_samples
 from core.geometry import VisualToken, resize_crop_boxes
@@ -20,9 +21,10 @@ SAMPLE = bundled_samples()[0]
 
 @pytest.fixture
 def llava(model_cache):
-    if "shapes-llava" not in model_cache:
-        model_cache["shapes-llava"] = core.load_model("shapes-llava")
-    return model_cache["shapes-llava"]
+    choice = ModelChoice("shapes-llava")  # the window's default: shared with the windows of this run
+    if choice not in model_cache:
+        model_cache[choice] = core.load_model("shapes-llava", **choice.load_options())
+    return model_cache[choice]
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import app.jobs
 import app.recent_models
 from app.components import ModelChoice
 from app.components.model_choice import device_choices
-from app.main_window import MainWindow
 from app.recent_models import OLD_SPECS_KEY, recent_choices, recent_models, remember_model, remembered_choice
 from core.precision import DTYPE_CHOICES
+from tests.app.test_session_reopen import _close, _window
 from tests.app.test_window import run_until_idle
 
 BF16 = ModelChoice("shapes-llava", "bfloat16", "cpu")
@@ -26,19 +26,6 @@ def settings(tmp_path, monkeypatch):
     path = str(tmp_path / "settings.ini")
     monkeypatch.setattr(app.recent_models, "_settings", lambda: QSettings(path, QSettings.Format.IniFormat))
     return path
-
-
-def _window(qtbot, model_cache, session_path, **kwargs) -> MainWindow:
-    win = MainWindow(model_cache=model_cache, session_path=session_path, **kwargs)
-    qtbot.addWidget(win)
-    win.show()
-    qtbot.waitExposed(win)
-    return win
-
-
-def _close(win: MainWindow) -> None:
-    win.close()
-    assert win.workers.running() == []
 
 
 def test_the_picker_offers_dtype_and_device(qtbot, model_cache, tmp_path, settings):

@@ -59,7 +59,7 @@ def test_a_new_question_answered_marks_the_readout_views_stale(qtbot, window):
         assert header(window, view) == "no run shown yet"
     run_id = read_out(qtbot, window)
     described = window.workspace.input.describe()
-    assert described == f"'{sample.question}' · {sample.image_path.name} · shapes-llava"
+    assert described == f"'{sample.question}' · {sample.image_path.name} · shapes-llava · float32 (auto) · cpu"
     assert_current(window, (*READOUT_VIEWS, "answer"), f"run #{run_id} · analyze · {described}")
 
     new_question = "how many triangles are there?"
@@ -73,7 +73,7 @@ def test_a_new_question_answered_marks_the_readout_views_stale(qtbot, window):
     assert_stale(window, READOUT_VIEWS, f"'{sample.question}'")
     assert "(question changed)" in header(window, "attention")
     assert f"the input is now '{new_question}'" in header(window, "dla")
-    expected = core.answer(window.model_cache["shapes-llava"], window.image, new_question)
+    expected = core.answer(window.loaded_model(), window.image, new_question)
     assert window.answer_label.text() == f"answer: {expected.answer}  (p = {expected.prob:.3f})"
     assert_current(window, ["answer"], f"not recorded · answer · '{new_question}'")
 
@@ -97,8 +97,9 @@ def test_choosing_another_model_marks_the_views_stale_at_once(qtbot, window):
     window.model_picker.setCurrentIndex(window.model_picker.findText("shapes-coca"))
     assert_stale(window, (*READOUT_VIEWS, "answer"), "")
     for view in (*READOUT_VIEWS, "answer"):
-        assert "(model changed)" in header(window, view) and "shapes-llava; the input is now" in header(window, view)
-        assert header(window, view).endswith("shapes-coca")
+        text = header(window, view)
+        assert "(model changed)" in text and "shapes-llava · float32 (auto) · cpu; the input is now" in text
+        assert text.endswith("shapes-coca · auto · cpu")
     window.model_picker.setCurrentText("shapes-llava")  # back to the run's model: current again
     assert_current(window, READOUT_VIEWS, f"run #{run_id} · analyze · ")
 
@@ -154,7 +155,7 @@ def test_the_counterfactual_tab_marks_another_models_result_stale(qtbot, window)
 
     window.model_picker.setCurrentText("shapes-coca")
     assert_stale(window, ["counterfactual", *READOUT_VIEWS], f"'{sample.question}'")
-    assert "shapes-llava; the input is now" in header(window, "counterfactual")
+    assert "shapes-llava · float32 (auto) · cpu; the input is now" in header(window, "counterfactual")
 
 
 def test_cancel_clears_the_running_line(qtbot, window):

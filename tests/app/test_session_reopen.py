@@ -32,8 +32,8 @@ from tests.tolerances import unit_roundoff
 FLOAT32 = unit_roundoff(torch.float32)  # the canvas draws its map in float32
 
 
-def _window(qtbot, model_cache, session_path) -> MainWindow:
-    win = MainWindow(model_cache=model_cache, session_path=session_path)
+def _window(qtbot, model_cache, session_path, **kwargs) -> MainWindow:
+    win = MainWindow(model_cache=model_cache, session_path=session_path, **kwargs)
     qtbot.addWidget(win)
     win.show()
     qtbot.waitExposed(win)

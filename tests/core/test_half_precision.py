@@ -64,14 +64,6 @@ def _params(keys, ids):
 CAPTURED = _params(MODELS, MODEL_IDS)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @functools.cache
 def half_model(key, dtype: torch.dtype):
     """``(model, image, question, cross_keys)`` of ``key`` with its weights in ``dtype``:

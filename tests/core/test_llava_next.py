@@ -143,15 +143,6 @@ def tiny_llava_next_float64(chat_template=CHAT_TEMPLATE) -> LoadedModel:
     return LoadedModel("tiny-llava-next", adapter.family, model, processor, processor.tokenizer, adapter)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model runs fastest on one thread (and a busy machine makes more threads much slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @functools.cache
 def traced_case(kind: str = "llava_next"):
     """``(model, trace)``: one capture, every query position kept; built once per

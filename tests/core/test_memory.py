@@ -179,13 +179,6 @@ def test_weights_bytes_from_the_headers(tmp_path):
     assert weights_bytes(counts, torch.bfloat16) == sum(t.numel() * 2 for t in state.values())
 
 
-def test_the_row_chunk_is_the_capture_s():
-    from core import attention_rows
-    from core.models import memory
-
-    assert memory.ROW_CHUNK == attention_rows.ROW_CHUNK
-
-
 def test_working_set_grows_with_the_prompt():
     sizes = ModelSizes(n_blocks=32, d_model=4096, n_heads=32, d_mlp=11008, vocab=32000, n_visual=576)
     short = working_set_bytes(sizes, 640, torch.bfloat16)

@@ -309,6 +309,7 @@ class TunedLens(torch.nn.Module):
             "positions": t.get("config", {}).get("positions"),
             "fingerprint": self.meta.get("fingerprint"),
             "model_spec": self.meta.get("spec"),
+            "trained_dtype": self.meta.get("dtype"),  # None: a lens saved before the dtype was recorded
             "path": str(self.path) if self.path else None,
             "data": t.get("data"),
             "steps": t.get("steps_done"),

@@ -249,4 +249,5 @@ def _model_meta(loaded) -> dict:
         "d_model": adapter.d_model,
         "vocab_size": int(adapter.W_U.shape[-1]),
         "final_norm": getattr(adapter, "final_norm", None),
+        **adapter.dtype_and_device(),  # what the lens was fitted on: a bfloat16 model's residuals are not float32's
     }
