@@ -7,6 +7,7 @@ lengths); the Readout; ``vlm-readout generate``."""
 
 import functools
 import json
+import math
 
 import pytest
 import torch
@@ -113,11 +114,21 @@ def assert_cached_steps_equal_a_rerun(m, image, question, cross: int, no_end_tok
     fast = generate(m, image, question, max_new_tokens=STEPS)
     slow = generate(m, image, question, max_new_tokens=STEPS, use_cache=False)
     assert (fast.cache, slow.cache) == (True, False)
-    assert fast.token_ids == slow.token_ids and len(fast.token_ids) == STEPS
+    assert len(fast.token_ids) == len(slow.token_ids) == STEPS
     assert fast.stop_reason == slow.stop_reason == "max_new_tokens"
     tol = logit_tol(a, max(fast.prompt_length + STEPS, cross))
     vocab_size = a.W_U.shape[1]
-    for p, q in zip(fast.probs, slow.probs):
+    same = next((i for i, (f, s) in enumerate(zip(fast.token_ids, slow.token_ids)) if f != s), STEPS)
+    if same < STEPS:
+        # A near-tie the two runs' roundings may break either way (half precision; never seen in
+        # float64): the other run's token is within the logits' tolerance of this run's choice,
+        # p_other >= p_chosen exp(-2 tol); the runs are compared up to there.
+        top = dict(map(tuple, fast.top[same]))
+        other = slow.tokens[same]
+        assert other in top and top[other] >= fast.probs[same] * math.exp(-2 * tol) - prob_tol(
+            fast.probs[same], tol, vocab_size, torch.float64
+        ), (same, fast.top[same], other, tol)
+    for p, q in zip(fast.probs[:same], slow.probs[:same]):
         assert p == pytest.approx(q, abs=prob_tol(q, tol, vocab_size, torch.float64))
     assert fast.tokens == [a.token_str(i) for i in fast.token_ids]
     assert all(t[0][0] == tok and t[0][1] == p for t, tok, p in zip(fast.top, fast.tokens, fast.probs))

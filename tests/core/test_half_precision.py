@@ -173,7 +173,7 @@ def test_a_few_units_of_roundoff_in_one_component_are_caught(dtype):
     tol = frozen_sum_tol(a, trace, r.position, a_id, f_id)
     _, C = component_stack(a, trace, r.position)
     u_dir = target_direction(a, a_id, f_id).float()
-    components = float(frozen_map_terms(a.final_norm_layer(), trace.final_resid[0, r.position], C, u_dir).sum())
+    components = float(frozen_map_terms(a.final_norm_layer(), trace.final_resid[0, r.position], C, u_dir).sum().detach())
     off = sum(c.dla_frozen for c in r.components) - r.frozen_sum_expected
     shift = (1.0 if off >= 0 else -1.0) * 8 * u * components
     assert abs(off + shift) > tol
