@@ -70,12 +70,18 @@ _HF_DECODER = frozenset({"norm", "softmax", "rope"})
 FLOAT32_STEPS: dict[str, frozenset[str]] = {
     "llava": _HF_DECODER,
     "llava_next": _HF_DECODER,
+    "llava_onevision": _HF_DECODER,
+    "idefics2": _HF_DECODER,
     "idefics3": _HF_DECODER,
+    "internvl": _HF_DECODER,
     "smolvlm": _HF_DECODER,
     "qwen2_vl": _HF_DECODER,
     "qwen2_5_vl": _HF_DECODER,
+    "qwen3_vl": _HF_DECODER,
     "mllama": _HF_DECODER,
     "paligemma": _HF_DECODER,
+    "gemma3": _HF_DECODER,
+    "mistral3": _HF_DECODER,
     "blip": frozenset(),
     "coca": frozenset(),
 }

@@ -95,13 +95,17 @@ class ResidualDecomposition:
         }
 
 
-def reconstruction_bound(C: torch.Tensor, x_L: torch.Tensor, n_blocks: int, model_dtype: torch.dtype) -> float:
+def reconstruction_bound(
+    C: torch.Tensor, x_L: torch.Tensor, n_blocks: int, model_dtype: torch.dtype, n_writes: int = 0
+) -> float:
     """How far ``||sum C - x_L|| / ||x_L||`` may be from 0 by rounding alone.
 
     The model builds x_L by adding each block's writes to the stream in its own
     dtype: per block the attention output is rounded once (one ``o_proj`` product,
     which the stack splits into per-head writes) and the attention and MLP writes
-    are each added with one rounding, so about ``3 n_blocks`` roundings, each at
+    are each added with one rounding, and each of the family's ``n_writes`` other
+    stream writes (:meth:`Adapter.stream_writes`) with one more: about
+    ``3 n_blocks + n_writes`` roundings, each at
     most ``u |s_k|`` elementwise (``u``: the model dtype's unit roundoff, 2^-8 for
     bfloat16, 2^-11 for float16), ``s_k`` the partial sum the add produced; in the
     2-norm ``||e_k|| <= u ||s_k||``. Both the model's products (``d_model`` terms)
@@ -109,7 +113,7 @@ def reconstruction_bound(C: torch.Tensor, x_L: torch.Tensor, n_blocks: int, mode
     dtype (unit roundoff ``u_acc``), adding at most ``(d_model + n) u_acc`` of the
     same sizes. So
 
-        ||sum C - x_L|| <= (3 n_blocks u + (d_model + n) u_acc) max_k ||s_k||
+        ||sum C - x_L|| <= ((3 n_blocks + n_writes) u + (d_model + n) u_acc) max_k ||s_k||
 
     with the partial sums ``s_k`` read as the running sums of the stack (stream
     order; ``C`` in the accumulation dtype). A bfloat16 run therefore reaches an
@@ -119,7 +123,7 @@ def reconstruction_bound(C: torch.Tensor, x_L: torch.Tensor, n_blocks: int, mode
     u_model = unit_roundoff(model_dtype)
     u_acc = unit_roundoff(C.dtype)
     largest_partial = float(C.cumsum(0).norm(dim=-1).max())
-    roundings = 3 * n_blocks * u_model + (C.shape[-1] + C.shape[0]) * u_acc
+    roundings = (3 * n_blocks + n_writes) * u_model + (C.shape[-1] + C.shape[0]) * u_acc
     return roundings * largest_partial / max(float(x_L.norm()), torch.finfo(C.dtype).tiny)
 
 
@@ -167,7 +171,7 @@ def decompose(
     residue = C.sum(0) - x_L
     err = float(residue.abs().max())
     rel_err = float(residue.norm()) / max(float(x_L.norm()), torch.finfo(C.dtype).tiny)
-    bound = reconstruction_bound(C, x_L, trace.n_blocks, model_dtype)
+    bound = reconstruction_bound(C, x_L, trace.n_blocks, model_dtype, len(adapter.stream_writes(trace)))
     audit = AuditRecord.for_method(
         "residual DLA",
         controls=[

@@ -394,6 +394,12 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
         device = trace.final_resid.device  # blocks spread over devices meet where x_L is
         return names, torch.stack([v.to(device) for v in vecs])
 
+    def stream_writes(self, trace) -> list[tuple[str, torch.Tensor]]:
+        """``[(name, (batch, pos, d_model))]``: what the model adds to the residual
+        stream beside its blocks' attention and MLP (Qwen3-VL's DeepStack features);
+        none by default. Components of the decomposition, each one more rounding."""
+        return []
+
     def readout_pullback(self, trace, block: int, position: int, g: torch.Tensor, batch: int = 0) -> torch.Tensor:
         """Directions ``g (..., d_model)`` on x_L mapped back to block ``block``'s
         attention-output space, so ``g' . c`` reads a raw head write as it

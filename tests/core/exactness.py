@@ -38,13 +38,21 @@ def norm_dtype(adapter, trace) -> torch.dtype:
     return step_dtype(adapter.family, opmath_dtype(trace.final_resid.dtype), "norm")
 
 
+def stream_writes(adapter, trace) -> list[torch.Tensor]:
+    """``(batch, pos, d_model)`` each: what the model adds to the stream beside its
+    blocks' attention and MLP (the adapter's ``stream_writes``: Qwen3-VL's DeepStack
+    visual features); none for most families."""
+    return [w for _, w in adapter.stream_writes(trace)]
+
+
 def stream_roundings(adapter, trace) -> int:
     """How many elementwise roundings the model's residual stream commits between
-    x_0 and x_L: a residual add per sublayer (two per block), and in a post-norm
-    model (BLIP) also each stream LayerNorm's output (and its add)."""
+    x_0 and x_L: a residual add per sublayer (two per block) and per extra write
+    (:func:`stream_writes`), and in a post-norm model (BLIP) also each stream
+    LayerNorm's output (and its add)."""
     if adapter.describe().get("norm_placement") == "post":
         return 2 * len(adapter.stream_norms())
-    return 2 * trace.n_blocks
+    return 2 * trace.n_blocks + len(stream_writes(adapter, trace))
 
 
 @torch.no_grad()
@@ -144,6 +152,8 @@ def reconstruction_tol(adapter, trace, positions=None, batch: int = 0) -> float:
     for block in range(trace.n_blocks):
         terms = terms + head_write_terms(adapter, trace, block, pos, batch) + trace.mlp_out[block][batch, pos].abs()
         n += trace.z[block].shape[-2] * trace.z[block].shape[-1] + 4
+    for write in stream_writes(adapter, trace):
+        terms, n = terms + write[batch, pos].abs(), n + 1
     dtype = trace.final_resid.dtype
     return sum_tol(terms.max(), n, dtype) + half_rounding_tol(terms.max(), dtype, stream_roundings(adapter, trace))
 
@@ -210,10 +220,12 @@ def reader_at_last_layer_tol(adapter, dtype: torch.dtype) -> float:
 
 
 def assert_reconstruction_and_lens_at_last_layer(adapter, trace):
-    """x_L = x_0 + sum attn + sum mlp, and the lens on x_L is the model's logits
-    (the same final norm, then the unembedding summed in another order)."""
+    """x_L = x_0 + sum attn + sum mlp (+ the family's :func:`stream_writes`), and
+    the lens on x_L is the model's logits (the same final norm, then the
+    unembedding summed in another order)."""
     acc = opmath_dtype(trace.final_resid.dtype)  # the sum here adds no rounding of its own in a half model
     recon = trace.resid_pre[0].to(acc) + sum(o.to(acc) for o in trace.attn_out) + sum(o.to(acc) for o in trace.mlp_out)
+    recon = recon + sum(w.to(acc) for w in stream_writes(adapter, trace))
     assert (recon - trace.final_resid.to(acc)).abs().max() <= reconstruction_tol(adapter, trace)
     norm_f = adapter.final_norm_layer()
     normed = norm_f(trace.final_resid[0])

@@ -37,6 +37,10 @@ def _case(name):
         from tests.core import test_blip as t
 
         return t.tiny_blip_float64(), noise_image(t.IMAGE_SIZE), t.PREFIX
+    if name == "qwen3_vl":
+        from tests.core import test_qwen3_vl as t
+
+        return t.tiny_qwen3_float64(), noise_image(t.IMAGE_SIZE), t.QUESTION
     if name.startswith("qwen"):
         from tests.core import test_qwen2_vl as t
 
@@ -44,7 +48,7 @@ def _case(name):
     raise KeyError(name)
 
 
-FAMILIES = ["llava_next", "paligemma", "idefics3", "smolvlm", "mllama", "blip", "qwen2_vl", "qwen2_5_vl"]
+FAMILIES = ["llava_next", "paligemma", "idefics3", "smolvlm", "mllama", "blip", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

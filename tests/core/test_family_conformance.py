@@ -39,7 +39,20 @@ from tests.core.exactness import (
     values_tol,
 )
 
-FAMILY_FILES = ("blip", "idefics3", "llava_next", "mllama", "paligemma", "qwen2_vl")
+FAMILY_FILES = (
+    "blip",
+    "gemma3",
+    "idefics2",
+    "idefics3",
+    "internvl",
+    "llava_next",
+    "llava_onevision",
+    "mistral3",
+    "mllama",
+    "paligemma",
+    "qwen2_vl",
+    "qwen3_vl",
+)
 
 
 def _module(family: str):
@@ -109,17 +122,82 @@ case = _case_fixture("case")
 # in tests/core/test_blip.py).
 yes_no_case = _case_fixture("yes_no_case", [f for f in FAMILY_FILES if f != "blip"])
 model_case = _case_fixture("model_case", per_model=True)
-decoder_case = _case_fixture("decoder_case", ["idefics3", "llava_next", "mllama", "paligemma", "qwen2_vl"])
-padded_case = _case_fixture("padded_case", ["blip", "idefics3", "mllama", "paligemma", "qwen2_vl"], per_model=True)
-question_case = _case_fixture("question_case", ["blip", "idefics3", "llava_next", "mllama", "paligemma"], True)
+decoder_case = _case_fixture(
+    "decoder_case",
+    [
+        "idefics2",
+        "idefics3",
+        "internvl",
+        "llava_next",
+        "llava_onevision",
+        "mistral3",
+        "mllama",
+        "paligemma",
+        "qwen2_vl",
+        "qwen3_vl",
+    ],
+)
+padded_case = _case_fixture(
+    "padded_case",
+    [
+        "blip",
+        "gemma3",
+        "idefics2",
+        "idefics3",
+        "internvl",
+        "llava_onevision",
+        "mistral3",
+        "mllama",
+        "paligemma",
+        "qwen2_vl",
+        "qwen3_vl",
+    ],
+    per_model=True,
+)
+question_case = _case_fixture(
+    "question_case",
+    [
+        "blip",
+        "gemma3",
+        "idefics2",
+        "idefics3",
+        "internvl",
+        "llava_next",
+        "llava_onevision",
+        "mistral3",
+        "mllama",
+        "paligemma",
+        "qwen3_vl",
+    ],
+    True,
+)
 append_case = _case_fixture("append_case", per_model=True)
-values_case = _case_fixture("values_case", ["mllama", "paligemma", "qwen2_vl"])
-patterns_case = _case_fixture("patterns_case", ["blip", "idefics3", "llava_next"])
-lens_case = _case_fixture("lens_case", ["idefics3", "paligemma", "qwen2_vl"])
+values_case = _case_fixture("values_case", ["gemma3", "mllama", "paligemma", "qwen2_vl", "qwen3_vl"])
+patterns_case = _case_fixture(
+    "patterns_case", ["blip", "idefics2", "idefics3", "internvl", "llava_next", "llava_onevision", "mistral3"]
+)
+lens_case = _case_fixture(
+    "lens_case",
+    ["gemma3", "idefics2", "idefics3", "internvl", "llava_onevision", "mistral3", "paligemma", "qwen2_vl", "qwen3_vl"],
+)
 
 _PERTURBED = [
     (family, kind, size)
-    for family, kind in _cases(["blip", "idefics3", "llava_next", "paligemma", "qwen2_vl"], per_model=True)
+    for family, kind in _cases(
+        [
+            "blip",
+            "gemma3",
+            "idefics3",
+            "internvl",
+            "llava_next",
+            "llava_onevision",
+            "mistral3",
+            "paligemma",
+            "qwen2_vl",
+            "qwen3_vl",
+        ],
+        per_model=True,
+    )
     for size in _module(family).PERTURB_SIZES
 ]
 

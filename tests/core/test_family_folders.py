@@ -41,6 +41,7 @@ def test_every_served_architecture_has_a_folder_round_trip():
         ("transformers.models.smolvlm.processing_smolvlm", "num2words"),  # SmolVLMProcessor refuses to start without it
         ("transformers.models.smolvlm.video_processing_smolvlm", "torchvision"),
         ("transformers.models.qwen2_vl.video_processing_qwen2_vl", "torchvision"),
+        ("transformers.models.qwen3_vl.video_processing_qwen3_vl", "torchvision"),
     ],
 )
 def test_processor_packages_are_dependencies_and_installed(module, package):

@@ -46,8 +46,9 @@ MODEL_IDS = ["llava", "coca"] + [_id(c) for c in FAMILY_CASES]
 DTYPE_IDS = ["bf16", "fp16"]
 # The (answer, foil) words each tiny vocabulary has (BLIP's captioner reads its own pair).
 WORDS = {"tiny-llava": ("circle", "square"), "tiny-coca": ("circle", "square"), "blip": ("cat", "dog")}
-# Post-norm (BLIP): x_L is not the sum of the writes; its stack is checked through decompose.
-POST_NORM = {"blip"}
+# Post-norm (BLIP), sandwich norms (Gemma 3, attn_out before its post-norm): x_L is not x_0 plus
+# attn_out and mlp_out; the stack is checked through decompose.
+POST_NORM = {"blip", "gemma3"}
 # The models whose vocabularies spell test_answer_text.ANSWER (teacher forcing).
 TEACHER_FORCED = [("own", "tiny-llava"), ("own", "tiny-coca"), ("qwen2_vl", "qwen2_vl")]
 
@@ -173,7 +174,9 @@ def test_a_few_units_of_roundoff_in_one_component_are_caught(dtype):
     tol = frozen_sum_tol(a, trace, r.position, a_id, f_id)
     _, C = component_stack(a, trace, r.position)
     u_dir = target_direction(a, a_id, f_id).float()
-    components = float(frozen_map_terms(a.final_norm_layer(), trace.final_resid[0, r.position], C, u_dir).sum().detach())
+    components = float(
+        frozen_map_terms(a.final_norm_layer(), trace.final_resid[0, r.position], C, u_dir).sum().detach()
+    )
     off = sum(c.dla_frozen for c in r.components) - r.frozen_sum_expected
     shift = (1.0 if off >= 0 else -1.0) * 8 * u * components
     assert abs(off + shift) > tol

@@ -187,7 +187,7 @@ def traced(request):
 # ---- this family's parts of the conformance checks (tests/core/test_family_conformance.py)
 
 ADAPTERS = {"Idefics3ForConditionalGeneration": Idefics3Adapter, "SmolVLMForConditionalGeneration": SmolVLMAdapter}
-UNKNOWN_ARCHITECTURE = "Idefics2ForConditionalGeneration"
+UNKNOWN_ARCHITECTURE = "IdeficsForVisionText2Text"  # Idefics 1: gated cross-attention, not mapped
 DESCRIPTION = {
     "position_scheme": "rope",
     "final_norm": "rmsnorm",

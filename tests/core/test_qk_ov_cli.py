@@ -23,7 +23,7 @@ from tests.core.test_qk_ov import svd_tol
 SAMPLES = resources_dir() / "samples"
 IMAGE, QUESTION = SAMPLES / "sample_00.png", "what shape is the blue object?"
 FAMILIES = [("blip", "blip"), ("idefics3", "idefics3"), ("llava_next", "llava_next"), ("mllama", "mllama")]
-FAMILIES += [("paligemma", "prefix"), ("qwen2_vl", "qwen2_vl"), ("qwen2_vl", "qwen2_5_vl")]
+FAMILIES += [("gemma3", "gemma3"), ("paligemma", "prefix"), ("qwen2_vl", "qwen2_vl"), ("qwen2_vl", "qwen2_5_vl")]
 CASES = ["shapes-llava", "shapes-coca"] + [f"{family}:{kind}" for family, kind in FAMILIES]
 
 

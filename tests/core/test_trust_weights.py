@@ -409,25 +409,61 @@ def test_builtin_models_load_quietly(name, capfd):
 def _tiny(family: str):
     """(model, processor) of the family's tiny random model from its own tests."""
     from core.zoo import build
-    from tests.core import test_blip, test_idefics3, test_llava_next, test_mllama, test_paligemma, test_qwen2_vl
+    from tests.core import (
+        test_blip,
+        test_gemma3,
+        test_idefics2,
+        test_idefics3,
+        test_internvl,
+        test_llava_next,
+        test_llava_onevision,
+        test_mistral3,
+        test_mllama,
+        test_paligemma,
+        test_qwen2_vl,
+        test_qwen3_vl,
+    )
 
     if family == "llava":
         return build.build_llava(), build.llava_processor()
     m = {
         "blip": test_blip.tiny_blip_float64,  # LM head tied to the word embeddings
+        "gemma3": test_gemma3.tiny_gemma3_float64,  # tied
+        "idefics2": test_idefics2.tiny_model_float64,
         "idefics3": lambda: test_idefics3.tiny_model_float64("idefics3"),
+        "internvl": test_internvl.tiny_internvl_float64,  # tied
         "smolvlm": lambda: test_idefics3.tiny_model_float64("smolvlm", tie=True, bias=False),
         "llava_next": test_llava_next.tiny_llava_next_float64,
+        "llava_onevision": test_llava_onevision.tiny_onevision_float64,
+        "mistral3": test_mistral3.tiny_mistral3_float64,
         "mllama": test_mllama.tiny_mllama_float64,
         "paligemma": test_paligemma.tiny_paligemma_float64,  # tied
         "qwen2_vl": lambda: test_qwen2_vl.tiny_qwen_float64("qwen2_vl"),
         "qwen2_5_vl": lambda: test_qwen2_vl.tiny_qwen_float64("qwen2_5_vl", tie=True),
+        "qwen3_vl": test_qwen3_vl.tiny_qwen3_float64,
     }[family]()
     return m.model.float(), m.processor
 
 
 @pytest.mark.parametrize(
-    "family", ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "paligemma", "idefics3", "smolvlm", "mllama", "blip"]
+    "family",
+    [
+        "llava",
+        "llava_next",
+        "llava_onevision",
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "paligemma",
+        "gemma3",
+        "idefics2",
+        "idefics3",
+        "smolvlm",
+        "internvl",
+        "mistral3",
+        "mllama",
+        "blip",
+    ],
 )
 def test_every_family_round_trips_with_no_error_and_no_warning(tmp_path, family, capfd):
     model, processor = _tiny(family)

@@ -42,7 +42,8 @@ def region_keys(trace, block: int, head: int, tokens, mask=None, *, cover: float
         if not ordinals:
             raise InterventionError(f"the region covers no visual token by {cover:g} of its patch: paint a larger one")
         return ordinals, visual_token_keys(trace, block, ordinals), f"the visual tokens the mask covers by {cover:g}"
-    patches = [i for i, t in enumerate(tokens) if t.col >= 0]
+    # patch tokens, not row delimiters; a resampler's latents (no patch at all, Idefics2) are all candidates
+    patches = [i for i, t in enumerate(tokens) if t.col >= 0] or list(range(len(tokens)))
     keys = visual_token_keys(trace, block, patches)
     qi = int((trace.query_positions == int(trace.answer_positions[0])).nonzero()[0])
     weights = trace.patterns[block][0, head, qi, keys].double().tolist()

@@ -1,0 +1,149 @@
+"""Mistral 3 (transformers' ``Mistral3ForConditionalGeneration``): a Pixtral
+vision tower at variable resolution, an RMSNorm + 2x2 patch merger + MLP
+projector, and a Mistral decoder (Llama-style; RoPE, grouped-query K/V, an
+optional sliding window) over interleaved tokens.
+
+The processor resizes an image of ``(w, h)`` px so that it fits
+``size["longest_edge"]`` (only down, aspect kept, floored), then stretches it
+up to whole ``cell = patch_size * spatial_merge_size`` multiples (no crop, no
+pad), so a visual token covers one ``cell x cell`` block (``merge x merge``
+patches merged) of that ``(rh, rw)`` image: ``[c*cell*w/rw, r*cell*h/rh, ...]``
+in the original. The markup is row-major::
+
+    [IMG]*cols [IMG_BREAK] ... [IMG]*cols [IMG_END]      (rows lines)
+
+``[IMG_BREAK]`` / ``[IMG_END]`` are text tokens with their own embeddings,
+no patch: :meth:`visual_delimiter_positions`, never visual tokens.
+
+The Pixtral tower has its own 2-D RoPE and a block-diagonal mask between
+images; nothing of it is read out (patterns, heads and DLA are the language
+model's). The projector runs on the patches of every image flattened (no
+batch axis) and merges them, so no per-token visual-feature edit site is
+mapped (``vision_out`` / ``projector_out`` are refused, as are
+``vision_features`` / ``project_visual``)."""
+
+from __future__ import annotations
+
+import torch
+
+from core.errors import ImageLoadError, InterventionError, UnsupportedArchitectureError
+from core.geometry import VisualToken
+from core.models.adapter import Adapter, config_int
+from core.models.families._decoder import LlamaStyleWeights
+
+
+class Mistral3Adapter(LlamaStyleWeights, Adapter):
+    """The canonical view of a Mistral 3 model (see the module docstring):
+    LlamaStyleWeights' weights, norms, hooks and RoPE; its own the merged-token
+    geometry, the row delimiters and the sliding-window mask."""
+
+    hf_architectures = ("Mistral3ForConditionalGeneration",)
+
+    family = "mistral3"
+    final_norm = "rmsnorm"
+    attention_kind = "self"
+    position_scheme = "rope"
+
+    fallback_prompt = "<s>[INST][IMG]{question}[/INST]"
+    edit_sites = ("z", "mlp", "resid", "knockout")
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """A Mistral decoder only (Ministral 3 scales its queries by position, which
+        the canonical q does not hold); the sizes the geometry and the mask read."""
+        super().check_config(config)
+        text_type = getattr(getattr(config, "text_config", None), "model_type", None)
+        if text_type != "mistral":
+            raise UnsupportedArchitectureError(
+                f"config.json text_config.model_type: {text_type!r} is not mapped for Mistral3 (only 'mistral')"
+            )
+        config_int(config, "spatial_merge_size", minimum=1, required=True)
+        config_int(config, "vision_config.patch_size", minimum=1, required=True)
+        config_int(config, "text_config.sliding_window", minimum=1)  # allowed_keys reads it
+
+    @property
+    def d_head(self) -> int:
+        return self._attn(0).head_dim
+
+    def visual_site_module(self, site: str):
+        raise InterventionError(
+            f"{self.family}: no {site!r} site: the projector merges the patches of every image "
+            "flattened together (no per-token batch layout to edit)"
+        )
+
+    # ---- the mask: causal, padding, and Mistral's sliding window
+    def allowed_keys(self, trace, block: int, batch: int = 0) -> torch.Tensor:
+        """The base's causal + padding mask, and keys older than ``sliding_window``
+        excluded (a query at ``i`` reads keys ``j > i - window``, transformers' overlay)."""
+        allowed = super().allowed_keys(trace, block, batch)
+        window = getattr(self.text_config, "sliding_window", None)
+        if window is not None:
+            n = allowed.shape[0]
+            rows, keys = torch.arange(n).view(-1, 1), torch.arange(allowed.shape[1]).view(1, -1)
+            allowed = allowed & (keys > rows - int(window))
+        return allowed
+
+    # ---- roles
+    def visual_delimiter_positions(self, trace, batch: int = 0) -> list[int]:
+        """Positions of ``[IMG_BREAK]`` (end of each token row) and ``[IMG_END]``."""
+        marks = {self.vocab_id(self.processor.image_break_token), self.vocab_id(self.processor.image_end_token)}
+        return [i for i, t in enumerate(trace.input_ids[batch].tolist()) if t in marks]
+
+    # ---- geometry
+    def resized_size(self, image_size: tuple[int, int]) -> tuple[int, int]:
+        """``(height, width)`` the processor resizes an image of ``image_size = (width,
+        height)`` to (transformers' own ``get_resize_output_image_size``: down into
+        ``size.longest_edge``, then up to whole ``patch_size * spatial_merge_size`` cells)."""
+        import numpy as np
+        from transformers.image_utils import ChannelDimension
+        from transformers.models.pixtral.image_processing_pixtral import get_resize_output_image_size
+
+        proc = self.processor
+        patch, merge = int(self.model.config.vision_config.patch_size), int(self.model.config.spatial_merge_size)
+        if (int(proc.patch_size), int(proc.spatial_merge_size)) != (patch, merge):
+            raise ValueError(
+                f"processor (patch {proc.patch_size}, merge {proc.spatial_merge_size}) and model "
+                f"(patch {patch}, merge {merge}) disagree"
+            )
+        longest = self._image_size_setting("longest_edge")
+        if longest is None:
+            raise NotImplementedError("Mistral3 geometry is mapped for processors with size.longest_edge")
+        w, h = image_size
+        dummy = np.broadcast_to(np.uint8(0), (h, w, 1))  # only its shape is read
+        cell = (patch * merge,) * 2
+        rh, rw = get_resize_output_image_size(dummy, (longest, longest), cell, ChannelDimension.LAST)
+        if rh == 0 or rw == 0:
+            raise ImageLoadError(f"this model's processor resizes the {w}x{h} image to {rw}x{rh} pixels")
+        return rh, rw
+
+    def visual_grid(self, image_size: tuple[int, int]) -> tuple[int, int, int, int]:
+        """``(rows, cols, resized_height, resized_width)``: the merged-token grid of an
+        image of ``image_size = (width, height)`` and the size it is resized to."""
+        ip = self.processor.image_processor
+        if not getattr(ip, "do_resize", True) or getattr(ip, "do_center_crop", False):
+            raise NotImplementedError("Mistral3 geometry is mapped for the longest-edge resize without a crop")
+        rh, rw = self.resized_size(image_size)
+        cell = int(self.model.config.vision_config.patch_size) * int(self.model.config.spatial_merge_size)
+        return rh // cell, rw // cell, rh, rw
+
+    def resized_pixels(self, image_size: tuple[int, int]) -> tuple[int, str] | None:
+        """The resized image's pixels (only down to ``size.longest_edge``, then up to whole cells)."""
+        if not getattr(self.processor.image_processor, "do_resize", True):
+            return None
+        rh, rw = self.resized_size(image_size)
+        return rh * rw, f"size.longest_edge = {self._image_size_setting('longest_edge')}"
+
+    def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
+        """The :class:`core.geometry.VisualToken` of every ``[IMG]`` token, row-major,
+        boxes in the original image: one merged ``cell x cell`` block of the resized image."""
+        rows, cols, rh, rw = self.visual_grid(image_size)
+        cell = rh // rows  # rh is whole cells
+        if positions is not None and len(positions) != rows * cols:
+            raise ValueError(f"{len(positions)} visual positions for a {rows}x{cols} token grid")
+        sx, sy = image_size[0] / rw, image_size[1] / rh
+        out = []
+        for i in range(rows * cols):
+            r, c = divmod(i, cols)
+            box = [c * cell * sx, r * cell * sy, (c + 1) * cell * sx, (r + 1) * cell * sy]
+            out.append(VisualToken(i, None if positions is None else int(positions[i]), 0, r, c, box))
+        return out
