@@ -68,12 +68,14 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 # every step in the model's dtype.
 _HF_DECODER = frozenset({"norm", "softmax", "rope"})
 FLOAT32_STEPS: dict[str, frozenset[str]] = {
+    "aya_vision": _HF_DECODER,
     "llava": _HF_DECODER,
     "llava_next": _HF_DECODER,
     "llava_onevision": _HF_DECODER,
     "idefics2": _HF_DECODER,
     "idefics3": _HF_DECODER,
     "internvl": _HF_DECODER,
+    "janus": _HF_DECODER,
     "smolvlm": _HF_DECODER,
     "qwen2_vl": _HF_DECODER,
     "qwen2_5_vl": _HF_DECODER,
@@ -82,6 +84,8 @@ FLOAT32_STEPS: dict[str, frozenset[str]] = {
     "paligemma": _HF_DECODER,
     "gemma3": _HF_DECODER,
     "mistral3": _HF_DECODER,
+    "molmo2": _HF_DECODER,
+    "glm4v": _HF_DECODER,
     "blip": frozenset(),
     "coca": frozenset(),
 }

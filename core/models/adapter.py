@@ -468,7 +468,16 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
         allowed = torch.ones(n, n, dtype=torch.bool).tril()
         if trace.attention_mask is not None:
             allowed = allowed & trace.attention_mask[batch].bool().cpu().view(1, -1)
+        window = self.sliding_window(block)
+        if window is not None:  # transformers' sliding-window overlay: a query at i reads keys j > i - window
+            positions = torch.arange(n)
+            allowed = allowed & (positions.view(1, -1) > positions.view(-1, 1) - window)
         return allowed
+
+    def sliding_window(self, block: int) -> int | None:
+        """How far back a query of ``block`` reads (keys ``j > i - window``); None for
+        full attention (the default; Llama-style decoders read the model's own setting)."""
+        return None
 
     def token_roles(self, trace, batch: int = 0) -> list[str]:
         """One role per sequence position: "sink" (position 0: BOS, or the first

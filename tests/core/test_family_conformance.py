@@ -40,15 +40,19 @@ from tests.core.exactness import (
 )
 
 FAMILY_FILES = (
+    "aya_vision",
     "blip",
     "gemma3",
+    "glm4v",
     "idefics2",
     "idefics3",
     "internvl",
+    "janus",
     "llava_next",
     "llava_onevision",
     "mistral3",
     "mllama",
+    "molmo2",
     "paligemma",
     "qwen2_vl",
     "qwen3_vl",
@@ -125,13 +129,16 @@ model_case = _case_fixture("model_case", per_model=True)
 decoder_case = _case_fixture(
     "decoder_case",
     [
+        "aya_vision",
         "idefics2",
         "idefics3",
         "internvl",
+        "janus",
         "llava_next",
         "llava_onevision",
         "mistral3",
         "mllama",
+        "molmo2",
         "paligemma",
         "qwen2_vl",
         "qwen3_vl",
@@ -140,14 +147,18 @@ decoder_case = _case_fixture(
 padded_case = _case_fixture(
     "padded_case",
     [
+        "aya_vision",
         "blip",
         "gemma3",
+        "glm4v",
         "idefics2",
         "idefics3",
         "internvl",
+        "janus",
         "llava_onevision",
         "mistral3",
         "mllama",
+        "molmo2",
         "paligemma",
         "qwen2_vl",
         "qwen3_vl",
@@ -157,15 +168,19 @@ padded_case = _case_fixture(
 question_case = _case_fixture(
     "question_case",
     [
+        "aya_vision",
         "blip",
         "gemma3",
+        "glm4v",
         "idefics2",
         "idefics3",
         "internvl",
+        "janus",
         "llava_next",
         "llava_onevision",
         "mistral3",
         "mllama",
+        "molmo2",
         "paligemma",
         "qwen3_vl",
     ],
@@ -174,24 +189,55 @@ question_case = _case_fixture(
 append_case = _case_fixture("append_case", per_model=True)
 values_case = _case_fixture("values_case", ["gemma3", "mllama", "paligemma", "qwen2_vl", "qwen3_vl"])
 patterns_case = _case_fixture(
-    "patterns_case", ["blip", "idefics2", "idefics3", "internvl", "llava_next", "llava_onevision", "mistral3"]
+    "patterns_case",
+    [
+        "aya_vision",
+        "blip",
+        "glm4v",
+        "idefics2",
+        "idefics3",
+        "internvl",
+        "janus",
+        "llava_next",
+        "llava_onevision",
+        "mistral3",
+        "molmo2",
+    ],
 )
 lens_case = _case_fixture(
     "lens_case",
-    ["gemma3", "idefics2", "idefics3", "internvl", "llava_onevision", "mistral3", "paligemma", "qwen2_vl", "qwen3_vl"],
+    [
+        "aya_vision",
+        "gemma3",
+        "glm4v",
+        "idefics2",
+        "idefics3",
+        "internvl",
+        "janus",
+        "llava_onevision",
+        "mistral3",
+        "molmo2",
+        "paligemma",
+        "qwen2_vl",
+        "qwen3_vl",
+    ],
 )
 
 _PERTURBED = [
     (family, kind, size)
     for family, kind in _cases(
         [
+            "aya_vision",
             "blip",
             "gemma3",
+            "glm4v",
             "idefics3",
             "internvl",
+            "janus",
             "llava_next",
             "llava_onevision",
             "mistral3",
+            "molmo2",
             "paligemma",
             "qwen2_vl",
             "qwen3_vl",

@@ -42,6 +42,8 @@ def test_every_served_architecture_has_a_folder_round_trip():
         ("transformers.models.smolvlm.video_processing_smolvlm", "torchvision"),
         ("transformers.models.qwen2_vl.video_processing_qwen2_vl", "torchvision"),
         ("transformers.models.qwen3_vl.video_processing_qwen3_vl", "torchvision"),
+        ("transformers.models.molmo2.image_processing_molmo2", "torchvision"),  # a torchvision backend only
+        ("transformers.models.glm4v.video_processing_glm4v", "torchvision"),
     ],
 )
 def test_processor_packages_are_dependencies_and_installed(module, package):

@@ -46,9 +46,9 @@ MODEL_IDS = ["llava", "coca"] + [_id(c) for c in FAMILY_CASES]
 DTYPE_IDS = ["bf16", "fp16"]
 # The (answer, foil) words each tiny vocabulary has (BLIP's captioner reads its own pair).
 WORDS = {"tiny-llava": ("circle", "square"), "tiny-coca": ("circle", "square"), "blip": ("cat", "dog")}
-# Post-norm (BLIP), sandwich norms (Gemma 3, attn_out before its post-norm): x_L is not x_0 plus
+# Post-norm (BLIP), sandwich norms (Gemma 3, GLM-4V: attn_out before its post-norm): x_L is not x_0 plus
 # attn_out and mlp_out; the stack is checked through decompose.
-POST_NORM = {"blip", "gemma3"}
+POST_NORM = {"blip", "gemma3", "glm4v"}
 # The models whose vocabularies spell test_answer_text.ANSWER (teacher forcing).
 TEACHER_FORCED = [("own", "tiny-llava"), ("own", "tiny-coca"), ("qwen2_vl", "qwen2_vl")]
 

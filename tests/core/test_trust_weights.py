@@ -410,15 +410,19 @@ def _tiny(family: str):
     """(model, processor) of the family's tiny random model from its own tests."""
     from core.zoo import build
     from tests.core import (
+        test_aya_vision,
         test_blip,
         test_gemma3,
+        test_glm4v,
         test_idefics2,
         test_idefics3,
         test_internvl,
+        test_janus,
         test_llava_next,
         test_llava_onevision,
         test_mistral3,
         test_mllama,
+        test_molmo2,
         test_paligemma,
         test_qwen2_vl,
         test_qwen3_vl,
@@ -427,15 +431,19 @@ def _tiny(family: str):
     if family == "llava":
         return build.build_llava(), build.llava_processor()
     m = {
+        "aya_vision": test_aya_vision.tiny_aya_vision_float64,  # tied
         "blip": test_blip.tiny_blip_float64,  # LM head tied to the word embeddings
         "gemma3": test_gemma3.tiny_gemma3_float64,  # tied
+        "glm4v": test_glm4v.tiny_glm4v_float64,
         "idefics2": test_idefics2.tiny_model_float64,
         "idefics3": lambda: test_idefics3.tiny_model_float64("idefics3"),
         "internvl": test_internvl.tiny_internvl_float64,  # tied
+        "janus": test_janus.tiny_janus_float64,  # tied
         "smolvlm": lambda: test_idefics3.tiny_model_float64("smolvlm", tie=True, bias=False),
         "llava_next": test_llava_next.tiny_llava_next_float64,
         "llava_onevision": test_llava_onevision.tiny_onevision_float64,
         "mistral3": test_mistral3.tiny_mistral3_float64,
+        "molmo2": test_molmo2.tiny_molmo2_float64,
         "mllama": test_mllama.tiny_mllama_float64,
         "paligemma": test_paligemma.tiny_paligemma_float64,  # tied
         "qwen2_vl": lambda: test_qwen2_vl.tiny_qwen_float64("qwen2_vl"),
@@ -456,11 +464,15 @@ def _tiny(family: str):
         "qwen3_vl",
         "paligemma",
         "gemma3",
+        "glm4v",
         "idefics2",
         "idefics3",
         "smolvlm",
         "internvl",
+        "janus",
         "mistral3",
+        "molmo2",
+        "aya_vision",
         "mllama",
         "blip",
     ],

@@ -106,6 +106,19 @@ class LlamaStyleWeights(TextConfigSizes):
     def _attn(self, layer: int):
         return self.language_model.layers[layer].self_attn
 
+    def sliding_window(self, block: int) -> int | None:
+        """The attention module's own ``sliding_window`` where transformers sets it per
+        layer (None on full layers: Qwen2, Cohere 2, Gemma 3), else the text config's
+        (Mistral), unless its ``layer_types`` call the layer full attention."""
+        attn = self._attn(block)
+        if hasattr(attn, "sliding_window"):
+            window = attn.sliding_window
+        else:
+            types = getattr(self.text_config, "layer_types", None)
+            full = types is not None and types[block] != "sliding_attention"
+            window = None if full else getattr(self.text_config, "sliding_window", None)
+        return None if window is None else int(window)
+
     def attention_module(self, block: int):
         return self._attn(block)
 

@@ -157,7 +157,7 @@ class Gemma3Adapter(PaliGemmaAdapter):
         rows = slice(batch, batch + 1)
         mask = trace.attention_mask[rows] if trace.attention_mask is not None else None
         types = trace.token_type_ids[rows] if getattr(trace, "token_type_ids", None) is not None else None
-        return gemma3_allowed(mask, types, trace.input_ids.shape[1], self._attn(block).sliding_window)[0]
+        return gemma3_allowed(mask, types, trace.input_ids.shape[1], self.sliding_window(block))[0]
 
     def visual_delimiter_positions(self, trace, batch: int = 0) -> list[int]:
         marks = {config_int(self.model.config, f) for f in ("boi_token_index", "eoi_token_index")}

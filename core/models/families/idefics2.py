@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from core.geometry import VisualToken
 from core.models.adapter import config_int
 from core.models.canonical import NotMapped
@@ -64,7 +62,7 @@ class LatentToken(VisualToken):
 class Idefics2Adapter(Idefics3Adapter):
     """Idefics3's modules, markup handling and delimiters (the ``<fake_token_around_image>``
     markers); what is Idefics2's own: no pixel shuffle, the resampler's latents as
-    visual tokens (no geometry), and Mistral's sliding-window mask."""
+    visual tokens (no geometry). Mistral's sliding window is the base's (Adapter.allowed_keys)."""
 
     hf_architectures = ("Idefics2ForConditionalGeneration",)
 
@@ -85,17 +83,6 @@ class Idefics2Adapter(Idefics3Adapter):
         config_int(config, "perceiver_config.resampler_n_latents", minimum=1, required=True)
 
     visual_site_module = EditSites.visual_site_module  # the base's refusal: no visual-feature site
-
-    # ---- the mask: causal, padding, and Mistral's sliding window
-    def allowed_keys(self, trace, block: int, batch: int = 0) -> torch.Tensor:
-        """The default causal and padding mask, keys at least ``sliding_window``
-        behind the query removed (transformers' ``sliding_window_overlay``)."""
-        allowed = super().allowed_keys(trace, block, batch)
-        window = getattr(self.text_config, "sliding_window", None)
-        if window is not None:
-            q = torch.arange(allowed.shape[0]).view(-1, 1)
-            allowed = allowed & (torch.arange(allowed.shape[1]).view(1, -1) > q - int(window))
-        return allowed
 
     # ---- geometry: latents, no patches
     def frames(self) -> int:

@@ -24,8 +24,6 @@ mapped (``vision_out`` / ``projector_out`` are refused, as are
 
 from __future__ import annotations
 
-import torch
-
 from core.errors import ImageLoadError, InterventionError, UnsupportedArchitectureError
 from core.geometry import VisualToken
 from core.models.adapter import Adapter, config_int
@@ -35,7 +33,7 @@ from core.models.families._decoder import LlamaStyleWeights
 class Mistral3Adapter(LlamaStyleWeights, Adapter):
     """The canonical view of a Mistral 3 model (see the module docstring):
     LlamaStyleWeights' weights, norms, hooks and RoPE; its own the merged-token
-    geometry, the row delimiters and the sliding-window mask."""
+    geometry and the row delimiters (the sliding window is the base's, read from the config)."""
 
     hf_architectures = ("Mistral3ForConditionalGeneration",)
 
@@ -59,7 +57,7 @@ class Mistral3Adapter(LlamaStyleWeights, Adapter):
             )
         config_int(config, "spatial_merge_size", minimum=1, required=True)
         config_int(config, "vision_config.patch_size", minimum=1, required=True)
-        config_int(config, "text_config.sliding_window", minimum=1)  # allowed_keys reads it
+        config_int(config, "text_config.sliding_window", minimum=1)  # sliding_window (the mask) reads it
 
     @property
     def d_head(self) -> int:
@@ -70,18 +68,6 @@ class Mistral3Adapter(LlamaStyleWeights, Adapter):
             f"{self.family}: no {site!r} site: the projector merges the patches of every image "
             "flattened together (no per-token batch layout to edit)"
         )
-
-    # ---- the mask: causal, padding, and Mistral's sliding window
-    def allowed_keys(self, trace, block: int, batch: int = 0) -> torch.Tensor:
-        """The base's causal + padding mask, and keys older than ``sliding_window``
-        excluded (a query at ``i`` reads keys ``j > i - window``, transformers' overlay)."""
-        allowed = super().allowed_keys(trace, block, batch)
-        window = getattr(self.text_config, "sliding_window", None)
-        if window is not None:
-            n = allowed.shape[0]
-            rows, keys = torch.arange(n).view(-1, 1), torch.arange(allowed.shape[1]).view(1, -1)
-            allowed = allowed & (keys > rows - int(window))
-        return allowed
 
     # ---- roles
     def visual_delimiter_positions(self, trace, batch: int = 0) -> list[int]:
