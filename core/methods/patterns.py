@@ -91,15 +91,18 @@ def patch_grids(values: torch.Tensor, tokens) -> list[tuple[int, torch.Tensor]]:
     return out
 
 
-def primary_image(tokens) -> int:
+def primary_image(tokens) -> int | None:
     """The image whose patch boxes cover the most of the original image (the
     whole-image view: LLaVA-NeXT's base image, Idefics3's global image); ties
-    go to the lower index."""
+    go to the lower index. None where no visual token covers a patch (a
+    resampler's latents, Idefics2): there is no patch map to draw."""
     area: dict[int, float] = {}
     for t in tokens:
         if t.col >= 0:
             x0, y0, x1, y1 = t.box
             area[t.image] = area.get(t.image, 0.0) + max(0.0, x1 - x0) * max(0.0, y1 - y0)
+    if not area:
+        return None
     best = max(area.values())
     return min(im for im, a in area.items() if a >= best * (1 - 1e-9))
 
@@ -154,7 +157,7 @@ def summarize_heads(adapter, trace, tokens, query_index: int = 0, batch: int = 0
                     float(bm[h]),
                     float(ent[h]),
                     int(arg[h]),
-                    by_image[primary][h].tolist(),
+                    by_image[primary][h].tolist() if primary is not None else None,  # no patch: no map
                     {r: float(v[h]) for r, v in sorted(others.items())},
                     [{"image": im, "grid": g[h].tolist()} for im, g in grids] if len(grids) > 1 else None,
                 )

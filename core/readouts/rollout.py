@@ -24,7 +24,8 @@ class RolloutReadout(ReadoutMethod):
         alpha = ctx.options.rollout_alpha
         grids = rollout_visual_mass(ctx.trace, ctx.tokens, alpha, batch=ctx.batch, stream=ctx.rollout)
         primary = primary_image(ctx.tokens)
-        section = {"alpha": alpha, "visual_patch_mass": dict(grids)[primary].tolist(), "primary_image": primary}
+        patch_map = dict(grids)[primary].tolist() if primary is not None else None  # latents cover no patch: no map
+        section = {"alpha": alpha, "visual_patch_mass": patch_map, "primary_image": primary}
         if len(grids) > 1:
             section["visual_patch_mass_by_image"] = [{"image": im, "grid": g.tolist()} for im, g in grids]
         return section, rollout_audit(alpha, "mean")
@@ -38,6 +39,8 @@ class RolloutReadout(ReadoutMethod):
         alpha = ctx.options.rollout_alpha
         if section is None:
             return {"alpha": alpha, "skipped": f"prompt longer than {FULL_PATTERN_LIMIT} tokens"}
+        if section["visual_patch_mass"] is None:
+            return {"alpha": alpha, "skipped": "the visual tokens cover no patch (a resampler's latents): no patch map"}
         m = patch_mass(ctx.tokens, section["visual_patch_mass"], section.get("visual_patch_mass_by_image"), ctx.cover)
         return {
             "alpha": alpha,

@@ -30,7 +30,7 @@ writing a new case, run this test under ``ATEN_CPU_CAPABILITY=default`` too: an
 image processor that resizes uint8 pixels rounds some of them one level apart
 there (torch's AVX2 uint8 antialiasing kernel against the generic one), which
 moves a tiny model's read-outs by ~1e-2, far beyond rounding; such a case takes
-an image already at its canvas size (:data:`_IMAGE_SIZES`: Mllama).
+an image already at its canvas size (:data:`_IMAGE_SIZES`: Mllama, Gemma 3).
 
 What is compared: the whole JSON. Keys (and their order), strings, ints, bools,
 nulls and list lengths exactly: nothing in the document varies between runs (run
@@ -121,7 +121,7 @@ _PAIRS = {"blip": ("cat", "dog")}
 # into its 3-tile canvas in uint8, which rounds ~10 % of the pixels one level apart
 # under ATEN_CPU_CAPABILITY=default; at the canvas size (96 x 32, the same 3 tiles
 # and padding tile) no resize runs and the pixels are the same under every capability.
-_IMAGE_SIZES = {"mllama": (96, 32)}
+_IMAGE_SIZES = {"mllama": (96, 32), "gemma3": (48, 48)}  # at the canvas size: no uint8 resize
 # Significant digits a stored float keeps.
 _DIGITS = 10
 # The fields in logit units, compared at one shared scale (see the module docstring).

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from core.audit import AuditRecord
-from core.errors import oom_guard
+from core.errors import InterventionError, oom_guard
 from core.images import load_image
 from core.methods.counterfactual.effect import (
     SCHEMA_VERSION,
@@ -41,6 +41,8 @@ def _primary_grid(tokens) -> tuple[int, int, int, dict]:
     """``(image, rows, cols, {(row, col): token})`` of the primary image's patch grid."""
 
     im = primary_image(tokens)
+    if im is None:
+        raise InterventionError("the visual tokens cover no patch (a resampler's latents): there is no grid to occlude")
     cells = {(t.row, t.col): t for t in tokens if t.image == im and t.col >= 0}
     rows = max(r for r, _ in cells) + 1
     cols = max(c for _, c in cells) + 1
