@@ -589,6 +589,17 @@ def assert_lens_last_row_is_the_model(adapter, trace, lens, answer_id: int, foil
     assert last.kl_to_final == 0.0
 
 
+def capture_every_position(loaded, image, question: str):
+    """``(trace, inputs)``: one default capture of ``question`` on ``image`` with every
+    query position's pattern row and each block's attention output kept: what a
+    family file's ``traced_case`` shares with the conformance checks."""
+    from core.capture import capture
+
+    inputs = loaded.adapter.prepare([image], [question])
+    n_pos = inputs.input_ids.shape[1]
+    return capture(loaded, image, question, query_positions=range(n_pos), inputs=inputs, keep_attn_out=True), inputs
+
+
 def noise_image(size: tuple[int, int], seed: int = 0) -> Image.Image:
     """A random RGB image of ``size = (width, height)``."""
     rng = np.random.default_rng(seed)

@@ -13,13 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from core.capture import capture
 from core.edits import Edit
 from core.errors import InterventionError, ModelLoadError, UnsupportedArchitectureError
 from core.models.families.aya_vision import AyaVisionAdapter
 from core.models.loading import LoadedModel
 from core.models.norms import Norm
-from tests.core.exactness import noise_image, pattern_rtol, projected_visual_tokens, scores_tol
+from tests.core.exactness import capture_every_position, noise_image, pattern_rtol, projected_visual_tokens, scores_tol
 from tests.core.test_internvl import perturbation_rivals  # noqa: F401 (conformance hook: the same frames)
 from tests.tolerances import unit_roundoff
 
@@ -169,10 +168,7 @@ def traced_case(kind: str):
     assert kind == "aya_vision"
     m = tiny_aya_vision_float64()
     image = noise_image(IMAGE_SIZE)
-    inputs = m.adapter.prepare([image], [QUESTION])
-    tr = capture(
-        m, image, QUESTION, query_positions=range(inputs.input_ids.shape[1]), inputs=inputs, keep_attn_out=True
-    )
+    tr, inputs = capture_every_position(m, image, QUESTION)
     return m, tr
 
 

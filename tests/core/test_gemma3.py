@@ -20,6 +20,7 @@ from core.models.families.gemma3 import Gemma3Adapter, gemma3_allowed
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
     assert_lens_last_row_is_the_model,
+    capture_every_position,
     forwards_tol,
     head_write_terms,
     noise_image,
@@ -172,9 +173,7 @@ def traced_case(kind: str):
     kept; built once per session (shared with tests/core/test_family_conformance.py)."""
     m = tiny_model()
     image = noise_image(IMAGE_SIZE)
-    inputs = m.adapter.prepare([image], [QUESTION])
-    n_pos = inputs.input_ids.shape[1]
-    tr = capture(m, image, QUESTION, query_positions=range(n_pos), inputs=inputs, keep_attn_out=True)
+    tr, inputs = capture_every_position(m, image, QUESTION)
     return m, tr, inputs
 
 

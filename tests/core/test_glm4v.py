@@ -10,13 +10,13 @@ import functools
 import pytest
 import torch
 
-from core.capture import capture
 from core.errors import QuestionError
 from core.methods.logit_lens import logit_lens
 from core.models.families.glm4v import Glm4vAdapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
     assert_lens_last_row_is_the_model,
+    capture_every_position,
     head_write_terms,
     noise_image,
     pattern_rtol,
@@ -167,9 +167,7 @@ def traced_case(kind: str):
     per session (this file's tests and tests/core/test_family_conformance.py share it)."""
     m = tiny_glm4v_float64()
     image = noise_image(IMAGE_SIZE)
-    inputs = m.adapter.prepare([image], [QUESTION])
-    n_pos = inputs.input_ids.shape[1]
-    tr = capture(m, image, QUESTION, query_positions=range(n_pos), inputs=inputs, keep_attn_out=True)
+    tr, inputs = capture_every_position(m, image, QUESTION)
     return m, tr, inputs
 
 

@@ -11,13 +11,12 @@ import pytest
 import torch
 from PIL import Image
 
-from core.capture import capture
 from core.errors import QuestionError
 from core.geometry import region_tokens
 from core.models.canonical import NotMapped
 from core.models.families.idefics2 import Idefics2Adapter
 from core.models.loading import LoadedModel
-from tests.core.exactness import invert_around_box_centre, noise_image, projected_visual_tokens
+from tests.core.exactness import capture_every_position, invert_around_box_centre, noise_image, projected_visual_tokens
 from tests.core.test_idefics3 import _recompute_patterns
 
 SPECIAL = ["<s>", "</s>", "<unk>", "<end_of_utterance>", "<fake_token_around_image>", "<image>"]
@@ -152,10 +151,7 @@ def traced_case(kind: str):
     capture, every query position kept; built once per session."""
     m = tiny_model_float64(*KINDS[kind])
     image = noise_image(IMAGE_SIZE)
-    inputs = m.adapter.prepare([image], [QUESTION])
-    tr = capture(
-        m, image, QUESTION, query_positions=range(inputs.input_ids.shape[1]), inputs=inputs, keep_attn_out=True
-    )
+    tr, inputs = capture_every_position(m, image, QUESTION)
     return m, tr
 
 

@@ -9,12 +9,11 @@ import functools
 import pytest
 import torch
 
-from core.capture import capture
 from core.edits import Edit
 from core.errors import InterventionError, ModelLoadError, QuestionError
 from core.models.families.internvl import InternVLAdapter
 from core.models.loading import LoadedModel
-from tests.core.exactness import noise_image, projected_visual_tokens
+from tests.core.exactness import capture_every_position, noise_image, projected_visual_tokens
 from tests.core.test_idefics3 import check_patterns_and_values, recompute_patterns  # noqa: F401 (conformance hooks)
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>", "<unk>"]
@@ -138,10 +137,7 @@ def traced_case(kind: str):
     assert kind == "internvl"
     m = tiny_internvl_float64()
     image = noise_image(IMAGE_SIZE)
-    inputs = m.adapter.prepare([image], [QUESTION])
-    tr = capture(
-        m, image, QUESTION, query_positions=range(inputs.input_ids.shape[1]), inputs=inputs, keep_attn_out=True
-    )
+    tr, inputs = capture_every_position(m, image, QUESTION)
     return m, tr
 
 

@@ -15,7 +15,7 @@ from core.capture import capture
 from core.errors import ModelLoadError, QuestionError
 from core.models.families.janus import JanusAdapter
 from core.models.loading import LoadedModel
-from tests.core.exactness import noise_image, projected_visual_tokens
+from tests.core.exactness import capture_every_position, noise_image, projected_visual_tokens
 from tests.core.test_idefics3 import check_patterns_and_values, recompute_patterns  # noqa: F401 (conformance hooks)
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -146,10 +146,7 @@ def traced_case(kind: str):
     assert kind == "janus"
     m = tiny_janus_float64()
     image = noise_image(IMAGE_SIZE)
-    inputs = m.adapter.prepare([image], [QUESTION])
-    tr = capture(
-        m, image, QUESTION, query_positions=range(inputs.input_ids.shape[1]), inputs=inputs, keep_attn_out=True
-    )
+    tr, inputs = capture_every_position(m, image, QUESTION)
     return m, tr
 
 

@@ -15,6 +15,7 @@ from core.errors import QuestionError
 from core.models.families.llava_next import LlavaNextAdapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
+    capture_every_position,
     forwards_tol,
     noise_image,
     pattern_rtol,
@@ -149,8 +150,7 @@ def traced_case(kind: str = "llava_next"):
     session (this file's tests and tests/core/test_family_conformance.py share it)."""
     m = tiny_llava_next_float64()
     image = noise_image(IMAGE_SIZE)
-    n_pos = m.adapter.prepare([image], [QUESTION]).input_ids.shape[1]
-    tr = capture(m, image, QUESTION, query_positions=range(n_pos), keep_attn_out=True)
+    tr, inputs = capture_every_position(m, image, QUESTION)
     return m, tr
 
 

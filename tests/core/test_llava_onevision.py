@@ -17,7 +17,7 @@ from core.errors import InterventionError, ModelLoadError, QuestionError
 from core.models.families.llava_next import LlavaNextAdapter
 from core.models.families.llava_onevision import LlavaOnevisionAdapter
 from core.models.loading import LoadedModel
-from tests.core.exactness import noise_image, projected_visual_tokens
+from tests.core.exactness import capture_every_position, noise_image, projected_visual_tokens
 from tests.core.test_llava_next import recompute_patterns  # noqa: F401 (the conformance hook: RoPE, causal mask)
 from tests.tolerances import rounding_tol
 
@@ -148,8 +148,7 @@ def traced_case(kind: str = "llava_onevision"):
     session (this file's tests and tests/core/test_family_conformance.py share it)."""
     m = tiny_onevision_float64()
     image = noise_image(IMAGE_SIZE)
-    n_pos = m.adapter.prepare([image], [QUESTION]).input_ids.shape[1]
-    tr = capture(m, image, QUESTION, query_positions=range(n_pos), keep_attn_out=True)
+    tr, inputs = capture_every_position(m, image, QUESTION)
     return m, tr
 
 

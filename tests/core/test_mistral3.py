@@ -15,7 +15,7 @@ from core.edits import Edit
 from core.errors import ImageLoadError, InterventionError, QuestionError, UnsupportedArchitectureError
 from core.models.families.mistral3 import Mistral3Adapter
 from core.models.loading import LoadedModel
-from tests.core.exactness import noise_image, pattern_rtol, projected_visual_tokens, scores_tol
+from tests.core.exactness import capture_every_position, noise_image, pattern_rtol, projected_visual_tokens, scores_tol
 
 SPECIAL = ("<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]")
 WORDS = "is there a red blue circle square ? what color shape yes no of the"
@@ -136,8 +136,7 @@ def traced_case(kind: str = "mistral3"):
     session (this file's tests and tests/core/test_family_conformance.py share it)."""
     m = tiny_mistral3_float64()
     image = noise_image(IMAGE_SIZE)
-    n_pos = m.adapter.prepare([image], [QUESTION]).input_ids.shape[1]
-    tr = capture(m, image, QUESTION, query_positions=range(n_pos), keep_attn_out=True)
+    tr, inputs = capture_every_position(m, image, QUESTION)
     return m, tr
 
 

@@ -16,7 +16,13 @@ from core.edits import Edit
 from core.errors import InterventionError, QuestionError, UnsupportedArchitectureError
 from core.models.families.molmo2 import Molmo2Adapter
 from core.models.loading import LoadedModel
-from tests.core.exactness import noise_image, pattern_rtol, projected_visual_tokens, realized_scores_tol
+from tests.core.exactness import (
+    capture_every_position,
+    noise_image,
+    pattern_rtol,
+    projected_visual_tokens,
+    realized_scores_tol,
+)
 
 SPECIAL = (
     "<|endoftext|>",
@@ -161,8 +167,7 @@ def traced_case(kind: str = "molmo2"):
     """``(model, trace)``: one capture, every query position kept; built once per session."""
     m = tiny_molmo2_float64()
     image = noise_image(IMAGE_SIZE)
-    n_pos = m.adapter.prepare([image], [QUESTION]).input_ids.shape[1]
-    tr = capture(m, image, QUESTION, query_positions=range(n_pos), keep_attn_out=True)
+    tr, inputs = capture_every_position(m, image, QUESTION)
     return m, tr
 
 

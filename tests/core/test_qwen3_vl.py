@@ -17,6 +17,7 @@ from core.models.families.qwen3_vl import Qwen3VLAdapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
     assert_decomposition_is_exact,
+    capture_every_position,
     noise_image,
     pattern_rtol,
     projected_visual_tokens,
@@ -125,8 +126,7 @@ def traced_case(kind: str):
     session (this file's tests and tests/core/test_family_conformance.py share it)."""
     m = tiny_qwen3_float64()
     image = noise_image(IMAGE_SIZE)
-    n_pos = m.adapter.prepare([image], [QUESTION]).input_ids.shape[1]
-    tr = capture(m, image, QUESTION, query_positions=range(n_pos), keep_attn_out=True)
+    tr, inputs = capture_every_position(m, image, QUESTION)
     return m, tr
 
 
