@@ -219,3 +219,46 @@ def test_mllama_tiles_are_laid_out_by_default(canvas):
     assert canvas.view_choice() == ALL_VIEWS and canvas.view_selector.choices() == [0, 1, 2, ALL_VIEWS]
     assert_drawn(canvas, tokens, [0, 1, 2], IMAGE_SIZE)
     assert canvas.view_selector.itemText(1) == "tile 1 (row 0, col 1): 4x4"
+
+
+# The families of issue 26 (their tiny models: tests/core/test_<family>.py), opened as folders.
+NEW_FAMILIES = (
+    "llava_onevision", "internvl", "mistral3", "qwen3_vl", "gemma3",
+    "glm4v", "aya_vision", "janus", "molmo2", "idefics2",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_a_new_familys_folder_opens_in_the_window_with_each_view_selectable(qtbot, window, tmp_path, family):
+    """The family's tiny model saved as a user's folder, picked in the model box, read out
+    through the window: every view the selector offers is drawn exactly from the
+    adapter's own geometry; a family whose visual tokens cover no patch (Idefics2's
+    resampler latents) reads out with no grid drawn and says so."""
+    import importlib
+
+    from tests.core.exactness import noise_image
+
+    module = importlib.import_module(f"tests.core.test_{family}")
+    tiny = module.traced_case(module.CASES[0])[0]
+    tiny.model.save_pretrained(tmp_path / family, safe_serialization=True)
+    tiny.processor.save_pretrained(tmp_path / family)
+    size = module.IMAGE_SIZE
+    window.model_picker.setCurrentText(str(tmp_path / family))
+    assert window.set_image(noise_image(size), name="noise")
+    window.set_question(getattr(module, "QUESTION", None) or module.PREFIX)
+    run_until_idle(qtbot, window, window.run_readout)
+    assert window.analysis is not None, window.error_label.text()
+    adapter = window.loaded_model().adapter
+    assert adapter.family == family
+    tokens = adapter.visual_tokens(size)
+    canvas = window.canvas
+    views = [c for c in canvas.view_selector.choices() if c != ALL_VIEWS]
+    if not any(t.col >= 0 for t in tokens):  # latents: no patch, no view to draw
+        assert views == [] and canvas.cells == []
+        assert window.analysis["rollout"]["visual_patch_mass"] is None
+        return
+    assert views == sorted({t.image for t in tokens if t.col >= 0})
+    for choice in views:
+        if len(views) > 1:
+            pick(canvas, choice)
+        assert_drawn(canvas, tokens, [choice], size)
