@@ -57,9 +57,10 @@ class Component:
 def parse_component(name: str, block_names: Sequence[str]) -> Component:
     """The :class:`Component` of ``L2.H3``, ``L2.mlp``, ``L2.attn`` or ``L2``
     (block names as the trace has them: ``T0``, ``L1.xattn``, ...); one-line
-    InterventionError for a name that is no ablatable write (``embed``, a bias)."""
+    InterventionError for a name that is no ablatable write (``embed``, a bias, a
+    stream write of the image such as Qwen3-VL's ``deepstack.L0``)."""
     name = name.strip()
-    if name == "embed" or name.startswith("bias."):
+    if name == "embed" or name.startswith(("bias.", "deepstack.")):
         raise InterventionError(
             f"{name}: not an activation a forward can ablate (a constant write); "
             "patch the residual entering a block instead"

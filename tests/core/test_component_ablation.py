@@ -63,6 +63,7 @@ def test_names_parse_to_the_components_the_views_show(tiny):
     for bad, message in (
         ("embed", "constant write"),
         ("bias.L0.attn_out", "constant write"),
+        ("deepstack.L0", "constant write"),  # Qwen3-VL's image write: no forward removes it
         ("L9.H0", "no component"),
     ):
         with pytest.raises(InterventionError, match=message):

@@ -395,3 +395,19 @@ def test_untiled_processor_gives_one_frame(traced):
         assert tokens[1].box == pytest.approx([100 / GRID, 0, 200 / GRID, 60 / GRID])
     finally:
         ip.do_image_splitting = True
+
+
+@pytest.mark.parametrize("kind", CASES)
+def test_the_visual_feature_sites_are_refused_in_one_line(kind):
+    """The connector runs per frame, so there is no (batch, n_visual, width) site: an edit
+    or a patch there is one InterventionError naming the sites that exist (it was an
+    AttributeError for LLaVA's projector, which this model lacks)."""
+    from core.edits import Edit
+    from core.errors import InterventionError
+
+    m = traced_case(kind)[0]
+    inputs = m.adapter.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
+    for site in ("vision_out", "projector_out"):
+        with pytest.raises(InterventionError, match=f"no '{site}' edit site") as refused:
+            capture(m, None, "", inputs=inputs, edits=[Edit(None, site=site)])
+        assert "\n" not in str(refused.value) and "resid" in str(refused.value)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from core.geometry import VisualToken
 from core.models.adapter import config_int
 from core.models.canonical import NotMapped
-from core.models.edit_sites import EditSites
 from core.models.families.idefics3 import Idefics3Adapter
 
 
@@ -73,16 +72,11 @@ class Idefics2Adapter(Idefics3Adapter):
 
     # What Idefics2's own chat template renders (its tokenizer adds the BOS).
     fallback_prompt = "User:<image>{question}<end_of_utterance>\nAssistant:"
-    # The connector's output is (frames, latents, d_model), not (batch, n_visual, width):
-    # no visual-feature site; patching reaches the image-token positions through resid / z.
-    edit_sites = ("z", "mlp", "resid", "knockout")
 
     @classmethod
     def check_config(cls, config) -> None:
         super(Idefics3Adapter, cls).check_config(config)  # LLaVA's: no pixel shuffle here
         config_int(config, "perceiver_config.resampler_n_latents", minimum=1, required=True)
-
-    visual_site_module = EditSites.visual_site_module  # the base's refusal: no visual-feature site
 
     # ---- geometry: latents, no patches
     def frames(self) -> int:

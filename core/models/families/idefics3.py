@@ -52,6 +52,7 @@ import re
 
 from core.geometry import VisualToken
 from core.models.adapter import config_int, size_value
+from core.models.edit_sites import EditSites
 from core.models.families._decoder import LlamaStyleWeights
 from core.models.families.llava import LlavaAdapter
 
@@ -123,6 +124,11 @@ class Idefics3Adapter(LlavaAdapter):
     hf_architectures = ("Idefics3ForConditionalGeneration",)
 
     family = "idefics3"
+    # The connector runs per frame, (frames, tokens, d_model), not (batch, n_visual, width):
+    # no visual-feature site (LLaVA's would name a projector this model lacks); patching
+    # reaches the image-token positions through resid / z.
+    edit_sites = ("z", "mlp", "resid", "knockout")
+    visual_site_module = EditSites.visual_site_module  # the base's one-line refusal, not LLaVA's projector
     final_norm = "rmsnorm"
     attention_kind = "self"
     position_scheme = "rope"
