@@ -18,6 +18,7 @@ and joins them all on :meth:`WorkerPool.shutdown`.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from collections.abc import Callable
@@ -34,6 +35,38 @@ def one_line(error: BaseException) -> str:
     """``"TypeName: message"`` squeezed onto one line."""
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+class _CollectionOffWorkers:
+    """Python's cyclic garbage collector kept off the worker threads.
+
+    A collection runs on whichever thread crosses an allocation threshold; one in
+    a worker thread can free Qt objects there (a closed window's widgets caught in
+    a reference cycle), and Qt aborts the process (seen: "Fatal Python error:
+    Aborted", garbage-collecting inside transformers' loading threads). So while
+    any worker runs, automatic collection is off; when the last one has ended it
+    is switched back on and a collection runs on the GUI thread. Both calls are
+    made on the GUI thread."""
+
+    def __init__(self):
+        self.running = 0
+        self.switched_off = False
+
+    def worker_started(self) -> None:
+        if self.running == 0 and gc.isenabled():
+            gc.disable()
+            self.switched_off = True
+        self.running += 1
+
+    def worker_ended(self) -> None:
+        self.running -= 1
+        if self.running == 0 and self.switched_off:
+            self.switched_off = False
+            gc.enable()
+            gc.collect()
+
+
+_COLLECTION = _CollectionOffWorkers()
 
 
 class _Thread(QThread):
@@ -61,9 +94,21 @@ class Worker(QObject):
         self.cancel_token = threading.Event()
         self.returned = False  # set in the thread once fn has returned and the outcome is emitted
         self.qthread = _Thread(self._run)
+        self._collection_held = False
+        # queued to this (GUI-thread) object: runs on the GUI thread once the thread has ended
+        self.qthread.finished.connect(self.release_collection)
 
     def start(self) -> None:
+        _COLLECTION.worker_started()
+        self._collection_held = True
         self.qthread.start()
+
+    @Slot()
+    def release_collection(self) -> None:
+        """The worker's hold on automatic garbage collection released (once; GUI thread)."""
+        if self._collection_held:
+            self._collection_held = False
+            _COLLECTION.worker_ended()
 
     def cancel(self) -> None:
         """Ask the function to stop; it does so the next time it polls."""
@@ -120,6 +165,7 @@ class WorkerPool(QObject):
             worker.cancel()
         for worker in list(self._workers):
             if worker.qthread.wait(timeout_ms):
+                worker.release_collection()  # the queued slot may never run: the window is closing
                 self._workers.remove(worker)
             else:
                 log.error("a background job did not stop within %d ms", timeout_ms)

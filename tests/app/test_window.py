@@ -208,6 +208,32 @@ def test_worker_runs_off_gui_thread_and_cancels(qtbot):
     assert pool.shutdown() and pool.running() == []
 
 
+def test_no_garbage_collection_runs_on_a_worker_thread(qtbot):
+    """While any worker runs, Python's automatic collection is off (a collection in a
+    worker thread could free Qt objects there, which aborts the process); once the last
+    worker's thread has ended it is on again, also after a shutdown that joins them."""
+    import gc
+
+    seen = []
+
+    def job(*, progress, cancel):
+        seen.append(gc.isenabled())
+        cancel.wait(0.2)
+        return "done"
+
+    assert gc.isenabled()
+    pool = WorkerPool()
+    first, second = Worker(job), Worker(job)
+    with qtbot.waitSignals([first.qthread.finished, second.qthread.finished], timeout=5_000):
+        pool.start(first)
+        pool.start(second)
+    qtbot.waitUntil(lambda: gc.isenabled(), timeout=5_000)  # the queued release ran on the GUI thread
+    assert seen == [False, False]
+    third = pool.start(Worker(job))
+    assert not gc.isenabled()
+    assert pool.shutdown() and gc.isenabled() and third.returned
+
+
 @pytest.mark.parametrize("image_arg", [None, "not_an_image.png"])
 def test_main_screenshot(qtbot, tmp_path, image_arg):
     shot = tmp_path / "app.png"
