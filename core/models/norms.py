@@ -138,6 +138,34 @@ class Norm:
         return self.center(w)
 
 
+class GemmaNorm(Norm):
+    """Gemma's RMSNorm exactly as the model computes it: statistics,
+    normalisation *and* the ``(1 + w)`` gain in ``compute_dtype`` (float32),
+    then cast back (``GemmaRMSNorm`` multiplies by the gain before the cast,
+    Llama after it). ``frozen``/``jvp``/``vjp`` are the base class's (in the
+    input's dtype)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., d_model) -> (..., d_model)``."""
+        dt = self.compute_dtype or x.dtype
+        xf = x.to(dt)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = y * (self.weight_offset + self.weight.to(dt))
+        return y.to(x.dtype)
+
+
+class CohereNorm(Norm):
+    """Cohere's LayerNorm exactly as the model computes it: centring, scale
+    *and* gain in ``compute_dtype`` (float32), then cast back (as
+    :class:`GemmaNorm` for Gemma's RMSNorm)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(self.compute_dtype or x.dtype)
+        xc = xf - xf.mean(-1, keepdim=True)
+        y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(xf) * y).to(x.dtype)
+
+
 class IdentityNorm(Norm):
     """No norm at all, where a sublayer reads its input as it is (BLIP's
     post-LN sublayers read the previous LayerNorm's output; Mllama's and BLIP's

@@ -16,7 +16,8 @@ from core.capture import capture
 from core.errors import UnsupportedArchitectureError
 from core.methods.logit_lens import logit_lens
 from core.methods.residual import decompose
-from core.models.families.gemma3 import Gemma3Adapter, gemma3_allowed
+from core.models.families.gemma3 import Gemma3Adapter
+from core.models.family_adapter import allowed_by_rule
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
     assert_lens_last_row_is_the_model,
@@ -261,8 +262,12 @@ def check_padded_batch(m, batch) -> None:
     n = batch.input_ids.shape[1]
     for row in range(2):
         for block in range(a.n_layers):
-            want = gemma3_allowed(
-                batch.tensors["attention_mask"], batch.tensors["token_type_ids"], n, a._attn(block).sliding_window
+            want = allowed_by_rule(
+                "image_block",
+                batch.tensors["attention_mask"],
+                batch.tensors["token_type_ids"],
+                n,
+                a._attn(block).sliding_window,
             )[row]
             assert torch.equal(a.allowed_keys(tr, block, batch=row), want)
     assert not a.allowed_keys(tr, 1, batch=0)[:, -1].any()  # nobody reads row 0's padding
@@ -325,7 +330,9 @@ def test_masks_are_the_models_and_not_causal():
     vis = tr.visual_positions[0]
     for block in range(a.n_layers):
         window = a._attn(block).sliding_window
-        want = gemma3_allowed(inputs.tensors["attention_mask"], inputs.tensors["token_type_ids"], n, window)[0]
+        want = allowed_by_rule(
+            "image_block", inputs.tensors["attention_mask"], inputs.tensors["token_type_ids"], n, window
+        )[0]
         assert torch.equal(a.allowed_keys(tr, block), want)
         causal = torch.ones(n, n, dtype=torch.bool).tril()
         assert bool(want[vis[0], vis[-1]]) and not causal[vis[0], vis[-1]]  # the first image token reads the last

@@ -255,14 +255,14 @@ def check_reconstruction(m, tr, inputs, *, sdpa, eager) -> None:
 
 def check_padded_batch(m, batch) -> None:
     """Padding keys are masked (the prefix-LM mask per row) and labelled padding."""
-    from core.models.families.paligemma import prefix_lm_allowed
+    from core.models.family_adapter import allowed_by_rule
 
     a = m.adapter
     mask = batch.tensors["attention_mask"]
     tr = capture(m, None, "", inputs=batch)
     n = batch.input_ids.shape[1]
     for row in range(2):
-        want = prefix_lm_allowed(mask, batch.tensors["token_type_ids"], n)[row]
+        want = allowed_by_rule("prefix", mask, batch.tensors["token_type_ids"], n)[row]
         assert torch.equal(a.allowed_keys(tr, 2, batch=row), want)
     assert not a.allowed_keys(tr, 0, batch=0)[:, -1].any()  # nobody reads row 0's padding
     assert a.token_roles(tr, batch=0)[-1] == "padding"
@@ -347,13 +347,13 @@ def check_decomposition(m, tr, r) -> None:
 def test_allowed_keys_are_the_prefix_lm_mask_the_model_used(traced):
     """The recorded mask equals the prefix-LM rule rebuilt from token_type_ids:
     the prefix (image, <bos>, prompt, "\\n") is bidirectional, a suffix causal."""
-    from core.models.families.paligemma import prefix_lm_allowed
+    from core.models.family_adapter import allowed_by_rule
 
     m, tr, inputs = traced
     a = m.adapter
     n = tr.input_ids.shape[1]
     tt = inputs.tensors["token_type_ids"]
-    rebuilt = prefix_lm_allowed(inputs.tensors["attention_mask"], tt, n)[0]
+    rebuilt = allowed_by_rule("prefix", inputs.tensors["attention_mask"], tt, n)[0]
     assert sorted(tr.decoder_masks) == list(range(a.n_layers))  # recorded, not rebuilt
     for block in range(a.n_layers):
         allowed = a.allowed_keys(tr, block)

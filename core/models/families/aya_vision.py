@@ -19,8 +19,8 @@ What is Cohere 2's own:
   norm (Cohere's LayerNorm: mean-centred, no bias, gain applied in float32)
   read by both sublayers. The stack is still embed + heads + MLP per block.
 * **logit_scale.** The model multiplies ``lm_head``'s output by
-  ``text_config.logit_scale``; :attr:`W_U` includes it, so lens and DLA read
-  the model's logits.
+  ``text_config.logit_scale``; ``W_U`` includes it (declared), so lens and DLA
+  read the model's logits.
 * **Interleaved RoPE on sliding-window layers only.** Pairs ``(2i, 2i + 1)``
   rotate (not Llama's halves), in float32; full-attention layers have no
   position encoding (NoPE). Sliding layers drop keys ``sliding_window`` or
@@ -31,40 +31,28 @@ from __future__ import annotations
 
 import torch
 
-from core.errors import InterventionError, ModelLoadError, UnsupportedArchitectureError
+from core.errors import ModelLoadError, UnsupportedArchitectureError
 from core.geometry import VisualToken
 from core.models.adapter import config_int, config_value, size_value
-from core.models.families.gemma3 import gemma3_allowed
+from core.models.declaration import Decoder, Family, Rotary
 from core.models.families.internvl import InternVLAdapter
-from core.models.norms import Norm
-
-
-class CohereNorm(Norm):
-    """Cohere's LayerNorm exactly as the model computes it: centring, scale
-    *and* gain in ``compute_dtype`` (float32), then cast back (as
-    :class:`~core.models.families.paligemma.GemmaNorm` for Gemma's RMSNorm)."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(self.compute_dtype or x.dtype)
-        xc = xf - xf.mean(-1, keepdim=True)
-        y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.to(xf) * y).to(x.dtype)
 
 
 class AyaVisionAdapter(InternVLAdapter):
     """InternVL's tiles, right padding and refused projector sites; Cohere 2's
     norm, unembedding scale, RoPE and masks (see the module docstring)."""
 
-    hf_architectures = ("AyaVisionForConditionalGeneration",)
-
-    family = "aya_vision"
-    final_norm = "layernorm"
-    attention_kind = "self"
-    position_scheme = "rope"
-
-    fallback_prompt = (
-        "<BOS_TOKEN><|START_OF_TURN_TOKEN|><|USER_TOKEN|><image>{question}<|END_OF_TURN_TOKEN|>"
-        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+    declaration = Family(
+        name="aya_vision",
+        architectures=("AyaVisionForConditionalGeneration",),
+        prompt="<BOS_TOKEN><|START_OF_TURN_TOKEN|><|USER_TOKEN|><image>{question}<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+        decoder=Decoder(form="parallel", norm="cohere", logit_scale="logit_scale"),
+        rotary=Rotary(
+            rotate_half="transformers.models.cohere2.modeling_cohere2.rotate_half", per_layer="sliding_only", float32=True
+        ),
+        no_visual_sites="the projector runs per frame, (frames, g, g, width), not per prompt; "
+        "patch 'resid' at block 0 (the projector's output at the visual positions)",
     )
     # The processor's "image token" (<image>) is the placeholder it expands; the model
     # looks up <|IMG_PATCH|> (image_token_index): range check here, the pairing in __init__.
@@ -93,57 +81,6 @@ class AyaVisionAdapter(InternVLAdapter):
         want = int(model.config.image_token_id)
         if getattr(processor, "image_token_id", want) != want:
             raise ModelLoadError(f"the processor's image patch token is not config.json image_token_index {want}")
-
-    # ---- Cohere 2: norm, unembedding, RoPE, masks
-    @staticmethod
-    def _norm(module):
-        return CohereNorm("layernorm", module.weight, None, module.variance_epsilon, compute_dtype=torch.float32)
-
-    @property
-    def logit_scale(self) -> float:
-        return float(self.text_config.logit_scale)
-
-    @property
-    def W_U(self) -> torch.Tensor:
-        """``(d_model, vocab)``: ``lm_head``'s weight times ``logit_scale`` (the model scales its logits)."""
-        return self.lm_head.weight.T * self.logit_scale
-
-    def _rotated(self, block: int) -> bool:
-        return self.sliding_window(block) is not None  # Cohere 2 rotates on sliding layers only
-
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, block: int | None = None) -> torch.Tensor:
-        """Cohere's interleaved RoPE, in float32 as the model applies it; the
-        identity on a full-attention (NoPE) block ``block``."""
-        from transformers.models.cohere2.modeling_cohere2 import rotate_half
-
-        if block is not None and not self._rotated(block):
-            return x
-        cos, sin = self.language_model.rotary_emb(x, positions.to(x.device).view(1, -1))
-        cos, sin = cos[0].unsqueeze(-2), sin[0].unsqueeze(-2)
-        xf = x.float()
-        return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
-
-    def queries_keys(self, trace, block: int, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The base's queries and keys, rotated only on sliding-window blocks."""
-        x = self.attn_norm(block)(trace.resid_pre[block][batch])
-        q = torch.einsum("pm,hmd->phd", x, self.W_Q(block).to(x.dtype)) + self.b_Q(block).to(x.dtype)
-        k = torch.einsum("pm,hmd->phd", x, self.W_K(block).to(x.dtype)) + self.b_K(block).to(x.dtype)
-        positions = self.rope_positions(trace, batch)
-        return self.rotate(q, positions, block), self.rotate(k, positions, block)
-
-    def allowed_keys(self, trace, block: int, batch: int = 0) -> torch.Tensor:
-        """Causal, padding keys excluded, and on a sliding layer the window."""
-        mask = trace.attention_mask[batch : batch + 1] if trace.attention_mask is not None else None
-        return gemma3_allowed(mask, None, trace.input_ids.shape[1], self.sliding_window(block))[0]
-
-    def describe(self) -> dict:
-        return {**super().describe(), "norm_placement": "parallel"}
-
-    def visual_site_module(self, site: str):
-        raise InterventionError(
-            f"aya_vision: no {site!r} site: the projector runs per frame, (frames, g, g, width), not per prompt; "
-            "patch 'resid' at block 0 (the projector's output at the visual positions)"
-        )
 
     # ---- the vision side: the projector shuffles, so its input is the tower's patches
     def vision_features(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,13 @@ row-major token geometry. What is GLM's own:
 * **RoPE.** Only the first ``partial_rotary_factor * d_head`` coordinates of a
   head rotate, in *interleaved* pairs ``(2i, 2i + 1)``; frequency ``i`` turns
   with the temporal, height or width id by contiguous ``mrope_section`` blocks.
-  The decoder's rotary module builds cos / sin; :meth:`Glm4vAdapter.rotate`
-  applies them as the model does (the rest of the head passes unrotated).
+  The decoder's rotary module builds cos / sin; the declared rotation
+  (``partial``, GLM's ``rotate_half_llm``) applies them as the model does (the
+  rest of the head passes unrotated).
 * **Sandwich norms.** A layer adds ``post_self_attn_layernorm(o_proj(z))`` and
   ``post_mlp_layernorm(mlp(post_attention_layernorm(x)))`` (GLM's
-  ``post_attention_layernorm`` is the MLP's *input* norm). Gemma 3's split
-  applies (:class:`Gemma3Adapter`): a head's component is its write under the
+  ``post_attention_layernorm`` is the MLP's *input* norm). The sandwich split
+  of :class:`~core.models.family_adapter.FamilyAdapter` applies: a head's component is its write under the
   post-attention norm's scale frozen at the block's o_proj output ``a``; the
   float32 norm's rounding is ``L{l}.attn_norm_residue``; ``mlp_out`` (and the
   "mlp" edit site) is the MLP's write, after its post-norm.
@@ -28,10 +29,10 @@ Masks are causal with padding keys dropped (the base's rule). Videos are not map
 
 from __future__ import annotations
 
-import torch
+from dataclasses import replace
 
 from core.errors import ImageLoadError
-from core.models.families.gemma3 import Gemma3Adapter
+from core.models.declaration import Decoder, Rotary
 from core.models.families.qwen2_vl import Qwen2VLAdapter
 
 # GLM-4.1V's chat template for one user turn holding an image then the question.
@@ -39,76 +40,25 @@ GLM_PROMPT = "[gMASK]<sop><|user|>\n<|begin_of_image|><|image|><|end_of_image|>{
 
 
 class Glm4vAdapter(Qwen2VLAdapter):
-    """Qwen2-VL's batches, positions and geometry; GLM's partial interleaved RoPE,
-    its resize and Gemma 3's sandwich-norm split."""
+    """Qwen2-VL's batches, positions and geometry; GLM's partial interleaved RoPE
+    and sandwich norms (declared), and its resize."""
 
-    hf_architectures = ("Glm4vForConditionalGeneration",)
-
-    family = "glm4v"
-    final_norm = "rmsnorm"
-    attention_kind = "self"
-    position_scheme = "mrope"
-    frozen_convention = Gemma3Adapter.frozen_convention
-
-    fallback_prompt = GLM_PROMPT
+    declaration = replace(
+        Qwen2VLAdapter.declaration,
+        name="glm4v",
+        architectures=("Glm4vForConditionalGeneration",),
+        prompt=GLM_PROMPT,
+        decoder=Decoder(form="sandwich", sandwich=("post_self_attn_layernorm", "post_mlp_layernorm")),
+        rotary=Rotary(
+            "mrope", rotate_half="transformers.models.glm4v.modeling_glm4v.rotate_half_llm", partial=True
+        ),
+    )
     token_id_fields = (
         ("image_token_id", True),
         ("video_token_id", False),
         ("image_start_token_id", False),
         ("image_end_token_id", False),
     )
-
-    # ---- RoPE: partial, interleaved pairs
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """GLM's M-RoPE on queries or keys ``(..., pos, heads, d_head)`` at
-        ``positions`` ``(3, pos)`` (a ``(pos,)`` tensor is used on all three axes)."""
-        from transformers.models.glm4v.modeling_glm4v import rotate_half_llm
-
-        if positions.ndim == 1:
-            positions = positions.view(1, -1).expand(3, -1)
-        if positions.ndim != 2 or positions.shape[0] != 3:
-            raise ValueError(f"M-RoPE positions must be (3, pos) or (pos,), got {tuple(positions.shape)}")
-        cos, sin = self.language_model.rotary_emb(x, positions.to(x.device).view(3, 1, -1))  # (1, pos, rotary)
-        cos, sin = cos[0].to(x.dtype).unsqueeze(-2), sin[0].to(x.dtype).unsqueeze(-2)
-        rot, rest = x[..., : cos.shape[-1]], x[..., cos.shape[-1] :]
-        return torch.cat([rot * cos + rotate_half_llm(rot) * sin, rest], dim=-1)
-
-    # ---- sandwich norms: Gemma 3's split, under GLM's module names
-    def post_attention_norm(self, block: int):
-        return self._norm(self.language_model.layers[block].post_self_attn_layernorm)
-
-    def stream_norms(self) -> list:
-        """The norm each write passes before the stream: per layer its two post-norms."""
-        names = ("post_self_attn_layernorm", "post_mlp_layernorm")
-        layers = self.language_model.layers
-        return [(f"L{i}.{name}", self._norm(getattr(layer, name))) for i, layer in enumerate(layers) for name in names]
-
-    def describe(self) -> dict:
-        return {**super().describe(), "norm_placement": "sandwich"}
-
-    def mlp_module(self, block: int):
-        """The MLP sublayer's last module: its output is the write (``mlp_out``)."""
-        return self.language_model.layers[block].post_mlp_layernorm
-
-    def capture_hooks(self, layer: int, trace, keep_pattern: bool) -> list:
-        """The Llama-style hooks, with ``mlp_out`` the post-normed MLP write and
-        ``trace.norm_inputs["L{l}.post_self_attn_layernorm"]`` (``a``, the o_proj output)."""
-        block = self.language_model.layers[layer]
-        regs = [r for r in super().capture_hooks(layer, trace, keep_pattern) if r[0] is not block.mlp]
-
-        def attn_in(module, args):
-            trace.norm_inputs[f"L{layer}.post_self_attn_layernorm"] = args[0]
-
-        def mlp_write(module, args, out):
-            trace.mlp_out[layer] = out
-
-        return regs + [(block.post_self_attn_layernorm, "pre", attn_in), (self.mlp_module(layer), "fwd", mlp_write)]
-
-    def _attn_input(self, trace, block: int, batch: int, position: int) -> torch.Tensor:
-        return trace.norm_inputs[f"L{block}.post_self_attn_layernorm"][batch, position]
-
-    component_stack = Gemma3Adapter.component_stack
-    readout_pullback = Gemma3Adapter.readout_pullback
 
     # ---- geometry: GLM's smart_resize
     def visual_grid(self, image_size: tuple[int, int]) -> tuple[int, int, int, int]:

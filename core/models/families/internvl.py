@@ -16,11 +16,12 @@ when there is more than one tile, appends the whole image stretched to
 
 from __future__ import annotations
 
-from core.errors import InterventionError, ModelLoadError
+from core.errors import ModelLoadError
 from core.geometry import VisualToken
 from core.models.adapter import config_value, size_value
-from core.models.families._decoder import LlamaStyleWeights
+from core.models.declaration import Family
 from core.models.families.llava import LlavaAdapter
+from core.models.family_adapter import FamilyAdapter
 
 
 class InternVLAdapter(LlavaAdapter):
@@ -28,18 +29,17 @@ class InternVLAdapter(LlavaAdapter):
     InternVL's own: the tiles-plus-thumbnail geometry, the pixel shuffle
     before the projector and the ``<img>`` / ``</img>`` delimiters."""
 
-    hf_architectures = ("InternVLForConditionalGeneration",)
-
-    family = "internvl"
-    final_norm = "rmsnorm"
-    attention_kind = "self"
-    position_scheme = "rope"
-
-    # What InternVL3's chat template renders for one user turn holding an image then the question.
-    fallback_prompt = "<|im_start|>user\n<IMG_CONTEXT>\n{question}<|im_end|>\n<|im_start|>assistant\n"
     # projector_out equals resid at block 0 on the visual positions; the projector's sites are
     # (frames, g*g, width) tensors, not the (batch, n_visual, width) the visual edits index.
-    edit_sites = ("z", "mlp", "resid", "knockout")
+    declaration = Family(
+        name="internvl",
+        architectures=("InternVLForConditionalGeneration",),
+        # What InternVL3's chat template renders for one user turn holding an image then the question.
+        prompt="<|im_start|>user\n<IMG_CONTEXT>\n{question}<|im_end|>\n<|im_start|>assistant\n",
+        delimiters=("processor.start_image_token_id", "processor.end_image_token_id"),
+        no_visual_sites="the projector runs per frame, (frames, g*g, width), not per prompt; "
+        "patch 'resid' at block 0 (the projector's output at the visual positions)",
+    )
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -64,13 +64,7 @@ class InternVLAdapter(LlavaAdapter):
         return {"padding_side": "right"}
 
     # The image's token count follows its size: the prompt's own tokens first, prepare() the real total.
-    check_fits = LlamaStyleWeights.check_fits
-
-    def visual_site_module(self, site: str):
-        raise InterventionError(
-            f"internvl: no {site!r} site: the projector runs per frame, (frames, g*g, width), not per prompt; "
-            "patch 'resid' at block 0 (the projector's output at the visual positions)"
-        )
+    check_fits = FamilyAdapter.check_fits
 
     # ---- the vision side: pixel-shuffled tower features, then the projector (LLaVA's project_visual)
     def vision_features(self, pixels):
@@ -83,12 +77,6 @@ class InternVLAdapter(LlavaAdapter):
         x = (out.last_hidden_state if layer == -1 else out.hidden_states[layer])[:, 1:]
         n = int(round(x.shape[1] ** 0.5))
         return inner.pixel_shuffle(x.reshape(x.shape[0], n, n, -1), inner.config.downsample_ratio).flatten(1, 2)
-
-    # ---- markup
-    def visual_delimiter_positions(self, trace, batch: int = 0) -> list[int]:
-        """Positions of ``<img>`` and ``</img>`` (they frame an image's tokens)."""
-        marks = {self.processor.start_image_token_id, self.processor.end_image_token_id}
-        return [i for i, t in enumerate(trace.input_ids[batch].tolist()) if t in marks]
 
     # ---- geometry
     def tile_side(self) -> int:

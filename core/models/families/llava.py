@@ -7,24 +7,21 @@ import torch
 
 from core.errors import QuestionError
 from core.geometry import VisualToken, resize_crop_boxes
-from core.models.adapter import Adapter, config_int, size_value
-from core.models.families._decoder import LlamaStyleWeights
+from core.models.adapter import config_int, size_value
+from core.models.declaration import Family
+from core.models.family_adapter import FamilyAdapter
 
 
-class LlavaAdapter(LlamaStyleWeights, Adapter):
-    """Batches, weights, norms, hooks and RoPE from :class:`LlamaStyleWeights`;
-    what is LLaVA's own: the fixed image token count, the projector's sites and
-    the resize-crop geometry."""
+class LlavaAdapter(FamilyAdapter):
+    """A Llama-style decoder as declared (the defaults); what is LLaVA's own:
+    the fixed image token count, the vision features and the resize-crop geometry."""
 
-    hf_architectures = ("LlavaForConditionalGeneration",)
-
-    family = "llava"
-    final_norm = "rmsnorm"
-    attention_kind = "self"
-    position_scheme = "rope"
-
-    fallback_prompt = "USER: <image>\n{question} ASSISTANT:"
-    edit_sites = ("z", "mlp", "resid", "knockout", "vision_out", "projector_out")
+    declaration = Family(
+        name="llava",
+        architectures=("LlavaForConditionalGeneration",),
+        prompt="USER: <image>\n{question} ASSISTANT:",
+        visual_sites=True,
+    )
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -38,35 +35,11 @@ class LlavaAdapter(LlamaStyleWeights, Adapter):
         if total > limit:
             raise QuestionError(f"the question is too long: {total} tokens with the image, the model takes {limit}")
 
-    # ---- canonical weights (LlamaStyleWeights); the head size is family-specific
-    @property
-    def d_head(self) -> int:
-        return getattr(self.text_config, "head_dim", None) or self.d_model // self.n_heads
-
     # ---- the vision side (interventions and the zoo's training reach it through here)
-    @property
-    def projector(self) -> torch.nn.Module:
-        return self.model.model.multi_modal_projector
-
     def vision_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """``(batch, 3, H, W)`` pixels -> ``(batch, patches, vision width)``: the
         vision tower's last hidden state, CLS dropped."""
         return self.model.model.vision_tower(pixel_values=pixels).last_hidden_state[:, 1:]
-
-    def project_visual(self, features: torch.Tensor) -> torch.Tensor:
-        """``(batch, patches, vision width)`` -> ``(batch, patches, d_model)``: what the language model reads."""
-        return self.projector(features)
-
-    def visual_site_module(self, site: str):
-        """``vision_out``: the projector's input, i.e. the vision tower's hidden
-        state at ``vision_feature_layer`` with CLS dropped (the features the
-        language side reads); ``projector_out``: the projector's output, the rows
-        placed at the image-token positions."""
-        if site == "vision_out":
-            return self.projector, "pre"
-        if site == "projector_out":
-            return self.projector, "fwd"
-        return super().visual_site_module(site)
 
     # ---- geometry
     def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:

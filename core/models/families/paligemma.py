@@ -9,10 +9,10 @@ What differs from the Llama-style families:
   scattered in *unscaled* (the projector output as is). So the residual
   entering block 0 (``trace.resid_pre[0]``, the decomposition's ``embed``
   component) holds ``sqrt(d_model) * E[token]`` at text positions and the
-  projector output at image positions; :meth:`PaliGemmaAdapter.input_embeddings`
-  includes the scale. The unembedding is tied to the *unscaled* table.
+  projector output at image positions; :meth:`~core.models.family_adapter.FamilyAdapter.input_embeddings`
+  includes the scale (declared: ``scaled_embeddings``). The unembedding is tied to the *unscaled* table.
 * **RMSNorm in the (1 + w) form, computed in float32.** Gemma normalises and
-  multiplies by ``1 + w`` in float32 and casts back; :class:`GemmaNorm`
+  multiplies by ``1 + w`` in float32 and casts back; :class:`core.models.norms.GemmaNorm`
   (a :class:`core.models.norms.Norm` with ``weight_offset=1``) does the same
   operations in the same order, so the lens on ``x_L`` is the model's logits
   bit for bit even in a float64 model.
@@ -23,10 +23,10 @@ What differs from the Llama-style families:
   causal OR (query and key both in the prefix), AND key not padding. The
   prefix attends bidirectionally, so the answer position (the last prompt
   token) reads every real token and early prefix tokens read later ones.
-  :meth:`PaliGemmaAdapter.allowed_keys` returns the mask the decoder was
+  :meth:`~core.models.family_adapter.FamilyAdapter.allowed_keys` returns the mask the decoder was
   actually called with (recorded by the capture), not a causal guess.
 * **1-indexed positions.** PaliGemma passes ``position_ids = arange(pos) + 1``
-  to the decoder; :meth:`PaliGemmaAdapter.rope_positions` returns those.
+  to the decoder; the capture records them (``rope_positions`` returns those).
 * **Geometry.** SigLIP's processor resizes to a fixed square (no crop, no
   pad): a non-square image is stretched, so each patch box is
   ``patch * W / S`` wide and ``patch * H / S`` tall in the original image.
@@ -44,77 +44,33 @@ and the additive DLA cannot reproduce.
 
 from __future__ import annotations
 
-import torch
-
-from core.capture import run_with_hooks
 from core.errors import QuestionError, UnsupportedArchitectureError
 from core.geometry import VisualToken
-from core.models.adapter import Adapter, ModelInputs, config_int, size_value
-from core.models.families._decoder import LlamaStyleWeights
-from core.models.norms import Norm
+from core.models.adapter import config_int, size_value
+from core.models.declaration import Decoder, Family, Mask, Rotary
+from core.models.family_adapter import FamilyAdapter
 
 IMAGE_TOKEN = "<image>"
 
 
-class GemmaNorm(Norm):
-    """Gemma's RMSNorm exactly as the model computes it: statistics,
-    normalisation *and* the ``(1 + w)`` gain in ``compute_dtype`` (float32),
-    then cast back (``GemmaRMSNorm`` multiplies by the gain before the cast,
-    Llama after it). ``frozen``/``jvp``/``vjp`` are the base class's (in the
-    input's dtype)."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``(..., d_model) -> (..., d_model)``."""
-        dt = self.compute_dtype or x.dtype
-        xf = x.to(dt)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = y * (self.weight_offset + self.weight.to(dt))
-        return y.to(x.dtype)
-
-
-def prefix_lm_allowed(
-    attention_mask: torch.Tensor | None, token_type_ids: torch.Tensor | None, n_pos: int
-) -> torch.Tensor:
-    """``(batch, pos, keys)`` bool: PaliGemma's prefix-LM mask, as transformers
-    builds it: causal OR (query and key both prefix, ``token_type_ids == 0``),
-    AND the key is not padding. Without ``token_type_ids`` the model runs
-    plain causal attention (that is what PaliGemmaModel does then).
-
-    Args:
-        attention_mask: ``(batch, pos)`` 1 real, 0 padding (None: no padding).
-        token_type_ids: ``(batch, pos)`` 0 prefix, 1 suffix (None: all causal).
-        n_pos: sequence length.
-    """
-    batch = 1
-    for t in (attention_mask, token_type_ids):
-        if t is not None:
-            batch = t.shape[0]
-    allowed = torch.ones(n_pos, n_pos, dtype=torch.bool).tril().expand(batch, -1, -1)
-    if token_type_ids is not None:
-        prefix = token_type_ids.cpu() == 0  # (batch, pos)
-        allowed = allowed | (prefix[:, :, None] & prefix[:, None, :])
-    if attention_mask is not None:
-        allowed = allowed & attention_mask.cpu().bool()[:, None, :]
-    return allowed
-
-
-class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
+class PaliGemmaAdapter(FamilyAdapter):
     """The canonical view of a PaliGemma (Gemma 1 decoder) model; see the
     module docstring for the prefix-LM mask, the scaled embeddings and what is
     refused."""
-
-    hf_architectures = ("PaliGemmaForConditionalGeneration",)
-
-    family = "paligemma"
-    final_norm = "rmsnorm"
-    attention_kind = "self"
-    position_scheme = "rope"
 
     # PaliGemma checkpoints ship no chat template: the processor takes
     # "<image>" + the prompt and itself inserts <bos> after the image tokens
     # and appends "\n". Task prefixes ("answer en ", "caption en") are part of
     # the question the user types.
-    fallback_prompt = IMAGE_TOKEN + "{question}"
+    declaration = Family(
+        name="paligemma",
+        architectures=("PaliGemmaForConditionalGeneration",),
+        prompt=IMAGE_TOKEN + "{question}",
+        decoder=Decoder(norm="gemma", scaled_embeddings=True),
+        rotary=Rotary(first=1),
+        mask=Mask("prefix", types="token_type_ids", recorded=True),
+        edit_sites=("z", "mlp"),
+    )
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -142,10 +98,6 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
 
     # ---- sizes
     @property
-    def d_head(self) -> int:
-        return int(self._attn(0).head_dim)
-
-    @property
     def n_image_tokens(self) -> int:
         """Visual tokens per image (fixed: ``(image_size / patch_size) ** 2``)."""
         vision = self.model.config.vision_config
@@ -169,68 +121,6 @@ class PaliGemmaAdapter(LlamaStyleWeights, Adapter):
     # unchanged. visual_positions (the base's): the first ``n_image_tokens`` positions.
     dropped_tensors = ("labels",)
     appended_token_types = {"token_type_ids": 1}
-
-    # ---- canonical weights (LlamaStyleWeights) with Gemma's norms and embeddings
-    def _norm(self, module):  # GemmaRMSNorm keeps eps as .eps and scales by (1 + w) in float32
-        return GemmaNorm("rmsnorm", module.weight, None, module.eps, weight_offset=1.0, compute_dtype=torch.float32)
-
-    def input_embeddings(self) -> torch.Tensor:
-        """``(vocab, d_model)`` token embeddings as block 0 receives them:
-        ``E * sqrt(d_model)`` (the scale in the embedding's dtype, as Gemma applies it)."""
-        emb = self.language_model.embed_tokens
-        return emb.weight * emb.embed_scale.to(emb.weight.dtype)
-
-    # ---- capture
-    def run_capture(self, inputs: ModelInputs, trace, keep: set[int]) -> None:
-        """The default hooked forward; also keeps ``trace.token_type_ids``
-        ``(batch, pos)`` (prefix 0 / suffix 1) for :meth:`allowed_keys`."""
-
-        trace.token_type_ids = inputs.tensors.get("token_type_ids")
-        run_with_hooks(self, inputs, trace, keep)
-
-    def capture_hooks(self, layer: int, trace, keep_pattern: bool) -> list:
-        """The Llama-style hooks plus one that records what block ``layer``'s
-        attention was called with: ``trace.decoder_masks[layer]``, the model's
-        own 4-D mask ``(batch, 1, pos, keys)`` (a reference, no copy: every
-        layer gets the same tensor; additive, 0 where allowed, or bool) and, at
-        block 0, ``trace.position_ids`` ``(batch, pos)`` (1-indexed)."""
-        regs = super().capture_hooks(layer, trace, keep_pattern)
-
-        def inputs(module, args, kwargs):
-            mask = kwargs.get("attention_mask")
-            if isinstance(mask, dict):  # hybrid configs pass one mask per layer type
-                mask = mask.get("full_attention")
-            if isinstance(mask, torch.Tensor) and mask.ndim == 4:
-                if not hasattr(trace, "decoder_masks"):
-                    trace.decoder_masks = {}
-                trace.decoder_masks[layer] = mask
-            if layer == 0 and kwargs.get("position_ids") is not None:
-                hidden = args[0] if args else kwargs["hidden_states"]
-                trace.position_ids = kwargs["position_ids"].expand(hidden.shape[0], -1)
-
-        regs.append((self.language_model.layers[layer], "pre_kw", inputs))
-        return regs
-
-    def rope_positions(self, trace, batch: int = 0) -> torch.Tensor:
-        """``(pos,)`` the RoPE positions of one batch row: the recorded
-        ``position_ids``, else ``arange(pos) + 1`` (PaliGemma is 1-indexed)."""
-        p = getattr(trace, "position_ids", None)
-        if p is not None:
-            return p[batch] if p.ndim == 2 else p
-        return torch.arange(trace.input_ids.shape[1]) + 1
-
-    def allowed_keys(self, trace, block: int, batch: int = 0) -> torch.Tensor:
-        """``(pos, keys)`` bool: the prefix-LM mask block ``block`` ran with
-        (recorded by the capture); for a trace without it, rebuilt from
-        ``trace.token_type_ids`` and the padding mask by :func:`prefix_lm_allowed`."""
-        recorded = getattr(trace, "decoder_masks", {}).get(block)
-        if recorded is not None:
-            m = recorded[batch, 0]
-            return (m if m.dtype == torch.bool else m == 0).cpu()
-        n = trace.input_ids.shape[1]
-        mask = trace.attention_mask[batch : batch + 1] if trace.attention_mask is not None else None
-        tt = getattr(trace, "token_type_ids", None)
-        return prefix_lm_allowed(mask, tt[batch : batch + 1] if tt is not None else None, n)[0]
 
     def token_roles(self, trace, batch: int = 0) -> list[str]:
         """As the base class, but the image comes first: position 0 is a

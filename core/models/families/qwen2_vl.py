@@ -25,13 +25,15 @@ inputs.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from core.capture import on_device_of
 from core.errors import ImageLoadError
 from core.geometry import VisualToken
-from core.models.adapter import Adapter, ModelInputs
-from core.models.families._decoder import LlamaStyleWeights
+from core.models.adapter import ModelInputs
+from core.models.declaration import Family, Rotary
+from core.models.family_adapter import FamilyAdapter
 
 # What Qwen's own chat template renders for one user turn holding an image
 # then the question, with the generation prompt (used when the processor has
@@ -43,31 +45,22 @@ QWEN_PROMPT = (
 )
 
 
-class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
-    """The canonical view of a Qwen2-VL model (see the module docstring).
+class Qwen2VLAdapter(FamilyAdapter):
+    """The canonical view of a Qwen2-VL model (see the module docstring): a
+    Llama-style decoder (q/k/v biases) rotated by M-RoPE, whose positions
+    ``(3, batch, pos)`` the capture records as ``trace.position_ids``. The number
+    of visual tokens depends on the image size (the processor resizes to
+    multiples of ``patch_size * merge_size`` within ``[min_pixels, max_pixels]``),
+    so :meth:`visual_tokens` needs the image size and a batch of differently
+    sized images has ragged visual positions."""
 
-    Differences from the plain-RoPE families:
-
-    * :meth:`rotate` takes M-RoPE positions ``(3, pos)``.
-    * A capture records the decoder's position ids as ``trace.position_ids``
-      ``(3, batch, pos)`` (an attribute added to the :class:`core.capture.Trace`
-      by :meth:`final_hooks`).
-    * The number of visual tokens depends on the image size (the processor
-      resizes to multiples of ``patch_size * merge_size`` within
-      ``[min_pixels, max_pixels]``), so :meth:`visual_tokens` needs the
-      image size and a batch of differently sized images has ragged visual
-      positions.
-    """
-
-    hf_architectures = ("Qwen2VLForConditionalGeneration",)
-
-    family = "qwen2_vl"
-    final_norm = "rmsnorm"
-    attention_kind = "self"
-    position_scheme = "mrope"
-
-    # ---- text
-    fallback_prompt = QWEN_PROMPT
+    declaration = Family(
+        name="qwen2_vl",
+        architectures=("Qwen2VLForConditionalGeneration",),
+        prompt=QWEN_PROMPT,
+        rotary=Rotary("mrope", rotate_half="transformers.models.qwen2_vl.modeling_qwen2_vl.rotate_half"),
+        edit_sites=("z", "mlp"),
+    )
 
     # ---- running: prepare (the base's, LlamaStyleWeights' check_fits) gives one
     # right-padded batch, one image per question: ``input_ids``, ``attention_mask``,
@@ -102,67 +95,6 @@ class Qwen2VLAdapter(LlamaStyleWeights, Adapter):
         last forward (whichever image that was) over the whole attention mask,
         which does not fit a one-token step."""
         return {"position_ids": self.positions_for_inputs(inputs)}
-
-    # ---- canonical weights (LlamaStyleWeights); the head size is family-specific
-    @property
-    def d_head(self) -> int:
-        # Qwen2-VL's attention uses hidden_size // num_heads whatever the config says.
-        return self._attn(0).head_dim
-
-    # ---- capture (visual_positions: the base's, which refuses ragged batches)
-
-    def final_hooks(self, trace) -> list:
-        """Hooks that record ``trace.final_resid`` (the final norm's input) and
-        ``trace.position_ids`` ``(3, batch, pos)``: the M-RoPE positions the
-        decoder ran with (what :meth:`rotate` takes, one batch row at a time)."""
-
-        def final(module, args):
-            trace.final_resid = on_device_of(module, args[0])
-
-        def positions(module, args, kwargs):
-            trace.position_ids = self._decoder_positions(kwargs)
-
-        return [(self.language_model.norm, "pre", final), (self.language_model, "pre_kw", positions)]
-
-    @staticmethod
-    def _decoder_positions(kwargs: dict) -> torch.Tensor:
-        """The decoder's ``(3, batch, pos)`` positions from its call kwargs, as
-        Qwen2VLTextModel.forward derives them (no cache: a single full run)."""
-        pos = kwargs.get("position_ids")
-        embeds = kwargs.get("inputs_embeds")
-        if pos is None:
-            ref = embeds if embeds is not None else kwargs["input_ids"]
-            batch, n = ref.shape[0], ref.shape[1]
-            return torch.arange(n, device=ref.device).view(1, 1, -1).expand(3, batch, -1)
-        if pos.ndim == 2:
-            return pos[None].expand(3, -1, -1)
-        if pos.shape[0] == 4:  # text positions prepended for packed sequences
-            return pos[1:]
-        return pos
-
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Apply Qwen's M-RoPE to queries or keys ``(..., pos, heads, d_head)``.
-
-        Args:
-            x: ``(..., pos, heads, d_head)`` queries or keys (after the bias).
-            positions: ``(3, pos)``: the temporal, height and width position
-                ids of one batch row, e.g. ``trace.position_ids[:, b]`` or
-                ``positions_for_inputs(inputs)[:, b]``. NOTE the shape differs from
-                the plain-RoPE families' ``(pos,)``: a visual token's three ids
-                differ, so a sequence index alone does not fix its rotation.
-                A ``(pos,)`` tensor is accepted and used on all three axes
-                (right for text-only runs, wrong for visual tokens).
-        """
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import rotate_half
-
-        if positions.ndim == 1:
-            positions = positions.view(1, -1).expand(3, -1)
-        if positions.ndim != 2 or positions.shape[0] != 3:
-            raise ValueError(f"M-RoPE positions must be (3, pos) or (pos,), got {tuple(positions.shape)}")
-        positions = positions.to(x.device)
-        cos, sin = self.language_model.rotary_emb(x, positions.view(3, 1, -1))  # (1, pos, d_head)
-        cos, sin = cos[0].to(x.dtype).unsqueeze(-2), sin[0].to(x.dtype).unsqueeze(-2)  # (pos, 1, d_head)
-        return x * cos + rotate_half(x) * sin
 
     # ---- geometry
     def visual_grid(self, image_size: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -230,6 +162,6 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
     """Qwen2.5-VL: the same decoder, processor and token order as Qwen2-VL
     (the windowed vision tower restores row-major order after its merger)."""
 
-    hf_architectures = ("Qwen2_5_VLForConditionalGeneration",)
-
-    family = "qwen2_5_vl"
+    declaration = replace(
+        Qwen2VLAdapter.declaration, name="qwen2_5_vl", architectures=("Qwen2_5_VLForConditionalGeneration",)
+    )

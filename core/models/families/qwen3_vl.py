@@ -4,12 +4,12 @@ into one visual token), with three differences on the language side:
 
 * **q/k norms.** Each head's query and key pass an RMSNorm over ``d_head``
   (``q_norm`` / ``k_norm``, one gain shared by the heads) after the projection
-  and before the rotation; :meth:`Qwen3VLAdapter.queries_keys` applies them.
+  and before the rotation (declared: the generic ``queries_keys`` applies them).
 * **Interleaved M-RoPE.** Rotary frequency ``j`` turns with the height id when
   ``j % 3 == 1`` and ``j < 3 * mrope_section[1]``, with the width id when
   ``j % 3 == 2`` and ``j < 3 * mrope_section[2]``, else with the temporal id
   (Qwen2-VL gives each axis one contiguous block). The decoder's own rotary
-  module does the interleaving, so :meth:`Qwen2VLAdapter.rotate` applies as is.
+  module does the interleaving, so Qwen2-VL's declared rotation applies as is.
 * **DeepStack.** The vision tower also merges the hidden states of its layers
   ``deepstack_visual_indexes[k]`` (each through its own merger); after decoder
   layer ``k`` the model *adds* feature ``k`` to the stream at the visual
@@ -21,9 +21,12 @@ into one visual token), with three differences on the language side:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from core.capture import on_device_of
+from core.models.declaration import Decoder
 from core.models.families.qwen2_vl import Qwen2VLAdapter
 
 # Qwen3-VL's chat template for one user turn holding an image then the question
@@ -34,42 +37,15 @@ QWEN3_PROMPT = (
 
 
 class Qwen3VLAdapter(Qwen2VLAdapter):
-    """Qwen2-VL's batches, positions and geometry; Qwen3's q/k norms and DeepStack writes."""
+    """Qwen2-VL's batches, positions and geometry; Qwen3's q/k norms (declared) and DeepStack writes."""
 
-    hf_architectures = ("Qwen3VLForConditionalGeneration",)
-
-    family = "qwen3_vl"
-    final_norm = "rmsnorm"
-    attention_kind = "self"
-    position_scheme = "mrope"
-
-    fallback_prompt = QWEN3_PROMPT
-
-    # ---- q/k norms
-    def q_norm(self, block: int):
-        """The per-head RMSNorm over ``d_head`` applied to queries after ``q_proj``, before M-RoPE."""
-        return self._norm(self._attn(block).q_norm)
-
-    def k_norm(self, block: int):
-        """The per-head RMSNorm over ``d_head`` applied to keys after ``k_proj``, before M-RoPE."""
-        return self._norm(self._attn(block).k_norm)
-
-    def qk_gain(self, block: int) -> torch.Tensor:
-        """``(d_head,)`` ``g_q * g_k``: position-free, the score is
-        ``q^T diag(qk_gain) k / (rms(q) rms(k) sqrt(d_head))`` with ``q``, ``k`` the
-        raw projections; the rotation between norm and score mixes coordinate
-        pairs, so with positions this is the form only where the gains agree on each pair."""
-        attn = self._attn(block)
-        return attn.q_norm.weight * attn.k_norm.weight
-
-    def queries_keys(self, trace, block: int, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries ``(pos, heads, d_head)`` and keys (groups expanded) as the model
-        scores them: norm, W_Q / W_K (+ bias), q_norm / k_norm, then M-RoPE."""
-        x = self.attn_norm(block)(trace.resid_pre[block][batch])
-        q = torch.einsum("pm,hmd->phd", x, self.W_Q(block).to(x.dtype)) + self.b_Q(block).to(x.dtype)
-        k = torch.einsum("pm,hmd->phd", x, self.W_K(block).to(x.dtype)) + self.b_K(block).to(x.dtype)
-        positions = self.rope_positions(trace, batch)
-        return self.rotate(self.q_norm(block)(q), positions), self.rotate(self.k_norm(block)(k), positions)
+    declaration = replace(
+        Qwen2VLAdapter.declaration,
+        name="qwen3_vl",
+        architectures=("Qwen3VLForConditionalGeneration",),
+        prompt=QWEN3_PROMPT,
+        decoder=Decoder(qk_norms=("q_norm", "k_norm")),
+    )
 
     # ---- DeepStack: what the capture records and where the writes enter the residual graph
     def final_hooks(self, trace) -> list:
