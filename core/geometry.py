@@ -43,6 +43,33 @@ class VisualToken:
         }
 
 
+def stretched_grid_tokens(
+    image_size: tuple[int, int],
+    resized: tuple[int, int],
+    grid: tuple[int, int],
+    cell: float,
+    positions: list[int] | None = None,
+) -> list[VisualToken]:
+    """The tokens of a processor that stretches the whole image to ``resized =
+    (width, height)`` px (no crop, no pad) and gives one token per ``cell x cell``
+    px block of it (a patch, or a merged / pooled block of patches), row-major
+    over ``grid = (rows, cols)``; boxes scaled back by original / resized size.
+
+    Raises:
+        ValueError: ``positions`` given and not one per token.
+    """
+    rows, cols = grid
+    if positions is not None and len(positions) != rows * cols:
+        raise ValueError(f"{len(positions)} visual positions for a {rows}x{cols} token grid")
+    sx, sy = image_size[0] / resized[0], image_size[1] / resized[1]
+    out = []
+    for i in range(rows * cols):
+        r, c = divmod(i, cols)
+        box = [c * cell * sx, r * cell * sy, (c + 1) * cell * sx, (r + 1) * cell * sy]
+        out.append(VisualToken(i, None if positions is None else int(positions[i]), 0, r, c, box))
+    return out
+
+
 def resize_crop_boxes(
     image_size: tuple[int, int], shortest_edge: int, crop: tuple[int, int], patch: int
 ) -> list[tuple[int, int, list[float]]]:

@@ -20,6 +20,7 @@ from core.capture import run_with_hooks
 from core.errors import ModelLoadError, QuestionError
 from core.models.canonical import CANONICAL, CANONICAL_NAMES, NotMapped
 from core.models.config_fields import config_int, config_key, config_value, size_value
+from core.models.declaration import SANDWICH_CONVENTION, Family
 from core.models.decoding import Decoding, DecodingState
 from core.models.edit_sites import EditSites
 from core.models.inputs import ModelInputs
@@ -94,8 +95,25 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
     # value the new token gets (Qwen's mm_token_type_ids: 0, text).
     appended_token_types: ClassVar[dict[str, int]] = {"mm_token_type_ids": 0}
 
+    # The family's declaration (core.models.declaration): a class with its own sets the
+    # class attributes above from it (core.models.family_adapter.FamilyAdapter derives the rest).
+    declaration: ClassVar[Family | None] = None
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        d = vars(cls).get("declaration")
+        if d is not None:
+            cls.family = d.name
+            cls.hf_architectures = d.architectures
+            cls.open_clip_classes = d.open_clip_classes
+            cls.fallback_prompt = d.prompt
+            cls.final_norm = d.final_norm
+            cls.attention_kind = d.attention
+            cls.position_scheme = d.rotary.scheme
+            cls.frozen_convention = d.frozen_convention or (
+                SANDWICH_CONVENTION if d.decoder.form == "sandwich" else Adapter.frozen_convention
+            )
+            cls.edit_sites = (*d.edit_sites, *(("vision_out", "projector_out") if d.visual_sites else ()))
         cls.capabilities = frozenset(name for name in CANONICAL_NAMES if hasattr(cls, name))
 
     def __getattr__(self, name: str):
@@ -425,6 +443,13 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
         """``(d_head,)`` the product of per-head q and k norm gains, for families
         that normalise q and k per head (None: no such norms)."""
         return None
+
+    def query_extras(self, block: int) -> str | None:
+        """What a query of block ``block`` passes between ``W_Q`` (+ ``b_Q``) and the
+        rotation, in words; None where nothing does (``q = rotate(W_Q Norm(x) + b_Q)``,
+        what a read-out inverting the query path needs). A family with its own
+        :meth:`queries_keys` says what it adds."""
+        return None if type(self).queries_keys is Adapter.queries_keys else f"{self.family}'s own query computation"
 
     def input_embeddings(self) -> torch.Tensor:
         """``(vocab, d_model)`` token embeddings as the first block receives

@@ -29,6 +29,9 @@ NORM_FORMS = {
     "layernorm": "LayerNorm (weight and bias)",
 }
 
+# frozen_convention of a sandwich-norm family (stated in every audit row of its DLA).
+SANDWICH_CONVENTION = "final norm scale frozen at x_L; a head's write under its block's post-attention norm scale"
+
 POSITION_SCHEMES = ("rope", "mrope", "none", "absolute")
 
 # Which keys a query may read besides the causal ones (always: padding keys never,
@@ -46,12 +49,13 @@ MASK_RULES = {
 class Decoder:
     """Where a decoder's parts live, as attribute paths, and its block form.
 
-    ``path`` and ``unembed`` start at the loaded model; ``attention``,
+    ``path`` and ``unembed`` start at the loaded model (``path`` None: the
+    family maps its modules in its own code, BLIP and CoCa); ``attention``,
     ``attn_norm``, ``mlp`` and ``sandwich`` at one decoder layer (``path.layers[i]``);
     ``q`` ... ``o`` and ``qk_norms`` at the attention module; ``final_norm`` and
     ``rotary`` at the decoder."""
 
-    path: str = "model.language_model"
+    path: str | None = "model.language_model"
     unembed: str = "lm_head"
     attention: str = "self_attn"
     q: str = "q_proj"
@@ -140,7 +144,8 @@ class Family:
     ``no_visual_sites`` is the one-line reason they are refused."""
 
     name: str
-    architectures: tuple[str, ...] = ()
+    architectures: tuple[str, ...] = ()  # config.architectures[0] names this family serves
+    open_clip_classes: tuple[str, ...] = ()  # open_clip model classes it serves
     prompt: str = "{question}"  # the fallback prompt when the processor has no chat template
     decoder: Decoder = field(default_factory=Decoder)
     rotary: Rotary = field(default_factory=Rotary)

@@ -15,18 +15,17 @@ from __future__ import annotations
 import importlib
 from functools import cached_property
 from operator import attrgetter
+from typing import ClassVar
 
 import torch
 
 from core.attention_rows import WeightsRows
 from core.capture import on_device_of, record_pattern
 from core.errors import InterventionError, QuestionError
-from core.models.adapter import Adapter, config_int, config_value
+from core.models.adapter import Adapter, ModelInputs, config_int, config_value
 from core.models.declaration import Family
 from core.models.norms import CohereNorm, GemmaNorm, Norm
 from core.precision import accumulating
-
-SANDWICH_CONVENTION = "final norm scale frozen at x_L; a head's write under its block's post-attention norm scale"
 
 
 def pattern_hook(trace, layer: int):
@@ -100,26 +99,8 @@ class TextConfigSizes:
 class FamilyAdapter(TextConfigSizes, Adapter):
     """The canonical view of a decoder described by :attr:`declaration`."""
 
-    declaration: Family
+    declaration: ClassVar[Family]
     forward_options = {"use_cache": False}  # one full run: no key / value cache
-
-    def __init_subclass__(cls, **kwargs):
-        """A class with its own ``declaration`` gets the class attributes the
-        rest of the engine reads (the registry's architecture names included) from it."""
-        d = vars(cls).get("declaration")
-        if d is not None:
-            cls.family = d.name
-            cls.hf_architectures = d.architectures
-            cls.fallback_prompt = d.prompt
-            cls.final_norm = d.final_norm
-            cls.attention_kind = d.attention
-            cls.position_scheme = d.rotary.scheme
-            sandwich = d.decoder.form == "sandwich"
-            cls.frozen_convention = d.frozen_convention or (
-                SANDWICH_CONVENTION if sandwich else Adapter.frozen_convention
-            )
-            cls.edit_sites = (*d.edit_sites, *(("vision_out", "projector_out") if d.visual_sites else ()))
-        super().__init_subclass__(**kwargs)
 
     # ---- the config and the prompt
     @classmethod
@@ -327,6 +308,10 @@ class FamilyAdapter(TextConfigSizes, Adapter):
             return None
         return (q.weight_offset + q.weight) * (k.weight_offset + k.weight)
 
+    def query_extras(self, block: int) -> str | None:
+        """``"q/k norms"`` where the block normalises its queries per head, else None."""
+        return "q/k norms" if self.q_norm(block) is not None else None
+
     # ---- positions
     @cached_property
     def _rotate_half(self):
@@ -373,6 +358,37 @@ class FamilyAdapter(TextConfigSizes, Adapter):
             turned, rest = x[..., : cos.shape[-1]], x[..., cos.shape[-1] :]
             return torch.cat([turned * cos + self._rotate_half(turned) * sin, rest], dim=-1)
         return x * cos + self._rotate_half(x) * sin
+
+    def positions_for_inputs(self, inputs: ModelInputs) -> torch.Tensor:
+        """M-RoPE: ``(3, batch, pos)`` the position ids (temporal, height, width)
+        the model computes for ``inputs`` (padding positions get 0), through the
+        model's own ``get_rope_index``."""
+        t = inputs.tensors
+        ids = t["input_ids"]
+        if t.get("image_grid_thw") is None or t.get("mm_token_type_ids") is None:
+            mask = t.get("attention_mask")
+            if mask is None:
+                pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+            else:
+                pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+            return pos.unsqueeze(0).expand(3, -1, -1)
+        pos, _ = self.model.model.get_rope_index(
+            ids,
+            mm_token_type_ids=t["mm_token_type_ids"],
+            image_grid_thw=t["image_grid_thw"],
+            attention_mask=t.get("attention_mask"),
+        )
+        return pos
+
+    def decoding_inputs(self, inputs: ModelInputs) -> dict[str, torch.Tensor]:
+        """M-RoPE: the positions ``(3, batch, pos)`` of the whole sequence (a
+        cached step takes the last one), as transformers' generate passes them.
+        Without them the model falls back on the rope deltas it stored at its
+        last forward (whichever image that was) over the whole attention mask,
+        which does not fit a one-token step. Other schemes: none."""
+        if self.position_scheme != "mrope":
+            return {}
+        return {"position_ids": self.positions_for_inputs(inputs)}
 
     def rope_positions(self, trace, batch: int = 0) -> torch.Tensor:
         """The positions :meth:`rotate` takes for one batch row: the ones the

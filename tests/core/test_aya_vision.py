@@ -308,7 +308,7 @@ def check_patterns_and_values(m, tr) -> None:
     and the full layer is NoPE (rotating it gives other patterns)."""
     a = m.adapter
     n = tr.input_ids.shape[1]
-    assert n > WINDOW and [a._rotated(b) for b in range(3)] == [True, False, True]
+    assert n > WINDOW and [a._rotary(b) is not None for b in range(3)] == [True, False, True]
     for layer, rope, window in ((0, True, None), (0, False, WINDOW), (1, True, None)):
         other, _ = _recompute_patterns(a, tr, layer, rope, window)
         assert (other[:, tr.query_positions] - tr.patterns[layer][0]).abs().max() > 1e-3

@@ -10,8 +10,6 @@ from collections.abc import Callable
 
 import torch
 
-from core.models.adapter import Adapter
-
 
 def rotation_matrix(adapter, trace, block: int, pos: int, d: int, dtype, batch: int) -> torch.Tensor:
     """``(d_head, d_head)`` R with ``q_rotated = q @ R`` at position ``pos`` (identity without RoPE)."""
@@ -20,7 +18,7 @@ def rotation_matrix(adapter, trace, block: int, pos: int, d: int, dtype, batch: 
     positions = adapter.rope_positions(trace, batch)
     p = positions[..., pos : pos + 1].to(adapter.device)
     eye = torch.eye(d, dtype=dtype, device=adapter.device).view(1, d, d)  # one position, d "heads": row i is e_i
-    return adapter.rotate(eye, p)[0]
+    return adapter.rotate(eye, p, block)[0]
 
 
 def query_path(
@@ -51,8 +49,9 @@ def query_path(
     """
     cpu = {"device": "cpu", "dtype": torch.float64}
     norm = adapter.attn_norm(block)
-    if type(adapter).queries_keys is not Adapter.queries_keys:
-        note = f"{adapter.family}: the query path has extra transforms (q/k norms); c-residual not mapped"
+    extras = adapter.query_extras(block)
+    if extras is not None:
+        note = f"{adapter.family}: the query path has extra transforms ({extras}); c-residual not mapped"
         return None, None, {}, note
     if getattr(norm, "kind", None) not in ("rmsnorm", "layernorm"):
         note = "the query reads the stream without a norm of its own (post-norm); c-residual not mapped"

@@ -49,7 +49,9 @@ class AyaVisionAdapter(InternVLAdapter):
         "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
         decoder=Decoder(form="parallel", norm="cohere", logit_scale="logit_scale"),
         rotary=Rotary(
-            rotate_half="transformers.models.cohere2.modeling_cohere2.rotate_half", per_layer="sliding_only", float32=True
+            rotate_half="transformers.models.cohere2.modeling_cohere2.rotate_half",
+            per_layer="sliding_only",
+            float32=True,
         ),
         no_visual_sites="the projector runs per frame, (frames, g, g, width), not per prompt; "
         "patch 'resid' at block 0 (the projector's output at the visual positions)",

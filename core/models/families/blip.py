@@ -54,7 +54,8 @@ from core.capture import on_device_of, record_pattern, run_with_hooks
 from core.errors import QuestionError
 from core.geometry import VisualToken
 from core.models.adapter import Adapter, ModelInputs, config_int, size_value
-from core.models.families._decoder import TextConfigSizes
+from core.models.declaration import Decoder, Family, Rotary
+from core.models.family_adapter import TextConfigSizes
 from core.models.norms import IdentityNorm, Norm
 from core.precision import accumulating, is_half
 
@@ -173,15 +174,18 @@ class BlipAdapter(TextConfigSizes, Adapter):
     and the answer position is the last prefix token.
     """
 
-    hf_architectures = ("BlipForConditionalGeneration",)
-
-    frozen_convention = (
-        "every LayerNorm scale frozen at its value in this run; LM-head transform linearised (GELU gain frozen)"
+    # Post-norm BERT blocks: the decomposition, the capture and the weights are this
+    # file's own (the final norm is the head transform's LayerNorm; see HeadTransform).
+    declaration = Family(
+        name="blip",
+        architectures=("BlipForConditionalGeneration",),
+        attention="cross",
+        decoder=Decoder(path=None, form="post_norm", norm="layernorm"),
+        rotary=Rotary("absolute"),
+        edit_sites=("z", "mlp"),
+        frozen_convention="every LayerNorm scale frozen at its value in this run; "
+        "LM-head transform linearised (GELU gain frozen)",
     )
-    family = "blip"
-    final_norm = "layernorm"  # the head transform ends in a LayerNorm; see HeadTransform
-    attention_kind = "cross"
-    position_scheme = "absolute"
     attention_functions = False  # BLIP's text attention computes its softmax inline and returns it
 
     # ---- sizes (n_layers, n_heads, d_model: TextConfigSizes)
@@ -374,7 +378,7 @@ class BlipAdapter(TextConfigSizes, Adapter):
     def b_U(self) -> torch.Tensor:
         return self.decoder.cls.predictions.decoder.bias
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, block: int | None = None) -> torch.Tensor:
         """Identity: absolute positions are added at the embedding."""
         return x
 

@@ -11,6 +11,7 @@ from core.capture import record_pattern, wants_pattern
 from core.errors import InterventionError, QuestionError
 from core.geometry import VisualToken, resize_crop_boxes
 from core.models.adapter import Adapter, ModelInputs
+from core.models.declaration import Decoder, Family, Rotary
 from core.models.norms import Norm
 from core.precision import accumulating, unit_roundoff
 
@@ -19,16 +20,18 @@ class CocaAdapter(Adapter):
     """``processor`` is open_clip's image transform; ``tokenizer`` a Hugging
     Face tokenizer (the default models) or open_clip's tokenizer."""
 
-    open_clip_classes = ("CoCa",)
+    # open_clip's text decoder and its cross-attention blocks are replayed by this file's own code.
+    declaration = Family(
+        name="coca",
+        open_clip_classes=("CoCa",),
+        attention="cross",
+        decoder=Decoder(path=None, norm="layernorm"),
+        rotary=Rotary("absolute"),
+        edit_sites=("z", "mlp", "resid", "knockout", "kv_source"),  # applied in the replay (run_capture)
+    )
 
     records_qk = True  # the replay fills trace.q / trace.k itself
     attention_functions = False  # the replay computes each pattern (open_clip's attention has no weights to hook)
-    edit_sites = ("z", "mlp", "resid", "knockout", "kv_source")  # applied in the replay (run_capture)
-
-    family = "coca"
-    final_norm = "layernorm"
-    attention_kind = "cross"
-    position_scheme = "absolute"
 
     @property
     def decoder(self):

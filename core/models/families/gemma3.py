@@ -39,7 +39,7 @@ import functools
 from dataclasses import replace
 
 from core.errors import ModelLoadError, QuestionError, UnsupportedArchitectureError
-from core.geometry import VisualToken
+from core.geometry import stretched_grid_tokens
 from core.models.adapter import config_int
 from core.models.declaration import Decoder, Mask, Rotary
 from core.models.families.paligemma import PaliGemmaAdapter
@@ -118,13 +118,4 @@ class Gemma3Adapter(PaliGemmaAdapter):
         ``S x S`` stretched image (row-major), boxes in the original image."""
         side = self.resized_size()
         g = round(self.n_image_tokens**0.5)
-        cell = side / g
-        sx, sy = image_size[0] / side, image_size[1] / side
-        if positions is not None and len(positions) != g * g:
-            raise ValueError(f"{len(positions)} visual positions for a {g}x{g} token grid")
-        out = []
-        for i in range(g * g):
-            r, c = divmod(i, g)
-            box = [c * cell * sx, r * cell * sy, (c + 1) * cell * sx, (r + 1) * cell * sy]
-            out.append(VisualToken(i, None if positions is None else int(positions[i]), 0, r, c, box))
-        return out
+        return stretched_grid_tokens(image_size, (side, side), (g, g), side / g, positions)

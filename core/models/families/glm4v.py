@@ -49,9 +49,7 @@ class Glm4vAdapter(Qwen2VLAdapter):
         architectures=("Glm4vForConditionalGeneration",),
         prompt=GLM_PROMPT,
         decoder=Decoder(form="sandwich", sandwich=("post_self_attn_layernorm", "post_mlp_layernorm")),
-        rotary=Rotary(
-            "mrope", rotate_half="transformers.models.glm4v.modeling_glm4v.rotate_half_llm", partial=True
-        ),
+        rotary=Rotary("mrope", rotate_half="transformers.models.glm4v.modeling_glm4v.rotate_half_llm", partial=True),
     )
     token_id_fields = (
         ("image_token_id", True),

@@ -20,7 +20,7 @@ positions are read as for any token; a read-out that needs a token's patch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from core.geometry import VisualToken
 from core.models.adapter import config_int
@@ -61,17 +61,15 @@ class LatentToken(VisualToken):
 class Idefics2Adapter(Idefics3Adapter):
     """Idefics3's modules, markup handling and delimiters (the ``<fake_token_around_image>``
     markers); what is Idefics2's own: no pixel shuffle, the resampler's latents as
-    visual tokens (no geometry). Mistral's sliding window is the base's (Adapter.allowed_keys)."""
+    visual tokens (no geometry). Mistral's sliding window is the base's (the causal rule)."""
 
-    hf_architectures = ("Idefics2ForConditionalGeneration",)
-
-    family = "idefics2"
-    final_norm = "rmsnorm"
-    attention_kind = "self"
-    position_scheme = "rope"
-
-    # What Idefics2's own chat template renders (its tokenizer adds the BOS).
-    fallback_prompt = "User:<image>{question}<end_of_utterance>\nAssistant:"
+    declaration = replace(
+        Idefics3Adapter.declaration,
+        name="idefics2",
+        architectures=("Idefics2ForConditionalGeneration",),
+        # What Idefics2's own chat template renders (its tokenizer adds the BOS).
+        prompt="User:<image>{question}<end_of_utterance>\nAssistant:",
+    )
 
     @classmethod
     def check_config(cls, config) -> None:

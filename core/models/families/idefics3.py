@@ -49,12 +49,13 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 from core.geometry import VisualToken
 from core.models.adapter import config_int, size_value
-from core.models.edit_sites import EditSites
-from core.models.families._decoder import LlamaStyleWeights
+from core.models.declaration import Decoder, Family
 from core.models.families.llava import LlavaAdapter
+from core.models.family_adapter import FamilyAdapter
 
 # transformers' image_processing_idefics3.MAX_IMAGE_SIZE: no resized edge exceeds it.
 MAX_IMAGE_SIZE = 4096
@@ -121,25 +122,17 @@ class Idefics3Adapter(LlavaAdapter):
       are :meth:`visual_delimiter_positions`.
     """
 
-    hf_architectures = ("Idefics3ForConditionalGeneration",)
-
-    family = "idefics3"
     # The connector runs per frame, (frames, tokens, d_model), not (batch, n_visual, width):
     # no visual-feature site (LLaVA's would name a projector this model lacks); patching
     # reaches the image-token positions through resid / z.
-    edit_sites = ("z", "mlp", "resid", "knockout")
-    visual_site_module = EditSites.visual_site_module  # the base's one-line refusal, not LLaVA's projector
-    final_norm = "rmsnorm"
-    attention_kind = "self"
-    position_scheme = "rope"
-
-    # What Idefics3's own chat template renders for one user turn holding an
-    # image then the question, with the generation prompt.
-    fallback_prompt = "<|begin_of_text|>User:<image>{question}<end_of_utterance>\nAssistant:"
-
-    @property
-    def language_model(self):
-        return self.model.model.text_model
+    declaration = Family(
+        name="idefics3",
+        architectures=("Idefics3ForConditionalGeneration",),
+        # What Idefics3's own chat template renders for one user turn holding an
+        # image then the question, with the generation prompt.
+        prompt="<|begin_of_text|>User:<image>{question}<end_of_utterance>\nAssistant:",
+        decoder=Decoder(path="model.text_model"),
+    )
 
     # ---- text
     @classmethod
@@ -150,7 +143,7 @@ class Idefics3Adapter(LlavaAdapter):
 
     # The image's token count follows its size: the prompt's own tokens are checked
     # first, prepare() checks the real total.
-    check_fits = LlamaStyleWeights.check_fits
+    check_fits = FamilyAdapter.check_fits
 
     # ---- running: prepare (the base's) gives ``input_ids`` and ``attention_mask``
     # ``(batch, pos)``, ``pixel_values`` ``(batch, max_frames, 3, M, M)`` in the model's
@@ -271,7 +264,9 @@ class SmolVLMAdapter(Idefics3Adapter):
     """SmolVLM / SmolVLM2: Idefics3's modules, processor and markup; only the
     chat template's BOS differs."""
 
-    hf_architectures = ("SmolVLMForConditionalGeneration",)
-
-    family = "smolvlm"
-    fallback_prompt = "<|im_start|>User:<image>{question}<end_of_utterance>\nAssistant:"
+    declaration = replace(
+        Idefics3Adapter.declaration,
+        name="smolvlm",
+        architectures=("SmolVLMForConditionalGeneration",),
+        prompt="<|im_start|>User:<image>{question}<end_of_utterance>\nAssistant:",
+    )

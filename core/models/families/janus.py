@@ -21,23 +21,24 @@ from __future__ import annotations
 from core.errors import ModelLoadError, QuestionError
 from core.geometry import VisualToken
 from core.models.adapter import config_value, size_value
+from core.models.declaration import Family
 from core.models.families.internvl import InternVLAdapter
 from core.models.families.llava import LlavaAdapter
 
 
 class JanusAdapter(LlavaAdapter):
-    """LLaVA's Llama-style decoder and projector sites (the aligner here); what is
-    Janus's own: module paths, the letterbox geometry and the image delimiters."""
+    """LLaVA's Llama-style decoder; what is Janus's own: the aligner as projector,
+    the letterbox geometry and the image delimiters (declared)."""
 
-    hf_architectures = ("JanusForConditionalGeneration",)
-
-    family = "janus"
-    final_norm = "rmsnorm"
-    attention_kind = "self"
-    position_scheme = "rope"
-
-    # What Janus-Pro's chat template renders for one user turn holding an image then the question.
-    fallback_prompt = "<|User|>: <image_placeholder>\n{question}\n\n<|Assistant|>:"
+    declaration = Family(
+        name="janus",
+        architectures=("JanusForConditionalGeneration",),
+        # What Janus-Pro's chat template renders for one user turn holding an image then the question.
+        prompt="<|User|>: <image_placeholder>\n{question}\n\n<|Assistant|>:",
+        projector="model.aligner",
+        visual_sites=True,
+        delimiters=("processor.image_start_token", "processor.image_end_token"),
+    )
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -71,21 +72,11 @@ class JanusAdapter(LlavaAdapter):
                 f"the question is too long: {total} tokens with the image, the model takes {self.max_positions()}"
             )
 
-    # ---- module paths (LLaVA's projector sites read these)
-    @property
-    def projector(self):
-        return self.model.model.aligner
-
+    # ---- the vision side (the aligner's sites are declared)
     def vision_features(self, pixels):
         """``(batch, 3, S, S)`` -> ``(batch, patches, vision width)``: the tower's
         last hidden state after its post-layernorm (SigLIP: no CLS to drop)."""
         return self.model.model.vision_model(pixel_values=pixels).last_hidden_state
-
-    # ---- markup
-    def visual_delimiter_positions(self, trace, batch: int = 0) -> list[int]:
-        """Positions of ``<begin_of_image>`` and ``<end_of_image>``."""
-        marks = {self.vocab_id(self.processor.image_start_token), self.vocab_id(self.processor.image_end_token)}
-        return [i for i, t in enumerate(trace.input_ids[batch].tolist()) if t in marks]
 
     # ---- geometry
     def letterbox(self, image_size: tuple[int, int]) -> tuple[int, tuple[int, int], tuple[int, int]]:

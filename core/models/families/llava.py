@@ -37,9 +37,16 @@ class LlavaAdapter(FamilyAdapter):
 
     # ---- the vision side (interventions and the zoo's training reach it through here)
     def vision_features(self, pixels: torch.Tensor) -> torch.Tensor:
-        """``(batch, 3, H, W)`` pixels -> ``(batch, patches, vision width)``: the
-        vision tower's last hidden state, CLS dropped."""
-        return self.model.model.vision_tower(pixel_values=pixels).last_hidden_state[:, 1:]
+        """``(batch, 3, H, W)`` pixels -> ``(batch, patches, vision width)``: what the
+        projector reads, as the model selects it: the tower's hidden state at
+        ``vision_feature_layer`` (several layers concatenated where it lists them),
+        CLS dropped under the ``default`` select strategy."""
+        config = self.model.config
+        layers = config.vision_feature_layer
+        layers = [layers] if isinstance(layers, int) else list(layers)
+        out = self.model.model.vision_tower(pixel_values=pixels, output_hidden_states=True)
+        x = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
+        return x[:, 1:] if config.vision_feature_select_strategy == "default" else x
 
     # ---- geometry
     def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:

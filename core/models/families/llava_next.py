@@ -47,7 +47,7 @@ Conventions of this adapter (see :meth:`LlavaNextAdapter.visual_tokens`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -128,9 +128,16 @@ class LlavaNextAdapter(LlavaAdapter):
     any-resolution tiling.
     """
 
-    hf_architectures = ("LlavaNextForConditionalGeneration",)
-
-    family = "llava_next"
+    # The projector runs per tile, before unpadding and the newlines: a visual token is
+    # no row of its input or output, so those sites are refused, not offered.
+    declaration = replace(
+        LlavaAdapter.declaration,
+        name="llava_next",
+        architectures=("LlavaNextForConditionalGeneration",),
+        visual_sites=False,
+        no_visual_sites="the projector runs per tile, before unpadding and the row newlines (a visual token "
+        "is no row of its input or output); patch 'resid' at block 0 (the visual positions)",
+    )
 
     # ---- any-resolution geometry
     def _model_grid(self) -> tuple[int, int, list]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from core.errors import ModelLoadError
 from core.models.families.llava_next import AnyResLayout, AnyResVisualToken, LlavaNextAdapter
@@ -46,14 +46,13 @@ class AnyResMaxLayout(AnyResLayout):
 class LlavaOnevisionAdapter(LlavaNextAdapter):
     """The canonical view of a LLaVA-OneVision model (see the module docstring)."""
 
-    hf_architectures = ("LlavaOnevisionForConditionalGeneration",)
-
-    family = "llava_onevision"
-    # Qwen's chat format, as the OneVision checkpoints' template renders one image then the question.
-    fallback_prompt = "<|im_start|>user <image>\n{question}<|im_end|><|im_start|>assistant\n"
-    # The projector runs per tile, before unpadding, resampling and the newlines: a
-    # visual token is no row of its input or output, so those sites are not offered.
-    edit_sites = ("z", "mlp", "resid", "knockout")
+    declaration = replace(
+        LlavaNextAdapter.declaration,
+        name="llava_onevision",
+        architectures=("LlavaOnevisionForConditionalGeneration",),
+        # Qwen's chat format, as the OneVision checkpoints' template renders one image then the question.
+        prompt="<|im_start|>user <image>\n{question}<|im_end|><|im_start|>assistant\n",
+    )
 
     @classmethod
     def check_config(cls, config) -> None:

@@ -13,7 +13,7 @@ in the original. The markup is row-major::
     [IMG]*cols [IMG_BREAK] ... [IMG]*cols [IMG_END]      (rows lines)
 
 ``[IMG_BREAK]`` / ``[IMG_END]`` are text tokens with their own embeddings,
-no patch: :meth:`visual_delimiter_positions`, never visual tokens.
+no patch: declared delimiters, never visual tokens.
 
 The Pixtral tower has its own 2-D RoPE and a block-diagonal mask between
 images; nothing of it is read out (patterns, heads and DLA are the language
@@ -24,26 +24,26 @@ mapped (``vision_out`` / ``projector_out`` are refused, as are
 
 from __future__ import annotations
 
-from core.errors import ImageLoadError, InterventionError, UnsupportedArchitectureError
-from core.geometry import VisualToken
-from core.models.adapter import Adapter, config_int
-from core.models.families._decoder import LlamaStyleWeights
+from core.errors import ImageLoadError, UnsupportedArchitectureError
+from core.geometry import stretched_grid_tokens
+from core.models.adapter import config_int
+from core.models.declaration import Family
+from core.models.family_adapter import FamilyAdapter
 
 
-class Mistral3Adapter(LlamaStyleWeights, Adapter):
-    """The canonical view of a Mistral 3 model (see the module docstring):
-    LlamaStyleWeights' weights, norms, hooks and RoPE; its own the merged-token
-    geometry and the row delimiters (the sliding window is the base's, read from the config)."""
+class Mistral3Adapter(FamilyAdapter):
+    """The canonical view of a Mistral 3 model (see the module docstring): a
+    Llama-style decoder as declared (the sliding window read from the config);
+    its own the merged-token geometry."""
 
-    hf_architectures = ("Mistral3ForConditionalGeneration",)
-
-    family = "mistral3"
-    final_norm = "rmsnorm"
-    attention_kind = "self"
-    position_scheme = "rope"
-
-    fallback_prompt = "<s>[INST][IMG]{question}[/INST]"
-    edit_sites = ("z", "mlp", "resid", "knockout")
+    declaration = Family(
+        name="mistral3",
+        architectures=("Mistral3ForConditionalGeneration",),
+        prompt="<s>[INST][IMG]{question}[/INST]",
+        delimiters=("processor.image_break_token", "processor.image_end_token"),
+        no_visual_sites="the projector merges the patches of every image flattened together "
+        "(no per-token batch layout to edit)",
+    )
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -58,22 +58,6 @@ class Mistral3Adapter(LlamaStyleWeights, Adapter):
         config_int(config, "spatial_merge_size", minimum=1, required=True)
         config_int(config, "vision_config.patch_size", minimum=1, required=True)
         config_int(config, "text_config.sliding_window", minimum=1)  # sliding_window (the mask) reads it
-
-    @property
-    def d_head(self) -> int:
-        return self._attn(0).head_dim
-
-    def visual_site_module(self, site: str):
-        raise InterventionError(
-            f"{self.family}: no {site!r} site: the projector merges the patches of every image "
-            "flattened together (no per-token batch layout to edit)"
-        )
-
-    # ---- roles
-    def visual_delimiter_positions(self, trace, batch: int = 0) -> list[int]:
-        """Positions of ``[IMG_BREAK]`` (end of each token row) and ``[IMG_END]``."""
-        marks = {self.vocab_id(self.processor.image_break_token), self.vocab_id(self.processor.image_end_token)}
-        return [i for i, t in enumerate(trace.input_ids[batch].tolist()) if t in marks]
 
     # ---- geometry
     def resized_size(self, image_size: tuple[int, int]) -> tuple[int, int]:
@@ -123,13 +107,4 @@ class Mistral3Adapter(LlamaStyleWeights, Adapter):
         """The :class:`core.geometry.VisualToken` of every ``[IMG]`` token, row-major,
         boxes in the original image: one merged ``cell x cell`` block of the resized image."""
         rows, cols, rh, rw = self.visual_grid(image_size)
-        cell = rh // rows  # rh is whole cells
-        if positions is not None and len(positions) != rows * cols:
-            raise ValueError(f"{len(positions)} visual positions for a {rows}x{cols} token grid")
-        sx, sy = image_size[0] / rw, image_size[1] / rh
-        out = []
-        for i in range(rows * cols):
-            r, c = divmod(i, cols)
-            box = [c * cell * sx, r * cell * sy, (c + 1) * cell * sx, (r + 1) * cell * sy]
-            out.append(VisualToken(i, None if positions is None else int(positions[i]), 0, r, c, box))
-        return out
+        return stretched_grid_tokens(image_size, (rw, rh), (rows, cols), rh // rows, positions)  # rh is whole cells

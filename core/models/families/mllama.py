@@ -76,8 +76,9 @@ from core.capture import on_device_of, run_with_hooks
 from core.edits import Edit
 from core.errors import ModelLoadError
 from core.geometry import VisualToken
-from core.models.adapter import Adapter, ModelInputs, config_int, config_value, size_value
-from core.models.families._decoder import LlamaStyleWeights, pattern_hook
+from core.models.adapter import ModelInputs, config_int, config_value, size_value
+from core.models.declaration import Family
+from core.models.family_adapter import FamilyAdapter, pattern_hook
 from core.models.norms import IdentityNorm, Norm
 
 # What Llama 3.2 Vision Instruct's chat template renders for one user turn
@@ -104,17 +105,19 @@ def _canvas_functions():
     return get_optimal_tiled_canvas, get_image_size_fit_to_canvas
 
 
-class MllamaAdapter(LlamaStyleWeights, Adapter):
-    """The canonical view of an Mllama model (see the module docstring)."""
+class MllamaAdapter(FamilyAdapter):
+    """The canonical view of an Mllama model (see the module docstring): a
+    Llama decoder as declared; its own the gated cross-attention layers."""
 
-    hf_architectures = ("MllamaForConditionalGeneration",)
-
-    family = "mllama"
-    final_norm = "rmsnorm"
-    attention_kind = "cross"
-    position_scheme = "rope"
-
-    fallback_prompt = MLLAMA_PROMPT
+    declaration = Family(
+        name="mllama",
+        architectures=("MllamaForConditionalGeneration",),
+        prompt=MLLAMA_PROMPT,
+        attention="cross",
+        # The <|image|> placeholders mark where an image's cross-attention starts but carry no patch.
+        delimiters=("config.image_token_id",),
+        edit_sites=("z", "mlp"),
+    )
 
     # ---- structure
     @property
@@ -135,11 +138,6 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
     def _attn(self, layer: int):
         block = self.language_model.layers[layer]
         return block.cross_attn if self.is_cross(layer) else block.self_attn
-
-    @property
-    def d_head(self) -> int:
-        # Mllama's attention uses hidden_size // num_heads (there is no head_dim in its config).
-        return self._attn(0).head_dim
 
     @property
     def vision_model(self):
@@ -166,7 +164,7 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
                 f"0..{n - 1}, got {layers!r}"[:300]
             )
 
-    # ---- running: prepare (the base's, LlamaStyleWeights' check_fits) gives one
+    # ---- running: prepare (the base's, FamilyAdapter's check_fits) gives one
     # right-padded batch, one image per question: ``input_ids`` and ``attention_mask``
     # ``(batch, pos)``, ``pixel_values`` ``(batch, 1, max_tiles, C, tile, tile)`` in the
     # model's dtype, ``aspect_ratio_ids`` ``(batch, 1)``, ``aspect_ratio_mask``
@@ -188,7 +186,7 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
         longer.tensors["cross_attention_mask"] = torch.cat([cam, cam[:, -1:]], dim=1)
         return longer
 
-    # ---- canonical weights: LlamaStyleWeights on self or cross attention, gates folded in
+    # ---- canonical weights: the declared ones on self or cross attention, gates folded in
     def W_O(self, layer: int) -> torch.Tensor:
         """``(heads, d_head, d_model)``; on a cross block ``tanh(cross_attn_attn_gate) * o_proj``,
         so head outputs sum to what the block adds to the residual."""
@@ -211,15 +209,6 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
         """The per-head RMSNorm over ``d_head`` applied to keys after ``k_proj``
         (cross blocks; None on self blocks)."""
         return self._norm(self._attn(block).k_norm) if self.is_cross(block) else None
-
-    def qk_gain(self, block: int) -> torch.Tensor | None:
-        """``(d_head,)`` ``g_q * g_k`` of a cross block: score =
-        ``q^T diag(qk_gain) k / (rms(q) rms(k) sqrt(d_head))`` with ``q``, ``k`` the
-        raw projections (None on self blocks)."""
-        if not self.is_cross(block):
-            return None
-        attn = self._attn(block)
-        return attn.q_norm.weight * attn.k_norm.weight
 
     def queries(self, block: int, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The queries block ``block`` scores with, ``(pos, heads, d_head)``.
@@ -303,13 +292,7 @@ class MllamaAdapter(LlamaStyleWeights, Adapter):
         return regs
 
     # ---- capture (visual_positions: the base's, none in the text sequence; rotate:
-    # LlamaStyleWeights' RoPE, self-attention blocks only, see queries())
-    def visual_delimiter_positions(self, trace, batch: int = 0) -> list[int]:
-        """The ``<|image|>`` placeholders: they mark where an image's cross-attention
-        starts but carry no patch."""
-        image_id = self.model.config.image_token_id
-        return (trace.input_ids[batch] == image_id).nonzero().flatten().tolist()
-
+    # the declared RoPE, self-attention blocks only, see queries())
     def run_capture(self, inputs: ModelInputs, trace, keep: set[int]) -> None:
         """Hooks around transformers' forward; also records
         ``trace.cross_attention_mask`` ``(batch, pos, images, tiles)`` (what

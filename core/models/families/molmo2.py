@@ -16,7 +16,7 @@ adapter, and a Qwen3-style decoder (q/k RMSNorm per head) over::
   component).
 * **Mask.** Every token the processor marks ``mm_token_type_ids == 1`` (patches,
   columns, starts, ends: of all images of the row) attends to every other one of
-  them, the rest is causal; :meth:`Molmo2Adapter.allowed_keys` rebuilds it.
+  them, the rest is causal (mask rule ``image_tokens``).
 * **Not mapped:** the ``olmo`` q/k norm (over all heads at once), ``norm_after``
   (post-norm blocks), the per-token ``vision_out`` / ``projector_out`` sites (the
   adapter pools patches gathered across crops by index, no per-token layout).
@@ -26,31 +26,28 @@ from __future__ import annotations
 
 import math
 
-import torch
-
-from core.capture import run_with_hooks
-from core.errors import InterventionError, ModelLoadError, UnsupportedArchitectureError
+from core.errors import ModelLoadError, UnsupportedArchitectureError
 from core.geometry import VisualToken
-from core.models.adapter import Adapter, ModelInputs, size_value
-from core.models.families._decoder import LlamaStyleWeights
-from core.models.families.qwen3_vl import Qwen3VLAdapter
-
-DELIMITERS = ("<im_col>", "<im_start>", "<low_res_im_start>", "<im_end>")
+from core.models.adapter import size_value
+from core.models.declaration import Decoder, Family, Mask, Rotary
+from core.models.family_adapter import FamilyAdapter
 
 
-class Molmo2Adapter(LlamaStyleWeights, Adapter):
-    """LlamaStyleWeights' weights, norms and hooks; Qwen3's q/k norms; the image
-    block's bidirectional mask, the per-layer RoPE and the two-view geometry."""
+class Molmo2Adapter(FamilyAdapter):
+    """A Qwen3-style decoder as declared (q/k norms, the image tokens' bidirectional
+    mask); Molmo 2's own: the per-layer RoPE table and the two-view geometry."""
 
-    hf_architectures = ("Molmo2ForConditionalGeneration",)
-
-    family = "molmo2"
-    final_norm = "rmsnorm"
-    attention_kind = "self"
-    position_scheme = "rope"
-
-    fallback_prompt = "<|im_start|>user\n<|image|>{question}<|im_end|>\n<|im_start|>assistant\n"
-    edit_sites = ("z", "mlp", "resid", "knockout")
+    declaration = Family(
+        name="molmo2",
+        architectures=("Molmo2ForConditionalGeneration",),
+        prompt="<|im_start|>user\n<|image|>{question}<|im_end|>\n<|im_start|>assistant\n",
+        decoder=Decoder(qk_norms=("q_norm", "k_norm")),
+        rotary=Rotary(rotate_half="transformers.models.molmo2.modeling_molmo2.rotate_half"),
+        mask=Mask("image_tokens", types="mm_token_type_ids"),
+        delimiters=("<im_col>", "<im_start>", "<low_res_im_start>", "<im_end>"),
+        no_visual_sites="the adapter pools ViT patches gathered by index across crops "
+        "(no per-token batch layout to edit)",
+    )
     # the processor's image token is the <|image|> placeholder it expands; the model finds <im_patch>
     token_id_fields = (("image_patch_id", True),)
 
@@ -75,62 +72,15 @@ class Molmo2Adapter(LlamaStyleWeights, Adapter):
         if self.vocab_id("<im_patch>") != want:
             raise ModelLoadError(f"the processor's <im_patch> is not config.json image_patch_id {want}")
 
-    @property
-    def d_head(self) -> int:
-        return int(self._attn(0).head_dim)
-
-    def visual_site_module(self, site: str):
-        raise InterventionError(
-            f"{self.family}: no {site!r} site: the adapter pools ViT patches gathered by index across "
-            "crops (no per-token batch layout to edit)"
-        )
-
-    # ---- attention: q/k norms (Qwen3's), each layer's RoPE, the image block's mask
-    q_norm = Qwen3VLAdapter.q_norm
-    k_norm = Qwen3VLAdapter.k_norm
-    qk_gain = Qwen3VLAdapter.qk_gain
-
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, block: int | None = None) -> torch.Tensor:
-        """RoPE of block ``block``: the scaled table on ``rope_scaling_layers``, else
-        the unscaled one (the same where the config's rope type is the default)."""
-        from transformers.models.molmo2.modeling_molmo2 import rotate_half
-
+    def _rotary(self, block: int | None):
+        """The scaled RoPE table on ``rope_scaling_layers``, else the unscaled one
+        (the same where the config's rope type is the default)."""
         lm = self.language_model
         kinds = set(lm.rope_types)
         if block is None and len(kinds) > 1:
             raise ValueError("molmo2: rotate needs the block (scaled and unscaled RoPE layers differ)")
         kind = lm.rope_types[block] if block is not None else kinds.pop()
-        rotary = lm.rotary_emb if kind == "scaled" else lm.rotary_emb_unscaled
-        cos, sin = rotary(x, positions.to(x.device).view(1, -1))
-        cos, sin = cos[0].to(x).unsqueeze(-2), sin[0].to(x).unsqueeze(-2)
-        return x * cos + rotate_half(x) * sin
-
-    def queries_keys(self, trace, block: int, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Norm, W_Q / W_K (+ bias), q_norm / k_norm per head, then the layer's RoPE."""
-        x = self.attn_norm(block)(trace.resid_pre[block][batch])
-        q = torch.einsum("pm,hmd->phd", x, self.W_Q(block).to(x.dtype)) + self.b_Q(block).to(x.dtype)
-        k = torch.einsum("pm,hmd->phd", x, self.W_K(block).to(x.dtype)) + self.b_K(block).to(x.dtype)
-        q, k, positions = self.q_norm(block)(q), self.k_norm(block)(k), self.rope_positions(trace, batch)
-        return self.rotate(q, positions, block), self.rotate(k, positions, block)
-
-    def run_capture(self, inputs: ModelInputs, trace, keep: set[int]) -> None:
-        """The hooked forward; keeps ``trace.token_type_ids`` (``mm_token_type_ids``) for :meth:`allowed_keys`."""
-        trace.token_type_ids = inputs.tensors.get("mm_token_type_ids")
-        run_with_hooks(self, inputs, trace, keep)
-
-    def allowed_keys(self, trace, block: int, batch: int = 0) -> torch.Tensor:
-        """Causal OR (query and key both image-block tokens), padding keys excluded."""
-        allowed = super().allowed_keys(trace, block, batch)
-        types = getattr(trace, "token_type_ids", None)
-        if types is not None:  # padding is never in the image block: no padding key comes back
-            image = types[batch].cpu() == 1
-            allowed = allowed | (image[:, None] & image[None, :])
-        return allowed
-
-    def visual_delimiter_positions(self, trace, batch: int = 0) -> list[int]:
-        """Positions of the image starts, row ends (``<im_col>``) and image ends."""
-        marks = {self.vocab_id(t) for t in DELIMITERS}
-        return [i for i, t in enumerate(trace.input_ids[batch].tolist()) if t in marks]
+        return (lm.rotary_emb if kind == "scaled" else lm.rotary_emb_unscaled), ()
 
     # ---- geometry
     def view_grids(self, image_size: tuple[int, int]) -> list[tuple[int, int]]:

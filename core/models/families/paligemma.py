@@ -45,7 +45,7 @@ and the additive DLA cannot reproduce.
 from __future__ import annotations
 
 from core.errors import QuestionError, UnsupportedArchitectureError
-from core.geometry import VisualToken
+from core.geometry import stretched_grid_tokens
 from core.models.adapter import config_int, size_value
 from core.models.declaration import Decoder, Family, Mask, Rotary
 from core.models.family_adapter import FamilyAdapter
@@ -161,17 +161,6 @@ class PaliGemmaAdapter(FamilyAdapter):
         token each, in row-major order (no CLS token, no pooling head in
         PaliGemma). Undoing the stretch scales x by ``W / S`` and y by ``H / S``.
         """
-
         side = self.resized_size()
         patch = int(self.model.config.vision_config.patch_size)
-        grid = side // patch
-        w, h = image_size
-        sx, sy = w / side, h / side
-        if positions is not None and len(positions) != grid * grid:
-            raise ValueError(f"{len(positions)} visual positions for a {grid}x{grid} token grid")
-        out = []
-        for i in range(grid * grid):
-            r, c = divmod(i, grid)
-            box = [c * patch * sx, r * patch * sy, (c + 1) * patch * sx, (r + 1) * patch * sy]
-            out.append(VisualToken(i, None if positions is None else int(positions[i]), 0, r, c, box))
-        return out
+        return stretched_grid_tokens(image_size, (side, side), (side // patch, side // patch), patch, positions)

@@ -19,7 +19,7 @@ that rotate with the temporal, height and width id respectively. So
 :meth:`Qwen2VLAdapter.rotate` takes ``positions`` of shape ``(3, pos)`` (the
 model's own position ids for one batch row), not the ``(pos,)`` of plain
 RoPE; a capture records them as ``trace.position_ids`` ``(3, batch, pos)``
-and :meth:`Qwen2VLAdapter.positions_for_inputs` recomputes them from prepared
+and ``positions_for_inputs`` (the generic adapter's, for M-RoPE) recomputes them from prepared
 inputs.
 """
 
@@ -27,11 +27,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from core.errors import ImageLoadError
-from core.geometry import VisualToken
-from core.models.adapter import ModelInputs
+from core.geometry import stretched_grid_tokens
 from core.models.declaration import Family, Rotary
 from core.models.family_adapter import FamilyAdapter
 
@@ -62,40 +59,13 @@ class Qwen2VLAdapter(FamilyAdapter):
         edit_sites=("z", "mlp"),
     )
 
-    # ---- running: prepare (the base's, LlamaStyleWeights' check_fits) gives one
+    # ---- running: prepare (the base's, FamilyAdapter's check_fits) gives one
     # right-padded batch, one image per question: ``input_ids``, ``attention_mask``,
     # ``mm_token_type_ids`` (0 text, 1 image; append_token extends it with 0),
     # ``pixel_values`` ``(n_patches_total, C * T * P * P)`` in the model's dtype and
     # ``image_grid_thw`` ``(n_images, 3)`` in patches; the model recomputes the
-    # M-RoPE positions of an appended token (the next text position).
-    def positions_for_inputs(self, inputs: ModelInputs) -> torch.Tensor:
-        """``(3, batch, pos)`` the M-RoPE position ids (temporal, height, width)
-        the model computes for ``inputs`` (padding positions get 0)."""
-        t = inputs.tensors
-        ids = t["input_ids"]
-        if t.get("image_grid_thw") is None or t.get("mm_token_type_ids") is None:
-            mask = t.get("attention_mask")
-            if mask is None:
-                pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-            else:
-                pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-            return pos.unsqueeze(0).expand(3, -1, -1)
-        pos, _ = self.model.model.get_rope_index(
-            ids,
-            mm_token_type_ids=t["mm_token_type_ids"],
-            image_grid_thw=t["image_grid_thw"],
-            attention_mask=t.get("attention_mask"),
-        )
-        return pos
-
-    def decoding_inputs(self, inputs: ModelInputs) -> dict[str, torch.Tensor]:
-        """The M-RoPE positions ``(3, batch, pos)`` of the whole sequence (a
-        cached step takes the last one), as transformers' generate passes them.
-        Without them the model falls back on the rope deltas it stored at its
-        last forward (whichever image that was) over the whole attention mask,
-        which does not fit a one-token step."""
-        return {"position_ids": self.positions_for_inputs(inputs)}
-
+    # M-RoPE positions of an appended token (the next text position); a cached
+    # decoding step gets them from FamilyAdapter.positions_for_inputs.
     # ---- geometry
     def visual_grid(self, image_size: tuple[int, int]) -> tuple[int, int, int, int]:
         """``(rows, cols, resized_height, resized_width)``: the merged-token grid
@@ -143,19 +113,9 @@ class Qwen2VLAdapter(FamilyAdapter):
         tower before the tokens leave it). The resize (no crop, no pad) is
         undone by scaling each axis by original / resized size.
         """
-
         rows, cols, rh, rw = self.visual_grid(image_size)
         cell = int(self.processor.image_processor.patch_size) * int(self.processor.image_processor.merge_size)
-        w, h = image_size
-        sx, sy = w / rw, h / rh
-        if positions is not None and len(positions) != rows * cols:
-            raise ValueError(f"{len(positions)} visual positions for a {rows}x{cols} token grid")
-        out = []
-        for i in range(rows * cols):
-            r, c = divmod(i, cols)
-            box = [c * cell * sx, r * cell * sy, (c + 1) * cell * sx, (r + 1) * cell * sy]
-            out.append(VisualToken(i, None if positions is None else int(positions[i]), 0, r, c, box))
-        return out
+        return stretched_grid_tokens(image_size, (rw, rh), (rows, cols), cell, positions)
 
 
 class Qwen2_5_VLAdapter(Qwen2VLAdapter):
