@@ -57,22 +57,48 @@ def missing_display_libraries() -> list[str]:
     return [name for name in XCB_LIBRARIES if ctypes.util.find_library(name) is None]
 
 
+def _qt_message(kind, context, message: str) -> None:
+    """Qt's own messages on the terminal: its debug, info and warning lines are
+    diagnostics for Qt's developers (the offscreen platform alone prints "This
+    plugin does not support propagateSizeHints()") and are dropped; a critical
+    or fatal one (no display, no platform plugin) is one ``error:`` line."""
+    from PySide6.QtCore import QtMsgType
+
+    from core import terminal
+
+    if kind in (QtMsgType.QtCriticalMsg, QtMsgType.QtFatalMsg):
+        terminal.say(f"error: Qt: {' '.join(str(message).split())}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    from core import offline, terminal  # standard library only
+
+    # Before anything is imported: the app never downloads (it has no --allow-download), and its
+    # terminal holds only `error:` / `warning:` lines, as the command line's (core.cli.main).
+    offline.go_offline()
+    terminal.setup()
+    with terminal.watched_stdout() as stdout:
+        try:
+            args = parse_args(argv)
+        except SystemExit as e:  # -h, or a refused command line (its one line is printed)
+            try:
+                return terminal.parse_exit_status(e)
+            except OSError:  # --help with a closed or full stdout
+                return terminal.refuse_stdout(stdout.failure)
     missing = missing_display_libraries()
     if missing:
         packages = " ".join(XCB_LIBRARIES[name] for name in missing)
-        print(
+        terminal.say(
             f"error: Qt needs system libraries to open a window on X11 that are missing: {', '.join(missing)} "
-            f"(Debian/Ubuntu: apt-get install {packages}; or run with QT_QPA_PLATFORM=offscreen)",
-            file=sys.stderr,
+            f"(Debian/Ubuntu: apt-get install {packages}; or run with QT_QPA_PLATFORM=offscreen)"
         )
         return 2
-    from PySide6.QtCore import QTimer
+    from PySide6.QtCore import QTimer, qInstallMessageHandler
     from PySide6.QtWidgets import QApplication
 
     from app.main_window import MainWindow
 
+    qInstallMessageHandler(_qt_message)
     app = QApplication.instance() or QApplication(sys.argv[:1])
     window = MainWindow(model_spec=args.model, session_path=args.session)
     if window.session_problem:  # shown in the window too; said here for whoever started it from a terminal

@@ -56,7 +56,7 @@ class TypedToken:
 
 def typed_token(adapter, text: str) -> TypedToken | None:
     """The Target / foil field's ``text`` for this model (None: empty); QuestionError
-    (one line) for text that is no token, or holds a word the vocabulary lacks."""
+    (one line) for text that is no token, or holds markup or a word the vocabulary lacks."""
     text = text.strip()
     if not text:
         return None
@@ -64,7 +64,9 @@ def typed_token(adapter, text: str) -> TypedToken | None:
     if len(pieces) <= 1:  # one token (or none): the engine's own checks and message
         token_id = adapter.token_id(text)
         return TypedToken(text, (token_id,), (adapter.token_str(token_id),))
-    adapter.check_known_words(text, [i for i, _ in pieces], what=repr(text))
+    ids = [i for i, _ in pieces]
+    adapter.check_markup(text, ids, what=repr(text))  # '<image> blue' would read the placeholder's token
+    adapter.check_known_words(text, ids, what=repr(text))
     return TypedToken(text, tuple(i for i, _ in pieces), tuple(t for _, t in pieces))
 
 

@@ -35,7 +35,7 @@ from app.panels.history_panel import THUMBNAIL_PX, HistoryPanel
 from core.answer_text import AnswerText
 from core.images import image_sha256
 from core.precision import DTYPE_CHOICES
-from core.session import Run, RunInfo, Session
+from core.session import DamagedRunError, Run, RunInfo, Session, SessionError
 
 SESSION_FILTER = "VLM Readout sessions (*.vlmr *.sqlite *.db);;All files (*)"
 OPEN_MODES = ("append", "read_only")  # continue the file; or read it and record into a temporary copy
@@ -355,7 +355,17 @@ class SessionMixin:
     def _history_row(self, info: RunInfo) -> dict:
         row = self._history_rows.get(info.id)
         if row is None:
-            run = self.session.run(info.id)
+            try:
+                run = self.session.run(info.id)
+            except DamagedRunError as e:  # listed, but its stored values cannot be read: say so in its row
+                return {
+                    **dict.fromkeys(("image", "question", "model"), ""),
+                    "run_id": info.id,
+                    "kind": info.kind,
+                    "created": info.created,
+                    "thumbnail": None,
+                    "answer": f"damaged: {e.why}",
+                }
             stored = self.session.image(info.image_sha256) if info.image_sha256 else None
             row = {
                 "run_id": info.id,
@@ -519,7 +529,10 @@ class SessionMixin:
         for info in reversed(self.session.runs("analyze")):
             if info.id > run.id or info.image_sha256 != run.image_sha256 or info.model != spec:
                 continue
-            candidate = self.session.run(info.id)
+            try:
+                candidate = self.session.run(info.id)
+            except DamagedRunError:  # a damaged run is no run's analysis
+                continue
             if question_of(candidate) == question and answer_text_of(candidate) == answer_text:
                 return info.id, candidate.result
         return None, None
@@ -531,7 +544,10 @@ class SessionMixin:
         for info in reversed(self.session.runs("generate")):
             if info.image_sha256 != input.image_sha256 or info.model != input.model_spec:
                 continue
-            candidate = self.session.run(info.id)
+            try:
+                candidate = self.session.run(info.id)
+            except DamagedRunError:
+                continue
             result = candidate.result if isinstance(candidate.result, dict) else {}
             if question_of(candidate) == input.question and tuple(result.get("token_ids") or ()) == (
                 answer_text.token_ids
@@ -641,11 +657,18 @@ class SessionMixin:
                 session = Session.open(path)
             else:
                 session, scratch = self._read_only_copy(Path(path))
-            try:  # read it before switching: a file whose runs cannot be read is refused whole
-                runs = session.runs()
+            damaged: dict[int, str] = {}  # runs whose stored values cannot be read: left out, said below
+            try:  # read it before switching: a file none of whose runs can be read is refused whole
+                runs = session.runs(damaged=damaged)
+                session.audit_table(damaged=damaged)
                 if runs:
-                    session.run(runs[-1].id)
-                session.audit_table()
+                    try:
+                        session.run(runs[-1].id)
+                    except DamagedRunError as e:
+                        damaged[e.run_id] = e.why
+                if damaged and all(r.id in damaged for r in runs):
+                    rid, why = min(damaged.items())
+                    raise SessionError(f"{path}: none of its runs can be read (run {rid}: {why})")
             except core.ReadoutError:
                 session.close()
                 raise
@@ -657,11 +680,15 @@ class SessionMixin:
         self._switch_session(session, Path(path) if mode == "read_only" else None)
         self._scratch_folder = scratch
         self.show_error("")
-        shown = [r for r in runs if r.image_sha256 is not None]  # a note or a dataset audit has no image
+        shown = [r for r in runs if r.image_sha256 is not None and r.id not in damaged]  # a note has no image
         if shown:
             self.restore_run(shown[-1].id)
         else:
             self.workspace.clear_shown()  # what is shown belongs to the other session
+        if damaged:  # after the restore, which clears the error line when it has nothing to say
+            rid, why = min(damaged.items())
+            more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+            self.show_error(f"{Path(path).name}: run {rid} cannot be read ({why}){more}; the other runs are shown")
         self.statusBar().showMessage(f"session {Path(path).name}: {len(runs)} runs")
         return True
 

@@ -24,6 +24,37 @@ from dataclasses import dataclass
 
 from core.errors import QuestionError
 
+# No tokenizer has a token this long: an answer or foil over it is refused before it is tokenised.
+MAX_TOKEN_CHARACTERS = 1000
+_SHOWN_CHARACTERS = 60  # of a long text quoted in a message
+
+
+def text_problem(text, *, blank_ok: bool = False) -> str | None:
+    """Why ``text`` can be no answer, foil or word whatever the model (``"is
+    empty"``, ``"is empty (whitespace only)"`` unless ``blank_ok``, not text or not
+    UTF-8: a lone surrogate, as a command line's undecodable bytes arrive), or
+    None. The one check both the command lines (before the model loads) and the
+    adapter make."""
+    if not isinstance(text, str):
+        return f"is not valid text (got {type(text).__name__}, expected a string)"
+    if not text:
+        return "is empty"
+    if not text.strip() and not blank_ok:
+        return "is empty (whitespace only)"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"is not valid text (character {e.start} is {text[e.start]!r}, which UTF-8 cannot encode)"
+    return None
+
+
+def shown_text(text: str) -> str:
+    """``text`` quoted for a one-line message (``repr``: control characters
+    escaped), cut to its start when long."""
+    if len(text) <= _SHOWN_CHARACTERS:
+        return repr(text)
+    return f"{text[:_SHOWN_CHARACTERS]!r}... ({len(text):,} characters)"
+
 
 @dataclass(frozen=True)
 class AnswerText:
@@ -48,22 +79,31 @@ class AnswerText:
             raise QuestionError("the answer text has no tokens")
         if isinstance(self.index, bool) or not isinstance(self.index, int):
             raise QuestionError(f"the answer token index must be an integer, got {self.index!r}")
-        if not 0 <= self.index < len(self.token_ids):
-            raise QuestionError(
-                f"answer token index {self.index} is outside the answer's {len(self.token_ids)} tokens "
-                f"(0..{len(self.token_ids) - 1}: {' | '.join(self.tokens)})"
-            )
+        _check_index(self.index, self.tokens, "answer token index")
 
     @classmethod
-    def of_text(cls, adapter, text: str, index: int = 0) -> AnswerText:
+    def of_text(
+        cls, adapter, text: str, index: int = 0, *, what: str = "the answer text", index_what: str | None = None
+    ) -> AnswerText:
         """The answer ``text`` as the model's tokenizer splits it on its own
         (:meth:`Adapter.text_ids`: no BOS, no EOS). A generated answer should
         be passed by its ids (:meth:`of_ids`): decoding and re-encoding need
-        not give the same tokens."""
-        if not isinstance(text, str) or not text.strip():
-            raise QuestionError("the answer text is empty")
-        adapter.check_markup(text)
+        not give the same tokens.
+
+        QuestionError (one line starting with ``what``, e.g. ``--answer-text``)
+        for text that is empty or blank, holds markup (an image placeholder or
+        another special token) or words the vocabulary lacks (the unknown
+        token), or an ``index`` outside its tokens (named ``index_what``, e.g.
+        ``--token-index``)."""
+        problem = text_problem(text)
+        if problem is not None:
+            raise QuestionError(f"{what} {problem}")
+        label = f"{what} {shown_text(text)}"
         ids = adapter.text_ids(text)
+        adapter.check_markup(text, ids, what=label)
+        adapter.check_known_words(text, ids, what=label)
+        if index_what is not None and ids:
+            _check_index(index, [adapter.token_str(i) for i in ids], index_what, of=label)
         return cls.of_ids(adapter, ids, index, text=text)
 
     @classmethod
@@ -91,8 +131,8 @@ class AnswerText:
         return self.tokens[self.index]
 
     def label(self) -> str:
-        """Short display: ``token 2 "square" of "The object is a blue square"``."""
-        return f"token {self.index} {self.token!r} of {self.text!r}"
+        """Short display: ``token 2 "square" of "The object is a blue square"`` (a long answer cut)."""
+        return f"token {self.index} {self.token!r} of {shown_text(self.text)}"
 
     def to_dict(self) -> dict:
         """What a run's ``input`` records about the answer read out."""
@@ -111,6 +151,17 @@ class AnswerText:
         return cls(
             d["answer_text"], tuple(d["answer_token_ids"]), tuple(d["answer_tokens"]), int(d["answer_token_index"])
         )
+
+
+def _check_index(index: int, tokens: Sequence[str], what: str, of: str | None = None) -> None:
+    """QuestionError unless ``index`` is one of ``tokens``' positions (those of the
+    answer, or of ``of``); the message lists them (the first and last few of a long answer)."""
+    if 0 <= index < len(tokens):
+        return
+    n = len(tokens)
+    where = f"the {n} tokens of {of}" if of else f"the answer's {n} tokens"
+    shown = " | ".join(tokens) if n <= 24 else f"{' | '.join(tokens[:12])} | ... | {' | '.join(tokens[-12:])}"
+    raise QuestionError(f"{what} {index} is outside {where} (0..{n - 1}: {shown})")
 
 
 def run_parameters(answer_text: AnswerText | None) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 from collections.abc import Callable
 
 INT_MAX = 2**31 - 1  # larger counts are typos, and overflow C ints further down
@@ -67,7 +68,10 @@ class Number:
             raise argparse.ArgumentTypeError(f"must be {self.describe()} (got {got})") from None
         if not self.contains(value):
             too_large = self.hi is not None and math.isfinite(value) and value > self.hi
-            domain = f"at most {self.hi}" if too_large else self.describe()
+            too_small = self.lo is not None and math.isfinite(value) and value <= self.lo
+            # the side the value is out on: "at most 4096", "a positive integer" (not "an integer in [1, 4096]")
+            below = Number(self.kind, self.lo, None, lo_open=self.lo_open).describe()
+            domain = f"at most {self.hi}" if too_large else below if too_small else self.describe()
             raise argparse.ArgumentTypeError(f"must be {domain} (got {got})")
         return value
 
@@ -80,6 +84,17 @@ non_negative_float = Number(float, 0)
 probability = Number(float, 0, 1)
 share_below_one = Number(float, 0, 1, hi_open=True)  # momentum, a share of the steps
 positive_share = Number(float, 0, 1, lo_open=True)  # a share that must cover something
+# Inputs in one forward or one training step: every --batch-size. A batch of scenes is drawn whole
+# before it runs, so the bound is on memory, not only on time; the memory checks refuse less.
+MAX_BATCH = 4096
+batch_size = Number(int, 1, MAX_BATCH)
+# Inputs a command draws from a generator or reads in all (--n, --eval-n): bounded so that no
+# typo runs for days or holds millions of scenes.
+MAX_INPUTS = 1_000_000
+input_count = Number(int, 1, MAX_INPUTS)
+# torch CPU threads: more than this machine's cores only slows it down, and a huge count makes
+# the OpenMP runtime allocate per-thread state until it fails.
+thread_count = Number(int, 1, getattr(os, "process_cpu_count", os.cpu_count)() or 1)
 
 
 class LazyChoices:

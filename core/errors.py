@@ -85,3 +85,8 @@ class OutputError(ReadoutError):
 class InputFileError(ReadoutError):
     """An input file (a JSONL of pairs or samples) cannot be read or has a bad
     line: the message names the file, the line number and the field."""
+
+
+class NonFiniteError(ReadoutError):
+    """A forward gave NaN or Inf logits where a read-out reads them: never shown
+    as a result (the message names the model; its config or weights are broken)."""

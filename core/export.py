@@ -24,7 +24,13 @@ and JSON, and the runs' patch-grid figures as PNG.
   the original image when the session keeps the image); an upsampled map is
   never drawn here, so nothing needs the "interpolated" flag.
 * :func:`export_session`: any of the above to a path, each file written
-  atomically (:mod:`core.atomic`: sibling temporary file, then rename).
+  atomically (:mod:`core.atomic`: sibling temporary file, then rename; the
+  pictures of ``png`` all staged first and put in place together, so a
+  failure leaves the folder as it was); the output path is checked before
+  the session is read (a name over the file system's limit, a folder where a
+  file is asked, a link: one line). A run holding values the session never
+  writes (:class:`core.session.DamagedRunError`) is left out with a note
+  ``run N: why``; the JSON and HTML list it under ``damaged_runs``.
 
 The command line: ``vlm-readout export --session FILE --format csv|md|html|json|png --out PATH``
 (``png``: ``PATH`` is a folder, one file per figure).
@@ -37,6 +43,7 @@ import html
 import io
 import json
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,14 +51,24 @@ from pathlib import Path
 from core.audit_tables import audit_csv as table_csv
 from core.audit_tables import audit_markdown as table_markdown
 from core.audit_tables import cell as _cell
+from core.errors import ReadoutError
 from core.session import AUDIT_COLUMNS, METHOD_COLUMNS, RUN_COLUMNS, Run, Session, SessionError, jsonable
 from core.session.files import same_file
+from core.session.records import DamagedRunError
 
 SCHEMA_VERSION = 1
 FORMATS = ("csv", "md", "html", "json", "png")
 SUFFIX = {"csv": ".csv", "md": ".md", "html": ".html", "json": ".json"}
 GRANULARITY = "patch-granular: one flat cell per visual token (not interpolated)"
 MAX_HEAD_FIGURES = 2  # per analyze run: rollout plus the heads with the most visual mass
+# A stored grid or token matrix larger than this is not drawn (a picture's memory grows with it; the
+# largest real grids are a few thousand visual tokens, the text patterns a prompt's few hundred tokens).
+MAX_GRID_CELLS = 1 << 16
+MAX_MATRIX_SIDE = 512
+# What a stored run can break while its pictures are drawn from its result JSON (a document of
+# another shape or version): the run's pictures are left out with a note, never a traceback.
+_DRAWING_ERRORS = (ReadoutError, KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError)
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9_-]+")
 
 # ---------------------------------------------------------------- the table as text
 
@@ -66,26 +83,51 @@ def audit_markdown(rows: Sequence[dict], columns: Sequence[str] = AUDIT_COLUMNS,
     return table_markdown(rows, columns, title=title)
 
 
-def session_header(session: Session) -> dict:
-    """What the exports say about the session itself."""
+def read_runs(session: Session, kinds: Iterable[str] | None, damaged: dict[int, str]) -> tuple[list[Run], list[dict]]:
+    """The runs of ``kinds`` (None: all) that read in full, and the audit table
+    of those runs. Each run holding a value the session never writes (its listed
+    values, parameters, audit rows, result, image or mask row) is left out of
+    both and goes into ``damaged`` as ``{run id: why}``."""
+    kinds = list(kinds) if kinds is not None else None
+    runs = []
+    for info in session.runs(damaged=damaged):
+        if kinds is not None and info.kind not in kinds:
+            continue
+        try:
+            runs.append(session.run(info.id))
+        except DamagedRunError as e:
+            damaged.setdefault(e.run_id, e.why)
+    table = [row for row in session.audit_table(kinds, damaged=damaged) if row["run_id"] not in damaged]
+    return runs, table
+
+
+def session_header(session: Session, damaged: dict[int, str] | None = None) -> dict:
+    """What the exports say about the session itself (``damaged``: the runs left out, and why)."""
     return {
         "path": str(session.path),
         "schema_version": session.schema_version,
         "created": session.meta().get("created"),
         "models": [{k: m[k] for k in ("spec", "fingerprint", "family")} for m in session.models()],
         "n_runs": len(session.runs()),
+        "damaged_runs": [{"run_id": rid, "problem": why} for rid, why in sorted((damaged or {}).items())],
     }
 
 
-def audit_json(session: Session, *, kinds: Iterable[str] | None = None, results: bool = True) -> dict:
+def audit_json(
+    session: Session,
+    *,
+    kinds: Iterable[str] | None = None,
+    results: bool = True,
+    damaged: dict[int, str] | None = None,
+) -> dict:
     """The session as one JSON document (schema version 1): the audit table
-    and every run (with its full result unless ``results=False``)."""
-    kinds = list(kinds) if kinds is not None else None
-    runs = []
-    for info in session.runs():
-        if kinds is not None and info.kind not in kinds:
-            continue
-        r = session.run(info.id)
+    and every run (with its full result unless ``results=False``). A damaged run
+    is left out (see :func:`read_runs`), listed in ``session.damaged_runs`` and
+    in ``damaged`` when given."""
+    damaged = damaged if damaged is not None else {}
+    runs, table = read_runs(session, kinds, damaged)
+    docs = []
+    for r in runs:
         doc = {
             "id": r.id,
             "kind": r.kind,
@@ -100,15 +142,15 @@ def audit_json(session: Session, *, kinds: Iterable[str] | None = None, results:
         }
         if results:
             doc["result"] = r.result
-        runs.append(doc)
+        docs.append(doc)
     return jsonable(
         {
             "schema_version": SCHEMA_VERSION,
             "kind": "vlm-readout session export",
-            "session": session_header(session),
+            "session": session_header(session, damaged),
             "columns": list(AUDIT_COLUMNS),
-            "audit_table": session.audit_table(kinds),
-            "runs": runs,
+            "audit_table": table,
+            "runs": docs,
         }
     )
 
@@ -200,6 +242,8 @@ def patch_grid_png(
     n_rows, n_cols = len(rows), max((len(r) for r in rows), default=0)
     if n_rows == 0 or n_cols == 0:
         raise SessionError("an empty grid has no picture")
+    if n_rows * n_cols > MAX_GRID_CELLS:
+        raise SessionError(f"a {n_rows} x {n_cols} grid is over the {MAX_GRID_CELLS:,} cells a picture draws")
     values = [float(v) for r in rows for v in r if v is not None and math.isfinite(float(v))]
     lo, hi = _limits(values, diverging)
     stops = _DIVERGING if diverging else _VIRIDIS
@@ -290,6 +334,8 @@ def token_matrix_png(
 
     from core.methods.patterns import display_token
 
+    if len(matrix) > MAX_MATRIX_SIDE or any(len(r) > MAX_MATRIX_SIDE for r in matrix):
+        raise SessionError(f"a token matrix over {MAX_MATRIX_SIDE} tokens a side is not drawn")
     rows = [[float(v) for v in r] for r in matrix]
     n_rows, n_cols = len(rows), max((len(r) for r in rows), default=0)
     if n_rows == 0 or n_cols == 0:
@@ -394,15 +440,36 @@ def run_figures(session: Session, run: Run | int, notes: list[str] | None = None
     A stored image or mask that cannot be decoded does not stop the export:
     the maps are drawn without the image (on an even grid) and the mask
     picture is left out; each such problem is one line appended to ``notes``.
+    So is a result the pictures cannot be drawn from (a document of another
+    shape, a grid too large to draw): that picture, or the run's, is left out.
     """
     if isinstance(run, int):
         run = session.run(run)
-    r = run.result if isinstance(run.result, dict) else {}
     notes = notes if notes is not None else []
+    try:
+        return _run_figures(session, run, notes)
+    except _DRAWING_ERRORS as e:
+        notes.append(f"run {run.id}: its pictures cannot be drawn from its stored result ({_why(e)}); left out")
+        return []
+
+
+def _why(e: BaseException) -> str:
+    text = " ".join(str(e).split())[:160]
+    return text if isinstance(e, ReadoutError) else f"{type(e).__name__}: {text}"
+
+
+def safe_name(name: str) -> str:
+    """``name`` as a file-name part: letters, digits, ``_`` and ``-`` only (a
+    head's block name comes from the stored result: never a ``/`` or ``..``), at most 80."""
+    return _UNSAFE_NAME.sub("_", str(name))[:80] or "figure"
+
+
+def _run_figures(session: Session, run: Run, notes: list[str]) -> list[Figure]:
+    r = run.result if isinstance(run.result, dict) else {}
     image = None
     if run.image_sha256:
-        info = session.image(run.image_sha256)
         try:
+            info = session.image(run.image_sha256)
             image = info.pixels() if info is not None else None
         except SessionError as e:
             notes.append(f"run {run.id}: {e}; its maps are drawn without the image")
@@ -414,9 +481,10 @@ def run_figures(session: Session, run: Run | int, notes: list[str] | None = None
         try:
             png = patch_grid_png(grid, image=image, boxes=boxes, diverging=diverging, title=f"run {run.id}: {short}")
             caption = f"{title}; {_grid_range(grid)}; {granularity}" + (f"; {note}" if note else "")
-        except (SessionError, TypeError, ValueError):
+        except _DRAWING_ERRORS as e:
+            notes.append(f"run {run.id}: its {short} picture cannot be drawn ({_why(e)}); left out")
             return
-        figs.append(Figure(run.id, name, title, caption, png))
+        figs.append(Figure(run.id, safe_name(name), title, caption, png))
 
     rollout = r.get("rollout")
     if isinstance(rollout, dict) and rollout.get("visual_patch_mass"):
@@ -466,12 +534,13 @@ def run_figures(session: Session, run: Run | int, notes: list[str] | None = None
             matrix, labels, allowed, other = text
             try:
                 png = token_matrix_png(matrix, labels, labels, allowed=allowed, title=f"run {run.id}: {name} text")
-            except SessionError:
+            except _DRAWING_ERRORS as e:
+                notes.append(f"run {run.id}: its {name} text picture cannot be drawn ({_why(e)}); left out")
                 continue
             figs.append(
                 Figure(
                     run.id,
-                    name.replace(".", "_") + "_text",
+                    safe_name(name.replace(".", "_") + "_text"),
                     f"{name} attention among the prompt's text tokens",
                     f"{name} attention among the prompt's text tokens (rows: queries, the answer position last; "
                     f"columns: keys; grey: masked); each row's mass on keys not shown (BOS, image, special) is "
@@ -561,15 +630,22 @@ figcaption{font-size:11px;color:#444}
 
 
 def audit_html(
-    session: Session, *, kinds: Iterable[str] | None = None, title: str | None = None, notes: list[str] | None = None
+    session: Session,
+    *,
+    kinds: Iterable[str] | None = None,
+    title: str | None = None,
+    notes: list[str] | None = None,
+    damaged: dict[int, str] | None = None,
 ) -> str:
     """One self-contained HTML page: the audit table (with the chapter's
     column names), then each run's summary and pictures (base64 PNG). A
     picture that cannot be drawn is noted in its run's section and in ``notes``
-    (see :func:`run_figures`)."""
+    (see :func:`run_figures`); a damaged run is left out (see :func:`read_runs`),
+    listed at the top and in ``damaged`` when given."""
     notes = notes if notes is not None else []
-    kinds = list(kinds) if kinds is not None else None
-    head = session_header(session)
+    damaged = damaged if damaged is not None else {}
+    runs, table = read_runs(session, kinds, damaged)
+    head = session_header(session, damaged)
     title = title or f"VLM Readout session {Path(head['path']).name}"
     e = html.escape
     models = ", ".join(
@@ -582,6 +658,10 @@ def audit_html(
         f"<h1>{e(title)}</h1>",
         f'<p class="meta">file {e(head["path"])}; created {e(str(head["created"]))}; session schema '
         f"{head['schema_version']}; {head['n_runs']} runs; models: {e(models or 'none recorded')}</p>",
+        *(
+            f'<p class="meta"><strong>left out:</strong> run {d["run_id"]}: {e(d["problem"])}</p>'
+            for d in head["damaged_runs"]
+        ),
         "<h2>Audit table</h2>",
         '<p class="meta">One row per audit record of each run. The first columns reproduce the run: '
         f"{', '.join(RUN_COLUMNS)} (the image by its path as given and its SHA-256; a dataset run by its file). "
@@ -592,7 +672,7 @@ def audit_html(
         + "".join(f"<th>{e(c)}</th>" for c in AUDIT_COLUMNS)
         + "</tr></thead><tbody>",
     ]
-    for row in session.audit_table(kinds):
+    for row in table:
         cells = []
         for c in AUDIT_COLUMNS:
             v = row.get(c)
@@ -603,10 +683,7 @@ def audit_html(
         parts.append("<tr>" + "".join(cells) + "</tr>")
     parts.append("</tbody></table></div>")
     parts.append("<h2>Runs</h2>")
-    for info in session.runs():
-        if kinds is not None and info.kind not in kinds:
-            continue
-        run = session.run(info.id)
+    for run in runs:
         parts.append(f'<section class="run" id="run-{run.id}">')
         parts.append(f"<h3>Run {run.id}: {e(run.kind)}</h3>")
         columns = run.columns()
@@ -615,7 +692,7 @@ def audit_html(
         source = columns["image_path"] or columns["image_sha256"]
         what = "dataset" if run.image_sha256 is None and columns["image_path"] else "image"
         parts.append(
-            f'<p class="meta">{e(run.created)}; model {e(info.model or "unknown")}{e(fingerprint)}'
+            f'<p class="meta">{e(run.created)}; model {e(columns["model"] or "unknown")}{e(fingerprint)}'
             + (f"; {what} {e(source)}" if source else "")
             + (f" (sha256 {e(columns['image_sha256'])})" if columns["image_path"] and columns["image_sha256"] else "")
             + "</p>"
@@ -648,48 +725,80 @@ def export_session(
     *,
     kinds: Iterable[str] | None = None,
     notes: list[str] | None = None,
+    damaged: dict[int, str] | None = None,
 ) -> list[Path]:
     """Write one export of ``session`` (an open Session, or a session file,
     which is opened read-only: the export never writes to it) to ``out``,
     atomically; returns the files written. ``fmt``: ``csv``, ``md``,
     ``html``, ``json`` (``out`` is the file) or ``png`` (``out`` is a folder:
-    ``run0003_rollout.png``, ...). Pictures that could not be drawn as
-    recorded (an unreadable stored image) are lines in ``notes``."""
-    from core.atomic import write_bytes_atomic, write_text_atomic
+    ``run0003_rollout.png``, ...; every picture is staged first and they are
+    put in place together, so a failure changes none of the folder's files).
+
+    ``out`` is checked before the session is read. Problems that leave the
+    rest exported are lines in ``notes``: first each damaged run, left out
+    (``run N: why``; also ``{N: why}`` in ``damaged``), then each picture that
+    could not be drawn as recorded (an unreadable stored image).
+
+    Raises:
+        OutputError: ``out`` cannot be written (a name too long, a folder
+            where a file is asked or the reverse, a link, a full disk).
+        SessionError: the session cannot be read, or it has runs and none
+            of them (of ``kinds``) reads.
+    """
+    from core.atomic import check_output_file, check_output_folder, staged_writes, write_text_atomic
 
     if fmt not in FORMATS:
         raise SessionError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    out = Path(out)
     own = not isinstance(session, Session)
+    if same_file(out, Path(session) if own else Path(session.path)):
+        raise SessionError(f"{out}: is the session file itself; give another output path")
+    if fmt == "png":
+        check_output_folder(out)
+    else:
+        check_output_file(out)
     s = Session.open(session, read_only=True) if own else session
+    damaged = damaged if damaged is not None else {}
+    drawn: list[str] = []  # the pictures' notes, after the damaged runs'
     try:
         kinds = list(kinds) if kinds is not None else None
-        out = Path(out)
-        if same_file(out, Path(s.path)):
-            raise SessionError(f"{out}: is the session file itself; give another output path")
         if fmt == "png":
-            if out.exists() and not out.is_dir():
-                raise SessionError(f"{out}: --format png writes a folder of pictures; this is a file")
+            runs, _ = read_runs(s, kinds, damaged)
+            _refuse_if_nothing_read(s, damaged)
+            figures = [fig for run in runs for fig in run_figures(s, run, drawn)]
             written = []
-            for info in s.runs():
-                if kinds is not None and info.kind not in kinds:
-                    continue
-                for fig in run_figures(s, info.id, notes):
-                    path = out / f"run{fig.run_id:04d}_{fig.name}.png"
-                    write_bytes_atomic(path, fig.png)
-                    written.append(path)
+            with staged_writes() as staging:
+                for fig in figures:
+                    written.append(staging.add(out / f"run{fig.run_id:04d}_{fig.name}.png", fig.png))
             return written
-        if out.is_dir():
-            raise SessionError(f"{out}: is a folder; give a file name ending in {SUFFIX[fmt]}")
-        if fmt == "csv":
-            text = audit_csv(s.audit_table(kinds))
-        elif fmt == "md":
-            text = audit_markdown(s.audit_table(kinds), title=f"Audit table of {Path(s.path).name}")
+        if fmt in ("csv", "md"):  # the table only: a run's result is not read
+            s.runs(damaged=damaged)
+            table = [row for row in s.audit_table(kinds, damaged=damaged) if row["run_id"] not in damaged]
+            if fmt == "csv":
+                text = audit_csv(table)
+            else:
+                text = audit_markdown(table, title=f"Audit table of {Path(s.path).name}")
+            _refuse_if_nothing_read(s, damaged)
         elif fmt == "json":
-            text = json.dumps(audit_json(s, kinds=kinds), indent=1, allow_nan=False) + "\n"
+            doc = audit_json(s, kinds=kinds, damaged=damaged)
+            _refuse_if_nothing_read(s, damaged)
+            text = json.dumps(doc, indent=1, allow_nan=False) + "\n"
         else:
-            text = audit_html(s, kinds=kinds, notes=notes)
+            text = audit_html(s, kinds=kinds, notes=drawn, damaged=damaged)
+            _refuse_if_nothing_read(s, damaged)
         write_text_atomic(out, text)
         return [out]
     finally:
+        if notes is not None:
+            notes += [f"run {rid}: {why}; left out of the export" for rid, why in sorted(damaged.items())] + drawn
         if own:
             s.close()
+
+
+def _refuse_if_nothing_read(session: Session, damaged: dict[int, str]) -> None:
+    """Every run of the session is damaged: nothing can be exported (one line, the first run's problem)."""
+    if damaged and all(info.id in damaged for info in session.runs()):
+        rid, why = min(damaged.items())
+        raise SessionError(
+            f"{session.path}: none of its runs can be read ({len(damaged)} damaged; run {rid}: {why}); nothing exported"
+        )

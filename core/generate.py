@@ -18,16 +18,17 @@ generation.token_ids, k, text=generation.text)``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 
+from core import json_fields as jf
 from core.answer_text import AnswerText
 from core.audit import AuditRecord
 from core.errors import InputFileError, QuestionError, oom_guard
+from core.input_files import read_json_file
 from core.readout import jsonable
 
 Progress = Callable[[int, int, str], None] | None
@@ -36,6 +37,11 @@ Cancel = Callable[[], bool] | None
 DEFAULT_MAX_NEW_TOKENS = 32
 STOP_REASONS = ("eos", "stop_string", "max_new_tokens", "max_length", "cancelled")
 SCHEMA_VERSION = 1
+# Bounds of a generate JSON read back (--answer-from): far above what a run writes
+# (a model's positions bound its tokens), low enough that no file makes the reader
+# allocate much.
+MAX_GENERATION_BYTES = 64 * 2**20
+MAX_GENERATED_TOKENS = 1_000_000
 
 
 @dataclass
@@ -65,6 +71,8 @@ class Generation:
             for the families that interleave them).
         max_new_tokens, stop_strings, top_k: what the call was given.
         model: ``{"spec", "fingerprint", **adapter.describe()}``.
+        image_sha256: the image's :func:`core.images.image_sha256` where a
+            file recorded it (the CLI's JSON), else None.
     """
 
     token_ids: list[int]
@@ -82,6 +90,7 @@ class Generation:
     stop_strings: list[str]
     top_k: int
     model: dict
+    image_sha256: str | None = field(default=None, compare=False)
 
     kind = "generate"
 
@@ -91,8 +100,11 @@ class Generation:
         return AnswerText(self.text, tuple(self.token_ids), tuple(self.tokens), index)
 
     def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("question", "raw_prompt")}
+        inputs = ("question", "raw_prompt", "image_sha256")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in inputs}
         d["input"] = {"question": self.question, "raw_prompt": self.raw_prompt, "prompt_length": self.prompt_length}
+        if self.image_sha256 is not None:
+            d["input"]["image_sha256"] = self.image_sha256
         # the dtype and device it ran in, as the model block states them (Adapter.dtype_and_device)
         d["input"].update({k: self.model[k] for k in ("dtype", "device") if k in self.model})
         del d["prompt_length"]
@@ -100,14 +112,12 @@ class Generation:
 
     @classmethod
     def from_dict(cls, d: dict) -> Generation:
-        """The Generation of :meth:`to_dict` (or of the CLI's JSON, which adds to ``input``)."""
-        names = {f.name for f in fields(cls)}
-        own = {k: v for k, v in d.items() if k in names}
-        inp = d["input"]
-        own.update(
-            question=inp["question"], raw_prompt=bool(inp["raw_prompt"]), prompt_length=int(inp["prompt_length"])
-        )
-        return cls(**own)
+        """The Generation of :meth:`to_dict` (or of the CLI's JSON, which adds
+        ``image``, ``image_sha256`` and ``image_size`` to ``input``). Every field
+        is checked by type, range and length (the ids against no vocabulary:
+        :func:`check_generation` does that); ValueError naming the first bad one."""
+        fields_ = _generation_fields(d)
+        return cls(**fields_, image_sha256=d["input"].get("image_sha256"))
 
     def summary(self) -> str:
         """``7 tokens 'a red circle' (eos, KV cache); p min 0.41 at 2 'circle', mean 0.83``."""
@@ -291,21 +301,182 @@ def generate(
 
 
 def read_generation(path: str | Path) -> Generation:
-    """The :class:`Generation` of a ``vlm-readout generate --json`` file;
-    InputFileError (one line, naming the file) for anything else."""
-    p = Path(path)
+    """The :class:`Generation` of a ``vlm-readout generate --json`` file, with
+    at least one token; InputFileError (one line, naming the file and the
+    field) for anything else. Fields are checked by type, range and length
+    here (:meth:`Generation.from_dict`); against a model and an input by
+    :func:`check_generation`."""
+    name = str(path)
+    doc = read_json_file(path, InputFileError, max_bytes=MAX_GENERATION_BYTES)
+    if doc.get("kind") != Generation.kind:
+        raise InputFileError(f'{name}: not a generate JSON (no "kind": "generate")')
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputFileError(f"{p}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputFileError(f"{p}: not a generate JSON ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    if not isinstance(doc, dict) or doc.get("kind") != Generation.kind:
-        raise InputFileError(f'{p}: not a generate JSON (no "kind": "generate")')
-    ids = doc.get("token_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise InputFileError(f'{p}: "token_ids" must be a non-empty list of integers')
-    try:
-        return Generation.from_dict(doc)
-    except (KeyError, TypeError, ValueError) as e:
-        raise InputFileError(f"{p}: not a generate JSON ({type(e).__name__}: {e})") from None
+        generation = Generation.from_dict(doc)
+    except ValueError as e:
+        raise InputFileError(f"{name}: {e}") from None
+    if not generation.token_ids:
+        raise InputFileError(f'{name}: "token_ids" is empty (the model generated no token to read out)')
+    return generation
+
+
+def check_generation(
+    generation: Generation,
+    loaded,
+    name: str,
+    *,
+    question: str,
+    raw_prompt: bool = False,
+    image_sha256: str | None = None,
+) -> None:
+    """InputFileError (one line starting with ``name``) unless ``generation``
+    was made by ``loaded`` (its fingerprint) for ``question`` (and, where the
+    file records it, the image of ``image_sha256``), and every token is one
+    this model can be fed after the prompt: an id inside its vocabulary, not an
+    image / video placeholder, no other markup unless ``raw_prompt``, its
+    string the tokenizer's, the text the tokens' decoding, shorter than the
+    model's positions."""
+    made_by, have = generation.model.get("fingerprint"), getattr(loaded, "fingerprint", None)
+    if made_by != have:
+        raise InputFileError(
+            f"{name}: generated by model {jf.shown(generation.model.get('spec'))} (fingerprint {str(made_by)[:12]}), "
+            f"not the one loaded ({str(have)[:12]})"
+        )
+    if generation.question != question:
+        raise InputFileError(f"{name}: generated for the question {jf.shown(generation.question)}, not this one")
+    made_for = generation.image_sha256
+    if made_for is not None and image_sha256 is not None and made_for != image_sha256:
+        raise InputFileError(
+            f'{name}: generated for another image ("input.image_sha256" {made_for[:12]}, this image '
+            f"{image_sha256[:12]}); give the answer as --answer-text to read it out on this image"
+        )
+    adapter = loaded.adapter
+    vocab = int(adapter.W_U.shape[-1])
+    limit = adapter.max_positions()
+    if len(generation.token_ids) >= limit:
+        raise InputFileError(
+            f'{name}: "token_ids" holds {len(generation.token_ids):,} tokens; the model takes {limit:,} positions'
+        )
+    markup = adapter.markup
+    for i, (token_id, token) in enumerate(zip(generation.token_ids, generation.tokens)):
+        where = f'{name}: "token_ids[{i}]"'
+        if token_id >= vocab:
+            raise InputFileError(
+                f"{where}: {token_id} is outside the model's {vocab}-token vocabulary (0..{vocab - 1})"
+            )
+        special = markup.ids.get(token_id)
+        if special in markup.placeholders:
+            kind = markup.placeholders[special]
+            raise InputFileError(f"{where}: {token_id} is the {kind} placeholder {special!r}, never an answer token")
+        if special is not None and not raw_prompt:
+            raise InputFileError(
+                f"{where}: {token_id} is the special token {special!r} (markup); read out after it only with "
+                "--raw-prompt"
+            )
+        if token != adapter.token_str(token_id):
+            raise InputFileError(
+                f'{name}: "tokens[{i}]" is {jf.shown(token)}, but token {token_id} is {adapter.token_str(token_id)!r}'
+            )
+    decoded = decoded_text(adapter, generation.token_ids)
+    cut = generation.stop_reason == "stop_string"  # the text ends just after the stop string
+    if generation.text != decoded and not (cut and generation.text and decoded.startswith(generation.text)):
+        raise InputFileError(
+            f'{name}: "text" is {jf.shown(generation.text)}, but the tokens decode to {jf.shown(decoded)}'
+        )
+
+
+# ---- the fields of a generate JSON, checked by Generation.from_dict (ValueError: the field and what was expected)
+
+
+def _probability(value, label: str) -> float | None:
+    """A probability as the tool writes it: a number in [0, 1], or null (a non-finite one)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f'"{label}" must be a probability (a number in [0, 1]), got {jf.json_kind(value)}')
+    if not 0 <= value <= 1:
+        raise ValueError(f'"{label}" must be a probability in [0, 1], got {value!r}')
+    return value
+
+
+def _per_token(d: dict, key: str, n: int) -> list:
+    """``d[key]``: one entry per generated token."""
+    return jf.array(jf.required(d, key), key, most=MAX_GENERATED_TOKENS, length=n)
+
+
+def _alternatives(value, label: str, top_k: int) -> list:
+    """One step's ``[[token, prob], ...]``, at most ``top_k`` of them."""
+    for j, pair in enumerate(jf.array(value, label, most=top_k)):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f'"{label}[{j}]" must be a [token, probability] pair, got {jf.json_kind(pair)}')
+        jf.text(pair[0], f"{label}[{j}][0]")
+        _probability(pair[1], f"{label}[{j}][1]")
+    return value
+
+
+def _generation_fields(d) -> dict:
+    """The keyword arguments of :class:`Generation` (less ``image_sha256``)
+    from a generate JSON document, every field checked; ValueError naming the
+    first bad one."""
+    if not isinstance(d, dict):
+        raise ValueError(f"expected a JSON object, got {jf.json_kind(d)}")
+    version = jf.required(d, "schema_version")
+    if version != SCHEMA_VERSION or isinstance(version, bool):
+        raise ValueError(f'"schema_version" is {repr(version)[:40]}; this build reads {SCHEMA_VERSION}')
+    top_k = jf.integer(jf.required(d, "top_k"), "top_k", 1, jf.INT32_MAX)
+    max_new = jf.integer(jf.required(d, "max_new_tokens"), "max_new_tokens", 1, jf.INT32_MAX)
+    ids = jf.array(jf.required(d, "token_ids"), "token_ids", most=MAX_GENERATED_TOKENS)
+    for i, token_id in enumerate(ids):
+        jf.integer(token_id, f"token_ids[{i}]", 0, jf.INT32_MAX)
+    if len(ids) > max_new:
+        raise ValueError(f'"token_ids" has {len(ids):,} tokens, more than its "max_new_tokens" ({max_new:,})')
+    tokens = _per_token(d, "tokens", len(ids))
+    for i, token in enumerate(tokens):
+        jf.text(token, f"tokens[{i}]")
+    probs = _per_token(d, "probs", len(ids))
+    for i, p in enumerate(probs):
+        _probability(p, f"probs[{i}]")
+    top = _per_token(d, "top", len(ids))
+    for i, step in enumerate(top):
+        _alternatives(step, f"top[{i}]", top_k)
+    stop_reason = jf.one_of(jf.required(d, "stop_reason"), "stop_reason", STOP_REASONS)
+    stop_token = jf.required(d, "stop_token")
+    if (stop_reason == "eos") != (stop_token is not None):
+        raise ValueError('"stop_token" must be an object when "stop_reason" is "eos", else null')
+    if stop_token is not None:
+        jf.obj(stop_token, "stop_token")
+        jf.integer(jf.required(stop_token, "token_id", "stop_token."), "stop_token.token_id", 0, jf.INT32_MAX)
+        jf.text(jf.required(stop_token, "token", "stop_token."), "stop_token.token")
+        _probability(jf.required(stop_token, "prob", "stop_token."), "stop_token.prob")
+        _alternatives(jf.required(stop_token, "top", "stop_token."), "stop_token.top", top_k)
+    stops = jf.array(jf.required(d, "stop_strings"), "stop_strings", most=MAX_GENERATED_TOKENS)
+    for i, s in enumerate(stops):
+        jf.text(s, f"stop_strings[{i}]", non_empty=True)
+    model = jf.obj(jf.required(d, "model"), "model")
+    for key in ("spec", "fingerprint"):
+        if model.get(key) is not None:
+            jf.text(model[key], f"model.{key}")
+    inp = jf.obj(jf.required(d, "input"), "input")
+    image_sha = inp.get("image_sha256")
+    if image_sha is not None and (
+        not isinstance(image_sha, str) or len(image_sha) != 64 or image_sha.strip("0123456789abcdef")
+    ):
+        raise ValueError('"input.image_sha256" must be 64 lowercase hex digits')
+    return {
+        "token_ids": ids,
+        "tokens": tokens,
+        "probs": probs,
+        "top": top,
+        "stop_reason": stop_reason,
+        "text": jf.text(jf.required(d, "text"), "text"),
+        "stop_token": stop_token,
+        "cache": jf.boolean(jf.required(d, "cache"), "cache"),
+        "question": jf.text(jf.required(inp, "question", "input."), "input.question", non_empty=True),
+        "raw_prompt": jf.boolean(jf.required(inp, "raw_prompt", "input."), "input.raw_prompt"),
+        "prompt_length": jf.integer(
+            jf.required(inp, "prompt_length", "input."), "input.prompt_length", 1, jf.INT32_MAX
+        ),
+        "max_new_tokens": max_new,
+        "stop_strings": stops,
+        "top_k": top_k,
+        "model": model,
+    }

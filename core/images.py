@@ -7,15 +7,24 @@ then the declared size, aspect ratio and the memory the decoder will allocate
 are checked against the limits below. Any exception a decoder raises
 afterwards (Pillow's plugins raise OSError, SyntaxError, ValueError, but also
 struct.error, EOFError, IndexError, KeyError, TypeError, NotImplementedError,
-MemoryError, ...) becomes an ImageLoadError too."""
+MemoryError, ...) becomes an ImageLoadError too. What the decoders say on the
+way (Pillow's warnings and log lines, libtiff's lines on file descriptor 2)
+never reaches the terminal by itself: it is one :class:`ImageWarning` naming
+the file, or the detail of the ImageLoadError."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import io
+import logging
 import os
 import stat
 import struct
+import sys
+import tempfile
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -329,16 +338,135 @@ def _open_checked(name: str, fp: BinaryIO, suffix: str = "", decode: bool = True
         raise _image_error(name, fp, suffix, e) from None
 
 
+class ImageWarning(UserWarning):
+    """A decoder complained about a file it still read (Pillow's "Corrupt EXIF
+    data", a libtiff warning): one line naming the file."""
+
+
+_ABOUT_CODE = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)  # not what a file holds
+_MAX_DECODER_OUTPUT = 64 * 1024  # bytes of a decoder's stderr kept; the rest is dropped with the file
+_capturing = threading.local()  # .active: this thread is inside _decoder_messages
+_FD2_LOCK = threading.Lock()
+_fd2_sink = None  # (pid, the temporary file fd 2 points at during a capture)
+
+
+@contextlib.contextmanager
+def _fd2_captured() -> Iterator[list[str]]:
+    """What is written to file descriptor 2 inside the block (libtiff prints
+    its errors and warnings there from C, past Python), as lines, instead of
+    the terminal. Process-wide while it lasts (one descriptor), so a lock keeps
+    threads' captures apart; without a usable fd 2 or temporary file nothing
+    is captured."""
+    global _fd2_sink
+    lines: list[str] = []
+    with _FD2_LOCK:
+        try:
+            sys.stderr.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+        try:
+            if _fd2_sink is None or _fd2_sink[0] != os.getpid():  # one per process: a file per image costs more
+                _fd2_sink = (os.getpid(), tempfile.TemporaryFile())
+                atexit.register(_fd2_sink[1].close)
+            sink = _fd2_sink[1].fileno()
+            os.ftruncate(sink, 0)
+            os.lseek(sink, 0, os.SEEK_SET)
+            saved = os.dup(2)
+        except OSError:  # no temporary folder, or no stderr at all
+            yield lines
+            return
+        os.dup2(sink, 2)
+        try:
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.lseek(sink, 0, os.SEEK_SET)
+            text = os.read(sink, _MAX_DECODER_OUTPUT).decode("utf-8", "replace")
+            lines.extend(line.strip() for line in text.splitlines() if line.strip())
+
+
+class _Collected(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.messages.append(record.getMessage())
+        except Exception:  # bad format arguments: the text as given
+            self.messages.append(str(record.msg))
+
+
+@contextlib.contextmanager
+def _pillow_logs_collected() -> Iterator[list[str]]:
+    """Pillow's log records of warning level or above inside the block (its
+    plugins log some refusals before raising: "More samples per pixel than can
+    be decoded"), kept instead of printed."""
+    logger = logging.getLogger("PIL")
+    collected, propagate = _Collected(), logger.propagate
+    logger.addHandler(collected)
+    logger.propagate = False
+    try:
+        yield collected.messages
+    finally:
+        logger.removeHandler(collected)
+        logger.propagate = propagate
+
+
+@contextlib.contextmanager
+def _decoder_messages(name: str) -> Iterator[None]:
+    """Read ``name`` with what the decoders say (Python warnings, Pillow's log
+    records, C libraries' lines on fd 2) kept off the terminal: after a success it is one
+    :class:`ImageWarning` naming the file; an :class:`ImageLoadError` gets the
+    first of it as its detail. Nested blocks add to the outer one."""
+    if getattr(_capturing, "active", False):
+        yield
+        return
+    _capturing.active = True
+    said: list[str] = []
+    raised: list[warnings.WarningMessage] = []
+    try:
+        with _fd2_captured() as printed, _pillow_logs_collected() as logged:
+            with warnings.catch_warnings(record=True) as raised:
+                warnings.simplefilter("always")
+                try:
+                    yield
+                finally:
+                    said = [str(w.message) for w in raised if not issubclass(w.category, _ABOUT_CODE)] + logged
+        said += printed
+    except ImageLoadError as e:
+        said += printed
+        if said:
+            raise ImageLoadError(f"{e}; the decoder said: {_shortened(said[0])}") from None
+        raise
+    finally:
+        _capturing.active = False
+    for w in raised:  # about code, not the file: as if never held
+        if issubclass(w.category, _ABOUT_CODE):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if said:
+        more = f" (and {len(said) - 1} more)" if len(said) > 1 else ""
+        warnings.warn(f"{name}: the decoder said: {_shortened(said[0])}{more}", ImageWarning, stacklevel=3)
+
+
+def _shortened(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 def _decode(name: str, fp: BinaryIO, suffix: str = "", finish=None):
     """Header, checks, frame 0, EXIF orientation, then ``finish(name, img)``
     (default: RGB); every failure an ImageLoadError. ``suffix``: the file's
-    extension, to name a refused format."""
-    img = _open_checked(name, fp, suffix)
-    try:
-        ImageOps.exif_transpose(img, in_place=True)  # in place: no copy when there is nothing to turn
-    except Exception as e:
-        raise ImageLoadError(f"{name}: unreadable EXIF orientation ({_reason(e)})") from None
-    return (finish or _converted)(name, img)
+    extension, to name a refused format. What the decoders say on the way is
+    one ImageWarning (:func:`_decoder_messages`)."""
+    with _decoder_messages(name):
+        img = _open_checked(name, fp, suffix)
+        try:
+            ImageOps.exif_transpose(img, in_place=True)  # in place: no copy when there is nothing to turn
+        except Exception as e:
+            raise ImageLoadError(f"{name}: unreadable EXIF orientation ({_reason(e)})") from None
+        return (finish or _converted)(name, img)
 
 
 def _converted(name: str, img: Image.Image) -> Image.Image:
@@ -402,11 +530,12 @@ def load_image(source: str | Path | bytes | Image.Image | np.ndarray) -> Image.I
     """
     if isinstance(source, Image.Image):
         _check_size("image", source.size)
-        try:
-            img = ImageOps.exif_transpose(source)  # a copy: the caller's image is left as it is
-        except Exception as e:
-            raise ImageLoadError(f"image: unreadable EXIF orientation ({_reason(e)})") from None
-        return _converted("image", img)
+        with _decoder_messages("image"):  # its EXIF is parsed here
+            try:
+                img = ImageOps.exif_transpose(source)  # a copy: the caller's image is left as it is
+            except Exception as e:
+                raise ImageLoadError(f"image: unreadable EXIF orientation ({_reason(e)})") from None
+            return _converted("image", img)
     if isinstance(source, np.ndarray):
         channels = source.shape[2] if source.ndim == 3 else None
         if source.dtype != np.uint8 or source.ndim not in (2, 3) or channels not in (None, 3, 4):
@@ -444,7 +573,7 @@ def check_image_file(path: str | Path) -> tuple[int, int]:
         ImageLoadError: as :func:`load_image`, except for damage only decoding finds.
     """
     path = Path(path)
-    with _open_regular_file(path) as fp:
+    with _open_regular_file(path) as fp, _decoder_messages(str(path)):
         return _open_checked(str(path), fp, path.suffix, decode=False).size
 
 

@@ -17,6 +17,7 @@ import stat
 from pathlib import Path
 
 from core.errors import InputFileError
+from core.json_fields import json_kind
 
 # Deeper nesting than any file the tool writes (its JSON documents nest under 10 levels).
 MAX_JSON_DEPTH = 64
@@ -114,11 +115,5 @@ def read_json_file(
     doc = parse_json(text, str(path), error, max_depth)
     if expect is not None and not isinstance(doc, expect):
         want = {dict: "a JSON object", list: "a JSON array"}.get(expect, expect.__name__)
-        raise error(f"{path}: expected {want}, got {_json_kind(doc)}")
+        raise error(f"{path}: expected {want}, got {json_kind(doc)}")
     return doc
-
-
-def _json_kind(value) -> str:
-    if value is None:
-        return "null"
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")

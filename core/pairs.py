@@ -29,55 +29,67 @@ import codecs
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core.errors import ImageLoadError, InputFileError
+from core.input_files import MAX_JSON_DEPTH, read_regular_bytes
+from core.json_fields import json_kind as _json_type
 
 if TYPE_CHECKING:
     import numpy as np
     from PIL import Image
 
 DATASET_JSONL = "dataset.jsonl"  # the file a dataset folder holds (core.zoo.dataset writes it)
+# A pairs file is read whole: its size and its number of pairs bound what it makes
+# the reader allocate (a pair in memory is about 1 KB; a line is rarely under 60 bytes).
+MAX_PAIRS_BYTES = 512 * 2**20
+MAX_PAIRS = 2_000_000
+PROGRESS_EVERY = 20_000  # lines (or images) between two progress calls
+
+Progress = Callable[..., None] | None
 
 
-def _json_type(v) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, (int, float)):
-        return "a number"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "an array"
-    return "an object"
+def _no_constant(token: str):
+    raise ValueError(f"{token} is not JSON")
 
 
-def read_jsonl(path: str | Path, what: str = "pairs file") -> Iterator[tuple[int, dict]]:
+_LINE_DECODER = json.JSONDecoder(parse_constant=_no_constant)  # one for every line: json.loads builds one a call
+
+
+def read_jsonl(path: str | Path, what: str = "pairs file", progress: Progress = None) -> Iterator[tuple[int, dict]]:
     """``(line number, object)`` for each non-blank line of a JSONL file.
 
-    The file must be UTF-8 (a leading byte-order mark is accepted) and each
-    non-blank line one JSON object. Lines end at ``\\n`` only (a JSON string
-    may hold U+2028 and the like). Every problem is one
-    :class:`InputFileError` naming the file and the line, ``what`` the file's role.
+    The file must be a regular file (a FIFO, device or socket is refused,
+    never waited on) of at most :data:`MAX_PAIRS_BYTES`, UTF-8 (a leading
+    byte-order mark is accepted), and each non-blank line one JSON object
+    nested no deeper than :data:`core.input_files.MAX_JSON_DEPTH`, without
+    NaN / Infinity. Lines end at ``\\n`` only (a JSON string may hold U+2028
+    and the like). Every problem is one :class:`InputFileError` naming the
+    file and the line, ``what`` the file's role. ``progress(lines read,
+    lines)`` is called every :data:`PROGRESS_EVERY` lines.
     """
     path = Path(path)
     try:
         mode = os.stat(path).st_mode
-        if stat.S_ISDIR(mode):
-            raise InputFileError(f"{path}: is a folder, not a {what}")
-        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):  # a pipe, as <(...) gives, reads like a file
-            raise InputFileError(f"{path}: is a device or socket, not a {what}")
-        data = path.read_bytes()
     except FileNotFoundError:
         raise InputFileError(f"{path}: no such {what}") from None
     except OSError as e:
         raise InputFileError(f"{path}: cannot read the {what} ({os.strerror(e.errno) if e.errno else e})") from None
+    except ValueError as e:  # a NUL in the name
+        raise InputFileError(f"{path}: cannot read the {what} ({e})") from None
+    if stat.S_ISDIR(mode):
+        raise InputFileError(f"{path}: is a folder, not a {what}")
+    if stat.S_ISFIFO(mode):
+        raise InputFileError(f"{path}: is a FIFO (a pipe), not a {what}; save it to a file first")
+    if not stat.S_ISREG(mode):
+        raise InputFileError(f"{path}: is a device or socket, not a {what}")
+    if not os.access(path, os.R_OK):
+        raise InputFileError(f"{path}: cannot read the {what} (Permission denied)")
+    data = read_regular_bytes(path, InputFileError, MAX_PAIRS_BYTES)  # non-blocking: a swap for a FIFO is refused
     if data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8) :]
     utf16 = data[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
@@ -90,22 +102,55 @@ def read_jsonl(path: str | Path, what: str = "pairs file") -> Iterator[tuple[int
     else:
         line = text.count("\n", 0, bad) + 1 if bad >= 0 else 0
         utf16 = utf16 or bad >= 0
+    del data
     if line:
         hint = "; it looks like UTF-16" if utf16 else ""
         raise InputFileError(f"{path}: not UTF-8 (line {line}){hint}; save the {what} as UTF-8")
-    for n, raw in enumerate(text.split("\n"), 1):
+    lines = text.split("\n")
+    del text
+    for n, raw in enumerate(lines, 1):
+        if progress is not None and n % PROGRESS_EVERY == 0:
+            progress(n, len(lines))
         line_text = raw.rstrip("\r")
         if not line_text.strip():
             continue
-        try:
-            item = json.loads(line_text)
-        except json.JSONDecodeError as e:
-            raise InputFileError(f"{path}:{n}: not JSON ({e.msg} at column {e.colno})") from None
-        except RecursionError:
-            raise InputFileError(f"{path}:{n}: JSON nested too deeply") from None
-        if not isinstance(item, dict):
-            raise InputFileError(f"{path}:{n}: expected a JSON object {{...}}, got {_json_type(item)}")
-        yield n, item
+        yield n, _line_object(line_text, f"{path}:{n}")
+    if progress is not None:
+        progress(len(lines), len(lines))
+
+
+def _line_object(line: str, where: str) -> dict:
+    """One JSONL line as a JSON object; InputFileError naming ``where`` (``file:line``)."""
+    try:
+        item = _LINE_DECODER.decode(line)  # the C scanner: past the recursion limit, a RecursionError
+    except json.JSONDecodeError as e:
+        raise InputFileError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise InputFileError(f"{where}: JSON nested too deeply (over {MAX_JSON_DEPTH} levels)") from None
+    except ValueError as e:  # NaN / Infinity; an integer of over 4300 digits (Python's int limit)
+        why = str(e) if str(e).endswith("is not JSON") else "a number with too many digits"
+        raise InputFileError(f"{where}: not JSON ({why})") from None
+    # the walk runs only on a line with brackets enough to be too deep (brackets in strings count here)
+    if line.count("[") + line.count("{") > MAX_JSON_DEPTH and _nested_deeper(item, MAX_JSON_DEPTH):
+        raise InputFileError(f"{where}: JSON nested too deeply (over {MAX_JSON_DEPTH} levels)")
+    if not isinstance(item, dict):
+        raise InputFileError(f"{where}: expected a JSON object {{...}}, got {_json_type(item)}")
+    return item
+
+
+def _nested_deeper(value, max_depth: int) -> bool:
+    """Whether the decoded ``value`` holds arrays / objects more than
+    ``max_depth`` deep (iterative: no recursion; each container visited once)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > max_depth:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def text_field(row: dict, key: str, where: str, *, required: bool = True) -> str | None:
@@ -137,13 +182,21 @@ def text_field(row: dict, key: str, where: str, *, required: bool = True) -> str
     return value
 
 
-def resolve_beside(path: Path, name: str) -> Path:
-    """A path from a JSONL line: ``~`` expanded; relative paths are relative to the JSONL file's folder."""
-    p = Path(name).expanduser()
+def resolve_beside(path: Path, name: str, where: str | None = None, key: str = "image") -> Path:
+    """A path from a JSONL line: ``~`` / ``~user`` expanded; relative paths are
+    relative to the JSONL file's folder. A ``~`` that names no user (or no home
+    folder) is an InputFileError naming ``where`` (``file:line``) and the field."""
+    try:
+        p = Path(name).expanduser()
+    except RuntimeError:  # "Could not determine home directory."
+        user = name.split("/", 1)[0]
+        raise InputFileError(
+            f'{where or path}: "{key}": cannot expand {user!r} in {name[:80]!r} (no such user, or no home folder)'
+        ) from None
     return p if p.is_absolute() else path.parent / p
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Pair:
     """One image-question pair of a pairs file.
 
@@ -218,22 +271,38 @@ def _label(row: dict, key: str) -> str | None:
     return None if v is None else str(v)
 
 
-def read_pairs(path: str | Path, *, limit: int | None = None, what: str = "pairs file") -> list[Pair]:
+def read_pairs(
+    path: str | Path, *, limit: int | None = None, what: str = "pairs file", progress: Progress = None
+) -> list[Pair]:
     """The pairs of a JSONL file or folder (:func:`pairs_file`), in file order.
 
     Args:
         limit: only the first N pairs (later lines are not checked).
         what: the file's role in messages ("pairs file", "dataset file").
+        progress: ``progress(lines read, lines, message)``, every
+            :data:`PROGRESS_EVERY` lines (a file of a million lines takes seconds).
 
     Every problem is one :class:`InputFileError` naming the file and the line;
-    a file without any pair is one too.
+    a file without any pair is one too, and so is one of over :data:`MAX_PAIRS`.
     """
     f = pairs_file(path, what)
     pairs: list[Pair] = []
-    for n, row in read_jsonl(f, what):
+    beside: dict[str, Path] = {}  # each path named once is resolved once (a million lines may share one image)
+
+    def resolved(name: str, where: str, key: str) -> Path:
+        if name not in beside:
+            beside[name] = resolve_beside(f, name, where, key)
+        return beside[name]
+
+    def lines_read(done: int, total: int) -> None:
+        progress(done, total, f"reading {f.name}: line {done:,} of {total:,}")
+
+    for n, row in read_jsonl(f, what, lines_read if progress is not None else None):
         if limit is not None and len(pairs) >= limit:
             break
         where = f"{f}:{n}"
+        if len(pairs) >= MAX_PAIRS:
+            raise InputFileError(f"{where}: over {MAX_PAIRS:,} pairs, the most one file may hold; split the {what}")
         image = text_field(row, "image", where)
         question = text_field(row, "question", where)
         answer = text_field(row, "answer", where, required=False)
@@ -249,11 +318,11 @@ def read_pairs(path: str | Path, *, limit: int | None = None, what: str = "pairs
                 line=n,
                 where=where,
                 image=image,
-                image_path=resolve_beside(f, image),
+                image_path=resolved(image, where, "image"),
                 question=question,
                 answer=answer,
                 foil=foil,
-                target_mask=resolve_beside(f, mask) if mask else None,
+                target_mask=resolved(mask, where, "target_mask") if mask else None,
                 answer_text=answer_text,
                 answer_token_index=token_index,
                 id=_label(row, "id"),
@@ -295,6 +364,20 @@ def check_pair_image(pair: Pair) -> Path:
     with _naming_the_line(pair):
         check_image_file(pair.image_path)
     return pair.image_path
+
+
+def check_pair_images(pairs: list[Pair], progress: Progress = None) -> list[Path]:
+    """:func:`check_pair_image` of every pair, in order, each distinct image
+    file once; ``progress(done, pairs, message)`` every :data:`PROGRESS_EVERY`
+    pairs. The first failure names its line."""
+    checked: set[Path] = set()
+    for done, pair in enumerate(pairs, 1):
+        if pair.image_path not in checked:
+            check_pair_image(pair)
+            checked.add(pair.image_path)
+        if progress is not None and (done % PROGRESS_EVERY == 0 or done == len(pairs)):
+            progress(done, len(pairs), f"checking images: {done:,} of {len(pairs):,}")
+    return [p.image_path for p in pairs]
 
 
 def load_pair_mask(pair: Pair, size: tuple[int, int], path: Path | None = None) -> np.ndarray | None:

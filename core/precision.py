@@ -12,6 +12,8 @@ parsers and the app's picker read :data:`DTYPE_CHOICES` before any model code lo
 
 from __future__ import annotations
 
+import re
+import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -83,34 +85,95 @@ def placement(model) -> str:
     return "+".join(devices) or "cpu"
 
 
+# What --device and the loader take: "cpu", "cuda", "cuda:N", "mps" (each at most one index:
+# a CPU or an Apple GPU is one device) or "auto" (spread over the GPUs by a device map).
+DEVICE_FORMS = "cpu, cuda, cuda:N, mps or auto"
+_DEVICE_NAME = re.compile(r"(cpu|cuda|mps)(?::([0-9]{1,9}))?")
+_SHOWN_CHARACTERS = 40  # a device name longer than this is no device: the message shows its start
+
+
+def shown_device(device) -> str:
+    """``device`` quoted for a message, cut to its start when it is too long to be a device name."""
+    text = str(device)
+    return repr(text if len(text) <= _SHOWN_CHARACTERS else text[:_SHOWN_CHARACTERS] + "...")
+
+
+def available_devices() -> list[str]:
+    """The devices this machine has, as a message lists them: "cpu", each CUDA
+    device with its name ("cuda:0 (NVIDIA H100 80GB HBM3)"), "mps" where the
+    Apple GPU is usable."""
+    import torch
+
+    devices = ["cpu"]
+    with warnings.catch_warnings():  # a broken driver warns on every query: the list says enough
+        warnings.simplefilter("ignore")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for i in range(count):
+            try:
+                devices.append(f"cuda:{i} ({torch.cuda.get_device_name(i)})")
+            except Exception:  # a device that cannot say its name is still there
+                devices.append(f"cuda:{i}")
+        mps = getattr(torch.backends, "mps", None)
+        if mps is not None and mps.is_available():
+            devices.append("mps")
+    return devices
+
+
+def _torch_device_kind(kind: str) -> bool:
+    """Whether torch knows ``kind`` as a device type ("meta", "xpu"): one the
+    read-outs do not support, rather than a misspelling."""
+    import torch
+
+    try:
+        torch.device(kind)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
+
+
+def device_problem(device) -> str | None:
+    """Why ``device`` names no device of this machine (one phrase ending with the
+    devices available), or None when it does. Torch is imported only for a GPU
+    name: "cpu" and "auto" are answered without it (the command lines check
+    --device when they parse it)."""
+    if not isinstance(device, str):
+        if type(device).__module__ != "torch" or type(device).__name__ != "device":
+            return f"not a device name (got {type(device).__name__}; expected {DEVICE_FORMS})"
+        device = str(device)
+    if device in ("auto", "cpu"):
+        return None
+    match = _DEVICE_NAME.fullmatch(device)
+    if match is None:
+        kind = device.split(":", 1)[0][:_SHOWN_CHARACTERS]
+        problem = "not supported" if kind not in ("cpu", "cuda", "mps") and _torch_device_kind(kind) else "not a device"
+        return f"{problem} (expected {DEVICE_FORMS}); available: {', '.join(available_devices())}"
+    kind, index = match.group(1), match.group(2)
+    index = None if index is None else int(index)
+    available = available_devices()
+    here = f"available: {', '.join(available)}"
+    if kind == "cpu" or kind == "mps":
+        if kind == "mps" and "mps" not in available:
+            return f"MPS is not available on this machine; {here}"
+        return None if index in (None, 0) else f"no such device (the {kind.upper()} is one device, {kind}); {here}"
+    count = sum(d.startswith("cuda:") for d in available)
+    if count == 0:
+        return f"CUDA is not available on this machine; {here}"
+    if index is not None and index >= count:
+        return f"no such device (this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}); {here}"
+    return None
+
+
 def check_device(device) -> str | None:
     """``device`` ("cpu", "cuda", "cuda:N", "mps", "auto", None or a torch.device)
     as the loader takes it, after checking it names a device this machine has;
-    :class:`core.errors.ModelLoadError` (one line) for a misspelled one or a GPU
-    that is not there, before anything is read or allocated."""
-    import torch
-
+    :class:`core.errors.ModelLoadError` (one line naming the devices available)
+    for a misspelled one or a GPU that is not there, before anything is read or
+    allocated."""
     from core.errors import ModelLoadError
 
-    if device is None or device == "auto":
-        return device
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ModelLoadError(
-            f"device {str(device)!r}: not a device (expected cpu, cuda, cuda:N, mps or auto)"
-        ) from None
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ModelLoadError(f"device {str(device)!r}: CUDA is not available on this machine (use cpu)")
-        if dev.index is not None and dev.index >= count:
-            raise ModelLoadError(
-                f"device {str(device)!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
-            )
-    elif dev.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ModelLoadError(f"device {str(device)!r}: MPS is not available on this machine (use cpu)")
-    elif dev.type != "cpu":
-        raise ModelLoadError(f"device {str(device)!r}: not supported (expected cpu, cuda, cuda:N, mps or auto)")
+    if device is None:
+        return None
+    problem = device_problem(device)
+    if problem is not None:
+        raise ModelLoadError(f"device {shown_device(device)}: {problem}")
     return str(device)

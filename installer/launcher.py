@@ -5,9 +5,14 @@ import os
 import sys
 from pathlib import Path
 
+from core import offline  # standard library only
+
+# Before torch and transformers are imported below: the app never downloads, as
+# app.__main__.main and `vlm-readout` without --allow-download (core/offline.py).
+offline.go_offline()
+
 if getattr(sys, "frozen", False):
     os.environ.setdefault("VLM_READOUT_RESOURCES", str(Path(sys._MEIPASS) / "resources"))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 if getattr(sys, "frozen", False):
     # Load torchvision's compiled ops eagerly and say why when they are missing: transformers

@@ -17,10 +17,13 @@ bar); the number validators and :class:`Parser` are in :mod:`core.arguments`.
 
 Every expected failure (bad image, bad model folder, refused checkpoint,
 question that does not fit, an option out of range, a bad line in a pairs
-file, an output that cannot be written) prints one line ``error: ...`` to
-stderr and exits with status 2; nothing prints a traceback for them. Numeric
-options are checked when the command line is parsed, so ``--top-k 0`` is
-refused before anything loads. Building the parser imports neither torch nor
+file, an output that cannot be written, a stdout that cannot be written)
+prints one line ``error: ...`` to stderr and exits with status 2; nothing
+prints a traceback for them, and stderr holds nothing but such lines and
+``warning: ...`` lines (core/terminal.py). :func:`main` makes the process
+offline before anything is parsed or imported, unless ``--allow-download``
+(core/offline.py). Numeric options are checked when the command line is
+parsed, so ``--top-k 0`` is refused before anything loads. Building the parser imports neither torch nor
 transformers nor numpy (tests/core/test_cli_layout.py): a command imports them
 in its ``run``.
 """
@@ -28,9 +31,9 @@ in its ``run``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from core import offline, terminal
 from core.arguments import (  # noqa: F401  (re-exported: callers import them from core.cli)
     INT_MAX,
     LazyChoices,
@@ -80,39 +83,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _stdout_gone() -> None:
-    """Point stdout at /dev/null, so the interpreter's last flush at exit
-    raises nothing after a write to it failed."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
+    # Before anything is parsed or imported: no network unless --allow-download, and
+    # a terminal that holds only `error:` / `warning:` lines (core/offline.py, core/terminal.py).
+    offline.go_offline()
+    terminal.setup()
+    with terminal.watched_stdout() as stdout:
+        try:
+            with terminal.question_length_warnings_held():
+                return _run(argv)
+        except ReadoutError as e:
+            terminal.say(f"error: {e}")
+            return e.exit_code
+        except KeyboardInterrupt:
+            terminal.say("error: interrupted")
+            return 130
+        except OSError:
+            if stdout.failure is None:  # not stdout's: a bug, shown as one
+                raise
+            return terminal.refuse_stdout(stdout.failure)
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
-    except SystemExit as e:  # -h (0), or a refused command line (2; its one line is printed)
-        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
-    try:
-        code = args.func(args)
-        sys.stdout.flush()
-        return code
-    except ReadoutError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader of stdout went away (| head): nothing to add
-        _stdout_gone()
-        return 1
-    except OSError as e:
-        try:  # was it stdout (a full disk behind > FILE)? Then the buffer still cannot be flushed
-            sys.stdout.flush()
-        except OSError:
-            _stdout_gone()
-            print(f"error: cannot write to standard output ({os.strerror(e.errno) if e.errno else e})", file=sys.stderr)
-            return 2
-        raise
+    except SystemExit as e:  # -h, or a refused command line (its one line is printed)
+        return terminal.parse_exit_status(e)
+    if getattr(args, "allow_download", False):
+        offline.allow_network()
+    code = args.func(args)
+    sys.stdout.flush()
+    return code

@@ -7,12 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from core.arguments import positive_int
+from core.arguments import batch_size, positive_int
 from core.cli.args import add_model_args, add_raw_prompt_arg
 from core.cli.loading import load_from_args
 from core.cli.progress import progress_bar
 from core.errors import ReadoutError
-from core.pairs import check_pair_image, read_pairs
+from core.pairs import check_pair_images, read_pairs
 
 
 def add_command(subparsers, load=load_from_args) -> None:
@@ -23,7 +23,7 @@ def add_command(subparsers, load=load_from_args) -> None:
     a.add_argument("--pairs", help='JSONL, one {"image": path, "question": text} per line')
     a.add_argument("--out", help="write JSONL here (default: stdout)")
     a.add_argument("--top-k", type=positive_int, default=5)
-    a.add_argument("--batch-size", type=positive_int, default=16)
+    a.add_argument("--batch-size", type=batch_size, default=16)
     a.add_argument("--quiet", action="store_true", help="no progress bar")
     add_raw_prompt_arg(a)
     a.set_defaults(func=lambda args: run(args, load))
@@ -47,11 +47,13 @@ def run(args, load=load_from_args) -> int:
         a = answer(loaded, image, args.question, top_k=args.top_k, raw_prompt=args.raw_prompt)
         print(f"{a.answer}\t{a.prob:.4f}")
         return 0
-    pairs = read_pairs(Path(args.pairs))
-    if args.out:
-        check_output_file(args.out)  # fail fast, before the images and the model load
-    # every file checked before the model loads; each decoded only in its batch (memory stays one batch's)
-    images = [check_pair_image(p) for p in pairs]
+    # every line and every image file checked before the model loads, with progress (a million lines take
+    # seconds); each image decoded only in its batch (memory stays one batch's)
+    with progress_bar("pairs", quiet=args.quiet, messages=True) as progress:
+        pairs = read_pairs(Path(args.pairs), progress=progress)
+        if args.out:
+            check_output_file(args.out)  # fail fast, before the images and the model load
+        images = check_pair_images(pairs, progress)
     loaded = load(args)
     with progress_bar("answering", quiet=args.quiet, total=len(pairs)) as progress:
         answers = answer_batch(

@@ -79,7 +79,8 @@ def run(args, load=load_from_args) -> int:
     methods = parse_methods(args.methods if args.methods is not None else DEFAULT_METHODS)
     check_output_folder(args.out)  # fail fast, before the model loads
     dataset = pairs_file(args.dataset, "dataset file")
-    items = read_pairs(dataset, limit=args.limit, what="dataset file")
+    with progress_bar("dataset", quiet=args.quiet, messages=True) as progress:  # a million lines take seconds
+        items = read_pairs(dataset, limit=args.limit, what="dataset file", progress=progress)
     items = with_answer_text(items, answer_text_request(args))
     if args.session:
         from core.session import check_session_file
@@ -134,6 +135,8 @@ def run(args, load=load_from_args) -> int:
         if rank != 0:
             return 0
         merged = merge_shards(shards)
+        if not merged.cancelled:
+            check_some_succeeded(merged.records, items, dataset, args.out)  # else nothing is written
         run_params = run_params_for(loaded, dataset, methods, args, len(items))
         files = write_outputs(args.out, merged, methods, run_params, options, len(items))
         _write_run_json(args.out, started, world, backend, run_params, complete=not merged.cancelled, files=files)
@@ -151,8 +154,9 @@ def run(args, load=load_from_args) -> int:
             run = RecordedResult("audit", jsonable(doc), line, run_params, audits)
             record_into(args.session, run, model=loaded)
         s = summarize(merged.records, [], len(items), merged.cancelled)
+        failed = f" (their errors: {Path(args.out) / 'summary.json'})" if s["n_errors"] else ""
         print(
-            f"{s['n_samples']} samples: {s['n_ok']} ok, {s['n_errors']} errors; "
+            f"{s['n_samples']} samples: {s['n_ok']} ok, {s['n_errors']} failed{failed}; "
             f"accuracy {format_number(s['accuracy'])}; wrote {Path(args.out)}"
         )
         if merged.cancelled:
@@ -166,6 +170,21 @@ def run(args, load=load_from_args) -> int:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+
+def check_some_succeeded(records: list[dict], items, dataset: Path, out) -> None:
+    """A run in which no sample succeeded is a failed run: one line naming the
+    dataset file, how many failed and the first one's line and error, and
+    nothing written to ``out`` (an earlier run's outputs stay as they were)."""
+    if not records or any(r["status"] == "ok" for r in records):
+        return
+    first = min(records, key=lambda r: r["index"])
+    item = items[first["index"]]
+    error = str(first["error"]).removeprefix(f"{item.where}: ")  # a file's error names the line already
+    raise ReadoutError(
+        f"{dataset}: no sample succeeded ({len(records):,} of {len(records):,} failed; nothing written to {out}); "
+        f"the first, line {item.line}: {error}"
+    )
 
 
 @contextmanager

@@ -17,8 +17,14 @@ import json
 from pathlib import Path
 
 from core.answer_text import run_parameters
-from core.arguments import LazyChoices, Number, positive_int, seed_int
-from core.cli.args import add_answer_text_args, add_model_args, answer_text_of
+from core.arguments import LazyChoices, Number, batch_size, positive_int, seed_int
+from core.cli.args import (
+    add_answer_text_args,
+    add_model_args,
+    answer_text_of,
+    check_answer_tokens,
+    check_token_options,
+)
 from core.cli.loading import load_from_args
 from core.cli.progress import progress_bar
 from core.errors import ReadoutError
@@ -65,7 +71,7 @@ def add_command(subparsers, load=load_from_args) -> None:
     p.add_argument("--answer", help="answer token (default: the model's top token on the original image)")
     p.add_argument("--foil", help="competing token; logit difference = answer - foil")
     add_answer_text_args(p)
-    p.add_argument("--batch-size", type=positive_int, default=16, help="--sweep: edited images per forward")
+    p.add_argument("--batch-size", type=batch_size, default=16, help="--sweep: edited images per forward")
     p.add_argument(
         "--interpolated",
         action="store_true",
@@ -80,7 +86,7 @@ def add_command(subparsers, load=load_from_args) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the counterfactual methods import torch, not needed for --help
-    from core.atomic import check_output_file, write_text_atomic
+    from core.atomic import check_output_file, staged_writes
     from core.images import image_sha256, load_image
     from core.methods.counterfactual import Fill, mask_from_png, occlusion_sweep, region_counterfactual
 
@@ -92,6 +98,7 @@ def run(args, load=load_from_args) -> int:
         raise ReadoutError("--paste-from goes with --fill paste")
     # Fail fast on the inputs and the output, before the model loads.
     check_output_file(args.json)
+    check_token_options(args)
     image = load_image(args.image)
     mask = mask_from_png(args.mask, image.size) if args.mask else None
     options = {"color": args.color, "radius": args.radius, "seed": args.seed}
@@ -106,7 +113,8 @@ def run(args, load=load_from_args) -> int:
         check_session_file(args.session)
     loaded = load(args)
     answer_text = answer_text_of(args, loaded)
-    answer = args.answer or (answer_text.token_id if answer_text is not None else None)
+    check_answer_tokens(args, loaded.adapter)
+    answer = args.answer if args.answer is not None else answer_text.token_id if answer_text is not None else None
     prefix = answer_text.prefix_ids if answer_text is not None else ()
     header = {
         "model": {
@@ -162,20 +170,21 @@ def run(args, load=load_from_args) -> int:
         out = result.to_dict()
         line = change_line(result.original.to_dict(), result.edited.to_dict(), result.effect.flipped)
     doc = {**out, **header}
-    write_text_atomic(Path(args.json), json.dumps(doc, allow_nan=False) + "\n")
-    if args.session:
-        from core.session import record_into
+    with staged_writes() as outputs:  # the JSON is put in place once the run is recorded (core/atomic.py)
+        outputs.add(Path(args.json), (json.dumps(doc, allow_nan=False) + "\n").encode("utf-8"))
+        if args.session:
+            from core.session import record_into
 
-        # the stored doc has the header too
-        extra = {"question": args.question, "paste_from": args.paste_from, **run_parameters(answer_text)}
-        record_into(
-            args.session,
-            RecordedResult.of(result, doc),
-            image=image,
-            image_path=args.image,
-            mask=mask,
-            parameters=extra,
-            model=loaded,
-        )
+            # the stored doc has the header too
+            extra = {"question": args.question, "paste_from": args.paste_from, **run_parameters(answer_text)}
+            record_into(
+                args.session,
+                RecordedResult.of(result, doc),
+                image=image,
+                image_path=args.image,
+                mask=mask,
+                parameters=extra,
+                model=loaded,
+            )
     print(line)
     return 0

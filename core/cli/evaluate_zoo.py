@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core.arguments import positive_int
+from core.arguments import batch_size, input_count
 from core.cli.args import add_model_args
 from core.cli.loading import load_from_args
 from core.cli.progress import progress_bar
@@ -17,11 +17,11 @@ from core.errors import ReadoutError
 def add_command(subparsers, load=load_from_args) -> None:
     e = subparsers.add_parser("evaluate-zoo", help="accuracy of a default model on held-out synthetic scenes")
     add_model_args(e)
-    e.add_argument("--n", type=positive_int, default=2000)
+    e.add_argument("--n", type=input_count, default=2000, help="scenes to answer")
     e.add_argument("--split", default="heldout")
     e.add_argument("--renderer", choices=["main", "alt"], default="main", help="alt: the independent second renderer")
     e.add_argument("--json", help="write the accuracy table here")
-    e.add_argument("--batch-size", type=positive_int, default=50)
+    e.add_argument("--batch-size", type=batch_size, default=50)
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.set_defaults(func=lambda args: run(args, load))
 

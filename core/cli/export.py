@@ -6,11 +6,12 @@ self-contained HTML, JSON) or its patch-grid figures (PNG) to a file.
 Every row starts with what reproduces its run (:data:`core.session.RUN_COLUMNS`).
 ``--format png`` writes one picture per figure into the folder ``PATH``.
 Every file is written atomically; the session is opened read-only (nothing
-is written to it or beside it, so a session in a read-only folder exports).
-Errors (no such session, empty or corrupt file, newer schema, bad output
-path) are one line on stderr and exit status 2; a picture that cannot be
-drawn as recorded (an unreadable stored image) is a ``warning:`` line and
-the rest is exported.
+is written to it or beside it, so a session in a read-only folder or on a full
+disk exports). Errors (no such session, empty, damaged or corrupt file, newer
+schema, bad output path, every run damaged) are one line on stderr and exit
+status 2; a damaged run (``warning: run N: ...``, left out) or a picture that
+cannot be drawn as recorded (an unreadable stored image) is a ``warning:``
+line and the rest is exported.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ def run(args) -> int:
     from core.session import Session
 
     notes: list[str] = []
+    damaged: dict[int, str] = {}
     with Session.open(args.session, read_only=True) as s:  # an export never writes to the session
-        n_rows = len(s.audit_table(args.kind))
-        written = export_session(s, args.format, Path(args.out), kinds=args.kind, notes=notes)
+        written = export_session(s, args.format, Path(args.out), kinds=args.kind, notes=notes, damaged=damaged)
+        n_rows = sum(row["run_id"] not in damaged for row in s.audit_table(args.kind))
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
     if args.format == "png":

@@ -54,14 +54,29 @@ def token_line(index: int, token: str, prob: float, top: list) -> str:
     return f"{index:>3}  {token!r}  p={prob:.4f}  top: {alternatives}"
 
 
+def check_stop_strings(stops: list[str]) -> None:
+    """QuestionError (one line starting with ``--stop``) for a stop string that is
+    empty (every answer holds it: generation would stop before its first token)
+    or not UTF-8 text, before the model loads. Whitespace is a stop string
+    (``--stop $'\\n'`` ends the answer at its first line)."""
+    from core.answer_text import text_problem
+    from core.errors import QuestionError
+
+    for text in stops:
+        problem = text_problem(text, blank_ok=True)
+        if problem is not None:
+            raise QuestionError(f"--stop {problem} (a stop string is text the answer stops after)")
+
+
 def run(args, load=load_from_args) -> int:
     # function-local: torch loads when the command runs, not for --help
-    from core.atomic import check_output_file, write_text_atomic
+    from core.atomic import check_output_file, staged_writes
     from core.generate import generate
     from core.images import image_sha256, load_image
 
     if args.json:
         check_output_file(args.json)  # fail fast, before the model loads
+    check_stop_strings(args.stop)
     image = load_image(args.image)
     if args.session:
         from core.session import check_session_file
@@ -87,12 +102,13 @@ def run(args, load=load_from_args) -> int:
         print(f"end  {s['token']!r}  p={s['prob']:.4f}")
     print(f"answer: {result.text}")
     print(f"stop: {result.stop_reason} ({len(result.token_ids)} tokens, {'KV cache' if result.cache else 'no cache'})")
-    if args.json:
-        doc = result.to_dict()
-        doc["input"].update(image=str(args.image), image_sha256=image_sha256(image), image_size=list(image.size))
-        write_text_atomic(Path(args.json), json.dumps(doc, allow_nan=False) + "\n")
-    if args.session:
-        from core.session import record_into
+    with staged_writes() as outputs:  # the JSON is put in place once the run is recorded (core/atomic.py)
+        if args.json:
+            doc = result.to_dict()
+            doc["input"].update(image=str(args.image), image_sha256=image_sha256(image), image_size=list(image.size))
+            outputs.add(Path(args.json), (json.dumps(doc, allow_nan=False) + "\n").encode("utf-8"))
+        if args.session:
+            from core.session import record_into
 
-        record_into(args.session, result, image=image, image_path=args.image, model=loaded)
+            record_into(args.session, result, image=image, image_path=args.image, model=loaded)
     return 0

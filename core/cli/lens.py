@@ -24,17 +24,29 @@ from pathlib import Path
 
 from core.arguments import (
     LazyChoices,
-    non_negative_float,
-    non_negative_int,
-    positive_float,
+    Number,
+    batch_size,
+    input_count,
     positive_int,
     seed_int,
     share_below_one,
+    thread_count,
 )
 from core.cli.args import add_model_args
 from core.cli.loading import load_from_args
 from core.cli.progress import progress_bar
 from core.errors import ReadoutError
+
+# The training options' domains, checked when the command line is parsed. A rank or hidden width
+# past 2^16 exceeds any model's residual width; what a width costs with the model's own sizes
+# is checked against the memory available once it loads (core.methods.tuned_lens.training).
+translator_width = Number(int, 1, 2**16)
+# At least one step (0 trained nothing and went on to evaluate for as long as the evaluations take).
+training_steps = Number(int, 1, 1_000_000)
+# The recipe's rates are 0.1-1 (SGD) and 3e-3 (Adam); past 10 a step overshoots any lens, and
+# a rate near float's range overflows in the optimizer itself.
+learning_rate = Number(float, 0, 10, lo_open=True)
+weight_decay = Number(float, 0, 10)
 
 # Options that are LensConfig fields default to None here and take LensConfig's
 # default in run_train: building the parser must not import the lens module (torch).
@@ -75,8 +87,8 @@ def add_command(subparsers, load=load_from_args) -> None:
     )
     t.add_argument("--split", default="train", help="synthetic corpus split (default train)")
     t.add_argument("--form", choices=forms, default=None, metavar="FORM", help="%(choices)s")
-    t.add_argument("--rank", type=positive_int, default=None, help="--form lowrank: the rank")
-    t.add_argument("--hidden", type=positive_int, default=None, help="--form mlp: the hidden width (default 64)")
+    t.add_argument("--rank", type=translator_width, default=None, help="--form lowrank: the rank")
+    t.add_argument("--hidden", type=translator_width, default=None, help="--form mlp: the hidden width (default 64)")
     t.add_argument(
         "--positions",
         choices=position_sets,
@@ -84,22 +96,22 @@ def add_command(subparsers, load=load_from_args) -> None:
         metavar="POSITIONS",
         help="token positions trained on: %(choices)s",
     )
-    t.add_argument("--steps", type=non_negative_int, default=None, help="optimizer steps")
-    t.add_argument("--batch-size", type=positive_int, default=None, help="image-question pairs per step")
+    t.add_argument("--steps", type=training_steps, default=None, help="optimizer steps")
+    t.add_argument("--batch-size", type=batch_size, default=None, help="image-question pairs per step")
     t.add_argument("--optimizer", choices=("sgd", "adam"), default=None)
-    t.add_argument("--lr", type=positive_float, default=None, help="default: LensConfig's for sgd, 3e-3 for adam")
+    t.add_argument("--lr", type=learning_rate, default=None, help="default: LensConfig's for sgd, 3e-3 for adam")
     t.add_argument("--momentum", type=share_below_one, default=None, help="sgd momentum")
-    t.add_argument("--weight-decay", type=non_negative_float, default=None, help="L2 towards the identity")
+    t.add_argument("--weight-decay", type=weight_decay, default=None, help="L2 towards the identity")
     t.add_argument("--warmup", type=share_below_one, default=None, help="share of steps with a linear warm-up")
     t.add_argument("--seed", type=seed_int, default=None)
     t.add_argument("--checkpoint", help="checkpoint file (written every --checkpoint-every steps and at the end)")
     t.add_argument("--checkpoint-every", type=positive_int, default=None)
     t.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     t.add_argument("--eval-pairs", help="held-out JSONL of pairs to evaluate on (with --pairs)")
-    t.add_argument("--eval-n", type=positive_int, default=1000, help="synthetic held-out pairs to evaluate on")
-    t.add_argument("--shifted-n", type=positive_int, default=500, help="synthetic shifted-domain pairs to evaluate on")
+    t.add_argument("--eval-n", type=input_count, default=1000, help="synthetic held-out pairs to evaluate on")
+    t.add_argument("--shifted-n", type=input_count, default=500, help="synthetic shifted-domain pairs to evaluate on")
     t.add_argument("--no-eval", action="store_true", help="skip the evaluations")
-    t.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    t.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=lambda args: run_train(args, load))
 
@@ -113,7 +125,7 @@ def add_command(subparsers, load=load_from_args) -> None:
     e.add_argument("--lens", required=True, help="lens folder (lens.json + lens.safetensors)")
     e.add_argument("--pairs", help='JSONL, one {"image": path, "question": text[, "answer": token]} per line')
     e.add_argument("--split", help="instead of --pairs: a synthetic split (heldout, shifted, val, alt)")
-    e.add_argument("--n", type=positive_int, default=200, help="--split: pairs to evaluate")
+    e.add_argument("--n", type=input_count, default=200, help="--split: pairs to evaluate")
     e.add_argument(
         "--positions",
         choices=position_sets,
@@ -121,9 +133,9 @@ def add_command(subparsers, load=load_from_args) -> None:
         metavar="POSITIONS",
         help="primary token group: %(choices)s (default: the lens's)",
     )
-    e.add_argument("--batch-size", type=positive_int, default=16)
+    e.add_argument("--batch-size", type=batch_size, default=16)
     e.add_argument("--json", required=True, help="output file")
-    e.add_argument("--threads", type=positive_int, default=None)
+    e.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads")
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=lambda args: run_eval(args, load))
 

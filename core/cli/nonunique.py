@@ -19,8 +19,14 @@ import json
 from pathlib import Path
 
 from core.answer_text import run_parameters
-from core.arguments import Number, positive_int, positive_share, probability, seed_int
-from core.cli.args import add_answer_text_args, add_model_args, add_raw_prompt_arg, answer_text_of
+from core.arguments import Number, positive_share, probability, seed_int
+from core.cli.args import (
+    add_answer_text_args,
+    add_model_args,
+    add_raw_prompt_arg,
+    answer_text_of,
+    check_token_options,
+)
 from core.cli.loading import load_from_args
 from core.cli.progress import progress_bar
 from core.readout import RecordedResult
@@ -34,6 +40,8 @@ TOP_TOKENS_RULE = (
 )
 output_tolerance = Number(float, 0, 1, lo_open=True)
 score_bound = Number(float, 0, 1000)
+# optimiser steps of one penalty stage: past this a local search has long stalled, and each step is a forward
+optimiser_steps = Number(int, 1, 100_000)
 
 
 def add_command(subparsers, load=load_from_args) -> None:
@@ -120,7 +128,7 @@ def add_command(subparsers, load=load_from_args) -> None:
     )
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the extra random start of levels b and c")
     p.add_argument(
-        "--steps", type=positive_int, default=150, help="optimiser steps per penalty stage (default %(default)s)"
+        "--steps", type=optimiser_steps, default=150, help="optimiser steps per penalty stage (default %(default)s)"
     )
     add_answer_text_args(p)
     add_raw_prompt_arg(p)
@@ -132,12 +140,13 @@ def add_command(subparsers, load=load_from_args) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the method imports torch, not needed for --help
-    from core.atomic import check_output_file, write_text_atomic
+    from core.atomic import check_output_file, staged_writes
     from core.images import load_image
     from core.methods.counterfactual import mask_from_png
     from core.methods.nonunique import nonunique_of_input
 
     check_output_file(args.json)  # fail fast, before the model loads
+    check_token_options(args)
     image = load_image(args.image)
     mask = mask_from_png(args.region, image.size) if args.region else None
     if args.session:
@@ -170,20 +179,26 @@ def run(args, load=load_from_args) -> int:
             progress=progress,
         )
     rule = doc["region"]["rule"]
-    write_text_atomic(Path(args.json), json.dumps(doc, allow_nan=False) + "\n")
-    if args.session:
-        from core.session import record_into
+    with staged_writes() as outputs:  # the JSON is put in place once the run is recorded (core/atomic.py)
+        outputs.add(Path(args.json), (json.dumps(doc, allow_nan=False) + "\n").encode("utf-8"))
+        if args.session:
+            from core.session import record_into
 
-        extra = {"question": args.question, "component": args.head, "region_rule": rule, **run_parameters(answer_text)}
-        record_into(
-            args.session,
-            RecordedResult.of(result, doc),
-            image=image,
-            image_path=args.image,
-            mask=mask,
-            parameters=extra,
-            model=loaded,
-        )
+            extra = {
+                "question": args.question,
+                "component": args.head,
+                "region_rule": rule,
+                **run_parameters(answer_text),
+            }
+            record_into(
+                args.session,
+                RecordedResult.of(result, doc),
+                image=image,
+                image_path=args.image,
+                mask=mask,
+                parameters=extra,
+                model=loaded,
+            )
     print(result.summary())
     for lv in result.levels:
         print(lv.statement)

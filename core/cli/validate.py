@@ -15,10 +15,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core.arguments import non_negative_int, positive_int, seed_int
+from core.arguments import Number, batch_size, non_negative_int, seed_int
 from core.cli.args import add_model_args
 from core.cli.loading import load_from_args
 
+# Inputs of each set (--n, --n-side): every one is held in memory with its masks (~100 kB a scene)
+# through the seven steps.
+MAX_CHAIN_INPUTS = 10_000
 SOURCE_HELP = (
     "'scenes' or 'scenes:SPLIT' (the synthetic shape scenes, their ground truth the target and distractors), or a "
     "pairs JSONL / a folder holding one whose lines give answer, foil and the target's mask (object_masks with "
@@ -80,13 +83,13 @@ def add_command(subparsers, load=load_from_args) -> None:
     )
     p.add_argument(
         "--n",
-        type=positive_int,
+        type=Number(int, 1, MAX_CHAIN_INPUTS),
         default=150,
         help="attribute inputs of each set: the first N that pass the filters (default %(default)s)",
     )
     p.add_argument(
         "--n-side",
-        type=non_negative_int,
+        type=Number(int, 0, MAX_CHAIN_INPUTS),
         default=50,
         help="inputs of each other question kind for step 7's side effects (default %(default)s; 0: not tested)",
     )
@@ -105,7 +108,7 @@ def add_command(subparsers, load=load_from_args) -> None:
     p.add_argument(
         "--seed", type=seed_int, default=0, help="seed of the matched random heads, the swaps' noise, the halving"
     )
-    p.add_argument("--batch-size", type=positive_int, default=32, help="inputs per forward (default %(default)s)")
+    p.add_argument("--batch-size", type=batch_size, default=32, help="inputs per forward (default %(default)s)")
     p.add_argument("--json", required=True, help="output file: the claim, both conditions, every step's evidence")
     p.add_argument("--session", help="also record the run (its audit rows per step) into this session file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -142,7 +145,7 @@ def checklist(chain) -> list[str]:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the chain imports torch and numpy, not needed for --help
-    from core.atomic import check_output_file, write_text_atomic
+    from core.atomic import check_output_file, staged_writes
     from core.cli.progress import progress_bar
     from core.images import load_mask
     from core.validate import validate
@@ -171,12 +174,13 @@ def run(args, load=load_from_args) -> int:
             progress=progress,
         )
     doc = result.to_dict()
-    write_text_atomic(Path(args.json), json.dumps(doc, allow_nan=False) + "\n")
-    if args.session:
-        from core.session import record_into
-        from core.validate import source_files
+    with staged_writes() as outputs:  # the JSON is put in place once the run is recorded (core/atomic.py)
+        outputs.add(Path(args.json), (json.dumps(doc, allow_nan=False) + "\n").encode("utf-8"))
+        if args.session:
+            from core.session import record_into
+            from core.validate import source_files
 
-        record_into(args.session, result, model=loaded, parameters=source_files(args.dataset, args.heldout))
+            record_into(args.session, result, model=loaded, parameters=source_files(args.dataset, args.heldout))
     for chain, verdict in zip(result.chains, result.verdicts()):
         print("\n".join(checklist(chain)))
         print(f"  verdict: {verdict['verdict']}")

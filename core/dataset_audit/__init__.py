@@ -41,7 +41,9 @@ exactly one ``*.jsonl``. Each line is
 as the image) and ``id``. Relative paths are relative to the JSONL file.
 A sample whose image or mask cannot be read, or whose question or answer does
 not fit the model, becomes an error row (``status = "error"``) and the run
-goes on; the summary counts the errors.
+goes on; the summary counts the errors and the command's last line says how
+many failed. A run in which no sample succeeded is a failed run: one
+``error:`` line naming the first failure, exit 2, nothing written.
 
 Target: the lens, DLA and answer numbers track the dataset's ``answer``
 (minus its ``foil`` where given); without an answer, the model's own top

@@ -37,18 +37,29 @@ Trust rules (a wrong model must not answer as if it were right):
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
 import os
+import stat
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core import offline
 from core.errors import ModelLoadError, ReadoutError, UnsafeCheckpointError, UnsupportedArchitectureError
 from core.models import registry
 from core.models.adapter import Adapter
+from core.models.config_check import (
+    check_chat_templates,
+    check_config_consistency,
+    check_config_json,
+    check_open_clip_config,
+    check_processor,
+    probe_image_processor,
+)
 from core.models.memory import (
     ModelSizes,
     available_bytes,
@@ -62,6 +73,7 @@ from core.models.memory import (
 from core.models.model_files import (
     MANIFEST,
     PICKLE_SUFFIXES,
+    check_folder_entries,
     fingerprint,
     model_files,
     open_clip_checkpoint,
@@ -80,6 +92,7 @@ from core.models.weights_check import (
     check_size,
     dtype_name,
     integer_tensors_in_floating_slots,
+    untied_weights_warning,
 )
 from core.precision import check_device, placement
 from core.precision import dtype_name as precision_dtype_name
@@ -203,6 +216,20 @@ def _library_errors(where):
         raise ModelLoadError(f"{where}: cannot load ({type(e).__name__}: {first})") from None
 
 
+def _offline_unless_allowed(load):
+    """``load_model`` fetches nothing unless ``allow_download=True``: the hub
+    libraries stay offline for the whole load, in any process (the command line
+    and the app are offline already: core/offline.py)."""
+
+    @functools.wraps(load)
+    def guarded(*args, allow_download: bool = False, **kwargs):
+        with offline.offline(not allow_download):
+            return load(*args, allow_download=allow_download, **kwargs)
+
+    return guarded
+
+
+@_offline_unless_allowed
 def load_model(
     spec: str | os.PathLike,
     *,
@@ -284,13 +311,24 @@ def _looks_like_open_clip(spec: str) -> bool:
     return "/" not in name and len(name) > 1
 
 
+def _not_cached(allow_download: bool) -> str:
+    """Why something the load needs from the Hugging Face hub was not fetched."""
+    if not allow_download:
+        return "not in the local cache; downloads need allow_download=True (--allow-download)"
+    switch = offline.users_offline_switch()
+    if switch and offline.is_offline():
+        return f"not in the local cache, and {switch} is set in the environment (no downloads)"
+    return ""
+
+
 def _cached_repo(repo_id: str, allow_download: bool) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(repo_id, local_files_only=not allow_download))
     except Exception as e:
-        hint = "" if allow_download else " (not in the local cache; pass allow_download=True / --allow-download)"
+        why = _not_cached(allow_download)
+        hint = f" ({why})" if why else f" ({(str(e).splitlines() or [''])[0][:200]})"
         raise ModelLoadError(f"{repo_id}: cannot load{hint}: {type(e).__name__}") from None
 
 
@@ -300,6 +338,7 @@ def _load_dir(path: Path, device, dtype, allow_pickle: bool, trust_remote_code: 
         raise ModelLoadError(f"{path}: no such folder")
     if not any(path.iterdir()):
         raise ModelLoadError(f"{path}: folder is empty (expected config.json or open_clip_config.json)")
+    check_folder_entries(path)  # before anything, the libraries included, opens a file of it
     if (path / "open_clip_config.json").is_file():
         loaded = _load_open_clip_dir(path, device, dtype, allow_pickle)
     elif (path / "config.json").is_file():
@@ -376,6 +415,7 @@ def _check_config_before_weights(path: Path, adapter_cls, trust_remote_code: boo
         raise ModelLoadError(
             f"{path}: unreadable config ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]})"
         ) from None
+    check_config_consistency(path / "config.json", config)
     with _library_errors(path / "config.json"):
         adapter_cls.check_config(config)
     return config
@@ -383,6 +423,7 @@ def _check_config_before_weights(path: Path, adapter_cls, trust_remote_code: boo
 
 def _load_hf_dir(path: Path, device, dtype, allow_pickle: bool, trust_remote_code: bool) -> LoadedModel:
     config = read_json(path / "config.json")
+    check_config_json(path / "config.json", config)  # before the library reads it
     needs_remote = "auto_map" in config or any(
         f.suffix == ".py" and f.name.startswith(("modeling_", "configuration_", "processing_")) for f in path.iterdir()
     )
@@ -401,10 +442,15 @@ def _load_hf_dir(path: Path, device, dtype, allow_pickle: bool, trust_remote_cod
         fields += token_id_fields("generation_config.json", read_json(generation))
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    for f in sorted(path.glob("*processor_config.json")):
+        read_json(f)  # a non-finite setting, named (the library would read NaN as a number)
+    check_chat_templates(path)
     with _library_errors(path), _quiet_libraries():
         processor = AutoProcessor.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+    check_processor(path, processor, model_config)
+    probe_image_processor(path, processor)
     tokenizer = getattr(processor, "tokenizer", processor)
-    check_tokenizer(path, tokenizer, fields)
+    check_tokenizer(path, tokenizer, fields, padded=True)
     import torch
 
     with torch.device("meta"), _library_errors(path), _quiet_libraries():
@@ -444,7 +490,9 @@ def _load_hf_dir(path: Path, device, dtype, allow_pickle: bool, trust_remote_cod
         unexpected=sorted(info["unexpected_keys"]),
         mismatched=sorted(info["mismatched_keys"]),
         integer=integer_tensors_in_floating_slots(model, stored),
+        expected=list(model.state_dict()),
     )
+    untied = untied_weights_warning(_tie_field(path / "config.json", config), where, model)
     if device not in (None, "auto"):
         model.to(device)
     model.eval()
@@ -455,7 +503,21 @@ def _load_hf_dir(path: Path, device, dtype, allow_pickle: bool, trust_remote_cod
     loaded = LoadedModel(str(path), adapter.family, model, processor, tokenizer, adapter, path)
     loaded.info["files"] = model_files(path, files)
     _note_warning(loaded, unexpected)
+    _note_warning(loaded, untied)
     return loaded
+
+
+def _tie_field(config_file: Path, config: dict) -> str:
+    """The config.json field(s) asking for tied weights, for a warning."""
+    fields = [
+        name
+        for name, section in (
+            ("tie_word_embeddings", config),
+            ("text_config.tie_word_embeddings", config.get("text_config")),
+        )
+        if isinstance(section, dict) and section.get("tie_word_embeddings") is True
+    ]
+    return f"{config_file} {' and '.join(fields) or 'tie_word_embeddings (its default)'}"
 
 
 # ---------------------------------------------------------------- open_clip
@@ -520,24 +582,88 @@ def _load_open_clip_weights(model, checkpoint: Path, state: dict) -> str | None:
     return warning
 
 
-def _open_clip_model(name: str, where, *, state: dict | None = None, pretrained: str | None = None):
+def _text_cfg_field(where, field: str) -> str:
+    """``field`` of an open_clip config's text_cfg, named where the user wrote it."""
+    if isinstance(where, Path) and (where / "open_clip_config.json").is_file():
+        return f"{where / 'open_clip_config.json'} model_cfg.text_cfg.{field}"
+    return f"{where} text_cfg.{field}"
+
+
+def _check_hub_name(where, field: str, name) -> None:
+    """``text_cfg.<field>`` names a Hugging Face model: a name or a folder; a
+    folder's config.json, which the library reads, must be a regular file (a
+    FIFO would hang the load)."""
+    if name is None:
+        return
+    if not isinstance(name, str) or not name.strip():
+        shown = json.dumps(name)[:80] if isinstance(name, (str, int, float, bool, list, dict)) else repr(name)[:80]
+        raise ModelLoadError(
+            f"{_text_cfg_field(where, field)}: expected a Hugging Face model name or folder, "
+            f"got {type(name).__name__} {shown}"
+        )
+    if not Path(name).expanduser().is_dir():
+        return
+    config = Path(name).expanduser() / "config.json"
+    try:
+        mode = os.stat(config).st_mode
+    except OSError:
+        raise ModelLoadError(f"{_text_cfg_field(where, field)}: {config} is missing") from None
+    if not stat.S_ISREG(mode):
+        raise ModelLoadError(f"{_text_cfg_field(where, field)}: {config} is not a regular file")
+
+
+@contextlib.contextmanager
+def _hub_model(where, what: str, field: str, name, allow_download: bool):
+    """A failure inside the block, where it came from the Hugging Face model
+    ``name`` (``text_cfg.<field>`` of an open_clip config: its HF text tower or
+    tokenizer) being fetched while the hub is offline, as the one line that says
+    so; any other failure is left to :func:`_library_errors`."""
+    _check_hub_name(where, field, name)
+    try:
+        yield
+    except ReadoutError:
+        raise
+    except Exception:
+        remote = isinstance(name, str) and name and not Path(name).expanduser().is_dir()
+        why = _not_cached(allow_download) if remote and offline.is_offline() else ""
+        if not why:
+            raise
+        raise ModelLoadError(
+            f"{where}: the {what} is the Hugging Face model {name!r} (text_cfg.{field}), {why}"
+        ) from None
+
+
+def _open_clip_model(
+    name: str,
+    where,
+    *,
+    state: dict | None = None,
+    pretrained: str | None = None,
+    text_cfg: dict | None = None,
+    allow_download: bool = False,
+):
     """(model, preprocess) of open_clip architecture ``name`` on the CPU, in
     float32, without weights unless ``pretrained`` (an open_clip tag) is given.
     With the checkpoint's ``state``, its size is first checked against the
-    architecture built on the meta device (:func:`check_size`)."""
+    architecture built on the meta device (:func:`check_size`). A Hugging Face
+    text tower (``text_cfg.hf_model_name``) is built from its config alone: its
+    weights come from the checkpoint, so the library's own are never fetched."""
     import open_clip
     import torch
 
+    def from_hub():
+        return _hub_model(where, "text tower", "hf_model_name", (text_cfg or {}).get("hf_model_name"), allow_download)
+
     if state is not None:
-        with torch.device("meta"), _library_errors(where), _quiet_libraries():
-            skeleton = open_clip.create_model(name, load_weights=False, device="meta")
+        with torch.device("meta"), _library_errors(where), from_hub(), _quiet_libraries():
+            skeleton = open_clip.create_model(name, load_weights=False, pretrained_text=False, device="meta")
         config = (
             Path(name.removeprefix("local-dir:")) / "open_clip_config.json" if name.startswith("local-dir:") else name
         )
         check_size(config, skeleton, sum(v.numel() for v in state.values()), torch.float32)
-    with _library_errors(where), _quiet_libraries():
+    with _library_errors(where), from_hub(), _quiet_libraries():
         model, _, preprocess = open_clip.create_model_and_transforms(
-            name, pretrained=pretrained, load_weights=pretrained is not None, device="cpu"
+            name, pretrained=pretrained, load_weights=pretrained is not None, pretrained_text=False, device="cpu"
         )
     return model, preprocess
 
@@ -545,10 +671,13 @@ def _open_clip_model(name: str, where, *, state: dict | None = None, pretrained:
 def _load_open_clip_dir(path: Path, device, dtype, allow_pickle: bool) -> LoadedModel:
     cfg = read_json(path / "open_clip_config.json")
     model_cfg = open_clip_model_cfg(path, cfg)
+    check_open_clip_config(path / "open_clip_config.json", cfg, model_cfg)
     checkpoint = open_clip_checkpoint(path, allow_pickle)
     model_class = "CoCa" if "multimodal_cfg" in model_cfg else "CLIP"
     adapter_cls = registry.adapter_for_open_clip(model_class)
     tokenizer_dir = open_clip_tokenizer_dir(path, model_cfg)
+    if tokenizer_dir is not None and tokenizer_dir != path:
+        check_folder_entries(tokenizer_dir)
     tokenizer = _open_clip_tokenizer(path, tokenizer_dir)
     text_cfg = model_cfg.get("text_cfg", {})
     pad = [("open_clip_config.json model_cfg.text_cfg.pad_id", "pad", text_cfg.get("pad_id"))]
@@ -556,7 +685,8 @@ def _load_open_clip_dir(path: Path, device, dtype, allow_pickle: bool) -> Loaded
     device = _single_device(device)
     dtype = _plan_load(dtype, device, _open_clip_counts(checkpoint), ModelSizes.from_open_clip(model_cfg))
     state = _open_clip_state(checkpoint, allow_pickle)
-    model, preprocess = _open_clip_model(f"local-dir:{path}", path, state=state)
+    model, preprocess = _open_clip_model(f"local-dir:{path}", path, state=state, text_cfg=model_cfg.get("text_cfg"))
+    probe_image_processor(path, preprocess)
     unexpected = _load_open_clip_weights(model, checkpoint, state)
     del state  # copied into the model: not held through the cast
     model = model.to(device=device, dtype=dtype).eval()
@@ -581,6 +711,8 @@ def _load_open_clip_spec(spec: str, device, dtype, allow_pickle: bool, allow_dow
     if name not in open_clip.list_models():
         raise ModelLoadError(f"{name}: not an open_clip model name (see open_clip.list_models())")
     ckpt = Path(checkpoint).expanduser()
+    if os.path.lexists(ckpt) and not ckpt.is_file():  # never taken for a pretrained tag to fetch
+        raise ModelLoadError(f"{ckpt}: not a regular file (a folder, FIFO, socket, device or broken link)")
     if ckpt.is_file():
         if ckpt.suffix != ".safetensors":
             if not allow_pickle:
@@ -592,21 +724,28 @@ def _load_open_clip_spec(spec: str, device, dtype, allow_pickle: bool, allow_dow
         raise ModelLoadError(f"{checkpoint}: no such checkpoint file (downloads need allow_download=True)")
     model_class = "CoCa" if name.lower().startswith("coca") else "CLIP"
     adapter_cls = registry.adapter_for_open_clip(model_class)
+    text_cfg = (open_clip.get_model_config(name) or {}).get("text_cfg", {})
+    # first: a Hugging Face tokenizer that is not cached is refused before the weights are read
+    tokenizer_hub = _hub_model(
+        spec, "tokenizer", "hf_tokenizer_name", text_cfg.get("hf_tokenizer_name"), allow_download
+    )
+    with _library_errors(spec), tokenizer_hub, _quiet_libraries():
+        tokenizer = open_clip.get_tokenizer(name)
     unexpected = None
     device = _single_device(device)
+    tower = dict(text_cfg=text_cfg, allow_download=allow_download)
     if ckpt.is_file():
         sizes = ModelSizes.from_open_clip(open_clip.get_model_config(name) or {})
         dtype = _plan_load(dtype, device, _open_clip_counts(ckpt), sizes)
         state = _open_clip_state(ckpt, allow_pickle)
-        model, preprocess = _open_clip_model(name, spec, state=state)
+        model, preprocess = _open_clip_model(name, spec, state=state, **tower)
         unexpected = _load_open_clip_weights(model, ckpt, state)
         del state  # copied into the model: not held through the cast
     else:  # a pretrained tag, downloaded: no header to plan from before the download
         dtype = resolve_dtype("auto" if dtype is None else dtype, device=device)
-        model, preprocess = _open_clip_model(name, spec, pretrained=checkpoint)
+        model, preprocess = _open_clip_model(name, spec, pretrained=checkpoint, **tower)
     model = model.to(device=device, dtype=dtype).eval()
     check_finite(ckpt if ckpt.is_file() else Path(spec), model)
-    tokenizer = open_clip.get_tokenizer(name)
     adapter = adapter_cls(model, preprocess, tokenizer, {})
     check_vocabulary_fits(Path(spec), tokenizer, model, adapter)
     if ckpt.is_file():

@@ -1,18 +1,26 @@
 """The files a model load reads, their fingerprint, and the manifest
 (``MANIFEST.sha256``) a folder may ship: every file the load reads must match
 it. Also which weight files a folder holds (safetensors; pickles only when
-allowed)."""
+allowed).
+
+Every file here is opened as a regular file only (:func:`check_folder_entries`
+refuses a FIFO, socket or device in a model folder before anything, including
+the libraries, opens one; :func:`open_regular` and :func:`read_json` open
+non-blocking and check again), so a model folder can never hang a load."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import stat
 import struct
 from pathlib import Path
 
 from core.atomic import write_text_atomic
 from core.errors import ModelLoadError, UnsafeCheckpointError
+from core.input_files import MAX_JSON_DEPTH, json_depth_exceeds, read_regular_bytes
 
 MANIFEST = "MANIFEST.sha256"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -44,6 +52,60 @@ MODEL_FILE_PATTERNS = (
 )
 
 
+# Entries a model folder (or a folder inside it the load reads) may hold; more is
+# not a model folder (sharded checkpoints have hundreds of files).
+MAX_FOLDER_ENTRIES = 100_000
+# Subfolders whose files the load reads (the libraries read them by name).
+_READ_SUBFOLDERS = ("additional_chat_templates",)
+
+
+def check_folder_entries(directory: Path) -> None:
+    """Refuse a model folder holding anything but regular files and folders:
+    the load, and the libraries it calls, open files by name (config.json,
+    tokenizer files, weights, any chat template), and a FIFO among them would
+    wait forever for a writer. Symbolic links to regular files (a Hugging Face
+    cache snapshot) are fine; a broken one is refused. Also the subfolders the
+    load reads (``additional_chat_templates``)."""
+    folders = [directory, *(directory / name for name in _READ_SUBFOLDERS)]
+    for folder in folders:
+        if folder != directory and not folder.is_dir():
+            continue
+        try:
+            with os.scandir(folder) as entries:
+                for n, entry in enumerate(entries):
+                    if n >= MAX_FOLDER_ENTRIES:
+                        raise ModelLoadError(f"{folder}: over {MAX_FOLDER_ENTRIES:,} entries; not a model folder")
+                    _check_entry(Path(entry.path))
+        except OSError as e:
+            raise ModelLoadError(f"{folder}: cannot list the folder ({e.strerror or e})") from None
+
+
+def _check_entry(path: Path) -> None:
+    try:
+        mode = os.stat(path).st_mode  # follows a symbolic link to what it names
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: a broken symbolic link (what it names does not exist)") from None
+    except OSError as e:  # ELOOP, EACCES, ...
+        raise ModelLoadError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise ModelLoadError(
+            f"{path}: not a regular file (a FIFO, socket or device); a model folder holds regular files only"
+        )
+
+
+def open_regular(f: Path):
+    """``f`` opened for binary reading if it is a regular file (never waiting on
+    a FIFO: opened non-blocking, checked with fstat); else a ModelLoadError line."""
+    try:
+        fd = os.open(f, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as e:
+        raise ModelLoadError(f"{f}: cannot open ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ModelLoadError(f"{f}: not a regular file (a FIFO, socket or device)")
+    return os.fdopen(fd, "rb")
+
+
 def model_files(directory: Path, weights: list[Path], tokenizer_dir: Path | None = None) -> list[Path]:
     """Every file a load of ``directory`` reads: ``weights`` plus the files
     matching :data:`MODEL_FILE_PATTERNS` in the folder (and in ``tokenizer_dir``,
@@ -70,7 +132,7 @@ def fingerprint(root: Path, files: list[Path], extra: str = "") -> str:
     for f in sorted(files, key=lambda p: _relative(p, root)):
         size = f.stat().st_size
         h.update(f"{_relative(f, root)}:{size}:".encode())
-        with open(f, "rb") as fh:
+        with open_regular(f) as fh:
             if f.suffix == ".safetensors" or f.suffix in PICKLE_SUFFIXES:
                 head = 8 + _header_length(fh) if f.suffix == ".safetensors" else 0
                 fh.seek(0)
@@ -91,7 +153,7 @@ def _header_length(fh) -> int:
 
 def _sha256(f: Path) -> str:
     h = hashlib.sha256()
-    with open(f, "rb") as fh:
+    with open_regular(f) as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -120,13 +182,17 @@ def write_manifest(model_dir: Path | str) -> Path:
     return out
 
 
+_MAX_MANIFEST_BYTES = 16 << 20  # 100,000 files' lines
+
+
 def read_manifest(path: Path) -> dict[str, str]:
     """``{relative name: sha256}``; a malformed line is a one-line error with its number."""
     listed: dict[str, str] = {}
+    raw = read_regular_bytes(path / MANIFEST, ModelLoadError, _MAX_MANIFEST_BYTES)
     try:
-        text = (path / MANIFEST).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path / MANIFEST}: unreadable ({e})") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"{path / MANIFEST}: not UTF-8 text (byte {e.start})") from None
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -179,13 +245,50 @@ def weight_files(directory: Path, allow_pickle: bool) -> tuple[list[Path], bool]
 
 
 def read_json(f: Path) -> dict:
+    """The JSON object in a model folder's file ``f`` (a regular file, UTF-8,
+    nested at most 64 deep). A non-finite number (NaN, Infinity, 1e999) is
+    refused naming its field: no config or tokenizer holds one, and a NaN
+    epsilon or scale would make every read-out NaN."""
+    raw = read_regular_bytes(f, ModelLoadError)
     try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"{f}: not UTF-8 text (byte {e.start})") from None
+    if json_depth_exceeds(text, MAX_JSON_DEPTH):
+        raise ModelLoadError(f"{f}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    non_finite = []
+
+    def number(token: str) -> float:
+        value = float(token)
+        if not math.isfinite(value):
+            non_finite.append(token)
+        return value
+
+    try:
+        data = json.loads(text, parse_constant=number, parse_float=number)
+    except (json.JSONDecodeError, RecursionError, ValueError) as e:
         raise ModelLoadError(f"{f}: unreadable JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(data, dict):
         raise ModelLoadError(f"{f}: expected a JSON object")
+    if non_finite:
+        field, value = _first_non_finite(data)
+        shown = "NaN" if math.isnan(value) else ("-" if value < 0 else "") + "Infinity"
+        raise ModelLoadError(f"{f} {field}: expected a finite number, got {shown}")
     return data
+
+
+def _first_non_finite(doc) -> tuple[str, float]:
+    """(dotted field, value) of the first non-finite number in ``doc`` (depth-first, no recursion)."""
+    stack = [("", doc)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return where or "(the document)", value
+        if isinstance(value, dict):
+            stack += [(f"{where}.{k}" if where else str(k), v) for k, v in reversed(list(value.items()))]
+        elif isinstance(value, list):
+            stack += [(f"{where}[{i}]", v) for i, v in reversed(list(enumerate(value)))]
+    return "(the document)", math.nan
 
 
 # ---- an open_clip folder's files
@@ -240,10 +343,13 @@ def open_clip_tokenizer_dir(path: Path, model_cfg: dict) -> Path | None:
     name = model_cfg.get("text_cfg", {}).get("hf_tokenizer_name")
     if not name:
         return None
-    local = (path / name).resolve()
-    if local != path.resolve() and path.resolve() not in local.parents:
+    field = f"{path / 'open_clip_config.json'} model_cfg.text_cfg.hf_tokenizer_name"
+    try:
+        local = (path / name).resolve()
+    except (OSError, ValueError) as e:  # a NUL byte, a symbolic-link loop, a name too long
         raise ModelLoadError(
-            f"{path / 'open_clip_config.json'} model_cfg.text_cfg.hf_tokenizer_name: {name!r} "
-            "is outside the model folder"
-        )
+            f"{field}: {name[:80]!r} is not a folder name ({getattr(e, 'strerror', None) or e})"
+        ) from None
+    if local != path.resolve() and path.resolve() not in local.parents:
+        raise ModelLoadError(f"{field}: {name!r} is outside the model folder")
     return local

@@ -12,6 +12,7 @@ from functools import cached_property
 
 from PIL import Image
 
+from core.answer_text import MAX_TOKEN_CHARACTERS, shown_text, text_problem
 from core.errors import ImageLoadError, ModelLoadError, QuestionError, ReadoutError
 from core.images import MAX_PIXELS, load_image
 from core.models.config_fields import size_value
@@ -126,6 +127,8 @@ class QuestionChecks:
         except ReadoutError:
             pass  # a prompt that does not render was refused when the adapter was built
         strings.update(self.extra_markup())
+        for string, kind in self.extra_placeholders().items():
+            placeholders.setdefault(string, kind)
         placeholders = {s: k for s, k in placeholders.items() if is_markup(s)}
         special = tuple(sorted(s for s in strings if is_markup(s) and s not in placeholders))
         unk = getattr(tok, "unk_token_id", None)
@@ -139,6 +142,13 @@ class QuestionChecks:
     def extra_markup(self) -> list[str]:
         """Family-specific control strings the generic derivation cannot see (default none)."""
         return []
+
+    def extra_placeholders(self) -> dict[str, str]:
+        """``{string: "image" | "video"}``: family-specific tokens that stand for an
+        image or a video where the generic derivation (the processor's and the
+        config's placeholders) cannot see them; refused in every question, raw
+        prompts too (default none)."""
+        return {}
 
     def check_question(self, question: str, *, raw_prompt: bool = False) -> None:
         """Raise :class:`core.errors.QuestionError` (one line) for a question the
@@ -164,11 +174,15 @@ class QuestionChecks:
         self.check_known_words(question, ids, raw_prompt=raw_prompt)
         self.check_fits(question, ids)
 
-    def check_markup(self, question: str, ids: list[int] | None = None, *, raw_prompt: bool = False) -> None:
+    def check_markup(
+        self, question: str, ids: list[int] | None = None, *, raw_prompt: bool = False, what: str | None = None
+    ) -> None:
         """QuestionError naming the first image / video placeholder (always) or
         other special token (unless ``raw_prompt``) of :attr:`markup` that
         ``question`` holds, as a substring or, in ``ids`` (its encoding,
-        computed if None), as a token id."""
+        computed if None), as a token id. ``what`` names other text than a
+        question (an answer, a foil, a word: ``--foil '<s>'``), which no raw
+        prompt lets hold markup: the message starts with it."""
         markup = self.markup
         ids = self.text_ids(question) if ids is None else ids
         found = [s for s in markup.placeholders if s in question]
@@ -176,17 +190,25 @@ class QuestionChecks:
         if found:
             token = first_named(question, found)
             kind = markup.placeholders[token]
+            if what is not None:
+                raise QuestionError(
+                    f"{what} holds the {kind} placeholder {token!r} (markup that stands for the {kind}, not text)"
+                )
             raise QuestionError(
-                f"the question may not contain the {kind} placeholder {token!r} ({kind} markup: the processor "
-                f"would expand it into {kind} tokens, and a question comes with one image; refused in raw "
-                "prompts too)"
+                f"the question may not contain the {kind} placeholder {token!r} ({kind} markup: it stands for "
+                f"the {kind} tokens, and a question comes with one image; refused in raw prompts too)"
             )
-        if raw_prompt:
+        if raw_prompt and what is None:
             return
         found = [s for s in markup.special if s in question] + [markup.ids[i] for i in ids if i in markup.ids]
         if found:
+            token = first_named(question, found)
+            if what is not None:
+                raise QuestionError(
+                    f"{what} holds the special token {token!r} (markup the model reads as a control, not text)"
+                )
             raise QuestionError(
-                f"the question contains the special token {first_named(question, found)!r} (the model would "
+                f"the question contains the special token {token!r} (the model would "
                 "read it as markup); pass raw prompts explicitly (raw_prompt=True, --raw-prompt) to allow it"
             )
 
@@ -306,14 +328,26 @@ class QuestionChecks:
             raise QuestionError(f"token id {int(token)} is outside the model's {vocab}-token vocabulary")
         return int(token)
 
-    def token_id(self, token: str) -> int:
-        """Id of a one-token answer string; QuestionError if it is not valid
-        text, not one token, or a word the vocabulary does not have."""
-        check_text(token, "answer token")
+    def token_id(self, token: str, what: str | None = None) -> int:
+        """Id of a one-token answer string; QuestionError (one line, starting with
+        ``what`` and the token, e.g. ``--foil '<image>'``, or with the token alone)
+        if it is not valid text, empty or blank, markup (an image / video
+        placeholder or another special token: the model's controls, not an
+        answer it gives; text the tokenizer turns into one too), not one token,
+        or a word the vocabulary does not have."""
+        problem = text_problem(token)
+        if problem is not None:
+            raise QuestionError(f"{what or 'the answer token'} {problem}: an answer or foil is one token of text")
+        label = f"{what} {shown_text(token)}" if what else shown_text(token)
+        if len(token) > MAX_TOKEN_CHARACTERS:  # no token is this long: refused before it is tokenised
+            raise QuestionError(
+                f"{label} is not a single token for this model (over {MAX_TOKEN_CHARACTERS} characters)"
+            )
         ids = self.text_ids(token)
+        self.check_markup(token, ids, what=label)
         if len(ids) != 1:
-            raise QuestionError(f"{token!r} is not a single token for this model ({len(ids)} tokens)")
+            raise QuestionError(f"{label} is not a single token for this model ({len(ids)} tokens)")
         unk = getattr(self.tokenizer, "unk_token_id", None)
         if ids[0] == unk and token.strip() != getattr(self.tokenizer, "unk_token", None):
-            raise QuestionError(f"{token!r} is not in this model's vocabulary (it would read as the unknown token)")
+            raise QuestionError(f"{label} is not in this model's vocabulary (it would read as the unknown token)")
         return int(ids[0])

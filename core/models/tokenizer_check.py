@@ -5,6 +5,7 @@ the embedding and output rows), so a shuffled or foreign tokenizer is refused.""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -183,17 +184,36 @@ def _check_special_token_ids(tokenizer, fields: list[tuple[str, str, Any]]) -> N
             )
 
 
-def check_tokenizer(folder: Path, tokenizer, fields: list[tuple[str, str, Any]]) -> None:
+def check_tokenizer(folder: Path, tokenizer, fields: list[tuple[str, str, Any]], padded: bool = False) -> None:
     """The tokenizer files in ``folder`` agree with each other and with the
     model's config (before the weights load: a wrong tokenizer costs no
-    gigabytes). open_clip's own tokenizers have no files to check."""
+    gigabytes). open_clip's own tokenizers have no files to check.
+    ``padded``: the processor pads every batch, so a padding token is needed."""
     if not hasattr(tokenizer, "get_vocab"):
         return
     if (folder / "tokenizer.json").is_file():
         check_tokenizer_json(folder / "tokenizer.json")
     if (folder / "tokenizer_config.json").is_file():
         _check_added_tokens_decoder(folder / "tokenizer_config.json", tokenizer)
+    _check_settings(folder / "tokenizer_config.json", tokenizer, padded)
     _check_special_token_ids(tokenizer, fields)
+
+
+def _check_settings(config_file: Path, tokenizer, padded: bool) -> None:
+    """``model_max_length``, which every encoding compares the prompt's length
+    with, must be a number >= 1 (the library checks its other settings itself);
+    where batches are padded, there must be a padding token (else every
+    processor call fails)."""
+    limit = getattr(tokenizer, "model_max_length", None)
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, int | float) or not math.isfinite(limit) or limit < 1
+    ):
+        raise ModelLoadError(f"{config_file} model_max_length: expected a number >= 1, got {limit!r}"[:300])
+    if padded and getattr(tokenizer, "pad_token", None) is None:
+        raise ModelLoadError(
+            f"{config_file} pad_token: the tokenizer has no padding token, and the processor pads every batch "
+            "(expected a pad_token, e.g. the one the model was trained with)"
+        )
 
 
 def check_vocabulary_fits(where: Path, tokenizer, model, adapter: Adapter) -> None:
@@ -203,8 +223,6 @@ def check_vocabulary_fits(where: Path, tokenizer, model, adapter: Adapter) -> No
     ``<|image|>`` may be input-only.)"""
     import torch
 
-    if not hasattr(tokenizer, "get_vocab"):
-        return
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     try:
         if isinstance(embedding, torch.nn.Embedding):
@@ -217,6 +235,15 @@ def check_vocabulary_fits(where: Path, tokenizer, model, adapter: Adapter) -> No
         out_rows = int(adapter.W_U.shape[1])
     except (AttributeError, NotImplementedError, TypeError):
         out_rows = None
+    if not hasattr(tokenizer, "get_vocab"):  # open_clip's own tokenizer: ids 0 .. vocab_size - 1
+        size = getattr(tokenizer, "vocab_size", None)
+        if isinstance(size, int) and rows is not None and size > rows:
+            raise ModelLoadError(
+                f"{where}: the tokenizer ({type(tokenizer).__name__}, open_clip's own) has {size} tokens but the model "
+                f"embeds {rows}: the tokenizer is not this model's (name its tokenizer in "
+                "model_cfg.text_cfg.hf_tokenizer_name)"
+            )
+        return
     vocab = tokenizer.get_vocab()
     if not vocab:
         raise ModelLoadError(f"{where}: the tokenizer has no tokens")

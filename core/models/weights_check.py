@@ -7,23 +7,30 @@ naming the first few tensors."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Any
 
 from core.errors import ModelLoadError
+from core.models.model_files import open_regular
 
 _SHOWN = 4  # tensor names a message lists before "+N more"
+
+
+_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header
 
 
 def _safetensors_header(f: Path) -> dict:
     """The header of a safetensors file, checked against the file's size: the
     tensors' data offsets must end exactly at the end of the file."""
-    with open(f, "rb") as fh:
+    with open_regular(f) as fh:
         raw = fh.read(8)
         if len(raw) < 8:
             raise ModelLoadError(f"{f}: corrupt or truncated weights (no header)")
         (n,) = struct.unpack("<Q", raw)
+        if n > min(f.stat().st_size - 8, _MAX_HEADER_BYTES):
+            raise ModelLoadError(f"{f}: corrupt or truncated weights (a header of {n:,} bytes)")
         header = json.loads(fh.read(n))
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end != f.stat().st_size:
@@ -97,7 +104,6 @@ def _listed(items: list[str], by_layer: bool = False) -> str:
     """The first few of ``items`` (naturally sorted: layers.2 before layers.10),
     then "+N more". ``by_layer``: names under one numbered module (a whole
     layer) are shown once, as ``model.layers.3.* (9 tensors)``."""
-    import re
 
     def natural(s: str):
         return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
@@ -176,16 +182,30 @@ def check_loaded_weights(
     unexpected: list[str],
     mismatched: list[tuple[str, Any, Any]],
     integer: list[str],
+    expected: list[str] = (),
 ) -> str | None:
     """Refuse weights that would make the model compute something other than
     the checkpoint: tensors it needs that the files lack (the library fills them
     with random values), tensors of the wrong shape, integer or boolean tensors
     in floating-point slots. One line, naming the first few of each.
 
+    Unexpected tensors that are further numbered copies of a tensor the model
+    has (``layers.7.mlp.up_proj.weight`` where the model's layers stop at 5)
+    are refused too: the config describes fewer layers than the checkpoint
+    (``expected``: the model's own tensor names).
+
     Returns:
         the warning for tensors the model does not use (None if there are none).
     """
     problems = []
+    beyond = numbered_beyond_the_model(unexpected, expected)
+    if beyond:
+        problems.append(
+            f"the weights hold {_count(len(beyond), 'tensor')} of numbered modules the model built from the config "
+            f"lacks ({_listed(beyond, by_layer=True)}): the config describes fewer layers (num_hidden_layers) "
+            "than the checkpoint, so the model would run without them"
+        )
+        unexpected = [k for k in unexpected if k not in set(beyond)]
     if missing:
         problems.append(
             f"{_count(len(missing), 'tensor')} the model needs {'is' if len(missing) == 1 else 'are'} missing from "
@@ -206,6 +226,44 @@ def check_loaded_weights(
             problems.append(extra)  # tells a file of another model apart from a damaged one
         raise ModelLoadError(f"{where}: " + "; ".join(problems))
     return f"{where}: {extra}, ignored" if unexpected else None
+
+
+def _numbered_template(name: str) -> str:
+    return re.sub(r"\.\d+(?=\.|$)", ".#", name)
+
+
+def numbered_beyond_the_model(unexpected: list[str], expected: list[str]) -> list[str]:
+    """The ``unexpected`` tensor names that are another index of a numbered
+    module the model has (the same name with other numbers is in ``expected``)."""
+    if not unexpected or not expected:
+        return []
+    templates = {_numbered_template(k) for k in expected}
+    return [k for k in unexpected if _numbered_template(k) != k and _numbered_template(k) in templates]
+
+
+def untied_weights_warning(config_field: str, where: Path, model) -> str | None:
+    """A warning when the config asks to tie weights (``tie_word_embeddings``:
+    the output layer is the input embedding) that the checkpoint holds as two
+    different tensors: the library then keeps them apart, so the model computes
+    with the checkpoint's own output layer, not what its config says."""
+    try:
+        wanted = model.get_expanded_tied_weights_keys(all_submodels=True)
+    except Exception:  # a model without the library's tying (open_clip), or a mapping it cannot expand
+        return None
+    untied = []
+    for target, source in sorted(wanted.items()):
+        try:
+            t, s = model.get_parameter(target), model.get_parameter(source)
+        except AttributeError:
+            continue
+        if t is not s and "meta" not in (t.device.type, s.device.type):
+            untied.append(f"{target} and {source}")
+    if not untied:
+        return None
+    return (
+        f"{config_field} {'are' if ' and ' in config_field else 'is'} true, but {where} holds {_listed(untied)} as different tensors, so they are not tied: "
+        "the model computes with the checkpoint's own output layer (set tie_word_embeddings to false to say so)"
+    )
 
 
 def check_finite(where: Path, model) -> None:

@@ -52,10 +52,22 @@ as a session, so another program's SQLite file is refused untouched.
 Reading only: ``Session.open(path, read_only=True)`` (what ``export`` uses)
 never writes to the file or beside it: SQLite's ``mode=ro``, plus
 ``immutable=1`` when no ``-wal`` file shows another connection, so no
-``-shm`` is made and a session in a read-only folder reads; an older schema
-is migrated in a copy in memory; an empty file is refused, not made a session.
+``-shm`` is made and a session in a read-only folder reads; a ``-wal``
+without its ``-shm`` (a killed writer), or a ``-shm`` SQLite cannot use (a
+full disk), is read with the file into memory instead
+(:func:`core.session.files.replayed_copy`); an older schema is migrated in a
+copy in memory; an empty file is refused, not made a session.
 :attr:`Session.read_only` says so; recording into it is a one-line
 :class:`SessionError` ("the session is open read-only; ...").
+
+A file from elsewhere is untrusted: before anything is written to it, its
+tables, columns and indexes must be the ones the migrations make (no views,
+triggers or generated columns), its ``schema_version``, ``meta`` and ``model``
+rows of the types the session writes; every value read back is checked
+(:mod:`core.session.stored`). A run holding a value the session never writes
+is :class:`DamagedRunError` (``<file>: run N: <why>``); listings and the audit
+table leave it out (their ``damaged`` argument collects ``{run id: why}``).
+A full disk is said as such (``the disk is full``), never as corruption.
 
 Reproducing a run: :meth:`Session.run` gives the kind, time, result JSON,
 parameters, summary, model (spec, fingerprint, family), the image (hash,
@@ -77,9 +89,11 @@ method), not one per sample: the per-sample numbers stay in the run's
 table readable next to single-image runs.
 
 The package: ``records`` (the rows, the audit columns, a run's columns,
-SessionError, images, masks and models into row values), ``schema`` (the
-file format, the frozen v1 statements, the migrations), ``files`` (the WAL
-checkpoint, the backup copy), ``store`` (:class:`Session`,
+SessionError, DamagedRunError, images, masks and models into row values),
+``schema`` (the file format, the frozen v1 statements, the migrations, the
+columns each version has), ``files`` (the WAL checkpoint, the backup copy, the
+checks before SQLite opens a file, reading a WAL without its -shm),
+``stored`` (stored values read back, checked), ``store`` (:class:`Session`,
 :func:`check_session_file`, :func:`record_into`); every public name is
 importable from ``core.session``.
 """
@@ -90,6 +104,7 @@ from core.session.records import (
     KINDS,
     METHOD_COLUMNS,
     RUN_COLUMNS,
+    DamagedRunError,
     ImageInfo,
     Run,
     RunInfo,
@@ -116,6 +131,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "SQLITE_MAGIC",
     "SYNCHRONOUS",
+    "DamagedRunError",
     "ImageInfo",
     "Run",
     "RunInfo",

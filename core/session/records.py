@@ -72,7 +72,19 @@ _OWN_COLUMN = frozenset(
 
 class SessionError(ReadoutError):
     """A session file that cannot be opened or written (missing, corrupt, not
-    a session, written by a newer version, busy)."""
+    a session, written by a newer version, busy, on a full disk)."""
+
+
+class DamagedRunError(SessionError):
+    """One run of a session holds a value the session never writes (text where
+    a number belongs, parameters that are not a JSON object, a result nested
+    thousands deep): ``"<file>: run <id>: <why>"``. The other runs read; an
+    export leaves this one out with a ``warning: run <id>: ...`` line."""
+
+    def __init__(self, path, run_id: int, why: str):
+        self.run_id = run_id
+        self.why = " ".join(str(why).split())
+        super().__init__(f"{path}: run {run_id}: {self.why}")
 
 
 @dataclass(frozen=True)
@@ -367,24 +379,49 @@ def _as_mask(mask, size: tuple[int, int] | None):
 
 def _exists(p: Path) -> bool:
     """Whether ``p`` exists; a path that cannot even be looked at (a folder
-    without search permission) is a :class:`SessionError`."""
+    without search permission, a name too long) is a :class:`SessionError`,
+    and so is a symbolic link to nothing: a session is never created through
+    a link (it would be written wherever the link points)."""
     try:
-        return p.exists()
+        if p.exists():
+            return True
+        if p.is_symlink():
+            raise SessionError(
+                f"{p}: a symbolic link to {os.readlink(p)}, which does not exist; refusing to create a session "
+                "through it"
+            )
+        return False
     except OSError as e:
         raise SessionError(f"{p}: cannot look at it ({os.strerror(e.errno) if e.errno else e})") from None
 
 
-def _sqlite_problem(p: Path, e: sqlite3.Error) -> str:
-    """One line for an SQLite failure while opening ``p``: not a database,
-    cannot be written, busy, or corrupt (SQLite's words in brackets)."""
+def _sqlite_problem(p: Path, e: sqlite3.Error, doing: str = "open it") -> str:
+    """One true line for an SQLite failure on the session ``p`` while ``doing``:
+    not a database, corrupt (only when SQLite says the file is), the disk full
+    (SQLite's "database or disk is full", or an I/O error where no space is
+    left: :func:`core.atomic.no_space_reason`), read-only, busy, or SQLite's
+    own words. An intact file is never called corrupt."""
+    from core.atomic import no_space_reason
+
     text = str(e)
-    if "not a database" in text:
+    name = getattr(e, "sqlite_errorname", "") or ""
+    if name.startswith("SQLITE_NOTADB") or "not a database" in text:
         return f"{p}: not a session file (not an SQLite database)"
-    if "readonly" in text or "read-only" in text or "unable to open" in text:
-        return f"{p}: cannot be opened for writing: the file or its folder is read-only ({text})"
-    if "locked" in text or "busy" in text:
-        return f"{p}: busy (another process holds the session); try again"
-    return f"{p}: corrupt session file ({text})"
+    if name.startswith("SQLITE_CORRUPT") or "malformed" in text:
+        return f"{p}: corrupt session file ({text})"
+    if name.startswith(("SQLITE_FULL", "SQLITE_IOERR")) or "disk is full" in text or "disk I/O error" in text:
+        full = no_space_reason(p, (p.with_name(p.name + "-wal"), p.with_name(p.name + "-shm")))
+        if full is None and name.startswith("SQLITE_FULL"):
+            full = "the disk is full"
+        if full is not None:
+            kept = "" if doing == "create it" else "; the runs already in the session are unchanged"
+            return f"{p}: cannot {doing}: {full} (SQLite: {text}){kept}"
+        return f"{p}: cannot {doing}: an input/output error on its disk (SQLite: {text})"
+    if name.startswith(("SQLITE_READONLY", "SQLITE_CANTOPEN")) or "readonly" in text or "unable to open" in text:
+        return f"{p}: cannot {doing}: the file or its folder is read-only ({text})"
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text or "busy" in text:
+        return f"{p}: busy (another process holds the session) while trying to {doing}; try again"
+    return f"{p}: cannot {doing} (SQLite: {text})"
 
 
 def _model_fields(model) -> dict | None:

@@ -5,11 +5,12 @@ format (see :mod:`core.session`, "Schema").
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Callable
+from functools import cache
 
 from core.session.records import _mask_array, _mask_sha
+from core.session.stored import StoredValueError, json_value
 
 SCHEMA_VERSION = 2
 APPLICATION_ID = 0x564C4D52  # "VLMR" in the SQLite header: this file is a session
@@ -82,12 +83,29 @@ def _stored_summary(kind: str, result_json: str) -> str:
     }.get(kind)
     if summary_of is None:
         return ""
-    try:
-        return " ".join(summary_of(json.loads(result_json)).split())
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError):  # a v1 document of another shape
-        return ""
+    try:  # the stored JSON read with its size and nesting bounded (a file from elsewhere)
+        return " ".join(summary_of(json_value(result_json, "result")).split())
+    except (StoredValueError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError):
+        return ""  # a v1 document of another shape: no summary
 
 
 # MIGRATIONS[v] takes a file from version v to v + 1.
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {0: _to_v1, 1: _to_v2}
 assert len(MIGRATIONS) == SCHEMA_VERSION
+
+
+@cache
+def expected_columns(version: int) -> dict[str, dict[str, tuple[str, int]]]:
+    """``{table: {column: (declared type, primary-key position)}}`` of a session
+    file at schema ``version`` (1 .. :data:`SCHEMA_VERSION`), read from a
+    database the migrations build in memory: the one description of the
+    format, so the checks on opening a file never drift from what the
+    migrations make. (A run's ``id`` is ``INTEGER PRIMARY KEY``: always a whole number.)"""
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    try:
+        for v in range(version):
+            MIGRATIONS[v](conn)
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return {t: {r[1]: (r[2].upper(), r[5]) for r in conn.execute(f'PRAGMA table_info("{t}")')} for t in tables}
+    finally:
+        conn.close()

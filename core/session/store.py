@@ -15,13 +15,24 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
+from core.atomic import no_space_reason
 from core.readout import Readout, jsonable
-from core.session.files import backup_to, checkpoint_wal
+from core.session import stored
+from core.session.files import (
+    BESIDE,
+    backup_to,
+    beside,
+    check_beside,
+    checkpoint_wal,
+    read_header,
+    replayed_copy,
+)
 from core.session.records import (
     _KIND_RE,
     AUDIT_COLUMNS,
     KINDS,
     RUN_COLUMNS,
+    DamagedRunError,
     ImageInfo,
     Run,
     RunInfo,
@@ -40,7 +51,21 @@ from core.session.records import (
     run_columns,
     stored_mask,
 )
-from core.session.schema import APPLICATION_ID, BUSY_TIMEOUT_S, MIGRATIONS, SCHEMA_VERSION, SQLITE_MAGIC, SYNCHRONOUS
+from core.session.schema import (
+    APPLICATION_ID,
+    BUSY_TIMEOUT_S,
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    SQLITE_MAGIC,
+    SYNCHRONOUS,
+    expected_columns,
+)
+from core.session.stored import StoredValueError
+
+# Set on every connection to a file: a session from elsewhere is untrusted input (SQLite's advice for
+# such files: no functions with side effects in its schema, cells checked as they are read).
+# Sorts and temporary tables stay in memory: reading needs no temporary file (a full disk reads).
+_FILE_PRAGMAS = ("PRAGMA trusted_schema = OFF", "PRAGMA cell_size_check = ON", "PRAGMA temp_store = MEMORY")
 
 # ---------------------------------------------------------------- the session
 
@@ -83,19 +108,14 @@ class Session:
         p = Path(path)
         if not _exists(p):
             raise SessionError(f"{p}: no such session file")
-        if not p.is_file():
-            raise SessionError(f"{p}: not a file")
-        try:
-            with open(p, "rb") as fh:
-                head = fh.read(len(SQLITE_MAGIC))
-        except OSError as e:
-            raise SessionError(f"{p}: cannot read ({e.strerror or e})") from None
-        if head and head != SQLITE_MAGIC:
+        header = read_header(p)  # a regular file only (a FIFO is refused, not waited on)
+        if header and header[: len(SQLITE_MAGIC)] != SQLITE_MAGIC:
             raise SessionError(f"{p}: not a session file (not an SQLite database)")
+        found = check_beside(p)  # SQLite's -wal / -shm / -journal beside it: regular files or none
         if read_only:
-            if not head:
+            if not header:
                 raise SessionError(f"{p}: empty file, not a session")
-            return cls._connect_read_only(p)
+            return cls._connect_read_only(p, header, found)
         return cls._connect(p, new=False)
 
     @classmethod
@@ -112,19 +132,31 @@ class Session:
         return s
 
     @classmethod
-    def _connect_read_only(cls, p: Path) -> Session:
-        with open(p, "rb") as fh:
-            header = fh.read(100)
-        # Header byte 18 is 2 for a WAL database. Without a -wal file no connection has it open, so it
-        # can be read as immutable: SQLite then needs no -shm beside it (a read-only folder reads).
+    def _connect_read_only(cls, p: Path, header: bytes, found: dict[str, bool]) -> Session:
+        """Open ``p`` for reading without writing to it or beside it.
+
+        Header byte 18 is 2 for a WAL database. Without a -wal file no
+        connection has it open, so it is read as immutable: SQLite then needs no
+        -shm beside it. With a -wal and no -shm nobody has it open either, but
+        SQLite would have to create the -shm to read the -wal: the file and its
+        committed WAL transactions are read into memory instead
+        (:func:`core.session.files.replayed_copy`), as they are when a -shm
+        exists and SQLite still cannot use it (a full disk, a read-only folder).
+        """
         wal_mode = len(header) > 18 and header[18] == 2
-        immutable = wal_mode and not p.with_name(p.name + "-wal").exists()
-        uri = p.resolve().as_uri() + "?mode=ro" + ("&immutable=1" if immutable else "")
-        conn = None
+        if wal_mode and found["-wal"] and not found["-shm"]:
+            conn = replayed_copy(p, "its -wal file could only be read by writing a -shm file beside it")
+        else:
+            immutable = wal_mode and not found["-wal"]
+            uri = p.resolve().as_uri() + "?mode=ro" + ("&immutable=1" if immutable else "")
+            conn = _sqlite_read_only(p, uri, wal_mode)
+            if conn is None:  # SQLite could not use the -shm beside it: read the -wal without it
+                conn = replayed_copy(p, "SQLite could not use its -shm file (a full disk or a read-only folder)")
         try:
-            conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+            for pragma in _FILE_PRAGMAS:
+                conn.execute(pragma)
             conn.execute("PRAGMA query_only=ON")
-            version = cls._file_version(conn, p)
+            version = cls._version(conn, p)
             if version > SCHEMA_VERSION:
                 raise SessionError(
                     f"{p}: written by a newer VLM Readout (session schema {version}; this version reads up to "
@@ -137,16 +169,13 @@ class Session:
                 conn.backup(copy)
                 conn.close()
                 conn = copy
+                conn.execute("PRAGMA trusted_schema = OFF")
                 cls._migrate(conn, p)
+            cls._check_rows(conn, p)
         except (SessionError, sqlite3.Error) as e:
-            if conn is not None:
-                conn.close()
+            conn.close()
             if isinstance(e, SessionError):
                 raise
-            if "unable to open" in str(e):  # a -wal exists (open elsewhere) and no -shm can be made beside it
-                raise SessionError(
-                    f"{p}: cannot be read here ({e}): another program has it open and its folder is read-only"
-                ) from None
             raise SessionError(_sqlite_problem(p, e)) from None
         return cls(p, conn, read_only=True)
 
@@ -165,9 +194,15 @@ class Session:
             raise SessionError(f"{p}: already exists (open it instead)")
         if not p.parent.is_dir():
             raise SessionError(f"{p.parent}: no such folder")
-        s = cls._connect(p, new=True)
+        stale = [suffix for suffix, there in check_beside(p).items() if there]
+        if stale:  # SQLite would take a stale -wal or -journal as this new file's own
+            raise SessionError(
+                f"{p}: its {stale[0]} file exists without the session; remove {p.name}{stale[0]} or choose another name"
+            )
+        s = None
         try:
-            with s._lock, s._transaction():
+            s = cls._connect(p, new=True)
+            with s._lock, s._guard("create it"), s._transaction():
                 s._conn.execute("INSERT OR IGNORE INTO meta VALUES ('created', ?)", (_now(),))
                 s._conn.execute(
                     "INSERT OR REPLACE INTO meta VALUES ('store_images', ?)", ("1" if store_images else "0",)
@@ -175,7 +210,9 @@ class Session:
                 if model_spec is not None:
                     s._upsert_model(_model_fields(model_spec))
         except BaseException:
-            s.close()
+            if s is not None:
+                s.close()
+            _remove_new_file(p)  # a half-made session (a full disk) is not left to be taken for one
             raise
         return s
 
@@ -190,15 +227,19 @@ class Session:
         try:
             conn = sqlite3.connect(p, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as e:
-            raise SessionError(_sqlite_problem(p, e)) from None
+            raise SessionError(_sqlite_problem(p, e, "create it" if new else "open it")) from None
         try:
+            for pragma in _FILE_PRAGMAS:
+                conn.execute(pragma)
             if not new:
-                version = cls._file_version(conn, p)  # read-only checks first: never touch a foreign file
+                version = cls._version(conn, p)  # read-only checks first: never touch a foreign or damaged file
                 if version > SCHEMA_VERSION:
                     raise SessionError(
                         f"{p}: written by a newer VLM Readout (session schema {version}; this version reads up to "
                         f"{SCHEMA_VERSION}); upgrade to open it"
                     )
+                if version > 0:
+                    cls._check_rows(conn, p)
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode.lower() != "wal":
                 warnings.warn(f"{p}: WAL journal not available here; using {mode}", stacklevel=3)
@@ -208,32 +249,99 @@ class Session:
         except SessionError:
             conn.close()
             raise
-        except sqlite3.DatabaseError as e:
+        except sqlite3.Error as e:
             conn.close()
-            raise SessionError(_sqlite_problem(p, e)) from None
+            raise SessionError(_sqlite_problem(p, e, "create it" if new else "open it")) from None
         return cls(p, conn)
 
     @staticmethod
-    def _file_version(conn: sqlite3.Connection, p: Path, *, check: bool = True) -> int:
+    def _version(conn: sqlite3.Connection, p: Path, *, check: bool = True) -> int:
+        """The file's schema version, after the checks that need no rows read:
+        a session's ``application_id``; SQLite's ``quick_check`` (``check``);
+        only the tables, indexes and columns the migrations make for that
+        version (no views, triggers or generated columns: a file from elsewhere
+        must not run SQL of its own); every ``schema_version`` a whole number
+        from 1. 0 for an empty database; a version over :data:`SCHEMA_VERSION`
+        is returned unchecked (the caller refuses it as newer)."""
         try:
             app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        except sqlite3.DatabaseError as e:
+            objects = conn.execute("SELECT type, name FROM sqlite_master").fetchall()
+        except sqlite3.Error as e:
             raise SessionError(_sqlite_problem(p, e)) from None
-        if not tables and app_id in (0, APPLICATION_ID):
+        tables = {name for kind, name in objects if kind == "table"}
+        if not objects and app_id in (0, APPLICATION_ID):
             return 0
         if app_id != APPLICATION_ID:
             raise SessionError(f"{p}: not a session file (an SQLite database of another program)")
         if check:
-            problems = [r[0] for r in conn.execute("PRAGMA quick_check").fetchall()]
+            problems = [r[0] for r in conn.execute("PRAGMA quick_check(1)").fetchall()]
             if problems != ["ok"]:
                 raise SessionError(f"{p}: corrupt session file (integrity check: {problems[0]})")
+        for kind, name in objects:
+            if kind not in ("table", "index"):
+                raise SessionError(
+                    f"{p}: not a session file as VLM Readout writes it (it holds the {kind} {str(name)[:60]!r}, "
+                    "which a session never has); refusing to use it"
+                )
         if "schema_version" not in tables:
-            raise SessionError(f"{p}: corrupt session file (no schema_version table)")
-        row = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
-        if row is None or row[0] is None:
-            raise SessionError(f"{p}: corrupt session file (empty schema_version table)")
-        return int(row[0])
+            raise SessionError(f"{p}: damaged session file (no schema_version table)")
+        bad = conn.execute(
+            "SELECT version FROM schema_version WHERE typeof(version) != 'integer' OR version < 1 LIMIT 1"
+        ).fetchone()
+        if bad is not None:
+            raise SessionError(
+                f"{p}: damaged session file (schema_version holds {_shown_value(bad[0])}; a version is a whole "
+                "number from 1)"
+            )
+        version = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0]
+        if version is None:
+            raise SessionError(f"{p}: damaged session file (empty schema_version table)")
+        if version > SCHEMA_VERSION:
+            return version
+        for table, columns in expected_columns(version).items():
+            if table not in tables:
+                raise SessionError(f"{p}: damaged session file (no {table} table)")
+            have = conn.execute(f'PRAGMA table_xinfo("{table}")').fetchall()  # (cid, name, type, _, _, pk, hidden)
+            declared = {c[1]: (str(c[2]).upper(), c[5]) for c in have}
+            for column, (kind, pk) in columns.items():
+                if column not in declared:
+                    raise SessionError(f"{p}: damaged session file (table {table} has no column {column})")
+                if declared[column] != (kind, pk):
+                    raise SessionError(
+                        f"{p}: damaged session file (table {table} declares {column} as {declared[column][0] or 'untyped'}"
+                        f"{' (primary key)' if declared[column][1] else ''}; a session declares it {kind}"
+                        f"{' (primary key)' if pk else ''})"
+                    )
+            generated = [c[1] for c in have if c[6]]
+            if generated:
+                raise SessionError(
+                    f"{p}: not a session file as VLM Readout writes it (table {table} has the generated column "
+                    f"{str(generated[0])[:60]!r}); refusing to use it"
+                )
+        return version
+
+    @staticmethod
+    def _check_rows(conn: sqlite3.Connection, p: Path) -> None:
+        """The rows the whole file depends on (checked before anything is written
+        to it): every ``meta`` key and value text, every ``model`` row of the
+        types the session writes (its ``info``, from schema 2, a JSON object). A
+        run's own values are checked when it is read (a damaged run is
+        :class:`DamagedRunError`; the others read)."""
+        bad = conn.execute(
+            "SELECT key, value FROM meta WHERE typeof(key) != 'text' OR typeof(value) NOT IN ('text', 'null') LIMIT 1"
+        ).fetchone()
+        if bad is not None:
+            key, value = bad
+            what = (
+                f"the key {_shown_value(key)}" if not isinstance(key, str) else f"{key!r} holds {_shown_value(value)}"
+            )
+            raise SessionError(f"{p}: damaged session file (meta {what}; expected text)")
+        info = "info" if "info" in {c[1] for c in conn.execute("PRAGMA table_info(model)")} else "NULL"
+        for row in conn.execute(f"SELECT id, spec, fingerprint, family, {info}, added FROM model"):
+            try:
+                _model_row(row)
+            except StoredValueError as e:
+                raise SessionError(f"{p}: damaged session file (model {row[0]!r}: {e})") from None
 
     @staticmethod
     def _migrate(conn: sqlite3.Connection, p: Path) -> None:
@@ -241,7 +349,7 @@ class Session:
         version is re-read under the write lock: two openers migrate once)."""
         conn.execute("BEGIN IMMEDIATE")
         try:
-            version = Session._file_version(conn, p, check=False)
+            version = Session._version(conn, p, check=False)
             if version > SCHEMA_VERSION:
                 raise SessionError(f"{p}: written by a newer VLM Readout (session schema {version})")
             for v in range(version, SCHEMA_VERSION):
@@ -306,7 +414,7 @@ class Session:
                 a session file (or is a folder, link or device), is a session
                 open elsewhere, or cannot be written (one line each).
         """
-        with self._lock, self._guard("saving a copy"):
+        with self._lock, self._guard("save a copy"):
             return backup_to(self._db(), self.path, path)
 
     def _db(self) -> sqlite3.Connection:
@@ -330,19 +438,13 @@ class Session:
         conn.execute("COMMIT")
 
     @contextmanager
-    def _guard(self, what: str):
-        """Map SQLite failures inside the block to a one-line SessionError."""
+    def _guard(self, doing: str):
+        """Map SQLite failures inside the block (while ``doing``, a verb phrase:
+        "record the run") to one true line (:func:`core.session.records._sqlite_problem`)."""
         try:
             yield
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SessionError(f"{self.path}: corrupt session file ({what}: stored JSON unreadable: {e})") from None
         except sqlite3.Error as e:
-            text = str(e)
-            if "locked" in text or "busy" in text:
-                msg = f"{self.path}: busy (another process holds the session) while {what}; try again"
-            else:
-                msg = f"{self.path}: {what} failed ({text})"
-            raise SessionError(msg) from None
+            raise SessionError(_sqlite_problem(self.path, e, doing)) from None
 
     # ------------------------------------------------------------ facts about the file
 
@@ -357,6 +459,7 @@ class Session:
             return [tuple(r) for r in self._db().execute("SELECT version, applied FROM schema_version ORDER BY rowid")]
 
     def meta(self) -> dict[str, str]:
+        """The ``meta`` table (its keys and values were checked as text on opening)."""
         with self._lock:
             return dict(self._db().execute("SELECT key, value FROM meta").fetchall())
 
@@ -367,14 +470,14 @@ class Session:
 
     def models(self) -> list[dict]:
         """Every model the session's runs used, oldest first."""
-        with self._lock:
+        with self._lock, self._guard("read the models"):
             rows = self._db().execute("SELECT id, spec, fingerprint, family, info, added FROM model ORDER BY id")
             return [self._model_dict(r) for r in rows.fetchall()]
 
     @property
     def model(self) -> dict | None:
         """The model most recently set or used (``{"id", "spec", "fingerprint", "family", "info", "added"}``)."""
-        with self._lock:
+        with self._lock, self._guard("read the model"):
             row = (
                 self._db()
                 .execute(
@@ -386,17 +489,11 @@ class Session:
             )
         return self._model_dict(row) if row else None
 
-    @staticmethod
-    def _model_dict(row) -> dict:
-        mid, spec, fp, family, info, added = row
-        return {
-            "id": mid,
-            "spec": spec,
-            "fingerprint": fp,
-            "family": family,
-            "info": json.loads(info) if info else None,
-            "added": added,
-        }
+    def _model_dict(self, row) -> dict:
+        try:
+            return _model_row(row)
+        except StoredValueError as e:  # checked on opening; a row written since by another program
+            raise SessionError(f"{self.path}: damaged session file (model {row[0]!r}: {e})") from None
 
     def set_model(self, model, fingerprint: str | None = None, family: str | None = None) -> int:
         """Record a model (a spec string, LoadedModel or model dict); returns its id."""
@@ -407,7 +504,7 @@ class Session:
             fields["fingerprint"] = fingerprint
         if family is not None:
             fields["family"] = family
-        with self._lock, self._guard("recording the model"), self._transaction():
+        with self._lock, self._guard("record the model"), self._transaction():
             return self._upsert_model(fields)
 
     def _upsert_model(self, f: dict) -> int:
@@ -517,7 +614,7 @@ class Session:
         mask_sha = _mask_sha(m) if m is not None else None
         mask_png = _mask_png(m) if m is not None else None
 
-        with self._lock, self._guard("recording the run"):
+        with self._lock, self._guard("record the run"):
             conn = self._db()
             with self._transaction():
                 model_id = self._upsert_model(model_fields) if model_fields else None
@@ -628,119 +725,160 @@ class Session:
 
     # ------------------------------------------------------------ reading
 
-    def _run_infos(self, where: str = "", args: tuple = ()) -> list[RunInfo]:
+    def _run_infos(self, where: str = "", args: tuple = (), damaged: dict[int, str] | None = None) -> list[RunInfo]:
         rows = self._db().execute(
             "SELECT r.id, r.kind, r.created, r.summary, m.spec, r.image_sha256, r.mask_id, "
             "(SELECT COUNT(*) FROM audit_rows a WHERE a.run_id = r.id) "
             f"FROM runs r LEFT JOIN model m ON m.id = r.model_id {where} ORDER BY r.id",
             args,
         )
-        return [RunInfo(*r) for r in rows.fetchall()]
+        infos = []
+        for row in rows.fetchall():
+            try:
+                infos.append(_run_info(row))
+            except StoredValueError as e:
+                if damaged is not None:
+                    damaged.setdefault(row[0], str(e))
+        return infos
 
-    def runs(self, kind: str | None = None) -> list[RunInfo]:
-        """Every run, oldest first (``kind``: only that kind)."""
-        with self._lock, self._guard("reading the runs"):
+    def runs(self, kind: str | None = None, *, damaged: dict[int, str] | None = None) -> list[RunInfo]:
+        """Every run, oldest first (``kind``: only that kind). A run whose listed
+        values are not what the session writes (a blob where its time belongs)
+        is left out; ``damaged``, when given, gets ``{run id: why}`` for each."""
+        with self._lock, self._guard("read the runs"):
             if kind is None:
-                return self._run_infos()
-            return self._run_infos("WHERE r.kind = ?", (kind,))
+                return self._run_infos(damaged=damaged)
+            return self._run_infos("WHERE r.kind = ?", (kind,), damaged)
 
     def run(self, run_id: int) -> Run:
-        """One run with its result, parameters, audit rows and model."""
-        with self._lock, self._guard("reading a run"):
+        """One run with its result, parameters, audit rows and model, every value
+        checked as it is read (:mod:`core.session.stored`).
+
+        Raises:
+            DamagedRunError: a value of the run is not what the session writes
+                (text where a number belongs, parameters that are not a JSON
+                object, a result that is not JSON or is nested too deep, a
+                damaged image or mask row): one line naming the run.
+            SessionError: no such run.
+        """
+        with self._lock, self._guard("read a run"):
             conn = self._db()
             row = conn.execute(
-                "SELECT id, kind, created, summary, parameters, result, model_id, image_sha256, mask_id "
-                "FROM runs WHERE id = ?",
+                "SELECT id, kind, created, summary, parameters, model_id, image_sha256, mask_id, "
+                "length(CAST(result AS BLOB)) FROM runs WHERE id = ?",
                 (int(run_id),),
             ).fetchone()
             if row is None:
                 raise SessionError(f"{self.path}: no run {run_id}")
-            rid, kind, created, summary, params, result, model_id, sha, mask_id = row
-            model = None
-            if model_id is not None:
-                m = conn.execute(
-                    "SELECT id, spec, fingerprint, family, info, added FROM model WHERE id = ?", (model_id,)
-                ).fetchone()
-                model = self._model_dict(m) if m else None
-            audits = [
-                {
-                    "method": a[0],
-                    "question": a[1],
-                    "operation": a[2],
-                    "controls": json.loads(a[3]) if a[3] else [],
-                    "supports": a[4],
-                    "cannot_support": a[5],
-                    "parameters": json.loads(a[6]) if a[6] else {},
-                    "notes": json.loads(a[7]) if a[7] else [],
-                }
-                for a in conn.execute(
-                    "SELECT method, question, operation, controls, supports, cannot_support, parameters, notes "
-                    "FROM audit_rows WHERE run_id = ? ORDER BY ord",
-                    (rid,),
+            rid, kind, created, summary, params, model_id, sha, mask_id, result_bytes = row
+            try:
+                kind = _run_kind(kind)
+                created = stored.text(created, "created")
+                summary = stored.text(summary, "summary")
+                params = stored.json_value(params, "parameters", expect=dict)
+                model_id = stored.whole(model_id, "model_id", null=True)
+                sha = stored.text(sha, "image_sha256", null=True)
+                mask_id = stored.whole(mask_id, "mask_id", null=True)
+                if result_bytes is not None and result_bytes > stored.MAX_STORED_JSON_BYTES:
+                    raise StoredValueError(
+                        f"result is {result_bytes:,} bytes, over the {stored.MAX_STORED_JSON_BYTES:,}-byte limit"
+                    )
+                result = stored.json_value(
+                    conn.execute("SELECT result FROM runs WHERE id = ?", (rid,)).fetchone()[0], "result"
                 )
-            ]
-            image = self.image(sha) if sha is not None else None
-            mask_png = None
-            if mask_id is not None:
-                found = conn.execute("SELECT png FROM masks WHERE id = ?", (mask_id,)).fetchone()
-                mask_png = found[0] if found else None
-            return Run(
-                rid,
-                kind,
-                created,
-                summary,
-                json.loads(params),
-                json.loads(result),
-                audits,
-                model,
-                sha,
-                mask_id,
-                image,
-                mask_png,
-            )
+                model = None
+                if model_id is not None:
+                    m = conn.execute(
+                        "SELECT id, spec, fingerprint, family, info, added FROM model WHERE id = ?", (model_id,)
+                    ).fetchone()
+                    model = _model_row(m) if m else None
+                audits = [
+                    _audit_dict(a)
+                    for a in conn.execute(
+                        "SELECT ord, method, question, operation, controls, supports, cannot_support, parameters, "
+                        "notes FROM audit_rows WHERE run_id = ? ORDER BY ord",
+                        (rid,),
+                    )
+                ]
+                image = self._image_row(sha) if sha is not None else None
+                mask_png = None
+                if mask_id is not None:
+                    found = conn.execute("SELECT png FROM masks WHERE id = ?", (mask_id,)).fetchone()
+                    mask_png = stored.blob(found[0], f"the stored mask {mask_id}'s png") if found else None
+            except StoredValueError as e:
+                raise DamagedRunError(self.path, rid, str(e)) from None
+            return Run(rid, kind, created, summary, params, result, audits, model, sha, mask_id, image, mask_png)
 
-    def image(self, sha256: str) -> ImageInfo | None:
-        """A session image by hash (None when the session has none such)."""
-        with self._lock, self._guard("reading an image"):
-            row = (
-                self._db()
-                .execute("SELECT sha256, path, width, height, png FROM images WHERE sha256 = ?", (sha256,))
-                .fetchone()
-            )
+    def _image_row(self, sha256: str) -> ImageInfo | None:
+        """The image row ``sha256``, checked; :class:`StoredValueError` names what is wrong."""
+        row = (
+            self._db()
+            .execute("SELECT sha256, path, width, height, png FROM images WHERE sha256 = ?", (sha256,))
+            .fetchone()
+        )
         if row is None:
             return None
         sha, path, w, h, png = row
-        return ImageInfo(sha, path, (w, h) if w is not None else None, png)
+        where = f"its image {sha256[:12]}:"
+        path = stored.text(path, f"{where} path", null=True)
+        w = stored.whole(w, f"{where} width", null=True)
+        h = stored.whole(h, f"{where} height", null=True)
+        png = stored.blob(png, f"{where} png", null=True)
+        return ImageInfo(sha, path, (w, h) if w is not None and h is not None else None, png)
+
+    def image(self, sha256: str) -> ImageInfo | None:
+        """A session image by hash (None when the session has none such).
+
+        Raises:
+            SessionError: its row holds values the session never writes."""
+        with self._lock, self._guard("read an image"):
+            try:
+                return self._image_row(sha256)
+            except StoredValueError as e:
+                raise SessionError(f"{self.path}: {str(e).removeprefix('its ')}") from None
 
     def images(self) -> list[ImageInfo]:
         """Every image, without pixels (see :meth:`image`)."""
-        with self._lock, self._guard("reading the images"):
+        with self._lock, self._guard("read the images"):
             rows = self._db().execute("SELECT sha256, path, width, height FROM images ORDER BY added").fetchall()
-        return [ImageInfo(s, p, (w, h) if w is not None else None) for s, p, w, h in rows]
+        out = []
+        for sha, path, w, h in rows:
+            try:
+                what = f"image {str(sha)[:12]}:"
+                sha, path = stored.text(sha, f"{what} sha256"), stored.text(path, f"{what} path", null=True)
+                w, h = stored.whole(w, f"{what} width", null=True), stored.whole(h, f"{what} height", null=True)
+            except StoredValueError as e:
+                raise SessionError(f"{self.path}: damaged session file ({e})") from None
+            out.append(ImageInfo(sha, path, (w, h) if w is not None and h is not None else None))
+        return out
 
     def mask(self, mask_id: int):
         """A mask as an ``(H, W)`` bool array (True = region), or None."""
-        with self._lock, self._guard("reading a mask"):
+        with self._lock, self._guard("read a mask"):
             row = self._db().execute("SELECT png FROM masks WHERE id = ?", (int(mask_id),)).fetchone()
         if row is None:
             return None
         try:
-            return stored_mask(row[0], mask_id)
+            return stored_mask(stored.blob(row[0], "png"), mask_id)
+        except StoredValueError as e:
+            raise SessionError(f"{self.path}: the stored mask {mask_id} is unreadable ({e})") from None
         except SessionError as e:
             raise SessionError(f"{self.path}: {e}") from None
 
-    def audit_table(self, kinds: Iterable[str] | None = None) -> list[dict]:
+    def audit_table(self, kinds: Iterable[str] | None = None, *, damaged: dict[int, str] | None = None) -> list[dict]:
         """The session's audit table: one row per audit record of each run
         (a run without audit records gets one row with empty method columns),
         oldest run first. Columns: :data:`AUDIT_COLUMNS`: the run's own
         (:meth:`Run.columns`: input path and hash, model, question, target,
         specification, summary), then the audit record's (``controls`` and
-        ``notes`` are lists, ``parameters`` a dict), then ``run_parameters``."""
+        ``notes`` are lists, ``parameters`` a dict), then ``run_parameters``.
+        A run holding values the session never writes is left out; ``damaged``,
+        when given, gets ``{run id: why}`` for each."""
         kinds = list(kinds) if kinds is not None else None
         where = ""
         if kinds is not None:
             where = f"WHERE r.kind IN ({', '.join('?' * len(kinds))})" if kinds else "WHERE 0"
-        with self._lock, self._guard("reading the audit table"):
+        with self._lock, self._guard("read the audit table"):
             conn = self._db()
             # the target position is read in SQL: an analyze result's JSON is large, and only this number is needed
             runs = conn.execute(
@@ -752,25 +890,149 @@ class Session:
                 kinds or (),
             ).fetchall()
             audits = conn.execute(
-                "SELECT run_id, method, question, operation, controls, supports, cannot_support, parameters, notes "
-                "FROM audit_rows ORDER BY run_id, ord"
+                "SELECT run_id, ord, method, question, operation, controls, supports, cannot_support, parameters, "
+                "notes FROM audit_rows ORDER BY run_id, ord"
             ).fetchall()
         by_run: dict[int, list] = {}
         for a in audits:
             by_run.setdefault(a[0], []).append(a[1:])
         out = []
         for rid, kind, created, summary, params, position, spec, fingerprint, sha, path, mask_id in runs:
-            params = json.loads(params) if params else {}
-            model = {"spec": spec, "fingerprint": fingerprint} if spec is not None else None
-            result = {"target": {"position": position}}
-            run = run_columns(rid, kind, created, summary, params, result, model, sha, path, mask_id)
-            for a in by_run.get(rid) or [(None,) * 8]:
-                d = {**run, **dict(zip(AUDIT_COLUMNS[len(RUN_COLUMNS) :], (*a, params)))}
-                d["controls"] = json.loads(d["controls"]) if d["controls"] else []
-                d["notes"] = json.loads(d["notes"]) if d["notes"] else []
-                d["parameters"] = json.loads(d["parameters"]) if d["parameters"] else {}
-                out.append(d)
+            try:
+                params = stored.json_value(params, "parameters", expect=dict)
+                model = {"spec": spec, "fingerprint": fingerprint} if spec is not None else None
+                result = {"target": {"position": position}}
+                run = run_columns(
+                    rid,
+                    _run_kind(kind),
+                    stored.text(created, "created"),
+                    stored.text(summary, "summary"),
+                    params,
+                    result,
+                    model,
+                    stored.text(sha, "image_sha256", null=True),
+                    stored.text(path, "its image's path", null=True),
+                    stored.whole(mask_id, "mask_id", null=True),
+                )
+                records = [_audit_dict(a) for a in by_run.get(rid) or []] or [
+                    dict.fromkeys(AUDIT_COLUMNS[len(RUN_COLUMNS) : -1])
+                ]
+            except StoredValueError as e:
+                if damaged is not None:
+                    damaged.setdefault(rid, str(e))
+                continue
+            for record in records:
+                row = {**run, **{c: record[c] for c in AUDIT_COLUMNS[len(RUN_COLUMNS) : -1]}, "run_parameters": params}
+                row["controls"] = row["controls"] or []
+                row["notes"] = row["notes"] or []
+                row["parameters"] = row["parameters"] or {}
+                out.append(row)
         return out
+
+
+# ---------------------------------------------------------------- checked rows
+
+
+def _shown_value(value) -> str:
+    """A stored value for a message: short, one line."""
+    if isinstance(value, bytes):
+        return f"a blob of {len(value):,} bytes"
+    if isinstance(value, str):
+        return f"the text {' '.join(value[:200].split())[:40]!r}"
+    return stored.kind_of(value) if value is None else f"{stored.kind_of(value)} ({value!r})"
+
+
+def _run_kind(value) -> str:
+    kind = stored.text(value, "kind")
+    if not _KIND_RE.match(kind):
+        raise StoredValueError(f"kind holds {_shown_value(kind)}, not a run kind (a short lower-case name)")
+    return kind
+
+
+def _run_info(row) -> RunInfo:
+    """A :class:`RunInfo` from ``(id, kind, created, summary, model spec, image sha256, mask id, n audits)``, checked."""
+    rid, kind, created, summary, spec, sha, mask_id, n_audits = row
+    return RunInfo(
+        rid,
+        _run_kind(kind),
+        stored.text(created, "created"),
+        stored.text(summary, "summary"),
+        stored.text(spec, "its model's spec", null=True),
+        stored.text(sha, "image_sha256", null=True),
+        stored.whole(mask_id, "mask_id", null=True),
+        n_audits,
+    )
+
+
+def _model_row(row) -> dict:
+    """A model row ``(id, spec, fingerprint, family, info, added)`` as a dict, checked."""
+    mid, spec, fp, family, info, added = row
+    return {
+        "id": stored.whole(mid, "id"),
+        "spec": stored.text(spec, "spec"),
+        "fingerprint": stored.text(fp, "fingerprint", null=True),
+        "family": stored.text(family, "family", null=True),
+        "info": stored.json_value(info, "info", expect=dict) if info not in (None, "") else None,
+        "added": stored.text(added, "added"),
+    }
+
+
+def _audit_dict(row) -> dict:
+    """An audit row ``(ord, method, question, operation, controls, supports,
+    cannot_support, parameters, notes)`` in ``AuditRecord.to_dict()`` form, checked."""
+    order, method, question, operation, controls, supports, cannot_support, parameters, notes = row
+    where = f"audit row {order!r}:"
+    return {
+        "method": stored.text(method, f"{where} method", null=True),
+        "question": stored.text(question, f"{where} question", null=True),
+        "operation": stored.text(operation, f"{where} operation", null=True),
+        "controls": stored.json_value(controls, f"{where} controls", expect=list, empty=[]),
+        "supports": stored.text(supports, f"{where} supports", null=True),
+        "cannot_support": stored.text(cannot_support, f"{where} cannot_support", null=True),
+        "parameters": stored.json_value(parameters, f"{where} parameters", expect=dict, empty={}),
+        "notes": stored.json_value(notes, f"{where} notes", expect=list, empty=[]),
+    }
+
+
+# ---------------------------------------------------------------- opening helpers
+
+
+def _remove_new_file(p: Path) -> None:
+    """Remove the session file :meth:`Session.create` was making (it did not
+    exist before) and what SQLite made beside it."""
+    for path in (p, *(beside(p, suffix) for suffix in BESIDE)):
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
+def _needs_writing(e: sqlite3.Error) -> bool:
+    """Whether SQLite failed because reading needed a write beside the file
+    (creating or growing the -shm: a full disk, a read-only folder)."""
+    name = getattr(e, "sqlite_errorname", "") or ""
+    return name.startswith(("SQLITE_IOERR", "SQLITE_FULL", "SQLITE_CANTOPEN", "SQLITE_READONLY")) or (
+        "unable to open" in str(e) or "disk I/O error" in str(e)
+    )
+
+
+def _sqlite_read_only(p: Path, uri: str, wal_mode: bool) -> sqlite3.Connection | None:
+    """A read-only SQLite connection to ``uri`` that has read the schema (the
+    first read, where SQLite opens the -wal and -shm); None when a WAL file
+    could only be read by writing beside it (:func:`_needs_writing`)."""
+    conn = None
+    try:
+        conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        for pragma in _FILE_PRAGMAS:  # before the file's schema is read
+            conn.execute(pragma)
+        conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        return conn
+    except sqlite3.Error as e:
+        if conn is not None:
+            conn.close()
+        if wal_mode and _needs_writing(e):
+            return None
+        raise SessionError(_sqlite_problem(p, e)) from None
 
 
 # ---------------------------------------------------------------- command-line helpers
@@ -778,7 +1040,9 @@ class Session:
 
 def check_session_file(path: str | Path) -> None:
     """Fail fast, before a long run: an existing file must open as a session
-    (this migrates it), a new one needs an existing folder."""
+    (this migrates it; a damaged, foreign or newer file, a full disk are one
+    line here), a new one needs an existing writable folder (not through a
+    symbolic link to nothing)."""
     p = Path(path)
     if _exists(p):
         Session.open(p).close()
@@ -786,10 +1050,15 @@ def check_session_file(path: str | Path) -> None:
         raise SessionError(f"{p.parent}: no such folder for the session file")
     elif not os.access(p.parent, os.W_OK | os.X_OK):
         raise SessionError(f"{p}: cannot create the session file (its folder is not writable)")
+    elif (full := no_space_reason(p)) is not None:
+        raise SessionError(f"{p}: cannot create the session file: {full}")
 
 
 def record_into(path: str | Path, readout: Readout, **kwargs) -> int:
     """Open (or create) the session at ``path``, :meth:`Session.record` one
-    readout, close. For ``--session FILE`` on the CLI commands."""
+    readout, close. For ``--session FILE`` on the CLI commands: a command that
+    also writes an output file records first and puts the file in place only
+    once the run is recorded (:func:`core.atomic.staged_writes`), so a failed
+    record leaves the earlier output as it was."""
     with Session.open_or_create(path) as s:
         return s.record(readout, **kwargs)

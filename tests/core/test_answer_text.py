@@ -261,7 +261,9 @@ def test_analyze_and_counterfactual_command_lines(tmp_path, capsys, llava_sample
     assert "at answer token 1 'circle' of 'red circle square'" in capsys.readouterr().out
     assert main(["analyze", *base, "--answer-text", ANSWER, "--token-index", "5", "--json", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: answer token index 5 is outside the answer's 3 tokens (0..2: red | circle | square)")
+    assert err.startswith(
+        "error: --token-index 5 is outside the 3 tokens of --answer-text 'red circle square' (0..2: red | circle | square)"
+    )
     assert err.count("\n") == 1
     assert main(["analyze", *base, "--token-index", "1", "--json", str(out), "--quiet"]) == 2
     assert "error: --token-index needs --answer-text" in capsys.readouterr().err

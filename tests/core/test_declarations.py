@@ -139,6 +139,8 @@ def test_llava_vision_features_follow_the_feature_layer():
     for layer, strategy in ((-2, "default"), ([-3, -1], "full")):
         config = build.llava_config()
         config.vision_feature_layer, config.vision_feature_select_strategy = layer, strategy
+        grid = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
+        config.image_seq_length = grid + (strategy == "full")  # "full" keeps CLS: one more image token
         torch.manual_seed(0)
         model = LlavaForConditionalGeneration(config).eval()
         processor = build.llava_processor()
@@ -148,9 +150,7 @@ def test_llava_vision_features_follow_the_feature_layer():
             want = torch.cat(list(model.model.get_image_features(pixels, return_dict=True).pooler_output))
             got = a.project_visual(a.vision_features(pixels))
         torch.testing.assert_close(got.reshape(want.shape), want, atol=0, rtol=0)
-        assert got.shape[1] == (config.vision_config.image_size // config.vision_config.patch_size) ** 2 + (
-            strategy == "full"
-        )
+        assert got.shape[1] == config.image_seq_length
 
 
 def test_llava_next_refuses_projector_sites_in_one_line():

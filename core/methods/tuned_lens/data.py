@@ -14,7 +14,7 @@ import torch
 
 from core.capture import capture
 from core.methods.tuned_lens.lens import POSITION_SETS, LensError
-from core.pairs import Pair, load_pair_image
+from core.pairs import MAX_PAIRS, Pair, load_pair_image
 from core.pairs import read_pairs as read_pair_file
 
 
@@ -99,6 +99,8 @@ def read_pairs(path: Path) -> list[Pair]:
     pairs = []
     for f in files:
         pairs += read_pair_file(f)
+        if len(pairs) > MAX_PAIRS:  # each file is bounded on its own; so is the folder
+            raise LensError(f"{path}: over {MAX_PAIRS:,} pairs in its *.jsonl files, the most a corpus may hold")
     return pairs
 
 

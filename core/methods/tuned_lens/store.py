@@ -6,16 +6,31 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import stat
 from pathlib import Path
 
 import torch
 
+from core import json_fields as jf
 from core.atomic import write_bytes_atomic, write_text_atomic
-from core.methods.tuned_lens.lens import _EQUATIONS, SCHEMA_VERSION, LensError, TunedLens
+from core.input_files import read_json_file
+from core.methods.tuned_lens.lens import _EQUATIONS, FORMS, POSITION_SETS, SCHEMA_VERSION, LensError, TunedLens
+from core.models.memory import available_bytes
 
 LENS_CONFIG = "lens.json"
 LENS_TENSORS = "lens.safetensors"
 LENS_REPORT = "REPORT.md"
+# The dtypes a lens is saved in, and their safetensors codes.
+LENS_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_DTYPE_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+# Bounds a lens.json must keep before anything is built from it: above every model
+# served (hundreds of blocks, widths up to ~30k), far below what would ask the
+# allocator for terabytes. The tensors file's header is then checked against them.
+MAX_LENS_BLOCKS = 4096
+MAX_LENS_WIDTH = 2**17
+MAX_LENS_CONFIG_BYTES = 64 * 2**20
 
 
 def save_lens(lens: TunedLens, directory: Path | str) -> Path:
@@ -58,79 +73,136 @@ def save_lens(lens: TunedLens, directory: Path | str) -> Path:
 
 def load_lens(directory: Path | str, loaded=None) -> TunedLens:
     """Read a lens saved by :func:`save_lens`; with ``loaded``, refuse a lens
-    trained for other weights (:class:`LensMismatchError`)."""
+    trained for other weights or another shape of model (:class:`LensMismatchError`).
+
+    Every field of ``lens.json`` is checked (:func:`_lens_config`) and the
+    tensors file's header (names, dtypes, shapes, total size against the
+    memory available) against it before any tensor is read; the tensors must
+    be finite. Anything else is one :class:`LensError` naming the file and the field."""
     from safetensors import safe_open
 
     directory = Path(directory)
+    if not directory.is_dir():
+        raise LensError(f"{directory}: not a folder (a tuned lens is a folder with {LENS_CONFIG} and {LENS_TENSORS})")
     cfg_path = directory / LENS_CONFIG
-    if not cfg_path.is_file():
+    if not os.path.lexists(cfg_path):
         raise LensError(f"{directory}: no {LENS_CONFIG} (not a tuned-lens folder)")
+    config = read_json_file(cfg_path, LensError, max_bytes=MAX_LENS_CONFIG_BYTES)
     try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise LensError(f"{cfg_path}: cannot read it ({e.strerror or e})") from None
-    except UnicodeDecodeError:
-        raise LensError(f"{cfg_path}: not UTF-8 text") from None
-    except json.JSONDecodeError as e:
-        raise LensError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(config, dict):
-        raise LensError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}")
-    if config.get("schema_version") != SCHEMA_VERSION:
-        raise LensError(
-            f"{cfg_path}: schema version {config.get('schema_version')!r}, this build reads {SCHEMA_VERSION}"
-        )
-    tr = config.get("translator", {})
-    if not isinstance(tr, dict):
-        raise LensError(f"{cfg_path}: 'translator' must be an object, got {type(tr).__name__}")
-    for key in ("model", "training", "capacity", "report"):
-        if not isinstance(config.get(key, {}), dict):
-            raise LensError(f"{cfg_path}: '{key}' must be an object, got {type(config[key]).__name__}")
-    tensors_name = config.get("tensors", LENS_TENSORS)
-    if not isinstance(tensors_name, str) or Path(tensors_name).name != tensors_name:
-        raise LensError(f"{cfg_path}: 'tensors' must name a file inside the lens folder, got {tensors_name!r}")
-    try:
-        dtype = getattr(torch, tr.get("dtype", "float32"))
+        tr, tensors_name = _lens_config(config)
+    except ValueError as e:
+        raise LensError(f"{cfg_path}: {e}") from None
+    with torch.device("meta"):  # the shapes the config implies, nothing allocated
         lens = TunedLens(
-            int(tr["n_blocks"]),
-            int(tr["d_model"]),
+            tr["n_blocks"],
+            tr["d_model"],
             tr["form"],
             rank=tr.get("rank"),
             hidden=tr.get("hidden"),
-            seed=int(tr.get("seed", 0)),
-            dtype=dtype,
+            seed=tr.get("seed", 0),
+            dtype=LENS_DTYPES[tr.get("dtype", "float32")],
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise LensError(f"{cfg_path}: incomplete translator entry ({e})") from None
+    lens.meta = dict(config.get("model", {}))
+    lens.path = directory
+    if loaded is not None:  # the model's fingerprint and shape, before the tensors are read
+        lens.check_model(loaded)
     tpath = directory / tensors_name
-    if not tpath.is_file():
-        raise LensError(f"{directory}: {tpath.name} is missing")
+    try:
+        mode = os.stat(tpath).st_mode
+    except OSError:
+        raise LensError(f"{directory}: {tpath.name} is missing") from None
+    if not stat.S_ISREG(mode):  # safe_open would wait on a FIFO
+        raise LensError(f"{tpath}: not a regular file")
     try:
         with safe_open(str(tpath), framework="pt") as f:
+            _check_header(f, lens, tpath, tr.get("dtype", "float32"))
             tensors = {k: f.get_tensor(k) for k in f.keys()}
             meta_fp = (f.metadata() or {}).get("fingerprint", "")
-    except Exception as e:
-        raise LensError(f"{tpath}: unreadable safetensors ({type(e).__name__})") from None
-    bad = [k for k, t in tensors.items() if not t.is_floating_point() or not bool(torch.isfinite(t).all())]
+    except LensError:
+        raise
+    except Exception as e:  # the safetensors parser's own errors: a bad header, a truncated file, mmap
+        raise LensError(
+            f"{tpath}: unreadable safetensors ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+        ) from None
+    bad = [k for k, t in tensors.items() if not bool(torch.isfinite(t).all())]
     if bad:
         raise LensError(f"{tpath}: tensors that are not finite floating-point numbers: {', '.join(sorted(bad)[:4])}")
-    want = set(lens.state_dict())
-    if set(tensors) != want:
-        raise LensError(f"{tpath}: tensors {sorted(tensors)} do not match a {tr['form']} lens ({sorted(want)})")
-    try:
-        lens.load_state_dict(tensors)
-    except RuntimeError as e:
-        raise LensError(f"{tpath}: tensor shapes do not match the config ({str(e).splitlines()[0]})") from None
-    lens.meta = dict(config.get("model", {}))
+    lens.load_state_dict(tensors, assign=True)  # the tensors read become the lens's (no second copy)
     if meta_fp and lens.meta.get("fingerprint") != meta_fp:
         raise LensError(f"{directory}: the config and the tensors name different model fingerprints")
     lens.training_info = config.get("training", {})
     lens.capacity = config.get("capacity", {})
     lens.report = config.get("report", {})
-    lens.path = directory
     if loaded is not None:
-        lens.check_model(loaded)
         lens.to(loaded.adapter.device)
     return lens
+
+
+# ---- what load_lens checks
+
+
+def _lens_config(config: dict) -> tuple[dict, str]:
+    """``(translator entry, tensors file name)`` of a ``lens.json`` document,
+    every field the loader reads checked; ValueError naming the first bad one."""
+    version = config.get("schema_version")
+    if version != SCHEMA_VERSION or isinstance(version, bool):
+        raise ValueError(f"schema version {repr(version)[:40]}, this build reads {SCHEMA_VERSION}")
+    tr = jf.obj(jf.required(config, "translator"), "translator")
+    for key in ("model", "training", "capacity", "report"):
+        jf.obj(config.get(key, {}), key)
+    form = jf.one_of(jf.required(tr, "form", "translator."), "translator.form", FORMS)
+    n = jf.integer(jf.required(tr, "n_blocks", "translator."), "translator.n_blocks", 1, MAX_LENS_BLOCKS)
+    d = jf.integer(jf.required(tr, "d_model", "translator."), "translator.d_model", 1, MAX_LENS_WIDTH)
+    jf.one_of(tr.get("dtype", "float32"), "translator.dtype", tuple(LENS_DTYPES))
+    jf.integer(tr.get("seed", 0), "translator.seed", 0, 2**63 - 1)
+    for key, used_by in (("rank", "lowrank"), ("hidden", "mlp")):
+        value = tr.get(key)
+        if form == used_by and (value is not None or key == "rank"):
+            jf.integer(value, f"translator.{key}", 1, d if key == "rank" else MAX_LENS_WIDTH)
+        elif form != used_by and value is not None:
+            raise ValueError(f'"translator.{key}" must be null for the {form} form, got {jf.json_kind(value)}')
+    model = config.get("model", {})
+    for key in ("fingerprint", "spec", "dtype"):
+        if model.get(key) is not None:
+            jf.text(model[key], f"model.{key}")
+    names = model.get("block_names")
+    if names is not None:
+        for i, name in enumerate(jf.array(names, "model.block_names", most=n)):
+            jf.text(name, f"model.block_names[{i}]")
+    training = config.get("training", {})
+    for key in ("config", "data"):
+        jf.obj(training.get(key, {}), f"training.{key}")
+    positions = training.get("config", {}).get("positions")
+    if positions is not None:
+        jf.one_of(positions, "training.config.positions", POSITION_SETS)
+    jf.obj(config.get("report", {}).get("evaluations", {}), "report.evaluations")
+    tensors_name = config.get("tensors", LENS_TENSORS)
+    if not isinstance(tensors_name, str) or not tensors_name or Path(tensors_name).name != tensors_name:
+        raise ValueError(f'"tensors" must name a file inside the lens folder, got {jf.shown(tensors_name, 60)}')
+    return tr, tensors_name
+
+
+def _check_header(f, lens: TunedLens, tpath: Path, dtype: str) -> None:
+    """The tensors file's header (``f``: an open ``safe_open``) against the
+    meta-device ``lens`` the config describes: the same names, each of the
+    config's dtype and shape, in all no more than the memory available; read
+    before any tensor is."""
+    want = {k: tuple(v.shape) for k, v in lens.state_dict().items()}
+    have = set(f.keys())
+    if have != set(want):
+        raise LensError(f"{tpath}: tensors {sorted(have)[:8]} do not match a {lens.form} lens ({sorted(want)})")
+    total = 0
+    for key, shape in want.items():
+        stored = f.get_slice(key)
+        code, got = stored.get_dtype(), tuple(stored.get_shape())
+        if code != _DTYPE_CODES[dtype]:
+            raise LensError(f"{tpath}: tensor {key!r} is {code}; {LENS_CONFIG} says {dtype} ({_DTYPE_CODES[dtype]})")
+        if got != shape:
+            raise LensError(f"{tpath}: tensor {key!r} has shape {list(got)}; {LENS_CONFIG} implies {list(shape)}")
+        total += math.prod(shape) * LENS_DTYPES[dtype].itemsize
+    available = available_bytes("cpu")
+    if total > available:
+        raise LensError(f"{tpath}: the lens needs {total:,} bytes of memory and {available:,} are available")
 
 
 def report_markdown(lens: TunedLens) -> str:

@@ -10,6 +10,7 @@ the identity. Checkpoints let a run resume where it stopped.
 from __future__ import annotations
 
 import io
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,7 @@ def train_lens(
     adapter = loaded.adapter
     n, d = len(adapter.blocks), adapter.d_model
     dtype = torch.float64 if adapter.parameters_dtype == torch.float64 else torch.float32
+    check_training_fits(loaded, cfg, dtype)  # before the translators are allocated
     torch.manual_seed(cfg.seed)
     lens = TunedLens(n, d, cfg.form, rank=cfg.rank, hidden=cfg.hidden, seed=cfg.seed, dtype=dtype)
     lens.to(adapter.device)
@@ -194,10 +196,12 @@ def train_lens(
                     if opt is not None:  # every layer's translator, one step on this batch
                         lens_logp = lens_logits(adapter, lens.translate_all(xs)).log_softmax(-1)  # (n, n_tok, vocab)
                         loss = _kl_nats(target[None], lens_logp).mean(-1).sum()
+                        _check_finite(cfg, step, loss=float(loss.detach()))
                         opt.zero_grad(set_to_none=True)
                         loss.backward()
                         opt.step()
                         sched.step()
+                        _check_finite(cfg, step, lens=lens)  # the step itself may overflow
                         losses.append(float(loss.detach()) / n)
                 step += 1
                 if progress is not None:
@@ -237,6 +241,92 @@ def train_lens(
     }
     lens.capacity = lens.capacity_report(resid_norms)
     return TrainResult(lens, step, cancelled, elapsed, losses)
+
+
+def _check_finite(cfg: LensConfig, step: int, *, loss: float = 0.0, lens: TunedLens | None = None) -> None:
+    """LensError (one line) once the loss or a translator is no longer finite: the
+    lens diverged (a learning rate or weight decay too large for this model), and
+    training on would only save NaN; nothing is saved (the checkpoint keeps its
+    last finite state)."""
+    what = None
+    if not math.isfinite(loss):
+        what = f"the training loss became {loss}"
+    elif lens is not None and not all(bool(torch.isfinite(p).all()) for p in lens.parameters()):
+        what = "the translators' weights overflowed"
+    if what is not None:
+        raise LensError(
+            f"--lr {cfg.lr:g}: {what} at step {step} (the lens diverged; --weight-decay {cfg.weight_decay:g}); "
+            "try a smaller --lr; nothing was saved"
+        )
+
+
+def lens_parameters(cfg: LensConfig, n: int, d: int) -> int:
+    """How many values the translators of a ``cfg.form`` lens hold for ``n`` blocks of width ``d``
+    (:class:`TunedLens`'s parameters)."""
+    hidden = (cfg.hidden or 64) if cfg.form == "mlp" else 0
+    per_block = {
+        "identity": 0,
+        "affine": d * d + d,
+        "lowrank": 2 * d * (cfg.rank or 0) + d,
+        "mlp": d * d + d + 2 * d * hidden + hidden,
+    }[cfg.form]
+    return n * per_block
+
+
+def check_training_fits(loaded, cfg: LensConfig, dtype: torch.dtype) -> None:
+    """Before anything is allocated: LensError (one line, naming the option that
+    sizes it) for a ``--rank`` above the model's residual width, or a lens whose
+    training would not fit in the memory available (:func:`core.models.memory.available_bytes`):
+    the translators with their gradients and optimizer state, and one step's
+    capture (:func:`core.models.memory.working_set_bytes`) and lens logits
+    (``blocks x tokens x vocabulary``, with their log-softmax and gradients)."""
+    from core.models.memory import (
+        NOMINAL_TEXT_TOKENS,
+        ModelSizes,
+        _gb,
+        available_bytes,
+        working_set_bytes,
+    )
+    from core.precision import placement
+
+    adapter = loaded.adapter
+    n, d = len(adapter.blocks), adapter.d_model
+    for option, value in (("--lr", cfg.lr), ("--weight-decay", cfg.weight_decay)):
+        # the command line takes up to 10; past 1e30 the optimizer's own step size overflows float32
+        if not (isinstance(value, (int, float)) and 0 <= value <= 1e30):
+            raise LensError(f"{option} {value!r}: expected a number from 0 to 1e30 (the command line takes up to 10)")
+    if cfg.form == "lowrank" and cfg.rank > d:
+        raise LensError(
+            f"--rank {cfg.rank} is more than the model's residual width {d} (a rank-{d} lens is already "
+            "full: --form affine)"
+        )
+    sizes = ModelSizes.of_adapter(adapter)
+    size = dtype.itemsize
+    copies = 3 if cfg.optimizer == "sgd" else 4  # the values, their gradients, momentum (Adam: two moments)
+    lens_bytes = lens_parameters(cfg, n, d) * size * copies
+    per_input = {"answer": 1, "text": NOMINAL_TEXT_TOKENS}.get(cfg.positions, sizes.nominal_tokens)
+    tokens = cfg.batch_size * per_input
+    hidden = (cfg.hidden or 64) if cfg.form == "mlp" else 0
+    step_bytes = working_set_bytes(sizes, sizes.nominal_tokens, adapter.parameters_dtype, batch=cfg.batch_size)
+    step_bytes += n * tokens * (3 * sizes.vocab + 3 * d + 2 * hidden) * size  # lens logits, states, hidden layer
+    devices = placement(adapter.model).split("+")
+    available = available_bytes("auto" if len(devices) > 1 else devices[0])
+    if lens_bytes + step_bytes <= available:
+        return
+    sizing = {"lowrank": f"--form lowrank --rank {cfg.rank}", "mlp": f"--form mlp --hidden {hidden}"}.get(
+        cfg.form, f"--form {cfg.form}"
+    )
+    if lens_bytes > available:
+        raise LensError(
+            f"{sizing}: the lens needs ~{_gb(lens_bytes)} for {n} blocks of width {d} (translators, gradients and "
+            f"{cfg.optimizer} state) and {_gb(available)} is available"
+        )
+    raise LensError(
+        f"--batch-size {cfg.batch_size}: a training step needs ~{_gb(step_bytes)} (the model's capture of "
+        f"{cfg.batch_size:,} inputs and the lens logits at ~{tokens:,} {cfg.positions} tokens of {n} blocks) "
+        f"beside the lens's {_gb(lens_bytes)}, and {_gb(available)} is available; try a smaller --batch-size"
+        + ("" if cfg.positions == "answer" else " or --positions answer")
+    )
 
 
 def _model_meta(loaded) -> dict:

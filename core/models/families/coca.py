@@ -3,6 +3,8 @@ multimodal decoder whose cross-attention layers read the image tokens."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 from PIL import Image
 
@@ -14,6 +16,17 @@ from core.models.adapter import Adapter, ModelInputs
 from core.models.declaration import Decoder, Family, Rotary
 from core.models.norms import Norm
 from core.precision import accumulating, unit_roundoff
+
+
+def _media_kind(token: str) -> str | None:
+    """The kind of a markup token named for an image or a video (``<image>``,
+    ``<img>``: "image"; ``<|video_pad|>``: "video"), else None."""
+    if not isinstance(token, str) or not token.startswith("<") or not token.endswith(">"):
+        return None
+    words = re.split(r"[^a-z]+", token.lower())
+    if "video" in words:
+        return "video"
+    return "image" if {"image", "img"} & set(words) else None
 
 
 class CocaAdapter(Adapter):
@@ -60,6 +73,20 @@ class CocaAdapter(Adapter):
         ids = self.tokenizer([text])[0].tolist()
         eot = getattr(self.tokenizer, "eot_token_id", None)
         return ids[: ids.index(eot)] if eot in ids else [i for i in ids if i != 0]
+
+    def extra_placeholders(self) -> dict[str, str]:
+        """CoCa reads its image through cross-attention, never as a text token, so
+        its processor names no placeholder; a special token of its tokenizer named
+        for an image or a video (the default models' shared vocabulary has
+        ``<image>``) stands for one all the same, and is refused in every
+        question, raw prompts too, as every family's placeholder is."""
+        tok = self.tokenizer
+        strings = set(getattr(tok, "all_special_tokens", None) or [])
+        strings.update(str(t) for t in (getattr(tok, "added_tokens_decoder", None) or {}).values())
+        decoder = getattr(tok, "decoder", None)
+        if isinstance(decoder, dict):  # open_clip's SimpleTokenizer
+            strings.update(decoder[i] for i in getattr(tok, "all_special_ids", []) if i in decoder)
+        return {s: kind for s in strings if (kind := _media_kind(s)) is not None}
 
     def check_fits(self, question: str, ids: list[int]) -> None:
         # The text tower appends a CLS token, so one position is reserved.

@@ -8,6 +8,7 @@ import torch
 from core.errors import QuestionError
 from core.geometry import VisualToken, resize_crop_boxes
 from core.models.adapter import config_int, size_value
+from core.models.config_check import check_image_seq_length
 from core.models.declaration import Family
 from core.models.family_adapter import FamilyAdapter
 
@@ -27,6 +28,7 @@ class LlavaAdapter(FamilyAdapter):
     def check_config(cls, config) -> None:
         super().check_config(config)
         config_int(config, "image_seq_length")
+        check_image_seq_length(config)  # the image tokens the length check counts: what the tower gives
 
     def check_fits(self, question: str, ids: list[int]) -> None:
         n_image = int(getattr(self.model.config, "image_seq_length", 0) or 0)

@@ -1,0 +1,29 @@
+"""The Target and foil fields take what ``--answer`` / ``--foil`` take: markup
+(an image placeholder, a special token), alone or beside a word, is refused in
+one line in the window, nothing is shown as an answer, and the window keeps
+working."""
+
+import pytest
+
+from tests.app.test_window import run_until_idle
+
+
+@pytest.mark.parametrize(
+    "field, text, named",
+    [
+        ("target_edit", "<image>", "'<image>' holds the image placeholder '<image>'"),
+        ("target_edit", "<image> blue", "'<image> blue' holds the image placeholder '<image>'"),
+        ("foil_edit", "</s>", "'</s>' holds the special token '</s>'"),
+        ("foil_edit", "blue </s>", "'blue </s>' holds the special token '</s>'"),
+    ],
+)
+def test_markup_in_the_target_or_foil_is_one_line_in_the_window(qtbot, window, field, text, named):
+    run_until_idle(qtbot, window, window.answer_question)  # the model loaded, an answer to read out at
+    getattr(window, field).setText(text)
+    run_until_idle(qtbot, window, window.run_readout)
+    message = window.error_label.text()
+    assert message.startswith(named) and "\n" not in message and "Traceback" not in message, message
+    assert window.status_label.text() == "failed"
+    getattr(window, field).setText("")  # the window still reads out
+    run_until_idle(qtbot, window, window.run_readout)
+    assert window.error_label.text() == "" and window.analysis is not None

@@ -1,0 +1,1 @@
+UPDATE audit_rows SET controls = '{"a": 1}'

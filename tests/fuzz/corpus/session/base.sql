@@ -1,0 +1,1 @@
+-- the base session as it is

@@ -1,0 +1,1 @@
+UPDATE runs SET created = x'00ff' WHERE id = 2

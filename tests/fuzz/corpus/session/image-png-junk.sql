@@ -1,0 +1,1 @@
+UPDATE images SET png = x'89504e470d0a1a0a00'

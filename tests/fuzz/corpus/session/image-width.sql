@@ -1,0 +1,1 @@
+UPDATE images SET width = 'wide'

@@ -1,0 +1,1 @@
+UPDATE masks SET png = 'not a png'

@@ -1,0 +1,1 @@
+UPDATE meta SET value = x'00' WHERE key = 'created'

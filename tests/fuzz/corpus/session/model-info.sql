@@ -1,0 +1,1 @@
+UPDATE model SET info = '{'

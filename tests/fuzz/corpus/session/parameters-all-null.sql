@@ -1,0 +1,1 @@
+UPDATE runs SET parameters = 'null'

@@ -1,0 +1,1 @@
+UPDATE runs SET parameters = '{"q": ' WHERE id = 4

@@ -1,0 +1,1 @@
+UPDATE runs SET parameters = '[1, 2]' WHERE id = 2

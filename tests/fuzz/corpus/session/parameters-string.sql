@@ -1,0 +1,1 @@
+UPDATE runs SET parameters = '"text"' WHERE id = 3

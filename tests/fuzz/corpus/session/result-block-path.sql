@@ -1,0 +1,1 @@
+UPDATE runs SET result = json_set(result, '$.attention[1].block', '../x/y') WHERE id = 1

@@ -1,0 +1,1 @@
+UPDATE runs SET result = replace(result, '[0,0,8,8]', '[1e999,0,8,8]') WHERE id = 1; UPDATE runs SET result = replace(result, '"alpha":0.5', '"alpha":1e999') WHERE id = 1

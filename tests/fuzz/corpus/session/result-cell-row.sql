@@ -1,0 +1,1 @@
+UPDATE runs SET result = json_set(result, '$.sweep.cells[0].row', 'x') WHERE id = 2

@@ -1,0 +1,1 @@
+UPDATE runs SET result = json_set(result, '$.rollout.visual_patch_mass', json('[[' || replace(hex(zeroblob(70000)), '00', '0,') || '0]]')) WHERE id = 1

@@ -1,0 +1,1 @@
+UPDATE runs SET result = json_set(result, '$.attention[0].visual_mass', 'lots') WHERE id = 1

@@ -1,0 +1,1 @@
+UPDATE runs SET result = '{not json' WHERE id = 2

@@ -1,0 +1,1 @@
+UPDATE runs SET result = json_set(result, '$.text_patterns.patterns[0][1]', json('[[1, "x"], [2]]')) WHERE id = 1

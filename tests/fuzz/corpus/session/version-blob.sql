@@ -1,0 +1,1 @@
+UPDATE schema_version SET version = x'02' WHERE version = 2

@@ -1,0 +1,1 @@
+UPDATE schema_version SET version = 'two' WHERE version = 2
