@@ -215,6 +215,11 @@ def check_config_consistency(config_file: Path, config) -> None:
     n = config_value(config, "vision_config.num_hidden_layers")
     if layer is not None and isinstance(n, int):
         bad = [i for i in _layer_indices(layer) if not -(n + 1) <= i <= n]
+        if layer == 0 and not isinstance(layer, bool):  # transformers asks the tower for hidden states only if truthy
+            raise ModelLoadError(
+                f"{config_file} vision_feature_layer: 0 (the tower's embeddings) makes transformers keep no hidden "
+                f"state, so the forward fails; write {-(n + 1)}, the same state counted from the end"
+            )
         if bad:
             raise ModelLoadError(
                 f"{config_file} vision_feature_layer: {bad[0]} is not a hidden state of the {n}-layer vision tower "

@@ -118,6 +118,8 @@ def test_config_number_that_would_crash_or_compute_nan_is_refused(tmp_path, fiel
         ("vision_feature_layer", 99, "99 is not a hidden state of the 3-layer vision tower (expected -4 to 3)"),
         ("vision_feature_layer", -99, "-99 is not a hidden state of the 3-layer vision tower"),
         ("vision_feature_layer", [-1, 4], "4 is not a hidden state"),
+        # found by the fuzzer: 0 is falsy, so transformers keeps no hidden state (a TypeError in the forward)
+        ("vision_feature_layer", 0, "0 (the tower's embeddings) makes transformers keep no hidden state"),
         ("vision_config.image_size", 8, "8x8 is smaller than one 16x16 patch"),
     ],
 )
@@ -224,12 +226,14 @@ def test_image_processor_that_fails_on_a_probe_image_is_refused_at_load(tmp_path
 
 def test_processor_files_that_make_no_tokenizing_processor_are_refused(tmp_path):
     """Found by the fuzzer: an unknown processor_class made transformers load the
-    image processor alone, and the first question went to it as a tokenizer."""
+    image processor (or the tokenizer) alone, and the first question went to it."""
     d = _copy(tmp_path)
     _edit_json(d / "processor_config.json", _set("processor_class", "NoSuchProcessor"))
     _edit_json(d / "tokenizer_config.json", lambda c: c.pop("processor_class", None))
     _refused(
-        d, f"{d / 'processor_config.json'} processor_class: the folder's processor files make a CLIPImageProcessor"
+        d,
+        f"{d / 'processor_config.json'} processor_class: the folder's processor files make a ",
+        "not a processor holding a tokenizer and an image processor",
     )
 
 

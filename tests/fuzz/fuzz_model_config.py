@@ -356,6 +356,8 @@ def seeds() -> dict[str, dict]:
         "llava-strategy-full": _edit("config.json", vision_feature_select_strategy="full"),
         "llava-feature-layer-99": _edit("config.json", vision_feature_layer=99),
         "llava-feature-layer-minus-99": _edit("config.json", vision_feature_layer=-99),
+        # found by the fuzzer: 0 is falsy, so transformers keeps no hidden state (a TypeError in the forward)
+        "llava-feature-layer-0": _edit("config.json", vision_feature_layer=0),
         "llava-patch-zero": _edit("config.json", vision_config__patch_size=0),
         "llava-hidden-huge": _edit("config.json", text_config__hidden_size=2**40),
         "llava-processor-strategy-full": _edit("processor_config.json", vision_feature_select_strategy="full"),
