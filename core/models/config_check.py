@@ -15,19 +15,23 @@ What is checked (docs/ARCHITECTURE.md, "Trust rules"):
   "full"; ``tie_word_embeddings`` a boolean. Then across fields: the tower's
   image at least one patch, ``vision_feature_layer`` a hidden state the tower
   has (``-(n + 1)`` to ``n``).
-* the image processor: ``rescale_factor`` finite and > 0, ``image_mean``
-  finite, ``image_std`` finite and > 0 (one value or one per channel),
-  ``resample`` a resampling filter the processor has, sizes and crop sizes
-  positive integers (a crop of at most :data:`core.images.MAX_PIXELS`),
-  patch sizes >= 1; the processor's own ``patch_size``,
-  ``num_additional_image_tokens`` and ``vision_feature_select_strategy``.
+* the processor: a processor holding a tokenizer and an image processor; the
+  image processor's ``do_*`` switches booleans and each step's setting present;
+  ``rescale_factor`` and ``image_std`` inside float32's positive range,
+  ``image_mean`` finite (one value or one per channel); ``resample`` a filter
+  the processor has; sizes and crop sizes integers of at least one tower patch
+  (a crop of at most :data:`core.images.MAX_PIXELS`); the processor's own
+  ``patch_size``, ``num_additional_image_tokens`` and
+  ``vision_feature_select_strategy``; then one run on a small probe image
+  (:func:`probe_image_processor`: any other setting the library trips on).
 * processor against model: the same feature-select strategy; for LLaVA (a
   fixed-size tower) the crop is the tower's image size, the patch sizes agree
   and the image tokens the processor writes are the features the tower and
   projector give (:func:`llava_image_features`, also ``image_seq_length``).
 * chat templates: a template that is present is not empty.
-* open_clip: the model_cfg sizes, the multimodal decoder's context holding
-  the text tower's, ``preprocess_cfg`` mean / std / interpolation / resize mode.
+* open_clip: the model_cfg sizes (integers: a square tower), CoCa's decoder
+  reading both towers' tokens and its context holding the text tower's,
+  ``preprocess_cfg`` mean / std / interpolation / resize mode.
 
 A forward the load-time arithmetic cannot foresee (another family's tiling)
 still meets the model's own check; :func:`model_input_errors` turns that into
@@ -68,6 +72,13 @@ _SIZE_FIELDS = frozenset(
         "image_size",
         "num_channels",
     }
+)
+# Counts of modules the library builds one by one (layers, experts): at most
+# MAX_MODULES, since even on the meta device each is Python objects and time
+# (real models: 126 decoder layers, 256 experts).
+MAX_MODULES = 1024
+_MODULE_COUNTS = frozenset(
+    {"num_hidden_layers", "num_global_layers", "resampler_depth", "num_experts", "num_local_experts", "layers"}
 )
 # Sizes that may be a [height, width] pair (InternVL's tower).
 _PAIR_FIELDS = ("image_size", "patch_size")
@@ -119,20 +130,20 @@ def _is_eps(key: str) -> bool:
     return key in ("eps", "epsilon") or key.endswith(("_eps", "_epsilon"))
 
 
-def _size_problem(value, pair: bool = False) -> str | None:
-    """Why ``value`` is not a size (an integer 1..MAX_SIZE; with ``pair``, also a
-    list of one or two of them: an image or patch size as [height, width]);
-    None if it is."""
+def _size_problem(value, pair: bool = False, most: int = MAX_SIZE) -> str | None:
+    """Why ``value`` is not a size (an integer from 1 to ``most``; with ``pair``,
+    also a list of one or two of them: an image or patch size as [height,
+    width]); None if it is."""
 
     def one(v) -> bool:
         if isinstance(v, float) and v.is_integer():
             v = int(v)
-        return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SIZE
+        return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= most
 
     if one(value) or (pair and isinstance(value, list | tuple) and len(value) in (1, 2) and all(map(one, value))):
         return None
     pairs = " (or a [height, width] pair of them)" if pair else ""
-    return f"expected an integer from 1 to {MAX_SIZE:,}{pairs}, got {_shown(value)}"
+    return f"expected an integer from 1 to {most:,}{pairs}, got {_shown(value)}"
 
 
 def _positive_problem(value, lower: float | None = None, upper: float | None = None) -> str | None:
@@ -174,6 +185,8 @@ def _field_problem(key: str, value, in_rope: bool) -> str | None:
         return _positive_problem(value)
     if key == "partial_rotary_factor":
         return _positive_problem(value, upper=1)  # the fraction of each head rotated
+    if key in _MODULE_COUNTS:
+        return _size_problem(value, most=MAX_MODULES)
     if key in _SIZE_FIELDS:
         return _size_problem(value, pair=key in _PAIR_FIELDS)
     if key == "vision_feature_select_strategy" and value not in STRATEGIES:
@@ -563,7 +576,8 @@ def check_open_clip_config(config_file: Path, cfg: dict, model_cfg: dict) -> Non
             "vocab_size",
         ):
             # integers only: the CoCa geometry maps a square tower image of square patches
-            if key in fields and (why := _size_problem(fields[key])) is not None:
+            most = MAX_MODULES if key in _MODULE_COUNTS else MAX_SIZE
+            if key in fields and (why := _size_problem(fields[key], most=most)) is not None:
                 raise ModelLoadError(f"{config_file} model_cfg.{section}.{key}: {why}")
         if "mlp_ratio" in fields and (why := _positive_problem(fields["mlp_ratio"], upper=_MAX_MLP_RATIO)) is not None:
             raise ModelLoadError(f"{config_file} model_cfg.{section}.mlp_ratio: {why}")

@@ -26,6 +26,13 @@ Trust rules (a wrong model must not answer as if it were right):
   token ids, a BPE / Unigram vocabulary's training order) and with the
   model's config (the special tokens' ids, the vocabulary size against the
   embedding rows), so a shuffled or foreign ``tokenizer.json`` is refused.
+* configs and processors (core/models/config_check.py): every number of
+  config.json / open_clip_config.json / the processor that would crash the
+  forward or make it NaN, and a processor that disagrees with the model (the
+  image tokens it writes against the features the tower gives), are refused
+  naming the file and field; an empty chat template is refused.
+* a model folder holding anything but regular files and folders (a FIFO, a
+  socket, a broken link) is refused before anything opens a file of it.
 * a folder holding ``MANIFEST.sha256`` (the built-in models ship one) is
   refused if any file the load reads differs from it, is missing or is not in it.
 * the fingerprint covers every file the load reads (config, weights,

@@ -196,7 +196,23 @@ def check_tokenizer(folder: Path, tokenizer, fields: list[tuple[str, str, Any]],
     if (folder / "tokenizer_config.json").is_file():
         _check_added_tokens_decoder(folder / "tokenizer_config.json", tokenizer)
     _check_settings(folder / "tokenizer_config.json", tokenizer, padded)
+    _check_special_tokens_known(folder / "tokenizer_config.json", tokenizer)
     _check_special_token_ids(tokenizer, fields)
+
+
+def _check_special_tokens_known(config_file: Path, tokenizer) -> None:
+    """Every special token the tokenizer declares (bos, eos, unk, pad, ... and
+    its extra ones) must be in its vocabulary: one that is not reads as the
+    unknown token, and an unknown token that is not either sends the library
+    into endless recursion looking its id up."""
+    vocab = tokenizer.get_vocab()
+    for role, tokens in (getattr(tokenizer, "special_tokens_map", None) or {}).items():
+        for token in tokens if isinstance(tokens, list | tuple) else [tokens]:
+            if str(token) not in vocab:
+                raise ModelLoadError(
+                    f"{config_file} {role}: {str(token)[:80]!r} is not in the tokenizer's vocabulary "
+                    "(expected one of its tokens)"
+                )
 
 
 def _check_settings(config_file: Path, tokenizer, padded: bool) -> None:

@@ -89,6 +89,8 @@ CONFIG_CASES = [
     # sizes: zero layers answered "one" at 0.26; patch 0 divided by zero
     ("text_config.num_hidden_layers", 0, "expected an integer from 1 to"),
     ("text_config.num_hidden_layers", 2.5, "got 2.5"),
+    # found by the fuzzer: 19,245,064 tower layers, built one by one (a 20 s timeout before any weight is read)
+    ("vision_config.num_hidden_layers", 19_245_064, "expected an integer from 1 to 1,024, got 19245064"),
     ("text_config.num_hidden_layers", True, "got True"),
     ("text_config.num_attention_heads", -4, "got -4"),
     ("text_config.hidden_size", [], "got []"),
@@ -427,6 +429,9 @@ def test_open_clip_folder_naming_no_tokenizer_is_refused(tmp_path):
         ("shapes-coca", "model_max_length", [512], "expected a number >= 1, got [512]"),
         ("shapes-llava", "model_max_length", -5, "expected a number >= 1, got -5"),
         ("shapes-llava", "model_max_length", INF, "expected a finite number, got Infinity"),
+        # found by the fuzzer: special tokens the vocabulary lacks (endless recursion looking the unknown token up)
+        ("shapes-llava", "unk_token", "", "'' is not in the tokenizer's vocabulary"),
+        ("shapes-llava", "eos_token", "", "'' is not in the tokenizer's vocabulary"),
         # found by the fuzzer: no padding token, and the processor pads every batch (a ValueError at every read-out)
         ("shapes-llava", "pad_token", None, "the tokenizer has no padding token, and the processor pads every batch"),
     ],

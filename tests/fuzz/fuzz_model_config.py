@@ -360,6 +360,8 @@ def seeds() -> dict[str, dict]:
         "llava-feature-layer-0": _edit("config.json", vision_feature_layer=0),
         "llava-patch-zero": _edit("config.json", vision_config__patch_size=0),
         "llava-hidden-huge": _edit("config.json", text_config__hidden_size=2**40),
+        # found by the fuzzer: 19,245,064 tower layers, built one by one (a timeout before any weight is read)
+        "llava-layers-millions": _edit("config.json", vision_config__num_hidden_layers=19_245_064),
         "llava-processor-strategy-full": _edit("processor_config.json", vision_feature_select_strategy="full"),
         "llava-additional-tokens-0": _edit("processor_config.json", num_additional_image_tokens=0),
         "llava-processor-patch-zero": _edit("processor_config.json", patch_size=0),
@@ -382,6 +384,8 @@ def seeds() -> dict[str, dict]:
         # found by the fuzzer: size 1, a resize to 1 x 1 (an internal assert in torch's antialiasing)
         "llava-size-one": _edit("processor_config.json", image_processor__size=1),
         "llava-max-length-negative": _edit("tokenizer_config.json", model_max_length=-5),
+        # found by the fuzzer: an unknown token the vocabulary lacks (endless recursion looking its id up)
+        "llava-unk-token-unknown": _edit("tokenizer_config.json", pad_token="emmaTo", unk_token=""),
         # found by the fuzzer: no padding token, and the processor pads every batch (a ValueError at every read-out)
         "llava-pad-token-unset": _edit("tokenizer_config.json", pad_token=DELETE),
         "llava-padding-side": _edit("tokenizer_config.json", padding_side="up"),
