@@ -223,7 +223,8 @@ _LENSES: dict[tuple, object] = {}  # (lens folder, weights fingerprint, file tim
 
 def _model_lens(loaded):
     """The tuned lens saved beside the model's weights (``tuned-lens/``), if it
-    was trained for these weights; else None (the Lens tab shows the logit lens only).
+    was trained for these weights; else None (the Lens tab shows the logit lens
+    only, and a lens that cannot be read is a warning beside the window's status).
     Read once and kept (a large model's lens is gigabytes), again only when its files change."""
     from core.methods.tuned_lens.store import LENS_CONFIG, LENS_TENSORS, load_lens
 
@@ -238,8 +239,12 @@ def _model_lens(loaded):
     if key not in _LENSES:
         try:
             _LENSES[key] = load_lens(lens_dir, loaded)
-        except core.ReadoutError:
+        except core.ReadoutError as e:  # damaged, or trained for other weights: said beside the status
             _LENSES[key] = None
+            notes = loaded.info.setdefault("warnings", [])
+            note = f"the tuned lens is not shown: {e}"
+            if note not in notes:
+                notes.append(note)
     return _LENSES[key]
 
 

@@ -76,7 +76,7 @@ from app.samples import Sample, bundled_pairs_file, bundled_samples
 from app.session_view import SessionMixin, SessionWatch, asked_parameters, open_start_session
 from app.widgets import plain_label
 from app.workers import Worker, WorkerPool
-from core.images import image_sha256
+from core.images import image_sha256, load_mask
 from core.precision import AUTO_DTYPE_MEANING, DTYPE_CHOICES
 from core.readout import RecordedResult
 from core.views import patch_values
@@ -132,6 +132,10 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         self._expected: str | None = None  # ground truth while a bundled sample is shown unchanged
         self._focus_before_job = None  # the widget that had the focus when a job disabled it
         self._use_workspace(model_spec)  # the current input and the run the views show (app.run_frame)
+        try:  # a stripped or edited install: the window opens without them and says why
+            self.samples, samples_problem = bundled_samples(), ""
+        except core.ReadoutError as e:
+            self.samples, samples_problem = [], f"the bundled samples are not available: {e}"
         self.setWindowTitle("VLM Readout")
         self.setAcceptDrops(True)
         self._build_widgets(model_spec)
@@ -143,9 +147,10 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         self.resize(1280, 800)
         self._use_session(session)
         self._show_session(session_problem)
-        samples = bundled_samples()
-        if samples:
-            self.load_sample(samples[0])
+        if self.samples:
+            self.load_sample(self.samples[0])
+        if samples_problem:
+            self.show_error(samples_problem)
 
     # ----- layout -------------------------------------------------------
 
@@ -204,9 +209,8 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         self.intervention_panel = InterventionPanel(self.selection)
         self.intervention_panel.ablate_requested.connect(self.ablate_selected)
         self.intervention_panel.patch_requested.connect(self.patch_region)
-        samples = bundled_samples()
-        self.intervention_panel.set_references([s.image_path for s in samples], "bundled sample")
-        self.intervention_panel.set_sources([(s.image_path.name, s.image_path) for s in samples])
+        self.intervention_panel.set_references([s.image_path for s in self.samples], "bundled sample")
+        self.intervention_panel.set_sources([(s.image_path.name, s.image_path) for s in self.samples])
         for picker in (self.model_picker, self.dtype_picker, self.device_picker):
             picker.currentTextChanged.connect(lambda _text: self._refresh_patch_sites())
         self.idle.connect(self._refresh_patch_sites)  # a job may have loaded the model: its sites are known
@@ -324,7 +328,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         open_action.triggered.connect(self.open_image_dialog)
         file_menu.addAction(open_action)
         samples_menu = file_menu.addMenu("&Samples")
-        for sample in bundled_samples():
+        for sample in self.samples:
             action = QAction(f"{sample.image_path.name}: {sample.question}", self)
             action.triggered.connect(lambda _=False, s=sample: self.load_sample(s))
             samples_menu.addAction(action)
@@ -523,7 +527,10 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         return True
 
     def answer_all_samples(self) -> bool:
-        samples = bundled_samples()
+        samples = self.samples
+        if not samples:
+            self.show_error("no bundled samples to answer")
+            return False
         return self.answer_pairs(
             [s.image_path for s in samples], [s.question for s in samples], [s.expected for s in samples]
         )
@@ -635,10 +642,17 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
     def attention_statistics_of_samples(self) -> bool:
         """The bundled samples, with each one's target mask where it has one."""
         items = []
-        for sample in bundled_samples():
+        for sample in self.samples:
             mask_path = sample.target_mask_path
-            mask = np.asarray(Image.open(mask_path)) > 0 if mask_path else None
+            try:
+                mask = load_mask(mask_path) if mask_path else None
+            except core.ImageLoadError as e:
+                self.show_error(str(e))
+                return False
             items.append((sample.image_path, sample.question, mask))
+        if not items:
+            self.show_error("no bundled samples to read out")
+            return False
         return self.attention_statistics(items, dataset=bundled_pairs_file())
 
     # ----- interventions (the Counterfactual tab's Interventions box) ----

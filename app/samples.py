@@ -28,7 +28,8 @@ def bundled_pairs_file() -> Path:
 
 def bundled_samples() -> list[Sample]:
     """All bundled pairs in file order (the first is the default); [] if none.
-    Read by :func:`core.pairs.read_pairs`, as every pairs file is."""
+    Read by :func:`core.pairs.read_pairs`, as every pairs file is: a damaged
+    file is its one-line :class:`core.errors.ReadoutError`."""
     pairs_file = bundled_pairs_file()
     if not pairs_file.is_file():
         return []

@@ -12,14 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from core.answer import check_finite_logits
 from core.answer_text import AnswerText, run_parameters
 from core.audit import AuditRecord
 from core.capture import capture
 from core.errors import QuestionError
 from core.images import image_sha256, load_image
 from core.methods.patterns import FULL_PATTERN_LIMIT, RolloutStream  # FULL_PATTERN_LIMIT: re-exported
-from core.models.config_check import model_input_errors
 from core.models.memory import check_working_set
 from core.readout import Target, jsonable
 from core.readouts import ANALYZE_READOUTS, READOUTS, TEXT_PATTERN_LIMIT, ReadoutOptions, SampleContext, pattern_rows
@@ -215,19 +213,17 @@ def analyze(
     # refused in one line before the forward, not by the allocator halfway through it
     check_working_set(loaded, n_tokens, "capture", eager=attention == "eager")
     stream = RolloutStream(rollout_alpha) if n_tokens <= FULL_PATTERN_LIMIT else None
-    with model_input_errors(loaded):  # the model's own image-token check, as one line
-        trace = capture(
-            loaded,
-            img,
-            question,
-            query_positions=pattern_rows(adapter, inputs, len(prefix)),
-            inputs=inputs,
-            attention=attention,
-            pattern_streams=[stream] if stream is not None else [],
-        )
+    trace = capture(  # checked: finite logits at the answer, the processor agreeing with the model
+        loaded,
+        img,
+        question,
+        query_positions=pattern_rows(adapter, inputs, len(prefix)),
+        inputs=inputs,
+        attention=attention,
+        pattern_streams=[stream] if stream is not None else [],
+    )
     pos = int(trace.answer_positions[0])
     logits = trace.logits[0, pos].float().cpu()
-    check_finite_logits(loaded, logits)  # before any read-out shows a number of them
     predicted = int(logits.argmax())
     if answer is not None and answer != "":
         answer_id = adapter.as_token_id(answer)

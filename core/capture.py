@@ -246,6 +246,8 @@ def capture(
                 adapter.run_capture(inputs, trace, keep)
     finally:
         trace.pattern_streams = []
+    rows = torch.arange(trace.logits.shape[0], device=trace.logits.device)
+    adapter.check_logits(trace.logits[rows, inputs.answer_positions.to(rows.device)])
     return trace
 
 

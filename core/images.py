@@ -20,7 +20,6 @@ import hashlib
 import io
 import logging
 import os
-import stat
 import struct
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from core.errors import ImageLoadError
+from core.input_files import open_regular_file
 
 # The formats images for a VLM come in: datasets (COCO, VQAv2, GQA, TextVQA:
 # JPEG; CLEVR, DocVQA, screenshots: PNG), the web (WebP, GIF), scientific and
@@ -481,35 +481,13 @@ def _converted(name: str, img: Image.Image) -> Image.Image:
 
 
 def _open_regular_file(path: Path) -> BinaryIO:
-    """Open ``path`` for reading, refusing what is not a readable, regular,
-    non-empty file of at most MAX_FILE_BYTES. Opened non-blocking, so a FIFO is
-    refused instead of waiting forever for a writer."""
-    name = str(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    except (FileNotFoundError, NotADirectoryError):
-        raise ImageLoadError(f"{name}: no such file") from None
-    except PermissionError:
-        reason = "is a directory" if path.is_dir() else "permission denied"  # Windows: a directory is EACCES
-        raise ImageLoadError(f"{name}: {reason}") from None
-    except (OSError, ValueError) as e:  # ENAMETOOLONG, ELOOP, a NUL byte in the name, ...
-        raise ImageLoadError(f"{name}: cannot open ({getattr(e, 'strerror', None) or e})") from None
-    try:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise ImageLoadError(f"{name}: is a directory, not an image file")
-        if not stat.S_ISREG(info.st_mode):
-            raise ImageLoadError(f"{name}: not a regular file (a FIFO, socket or device)")
-        if info.st_size == 0:
-            raise ImageLoadError(f"{name}: file is empty")
-        if info.st_size > MAX_FILE_BYTES:
-            raise ImageLoadError(
-                f"{name}: the file is {info.st_size / 1e6:,.0f} MB, over the {MAX_FILE_BYTES / 1e6:,.0f} MB limit"
-            )
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+    """``path`` opened for reading: a readable, regular (a FIFO is refused, not
+    waited on), non-empty file of at most MAX_FILE_BYTES (core.input_files)."""
+    fp = open_regular_file(path, ImageLoadError, max_bytes=MAX_FILE_BYTES)
+    if os.fstat(fp.fileno()).st_size == 0:
+        fp.close()
+        raise ImageLoadError(f"{path}: file is empty")
+    return fp
 
 
 def load_image(source: str | Path | bytes | Image.Image | np.ndarray) -> Image.Image:

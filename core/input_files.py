@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from core.errors import InputFileError
 from core.json_fields import json_kind
@@ -26,33 +29,57 @@ MAX_JSON_DEPTH = 64
 MAX_JSON_BYTES = 256 * 2**20
 
 
-def read_regular_bytes(path: str | Path, error=InputFileError, max_bytes: int = MAX_JSON_BYTES) -> bytes:
-    """The bytes of ``path`` if it is a readable regular file of at most
-    ``max_bytes``; else ``error("<path>: <why>")``. Opened non-blocking, so a
-    FIFO is refused instead of waiting forever for a writer."""
+def open_regular_file(
+    path: str | Path, error=InputFileError, *, max_bytes: int | None = MAX_JSON_BYTES, what: str = "file"
+) -> BinaryIO:
+    """``path`` opened for reading if it is a readable regular file of at most
+    ``max_bytes`` (None: any size); else ``error("<path>: <why>")`` (``what``: the noun of "no
+    such ..."). Opened non-blocking and checked with ``fstat`` on the open
+    descriptor, so a FIFO, socket or device is refused, never waited on, and
+    what is read is what was checked. The one such opening (images, sessions,
+    JSON inputs)."""
     name = str(path)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except (FileNotFoundError, NotADirectoryError):
-        raise error(f"{name}: no such file") from None
-    except PermissionError:
+        raise error(f"{name}: no such {what}") from None
+    except PermissionError:  # Windows: a folder is EACCES
         raise error(f"{name}: {'is a folder' if Path(path).is_dir() else 'permission denied'}") from None
     except (OSError, ValueError) as e:  # ENAMETOOLONG, ELOOP, a NUL byte in the name, ...
         raise error(f"{name}: cannot open ({getattr(e, 'strerror', None) or e})") from None
     try:
         info = os.fstat(fd)
         if stat.S_ISDIR(info.st_mode):
-            raise error(f"{name}: is a folder, not a file")
+            raise error(f"{name}: is a folder, not a {what}")
         if not stat.S_ISREG(info.st_mode):
             raise error(f"{name}: not a regular file (a FIFO, socket or device)")
-        if info.st_size > max_bytes:
-            raise error(f"{name}: {info.st_size:,} bytes, over the {max_bytes:,}-byte limit for this file")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(max_bytes + 1)
-    except OSError as e:
-        raise error(f"{name}: cannot read ({e.strerror or e})") from None
-    finally:
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise error(f"{name}: {info.st_size:,} bytes, over the {max_bytes:,}-byte limit for this {what}")
+        return os.fdopen(fd, "rb")
+    except BaseException:
         os.close(fd)
+        raise
+
+
+@contextmanager
+def checked_path(path: str | Path, error=InputFileError, *, max_bytes: int | None = None) -> Iterator[str]:
+    """For a library that opens by path (safetensors' ``safe_open``): a path
+    naming the very file :func:`open_regular_file` checked, ``/proc/self/fd/N``
+    of its open descriptor where the system has one, so the file cannot be
+    swapped for a FIFO between the check and the library's open."""
+    with open_regular_file(path, error, max_bytes=max_bytes) as f:
+        held = f"/proc/self/fd/{f.fileno()}"
+        yield held if os.path.exists(held) else str(path)
+
+
+def read_regular_bytes(path: str | Path, error=InputFileError, max_bytes: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of ``path`` (:func:`open_regular_file`'s checks)."""
+    name = str(path)
+    with open_regular_file(path, error, max_bytes=max_bytes) as f:
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as e:
+            raise error(f"{name}: cannot read ({e.strerror or e})") from None
     if len(data) > max_bytes:  # it grew while being read
         raise error(f"{name}: over the {max_bytes:,}-byte limit for this file")
     return data

@@ -12,8 +12,16 @@ as writing to a full one does (:func:`guard_standard_streams`); such a failure
 is one ``error: cannot write to standard output (...)`` line
 (:func:`watched_stdout`, :func:`refuse_stdout`).
 
-Imports nothing but the standard library: it runs before the command line is
-parsed."""
+The progress bar of a long command (:func:`progress_bar`: tqdm, off with
+``--quiet``) is drawn only where someone watches it: on a terminal (a log file
+or a pipe would collect every redraw), from the first call on (a command
+refused before its work starts shows nothing but its error line), and it is
+wiped when the block fails (the error line stands alone). The engine's long
+functions take ``progress(done, total[, message])`` (docs/ARCHITECTURE.md,
+Conventions); :func:`progress_bar` gives one.
+
+Imports nothing but the standard library (tqdm when a bar is first drawn): it
+runs before the command line is parsed."""
 
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 # Libraries that give their root logger a stderr handler of their own (and stop it propagating).
@@ -273,3 +281,38 @@ def refuse_stdout(failure: OSError) -> int:
     reason = os.strerror(failure.errno) if failure.errno else str(failure)
     say(f"error: cannot write to standard output ({reason})")
     return 2
+
+
+@contextmanager
+def progress_bar(
+    desc: str, *, quiet: bool, total: int | None = None, messages: bool = False
+) -> Iterator[Callable[..., None]]:
+    """Within the block, ``progress(done, total, message="")`` moves a bar
+    (closed on exit). A new ``total`` restarts it; with ``messages`` each
+    message becomes the bar's description."""
+    first_total, bar = total, None
+
+    def progress(done: int, total: int | None = None, message: str = "") -> None:
+        nonlocal bar
+        if quiet:
+            return
+        if bar is None:
+            from tqdm import tqdm  # function-local: tqdm is not needed to build the parser
+
+            # disable=None: tqdm draws only when its file is a terminal
+            bar = tqdm(total=first_total if total is None else total, desc=desc, file=sys.stderr, disable=None)
+        if total is not None and bar.total != total:
+            bar.reset(total=total)
+        if messages and message:
+            bar.set_description(message)
+        bar.update(done - bar.n)
+
+    try:
+        yield progress
+    except BaseException:
+        if bar is not None:
+            bar.leave = False  # wiped: the error line that follows stands alone
+        raise
+    finally:
+        if bar is not None:
+            bar.close()

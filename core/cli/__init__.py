@@ -12,8 +12,9 @@ parser) and ``run(args, load) -> int``:
     validate.py        validate
 
 and the pieces they share: :mod:`core.cli.args` (the model options),
-:mod:`core.cli.loading` (the model they name), :mod:`core.cli.progress` (the
-bar); the number validators and :class:`Parser` are in :mod:`core.arguments`.
+:mod:`core.cli.loading` (the model they name); the progress bar is
+:func:`core.terminal.progress_bar`, the number validators and :class:`Parser`
+are in :mod:`core.arguments`.
 
 Every expected failure (bad image, bad model folder, refused checkpoint,
 question that does not fit, an option out of range, a bad line in a pairs

@@ -15,7 +15,7 @@ from core.cli.args import (
     check_token_options,
 )
 from core.cli.loading import load_from_args
-from core.cli.progress import progress_bar
+from core.terminal import progress_bar
 
 
 def add_command(subparsers, load=load_from_args) -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 from core.arguments import batch_size, positive_int
 from core.cli.args import add_model_args, add_raw_prompt_arg
 from core.cli.loading import load_from_args
-from core.cli.progress import progress_bar
 from core.errors import ReadoutError
 from core.pairs import check_pair_images, read_pairs
+from core.terminal import progress_bar
 
 
 def add_command(subparsers, load=load_from_args) -> None:

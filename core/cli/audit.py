@@ -15,12 +15,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from core.arguments import LazyHelp, positive_int, positive_share, probability
+from core.arguments import LazyHelp, batch_size, positive_int, positive_share, probability
 from core.cli.args import add_answer_text_args, add_model_args, answer_text_request
 from core.cli.loading import load_from_args
-from core.cli.progress import progress_bar
 from core.errors import ReadoutError
 from core.pairs import pairs_file, read_pairs
+from core.terminal import progress_bar
 
 # ---------------------------------------------------------------- command
 
@@ -59,7 +59,7 @@ def run(args, load=load_from_args) -> int:
     # function-local: torch and the dataset audit (numpy) load when the command runs, not for --help
     import torch
 
-    from core.atomic import check_output_folder
+    from core.atomic import check_output_folder, staged_writes
     from core.dataset_audit import (
         DEFAULT_METHODS,
         SCHEMA_VERSION,
@@ -138,21 +138,22 @@ def run(args, load=load_from_args) -> int:
         if not merged.cancelled:
             check_some_succeeded(merged.records, items, dataset, args.out)  # else nothing is written
         run_params = run_params_for(loaded, dataset, methods, args, len(items))
-        files = write_outputs(args.out, merged, methods, run_params, options, len(items))
-        _write_run_json(args.out, started, world, backend, run_params, complete=not merged.cancelled, files=files)
-        if args.session:  # one summary run per audit (per-sample numbers stay in samples.jsonl): core/session.py
-            from core.readout import RecordedResult, jsonable
-            from core.session import record_into
+        # the files land together once the --session run is recorded: a failure leaves an earlier run's as they were
+        with staged_writes() as staging:
+            files = write_outputs(staging, args.out, merged, methods, run_params, options, len(items))
+            _stage_run_json(staging, args.out, started, world, backend, run_params, merged.cancelled, files)
+            if args.session:  # one summary run per audit (per-sample numbers stay in samples.jsonl): core/session.py
+                from core.readout import RecordedResult, jsonable
+                from core.session import record_into
 
-            summary_doc = summarize(merged.records, methods, len(items), merged.cancelled)
-            doc = {"schema_version": SCHEMA_VERSION, "parameters": run_params, **summary_doc, "out": str(args.out)}
-            audits = audit_table(methods, merged.first_audits, run_params, options)
-            line = (
-                f"{doc['n_samples']} samples: {doc['n_ok']} ok, {doc['n_errors']} errors; "
-                f"accuracy {format_number(doc.get('accuracy')) or 'n/a'}" + (" (cancelled)" if merged.cancelled else "")
-            )
-            run = RecordedResult("audit", jsonable(doc), line, run_params, audits)
-            record_into(args.session, run, model=loaded)
+                summary_doc = summarize(merged.records, methods, len(items), merged.cancelled)
+                doc = {"schema_version": SCHEMA_VERSION, "parameters": run_params, **summary_doc, "out": str(args.out)}
+                audits = audit_table(methods, merged.first_audits, run_params, options)
+                line = f"{doc['n_samples']} samples: {doc['n_ok']} ok, {doc['n_errors']} errors; accuracy " + (
+                    f"{format_number(doc.get('accuracy')) or 'n/a'}" + (" (cancelled)" if merged.cancelled else "")
+                )
+                run = RecordedResult("audit", jsonable(doc), line, run_params, audits)
+                record_into(args.session, run, model=loaded)
         s = summarize(merged.records, [], len(items), merged.cancelled)
         failed = f" (their errors: {Path(args.out) / 'summary.json'})" if s["n_errors"] else ""
         print(
@@ -201,7 +202,8 @@ def cancel_on_sigint():
         if state["stop"]:
             raise KeyboardInterrupt
         state["stop"] = True
-        print("\nstopping after this batch (Ctrl-C again to abort)", file=sys.stderr)
+        below_bar = "\n" if sys.stderr.isatty() else ""  # the bar is drawn on a terminal only (core/terminal.py)
+        print(f"{below_bar}warning: stopping after this batch (Ctrl-C again to abort)", file=sys.stderr)
 
     before = signal.signal(signal.SIGINT, handler)
     try:
@@ -210,17 +212,16 @@ def cancel_on_sigint():
         signal.signal(signal.SIGINT, before)
 
 
-def _write_run_json(out, started, world, backend, run_params: dict, *, complete: bool, files: list[str]) -> None:
+def _stage_run_json(staging, out, started, world, backend, run_params: dict, cancelled: bool, files: list[str]) -> None:
     """``run.json``: how the run ran (processes, backend, the dtype and device of rank 0's model, libraries)."""
     import torch  # function-local: the versions of the run's libraries, read when it ends
     import transformers
 
-    from core.atomic import write_text_atomic
     from core.dataset_audit import SCHEMA_VERSION
 
     doc = {
         "schema_version": SCHEMA_VERSION,
-        "complete": complete,
+        "complete": not cancelled,
         "world_size": world,
         "backend": backend,
         "dtype": run_params["dtype"],
@@ -231,7 +232,7 @@ def _write_run_json(out, started, world, backend, run_params: dict, *, complete:
         "files": files,
         "note": "the only output that may differ between a one-process and a sharded run",
     }
-    write_text_atomic(Path(out) / "run.json", json.dumps(doc, indent=1) + "\n")
+    staging.add(Path(out) / "run.json", (json.dumps(doc, indent=1) + "\n").encode())
 
 
 def _methods_help() -> str:
@@ -249,7 +250,7 @@ def add_command(subparsers, load=load_from_args) -> None:
     p.add_argument("--methods", default=None, help=LazyHelp(_methods_help))
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--limit", type=positive_int, help="only the first N samples")
-    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--batch-size", type=batch_size, default=8)
     p.add_argument("--rollout-alpha", type=probability, default=0.5, help="rollout: weight of attention vs identity")
     p.add_argument(
         "--region-min-cover", type=positive_share, default=0.25, help="token share a region must cover to hit"

@@ -26,9 +26,9 @@ from core.cli.args import (
     check_token_options,
 )
 from core.cli.loading import load_from_args
-from core.cli.progress import progress_bar
 from core.errors import ReadoutError
 from core.readout import RecordedResult, change_line
+from core.terminal import progress_bar
 
 # a Gaussian sigma in pixels; past this the blur is flat over any image and its kernel only costs memory
 blur_radius = Number(float, 0, 1000, lo_open=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 from core.arguments import batch_size, input_count
 from core.cli.args import add_model_args
 from core.cli.loading import load_from_args
-from core.cli.progress import progress_bar
 from core.errors import ReadoutError
+from core.terminal import progress_bar
 
 
 def add_command(subparsers, load=load_from_args) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from core.arguments import positive_int
 from core.cli.args import add_model_args, add_raw_prompt_arg
 from core.cli.loading import load_from_args
-from core.cli.progress import progress_bar
+from core.terminal import progress_bar
 
 
 def add_command(subparsers, load=load_from_args) -> None:

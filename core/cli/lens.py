@@ -34,8 +34,8 @@ from core.arguments import (
 )
 from core.cli.args import add_model_args
 from core.cli.loading import load_from_args
-from core.cli.progress import progress_bar
 from core.errors import ReadoutError
+from core.terminal import progress_bar
 
 # The training options' domains, checked when the command line is parsed. A rank or hidden width
 # past 2^16 exceeds any model's residual width; what a width costs with the model's own sizes
@@ -159,6 +159,7 @@ def run_train(args, load=load_from_args) -> int:
     # function-local (here and in run_eval): the lens and the zoo import torch, not needed for --help
     from core.atomic import check_output_file, check_output_folder
     from core.methods.tuned_lens import LensConfig, PairsCorpus, build_lens, read_pairs
+    from core.pairs import check_pair_images
     from core.zoo.lens_corpus import SyntheticCorpus, default_eval_sets
 
     given = {k: getattr(args, k) for k in _CONFIG_OPTIONS if getattr(args, k) is not None}
@@ -177,6 +178,9 @@ def run_train(args, load=load_from_args) -> int:
         corpus = PairsCorpus(read_pairs(Path(args.pairs)), seed=cfg.seed, source=str(args.pairs))
         if args.eval_pairs and not args.no_eval:
             eval_sets["heldout"] = (PairsCorpus(read_pairs(Path(args.eval_pairs)), source=str(args.eval_pairs)), None)
+        with progress_bar("pairs", quiet=args.quiet, messages=True) as progress:
+            for pairs in [corpus, *(c for c, _ in eval_sets.values())]:  # headers, before the model loads
+                check_pair_images(pairs.pairs, progress)
     else:
         _check_split(args.split)
         corpus = SyntheticCorpus(args.split)
@@ -211,6 +215,7 @@ def run_train(args, load=load_from_args) -> int:
 def run_eval(args, load=load_from_args) -> int:
     from core.atomic import check_output_file, write_text_atomic
     from core.methods.tuned_lens import PairsCorpus, evaluate_lens, load_lens, read_pairs
+    from core.pairs import check_pair_images
     from core.zoo.lens_corpus import SyntheticCorpus
 
     if bool(args.pairs) == bool(args.split):
@@ -219,7 +224,8 @@ def run_eval(args, load=load_from_args) -> int:
     lens = load_lens(Path(args.lens))  # fail fast, before the model loads
     if args.pairs:
         corpus, n = PairsCorpus(read_pairs(Path(args.pairs)), source=str(args.pairs)), None
-        corpus.take(None)  # every image readable before the model loads (kept: evaluated as loaded)
+        with progress_bar("pairs", quiet=args.quiet, messages=True) as progress:
+            check_pair_images(corpus.pairs, progress)  # every image's header, before the model loads
     else:
         _check_split(args.split)
         corpus, n = SyntheticCorpus(args.split), args.n

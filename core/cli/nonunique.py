@@ -28,8 +28,8 @@ from core.cli.args import (
     check_token_options,
 )
 from core.cli.loading import load_from_args
-from core.cli.progress import progress_bar
 from core.readout import RecordedResult
+from core.terminal import progress_bar
 
 LEVELS = ("a", "b", "c-query", "c-residual")  # core.methods.nonunique.LEVEL_NAMES (not imported: it loads torch)
 DEFAULT_SHARE = 0.5

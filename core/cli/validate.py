@@ -146,8 +146,8 @@ def checklist(chain) -> list[str]:
 def run(args, load=load_from_args) -> int:
     # function-local: the chain imports torch and numpy, not needed for --help
     from core.atomic import check_output_file, staged_writes
-    from core.cli.progress import progress_bar
     from core.images import load_mask
+    from core.terminal import progress_bar
     from core.validate import validate
 
     check_output_file(args.json)  # fail fast, before the model loads

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from core.atomic import make_folder, write_bytes_atomic, write_text_atomic
+from core.atomic import Staging
 from core.audit_tables import audit_csv, audit_markdown, cell
 from core.dataset_audit.sharding import ShardResult
 from core.dataset_audit.summaries import audit_table, summarize, summary_markdown
@@ -71,6 +71,7 @@ def _parquet(columns: list[str], rows: list[dict]) -> bytes:
 
 
 def write_outputs(
+    staging: Staging,
     out: str | Path,
     merged: ShardResult,
     methods: list[ReadoutMethod],
@@ -78,13 +79,15 @@ def write_outputs(
     options: ReadoutOptions,
     n_requested: int,
 ) -> list[str]:
-    """Write every output file except run.json; returns their names."""
-    out = make_folder(out)
+    """Stage every output file but run.json into the folder ``out``
+    (:func:`core.atomic.staged_writes`: they land together when the caller's
+    block ends, after its ``--session`` run is recorded); returns their names."""
+    out = Path(out)
     records = [jsonable(r) for r in merged.records]
     written = []
 
     def put(name: str, text: str) -> None:
-        write_text_atomic(out / name, text)
+        staging.add(out / name, text.encode())
         written.append(name)
 
     columns, rows = sample_rows(records, methods)
@@ -99,7 +102,7 @@ def write_outputs(
             put(name, audit_csv(long_rows, cols))
     if importlib.util.find_spec("pyarrow") is not None:  # optional extra output
         try:
-            write_bytes_atomic(out / "samples.parquet", _parquet(columns, rows))
+            staging.add(out / "samples.parquet", _parquet(columns, rows))
             written.append("samples.parquet")
         except Exception as e:  # noqa: BLE001 - an optional extra must not sink the run
             print(f"warning: samples.parquet not written ({type(e).__name__})", file=sys.stderr)

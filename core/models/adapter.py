@@ -23,6 +23,7 @@ from core.models.config_fields import config_int, config_key, config_value, size
 from core.models.declaration import SANDWICH_CONVENTION, Family
 from core.models.decoding import Decoding, DecodingState
 from core.models.edit_sites import EditSites
+from core.models.forward_checks import check_finite_logits, model_input_errors
 from core.models.inputs import ModelInputs
 from core.models.markup import PROBE_QUESTION, PromptMarkup, check_pairs, check_text, is_markup
 from core.models.question_checks import QuestionChecks
@@ -137,6 +138,7 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
         self.processor = processor
         self.tokenizer = tokenizer
         self.config = config or {}
+        self.spec = "the model"  # what the user named it (load_model sets it): the forward checks' messages name it
         model_config = getattr(model, "config", None)
         if model_config is not None:
             self.check_config(model_config)
@@ -318,9 +320,16 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
             )
         return ModelInputs(tensors, mask.sum(dim=1) - 1, tensors["input_ids"], prompts)
 
+    def run_model(self, *args, **kwargs):
+        """The model's forward, its own image-token / input-size check failing
+        as one line (core/models/forward_checks.py): every forward of the
+        engine goes through here."""
+        with model_input_errors(self.spec):
+            return self.model(*args, **kwargs)
+
     def forward_logits(self, inputs: ModelInputs) -> torch.Tensor:
         """Full logits ``(batch, pos, vocab)`` of the text stream."""
-        return self.model(**inputs.tensors, **self.forward_options).logits
+        return self.run_model(**inputs.tensors, **self.forward_options).logits
 
     def append_token(self, inputs: ModelInputs, token_id: int) -> ModelInputs:
         """The same batch with ``token_id`` appended to every row after its
@@ -338,9 +347,17 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
         return ModelInputs(t, inputs.answer_positions + 1, t["input_ids"], inputs.prompts)
 
     def next_token_logits(self, inputs: ModelInputs) -> torch.Tensor:
-        """Logits at the answer position, ``(batch, vocab)``."""
+        """Logits at the answer position, ``(batch, vocab)``; non-finite ones
+        are a :class:`~core.errors.NonFiniteError`, never a result."""
         logits = self.forward_logits(inputs)
-        return logits[torch.arange(logits.shape[0], device=logits.device), inputs.answer_positions]
+        rows = logits[torch.arange(logits.shape[0], device=logits.device), inputs.answer_positions]
+        self.check_logits(rows)
+        return rows
+
+    def check_logits(self, logits: torch.Tensor) -> None:
+        """:class:`~core.errors.NonFiniteError` naming the model when a row of
+        logits a result reads is NaN or Inf (core/models/forward_checks.py)."""
+        check_finite_logits(self.spec, logits)
 
     # ---- canonical weights (TransformerLens names; per query head, grouped K/V mapped)
     @property

@@ -34,13 +34,12 @@ What is checked (docs/ARCHITECTURE.md, "Trust rules"):
   ``preprocess_cfg`` mean / std / interpolation / resize mode.
 
 A forward the load-time arithmetic cannot foresee (another family's tiling)
-still meets the model's own check; :func:`model_input_errors` turns that into
-one line naming the configs that disagree.
+still meets the model's own check; :func:`core.models.forward_checks.model_input_errors`
+turns that into one line naming the configs that disagree.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 
@@ -113,7 +112,6 @@ _ROPE_SECTIONS = ("rope_scaling", "rope_parameters")
 _TOWER_EXTRA_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
 # Messages transformers raises when the processor's image tokens and the model's
 # image features or input size disagree (checked in the forward, not at load).
-_MISMATCH_MESSAGES = ("Image features and image tokens do not match", "Input image size")
 # A chat template file larger than this is refused (real ones are a few KB).
 _MAX_TEMPLATE_BYTES = 1 << 20
 
@@ -629,24 +627,3 @@ def _check_open_clip_preprocess(config_file: Path, preprocess) -> None:
             )
     if "size" in preprocess and (why := _size_problem(preprocess["size"], pair=True)) is not None:
         raise ModelLoadError(f"{config_file} preprocess_cfg.size: {why}")
-
-
-# ---------------------------------------------------------------- at run time
-
-
-@contextlib.contextmanager
-def model_input_errors(loaded):
-    """The model's own check that the processor's image tokens match its image
-    features (or its input size), failing inside a forward the load-time
-    arithmetic does not cover, as one line naming the configs that disagree."""
-    try:
-        yield
-    except ValueError as e:
-        text = (str(e).splitlines() or [""])[0]
-        if not text.startswith(_MISMATCH_MESSAGES):
-            raise
-        raise ModelLoadError(
-            f"{loaded.spec}: the processor and the model disagree ({text[:200]}): the processor config "
-            "(processor_config.json / preprocessor_config.json) and config.json describe different image sizes "
-            "or image token counts"
-        ) from None

@@ -57,6 +57,7 @@ class Decoding:
         if not (use_cache and self.decodes_with_cache):
             return DecodingState(inputs, self.next_token_logits(inputs))
         logits, cache, context = self.cached_prefill(inputs)
+        self.check_logits(logits)
         return DecodingState(inputs, logits, cache, context)
 
     def decode_step(self, state: DecodingState, token_id: int) -> DecodingState:
@@ -68,13 +69,14 @@ class Decoding:
         if state.cache is None:
             return DecodingState(longer, self.next_token_logits(longer))
         logits, cache = self.cached_step(longer, state.cache, state.context)
+        self.check_logits(logits)
         return DecodingState(longer, logits, cache, state.context)
 
     def cached_prefill(self, inputs: ModelInputs) -> tuple[torch.Tensor, Any, Any]:
         """``(logits (batch, vocab) at the last position, cache, context)`` of
         the prompt; the Hugging Face default: the model's forward with
         ``use_cache=True`` (its Cache; no context)."""
-        out = self.model(**inputs.tensors, **self.decoding_inputs(inputs), use_cache=True, return_dict=True)
+        out = self.run_model(**inputs.tensors, **self.decoding_inputs(inputs), use_cache=True, return_dict=True)
         return out.logits[:, -1], out.cache, None
 
     def cached_step(self, inputs: ModelInputs, cache, context) -> tuple[torch.Tensor, Any]:
@@ -89,7 +91,7 @@ class Decoding:
         step = self.model.prepare_inputs_for_generation(
             ids, next_sequence_length=1, cache=cache, use_cache=True, **tensors
         )
-        out = self.model(**step, return_dict=True)
+        out = self.run_model(**step, return_dict=True)
         return out.logits[:, -1], out.cache
 
     def decoding_inputs(self, inputs: ModelInputs) -> dict[str, torch.Tensor]:

@@ -298,7 +298,7 @@ def load_model(
                 f"{spec_str}: no such folder, built-in model ({', '.join(BUILTIN)}), "
                 "cached repo id or open_clip name:checkpoint"
             )
-    loaded.spec = spec_str
+    loaded.spec = loaded.adapter.spec = spec_str
     loaded.info["dtype"] = precision_dtype_name(loaded.adapter.parameters_dtype)
     loaded.info["device"] = placement(loaded.model)
     for message in loaded.info.get("warnings", []):
@@ -371,8 +371,8 @@ def _single_device(device) -> str:
     return device or "cpu"
 
 
-def _plan_load(requested, device, counts: dict, sizes: ModelSizes, config_dtype=None):
-    """The dtype to load in (``requested``, "auto" resolved), after checking that
+def _plan_load(name, requested, device, counts: dict, sizes: ModelSizes, config_dtype=None):
+    """The dtype to load model ``name`` in (``requested``, "auto" resolved), after checking that
     the weights (``counts``: elements by dtype, from the headers) and a read-out
     of the nominal prompt fit in the memory available; before anything is allocated."""
     import torch
@@ -380,7 +380,7 @@ def _plan_load(requested, device, counts: dict, sizes: ModelSizes, config_dtype=
     available = available_bytes(device)
 
     def plan(dtype):
-        return plan_memory(counts, sizes, sizes.nominal_tokens, dtype, available)
+        return plan_memory(counts, sizes, sizes.nominal_tokens, dtype, available, name=str(name))
 
     dtype = resolve_dtype(
         "auto" if requested is None else requested,
@@ -465,7 +465,7 @@ def _load_hf_dir(path: Path, device, dtype, allow_pickle: bool, trust_remote_cod
     # the skeleton's counts for a pickle (no header to read): what the library will allocate
     counts = parameter_counts(stored) if use_safetensors else module_parameter_counts(skeleton)
     config_dtype = config.get("dtype", config.get("torch_dtype"))
-    dtype = _plan_load(dtype, device, counts, ModelSizes.from_hf_config(model_config), config_dtype)
+    dtype = _plan_load(path, dtype, device, counts, ModelSizes.from_hf_config(model_config), config_dtype)
     if use_safetensors:
         n_stored = sum(math.prod(shape) for _, shape in stored.values())
     else:
@@ -690,7 +690,7 @@ def _load_open_clip_dir(path: Path, device, dtype, allow_pickle: bool) -> Loaded
     pad = [("open_clip_config.json model_cfg.text_cfg.pad_id", "pad", text_cfg.get("pad_id"))]
     check_tokenizer(tokenizer_dir or path, tokenizer, pad)
     device = _single_device(device)
-    dtype = _plan_load(dtype, device, _open_clip_counts(checkpoint), ModelSizes.from_open_clip(model_cfg))
+    dtype = _plan_load(path, dtype, device, _open_clip_counts(checkpoint), ModelSizes.from_open_clip(model_cfg))
     state = _open_clip_state(checkpoint, allow_pickle)
     model, preprocess = _open_clip_model(f"local-dir:{path}", path, state=state, text_cfg=model_cfg.get("text_cfg"))
     probe_image_processor(path, preprocess)
@@ -731,19 +731,21 @@ def _load_open_clip_spec(spec: str, device, dtype, allow_pickle: bool, allow_dow
         raise ModelLoadError(f"{checkpoint}: no such checkpoint file (downloads need allow_download=True)")
     model_class = "CoCa" if name.lower().startswith("coca") else "CLIP"
     adapter_cls = registry.adapter_for_open_clip(model_class)
-    text_cfg = (open_clip.get_model_config(name) or {}).get("text_cfg", {})
+    model_cfg = open_clip.get_model_config(name) or {}
+    text_cfg = model_cfg.get("text_cfg", {})
     # first: a Hugging Face tokenizer that is not cached is refused before the weights are read
     tokenizer_hub = _hub_model(
         spec, "tokenizer", "hf_tokenizer_name", text_cfg.get("hf_tokenizer_name"), allow_download
     )
     with _library_errors(spec), tokenizer_hub, _quiet_libraries():
         tokenizer = open_clip.get_tokenizer(name)
+    # the library's own config, checked as a folder's is (its sizes plan the memory below)
+    check_open_clip_config(Path(f"open_clip's {name} config"), {"model_cfg": model_cfg}, model_cfg)
     unexpected = None
     device = _single_device(device)
     tower = dict(text_cfg=text_cfg, allow_download=allow_download)
     if ckpt.is_file():
-        sizes = ModelSizes.from_open_clip(open_clip.get_model_config(name) or {})
-        dtype = _plan_load(dtype, device, _open_clip_counts(ckpt), sizes)
+        dtype = _plan_load(spec, dtype, device, _open_clip_counts(ckpt), ModelSizes.from_open_clip(model_cfg))
         state = _open_clip_state(ckpt, allow_pickle)
         model, preprocess = _open_clip_model(name, spec, state=state, **tower)
         unexpected = _load_open_clip_weights(model, ckpt, state)

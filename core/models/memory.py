@@ -13,7 +13,7 @@ wants to keep memory for something else.
 A model that does not fit is refused in one line (:class:`ModelTooLargeError`)
 naming both numbers and the dtype that would fit::
 
-    shapes need ~28.1 GB in float32 and 21.7 GB is available; --dtype bfloat16 needs ~14.1 GB
+    models/llava-7b: needs ~28.1 GB in float32 and 21.7 GB is available; --dtype bfloat16 needs ~14.1 GB
 
 (GB = 10^9 bytes; MB below 0.1 GB.) The figures are estimates (the ``~``): the working set is
 modelled, not measured, and leaves out the vision tower's own activations.
@@ -336,6 +336,7 @@ class MemoryPlan:
         smaller: the half-precision dtype to suggest and what it would need
             (None when ``dtype`` is already half precision).
         context: said after the dtype, e.g. "for 5,000 tokens" (empty at load).
+        name: the model as the user named it (its folder, built-in name or spec).
     """
 
     weights: int
@@ -344,6 +345,7 @@ class MemoryPlan:
     dtype: torch.dtype
     smaller: tuple[torch.dtype, int] | None = None
     context: str = ""
+    name: str = "the model"
 
     @property
     def need(self) -> int:
@@ -363,10 +365,10 @@ class MemoryPlan:
         return None
 
     def message(self) -> str:
-        """``shapes need ~28.1 GB in float32 and 21.7 GB is available; --dtype bfloat16 needs ~14.1 GB``."""
+        """``models/llava-7b: needs ~28.1 GB in float32 and 21.7 GB is available; --dtype bfloat16 needs ~14.1 GB``."""
         context = f" {self.context}" if self.context else ""
         name = dtype_name(self.dtype)
-        head = f"shapes need ~{_gb(self.need)} in {name}{context} and {_gb(self.available)} is available"
+        head = f"{self.name}: needs ~{_gb(self.need)} in {name}{context} and {_gb(self.available)} is available"
         if self.smaller is None:
             return f"{head}; {name} is the smallest --dtype"
         smaller, need = self.smaller
@@ -392,16 +394,18 @@ def plan_memory(
     batch: int = 1,
     eager: bool = False,
     context: str = "",
+    name: str = "the model",
 ) -> MemoryPlan:
     """The plan of weights ``counts`` (elements by dtype, :func:`weights_bytes`)
-    and a ``readout`` at ``n_tokens`` in ``dtype``, with bfloat16 as the smaller alternative."""
+    and a ``readout`` at ``n_tokens`` in ``dtype`` of model ``name``, with
+    bfloat16 as the smaller alternative."""
 
     def need(dt):
         return weights_bytes(counts, dt), working_set_bytes(sizes, n_tokens, dt, readout, batch=batch, eager=eager)
 
     weights, working = need(dtype)
     smaller = None if is_half(dtype) else (torch.bfloat16, sum(need(torch.bfloat16)))
-    return MemoryPlan(weights, working, available, dtype, smaller, context)
+    return MemoryPlan(weights, working, available, dtype, smaller, context, name)
 
 
 def resolve_dtype(
@@ -458,4 +462,5 @@ def check_working_set(
         batch=batch,
         eager=eager,
         context=f"for {n_tokens:,} tokens",
+        name=loaded.spec,
     ).check()

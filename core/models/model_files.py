@@ -20,7 +20,7 @@ from pathlib import Path
 
 from core.atomic import write_text_atomic
 from core.errors import ModelLoadError, UnsafeCheckpointError
-from core.input_files import MAX_JSON_DEPTH, json_depth_exceeds, read_regular_bytes
+from core.input_files import MAX_JSON_DEPTH, json_depth_exceeds, open_regular_file, read_regular_bytes
 
 MANIFEST = "MANIFEST.sha256"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -95,15 +95,8 @@ def _check_entry(path: Path) -> None:
 
 def open_regular(f: Path):
     """``f`` opened for binary reading if it is a regular file (never waiting on
-    a FIFO: opened non-blocking, checked with fstat); else a ModelLoadError line."""
-    try:
-        fd = os.open(f, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    except OSError as e:
-        raise ModelLoadError(f"{f}: cannot open ({e.strerror or e})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ModelLoadError(f"{f}: not a regular file (a FIFO, socket or device)")
-    return os.fdopen(fd, "rb")
+    a FIFO: :func:`core.input_files.open_regular_file`); else a ModelLoadError line."""
+    return open_regular_file(f, ModelLoadError, max_bytes=None)
 
 
 def model_files(directory: Path, weights: list[Path], tokenizer_dir: Path | None = None) -> list[Path]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import ModelLoadError
+from core.input_files import checked_path
 from core.models.model_files import open_regular
 
 _SHOWN = 4  # tensor names a message lists before "+N more"
@@ -53,7 +54,7 @@ def check_safetensors(files: list[Path]) -> dict[str, tuple[str, list[int]]]:
     stored: dict[str, tuple[str, list[int]]] = {}
     for f in files:
         try:
-            with safe_open(str(f), framework="pt") as st:
+            with checked_path(f, ModelLoadError) as held, safe_open(held, framework="pt") as st:
                 keys = list(st.keys())
                 if not keys:
                     raise ModelLoadError(f"{f}: weights file holds no tensors")

@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from core.input_files import open_regular_file
 from core.session.records import SessionError
 from core.session.schema import APPLICATION_ID, BUSY_TIMEOUT_S, SQLITE_MAGIC
 
@@ -161,29 +162,17 @@ def backup_to(conn: sqlite3.Connection, own: Path, target: str | Path) -> Path:
 
 def read_header(p: Path, size: int = 100) -> bytes:
     """The first ``size`` bytes of the session file ``p`` (fewer if it is shorter),
-    read only if it is a regular file: opened non-blocking and checked with
-    ``fstat``, so a FIFO or device is refused, never waited on.
+    read only if it is a regular file (:func:`core.input_files.open_regular_file`:
+    a FIFO or device is refused, never waited on).
 
     Raises:
         SessionError: not a regular file, or it cannot be read.
     """
-    try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    except FileNotFoundError:
-        raise SessionError(f"{p}: no such session file") from None
-    except OSError as e:
-        raise SessionError(f"{p}: cannot read ({e.strerror or e})") from None
-    try:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise SessionError(f"{p}: not a file (a folder)")
-        if not stat.S_ISREG(info.st_mode):
-            raise SessionError(f"{p}: not a file (a FIFO, socket or device)")
-        return os.read(fd, size)
-    except OSError as e:
-        raise SessionError(f"{p}: cannot read ({e.strerror or e})") from None
-    finally:
-        os.close(fd)
+    with open_regular_file(p, SessionError, max_bytes=None, what="session file") as f:
+        try:
+            return f.read(size)
+        except OSError as e:
+            raise SessionError(f"{p}: cannot read ({e.strerror or e})") from None
 
 
 def beside(p: Path, suffix: str) -> Path:

@@ -163,24 +163,22 @@ def main(argv: list[str] | None = None) -> int:
         a = p.parse_args(argv)
     except SystemExit as e:  # -h, or a refused command line (its one line is printed)
         return e.code if isinstance(e.code, int) else 0
-    from tqdm import tqdm
+    from core.terminal import progress_bar  # drawn on a terminal only, wiped before an error line
 
-    bar = tqdm(total=a.n, desc="dataset", file=sys.stderr, disable=a.quiet)
     try:
-        rows = write_dataset(
-            a.out,
-            a.split,
-            a.n,
-            start=a.start,
-            kind=a.kind,
-            min_distractors=a.min_distractors,
-            progress=lambda done, total, msg: bar.update(done - bar.n),
-        )
+        with progress_bar("dataset", quiet=a.quiet, total=a.n) as progress:
+            rows = write_dataset(
+                a.out,
+                a.split,
+                a.n,
+                start=a.start,
+                kind=a.kind,
+                min_distractors=a.min_distractors,
+                progress=lambda done, total, msg: progress(done),
+            )
     except ReadoutError as e:
-        bar.close()
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    bar.close()
     if len(rows) < a.n:
         print(f"warning: only {len(rows)} samples met the filters", file=sys.stderr)
     print(Path(a.out) / JSONL_NAME)

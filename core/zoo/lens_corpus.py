@@ -6,9 +6,10 @@ zoo so that :mod:`core.methods.tuned_lens` imports no zoo module.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from core.methods.tuned_lens.data import Batch
+from core.methods.tuned_lens.data import Batch, Made
 from core.zoo import scenes
 from core.zoo.altrender import make_alt_sample
 
@@ -27,9 +28,10 @@ class SyntheticCorpus:
 
     def __init__(self, split: str = "train", *, n_objects=None, kinds=None, offset: int = 0):
         self.split, self.n_objects, self.kinds, self.offset = split, n_objects, kinds, offset
+        # take()'s images and questions each draw a sample: the batch being read is drawn once
+        self.sample = functools.lru_cache(maxsize=256)(self._draw)
 
-    def sample(self, index: int):
-
+    def _draw(self, index: int):
         i = self.offset + index
         kind = self.kinds[i % len(self.kinds)] if self.kinds else None
         if self.split == "alt":
@@ -42,8 +44,9 @@ class SyntheticCorpus:
         return Batch([s.image for s in ss], [s.question for s in ss], [None] * len(ss))
 
     def take(self, n: int) -> Batch:
-        ss = [self.sample(k) for k in range(n)]
-        return Batch([s.image for s in ss], [s.question for s in ss], [None] * len(ss))
+        """Samples ``0 .. n - 1``, drawn as they are read (never all held in memory)."""
+        images = Made(n, lambda k: self.sample(k).image)
+        return Batch(images, Made(n, lambda k: self.sample(k).question), [None] * n)
 
     def describe(self) -> dict:
         d = {

@@ -47,7 +47,7 @@ def _bad_sessions(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     return {
         "not SQLite": (junk, "not a session file"),
         "another program's database": (foreign, "another program"),
-        "a folder": (folder, "not a file"),
+        "a folder": (folder, "is a folder, not a session file"),
         "in a missing folder": (tmp_path / "missing" / "s.vlmr", "no such folder"),
     }
 

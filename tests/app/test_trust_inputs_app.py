@@ -67,3 +67,37 @@ def test_load_warning_stays_beside_the_status(qtbot, window, tmp_path):
     window.model_picker.setCurrentText("shapes-llava")
     run_until_idle(qtbot, window, window.answer_question)
     assert "warning" not in window.status_label.text()
+
+
+def test_a_damaged_bundled_pairs_file_opens_the_window_and_says_so(qtbot, model_cache, tmp_path, monkeypatch):
+    """A stripped or edited install: the window opens (was: a traceback
+    before it showed), says why in its error line, and its sample actions
+    refuse in one line."""
+    import app.samples
+    from app.main_window import MainWindow
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"image": "sample_00.png", "question": 7}\n')
+    monkeypatch.setattr(app.samples, "bundled_pairs_file", lambda: pairs)
+    win = MainWindow(model_cache=model_cache, session_path=tmp_path / "session.vlmr")
+    qtbot.addWidget(win)
+    message = win.error_label.text()
+    assert message.startswith("the bundled samples are not available: ") and str(pairs) in message, message
+    assert win.samples == [] and not win.answer_all_samples() and not win.attention_statistics_of_samples()
+    assert win.error_label.text() == "no bundled samples to read out"
+    win.close()
+
+
+def test_a_damaged_tuned_lens_beside_the_model_is_a_warning_not_silence(qtbot, window, tmp_path):
+    """The Lens tab shows the logit lens only, and the status line says why the
+    tuned lens is missing (was: dropped without a word)."""
+    folder = tmp_path / "lens-llava"
+    shutil.copytree(BUILTIN, folder)
+    (folder / "MANIFEST.sha256").unlink(missing_ok=True)
+    (folder / "tuned-lens" / "lens.json").write_text("[" * 5000)
+    window.model_picker.setCurrentText(str(folder))
+    run_until_idle(qtbot, window, window.run_readout)
+    status = window.status_label.text()
+    assert "warning: the tuned lens is not shown: " in status and "lens.json" in status, status
+    assert window.error_label.text() == "" and window.analysis is not None
+    assert window.analysis.get("tuned_lens") is None

@@ -16,6 +16,7 @@ from PIL import Image
 
 from core import load_model
 from core.analyze import analyze
+from core.atomic import staged_writes
 from core.cli import build_parser, main
 from core.cli.audit import run as cmd_audit
 from core.dataset_audit import (
@@ -301,7 +302,8 @@ def test_cancel_keeps_the_finished_batches(coca, dataset, tmp_path):
     shard = run_shard(coca, items, methods, batch_size=2, cancel=cancel)
     assert shard.cancelled and [r["index"] for r in shard.records] == [0, 1]
     params = {"model": "shapes-coca", "dataset": str(dataset)}
-    write_outputs(tmp_path, merge_shards([shard]), methods, params, AuditOptions(), len(items))
+    with staged_writes() as staging:
+        write_outputs(staging, tmp_path, merge_shards([shard]), methods, params, AuditOptions(), len(items))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["cancelled"] and summary["n_samples"] == 2 and summary["n_requested"] == 8
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
@@ -340,7 +342,7 @@ def test_parquet_is_written_when_pyarrow_is_there(reference):
     assert pq.read_table(reference / "samples.parquet").num_rows == 8
 
 
-def test_first_ctrl_c_asks_to_stop_after_the_batch():
+def test_first_ctrl_c_asks_to_stop_after_the_batch(capsys):
     import signal
 
     from core.cli.audit import cancel_on_sigint
@@ -350,6 +352,29 @@ def test_first_ctrl_c_asks_to_stop_after_the_batch():
         assert not cancelled()
         os.kill(os.getpid(), signal.SIGINT)
         assert cancelled()
+        # stderr holds only error: and warning: lines (no bar off a terminal, so no blank line)
+        assert capsys.readouterr().err == "warning: stopping after this batch (Ctrl-C again to abort)\n"
         with pytest.raises(KeyboardInterrupt):  # the second one aborts
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_failed_session_record_leaves_the_earlier_outputs_as_they_were(coca, dataset, tmp_path, monkeypatch):
+    """The output files are staged and land only once the --session run is
+    recorded (core.atomic.staged_writes): a failed record changes none of an
+    earlier run's files and leaves no temporary file."""
+    import core.session
+    from core.session import SessionError
+
+    out = tmp_path / "out"
+    assert cmd_audit(_args(dataset, out, "--limit", "2"), lambda a: coca) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def disk_full(path, run, **kwargs):
+        raise SessionError(f"{path}: cannot record the run: the disk is full")
+
+    monkeypatch.setattr(core.session, "record_into", disk_full)
+    session = tmp_path / "s.vlmr"
+    with pytest.raises(SessionError, match="the disk is full"):
+        cmd_audit(_args(dataset, out, "--limit", "3", "--session", str(session)), lambda a: coca)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

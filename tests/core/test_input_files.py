@@ -60,3 +60,21 @@ def test_size_bound_and_the_callers_error_class(tmp_path):
         read_regular_bytes(f, ModelLoadError, max_bytes=1000)
     with pytest.raises(ModelLoadError, match="^cfg: JSON nested"):
         parse_json("[" * 100, "cfg", ModelLoadError)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.isdir("/proc/self/fd"), reason="needs FIFOs and /proc")
+def test_checked_path_names_the_checked_file_even_once_it_is_swapped(tmp_path):
+    """safetensors opens by path: the path it is given is the checked file's
+    descriptor, so a FIFO put in its place after the check is never opened."""
+    from core.input_files import checked_path
+
+    target = tmp_path / "lens.safetensors"
+    target.write_bytes(b"the checked bytes")
+    with checked_path(target) as held:
+        target.unlink()
+        os.mkfifo(target)  # would hang a reader that opened the name
+        with open(held, "rb") as f:
+            assert f.read() == b"the checked bytes"
+    with pytest.raises(InputFileError, match="not a regular file"):
+        with checked_path(target):
+            pass

@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "resources" / "samples" / "sample_00.png"
 QUESTION = "what shape is the blue object?"
 SIZE = r"\d+\.\d (GB|MB)"
+# a load names the folder it read; a read-out, what the user named
+LLAVA_DIR = re.escape(str(resources_dir() / "models" / "shapes-llava"))
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,9 @@ def test_the_message_reads_as_the_issue_says():
     )  # fmt: skip
     with pytest.raises(ModelTooLargeError) as e:
         plan.check()
-    assert str(e.value) == "shapes need ~28.1 GB in float32 and 21.7 GB is available; --dtype bfloat16 needs ~14.1 GB"
+    assert (
+        str(e.value) == "the model: needs ~28.1 GB in float32 and 21.7 GB is available; --dtype bfloat16 needs ~14.1 GB"
+    )
     tight = MemoryPlan(int(28.1 * GB), 0, int(10 * GB), torch.float32, (torch.bfloat16, int(14.1 * GB)))
     assert tight.message().endswith("; even bfloat16 needs ~14.1 GB") and tight.fitting_dtype is None
     assert MemoryPlan(int(GB), 0, int(2 * GB), torch.float32).check().fits
@@ -88,16 +92,16 @@ def test_a_model_too_large_is_refused_before_any_allocation(monkeypatch):
     monkeypatch.setenv(MEMORY_ENV, "3MB")
     with pytest.raises(ModelTooLargeError) as e:  # auto: float32 does not fit, bfloat16 neither
         core.load_model("shapes-llava")
-    smallest = rf"shapes need ~{SIZE} in bfloat16 and 3\.0 MB is available; bfloat16 is the smallest --dtype"
+    smallest = rf"{LLAVA_DIR}: needs ~{SIZE} in bfloat16 and 3\.0 MB is available; bfloat16 is the smallest --dtype"
     assert re.fullmatch(smallest, str(e.value))
     with pytest.raises(ModelTooLargeError) as e:
         core.load_model("shapes-llava", dtype="float32")
-    none_fits = rf"shapes need ~{SIZE} in float32 and 3\.0 MB is available; even bfloat16 needs ~{SIZE}"
+    none_fits = rf"{LLAVA_DIR}: needs ~{SIZE} in float32 and 3\.0 MB is available; even bfloat16 needs ~{SIZE}"
     assert re.fullmatch(none_fits, str(e.value))
     monkeypatch.setenv(MEMORY_ENV, "8MB")  # bfloat16 fits, float32 does not
     with pytest.raises(ModelTooLargeError) as e:
         core.load_model("shapes-llava", dtype=torch.float32)
-    half_fits = rf"shapes need ~{SIZE} in float32 and 8\.0 MB is available; --dtype bfloat16 needs ~{SIZE}"
+    half_fits = rf"{LLAVA_DIR}: needs ~{SIZE} in float32 and 8\.0 MB is available; --dtype bfloat16 needs ~{SIZE}"
     assert re.fullmatch(half_fits, str(e.value))
 
 
@@ -109,7 +113,7 @@ def test_open_clip_models_are_checked_from_their_header(monkeypatch):
 
     monkeypatch.setattr(open_clip, "create_model_and_transforms", never)
     monkeypatch.setenv(MEMORY_ENV, "1MB")
-    with pytest.raises(ModelTooLargeError, match=r"^shapes need ~.* and 1\.0 MB is available"):
+    with pytest.raises(ModelTooLargeError, match=r"^.*/shapes-coca: needs ~.* and 1\.0 MB is available"):
         core.load_model("shapes-coca", dtype="float32")
 
 
@@ -134,7 +138,7 @@ def test_the_cli_refuses_in_one_line_with_status_2(monkeypatch):
     assert "Traceback" not in done.stderr and done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1
-    assert re.fullmatch(rf"error: shapes need ~{SIZE} in bfloat16 and 1\.0 MB is available; .*", lines[0])
+    assert re.fullmatch(rf"error: {LLAVA_DIR}: needs ~{SIZE} in bfloat16 and 1\.0 MB is available; .*", lines[0])
 
 
 def test_auto_rule():
@@ -197,11 +201,11 @@ def test_a_long_prompt_is_refused_before_the_readout(shapes_llava, monkeypatch):
     with pytest.raises(ModelTooLargeError) as e:
         check_working_set(shapes_llava, 100_000)
     assert re.fullmatch(
-        rf"shapes need ~{SIZE} in float32 for 100,000 tokens and {SIZE} is available; even bfloat16 needs ~{SIZE}",
+        rf"shapes-llava: needs ~{SIZE} in float32 for 100,000 tokens and {SIZE} is available; even bfloat16 needs ~{SIZE}",
         str(e.value),
     )
     monkeypatch.setenv(MEMORY_ENV, "1")  # nothing free beside the weights: analyze refuses before its capture
     from core.analyze import analyze
 
-    with pytest.raises(ModelTooLargeError, match=r"^shapes need ~.* for \d+ tokens and "):
+    with pytest.raises(ModelTooLargeError, match=r"^shapes-llava: needs ~.* for \d+ tokens and "):
         analyze(shapes_llava, SAMPLE, QUESTION)

@@ -23,10 +23,11 @@ import warnings
 import pytest
 from safetensors.torch import load_file, save_file
 
-from core import answer, load_model
+from core import answer, capture, load_image, load_model
 from core.analyze import analyze
 from core.cli import main
 from core.errors import ModelLoadError, NonFiniteError, ReadoutError
+from core.generate import generate
 from core.models.loading import MANIFEST, ModelLoadWarning, resources_dir
 
 MODELS = resources_dir() / "models"
@@ -298,6 +299,10 @@ def test_a_disagreement_the_load_cannot_foresee_is_one_line_at_run_time(tmp_path
     assert "config.json" in text and "processor_config.json" in text and "\n" not in text
     with pytest.raises(ModelLoadError, match="the processor and the model disagree"):
         analyze(loaded, IMAGE, QUESTION)
+    # the check sits in Adapter.run_model, where every forward goes: generation's cached prefill too
+    for use_cache in (True, False):
+        with pytest.raises(ModelLoadError, match="the processor and the model disagree"):
+            generate(loaded, IMAGE, QUESTION, max_new_tokens=2, use_cache=use_cache)
 
 
 # ---------------------------------------------------------------- chat templates
@@ -567,6 +572,25 @@ def test_links_to_regular_files_load_and_other_links_are_refused(tmp_path):
             server.close()
 
 
+def test_an_open_clip_name_checkpoint_config_is_checked_as_a_folders_is(tmp_path, monkeypatch):
+    """``name:checkpoint`` builds from open_clip's own config for ``name``: its
+    sizes plan the memory, so they are checked as a folder's are (was: int() of
+    whatever the config held)."""
+    import copy
+
+    import open_clip
+    import torch
+
+    cfg = copy.deepcopy(open_clip.get_model_config("coca_ViT-B-32"))
+    cfg["multimodal_cfg"]["layers"] = -1
+    monkeypatch.setattr(open_clip, "get_model_config", lambda name: cfg)
+    ckpt = tmp_path / "c.safetensors"
+    save_file({"x": torch.zeros(1)}, ckpt)
+    with pytest.raises(ModelLoadError) as e:
+        load_model(f"coca_ViT-B-32:{ckpt}")
+    assert str(e.value).startswith("open_clip's coca_ViT-B-32 config model_cfg.multimodal_cfg.layers: "), e.value
+
+
 def test_fifo_in_an_open_clip_tokenizer_folder_is_refused(tmp_path):
     d = _copy(tmp_path, "shapes-coca")
     (d / "tok").mkdir()
@@ -602,6 +626,50 @@ def test_non_finite_logits_are_never_an_answer(tmp_path):
             "rope_theta, image_std, rescale_factor) or, in float16, load it in float32"
         )
         assert " of 46)" in text and "\n" not in text
+
+
+def test_every_forward_path_refuses_non_finite_logits(tmp_path):
+    """Not only answer and analyze: the check sits where the forwards run
+    (Adapter.next_token_logits, the decoding steps, capture), so generation,
+    counterfactuals, interventions, the dataset audit and validation, which
+    call those and not answer, refuse the same way."""
+    loaded = load_model(_overflowing_copy(tmp_path))
+    adapter = loaded.adapter
+    inputs = adapter.prepare([load_image(IMAGE)], [QUESTION])
+    runs = {
+        "next_token_logits": lambda: adapter.next_token_logits(inputs),
+        "capture": lambda: capture(loaded, None, "", inputs=inputs, pattern_layers=[]),
+        "cached prefill": lambda: adapter.start_decoding(inputs),
+        "re-run decoding": lambda: adapter.start_decoding(inputs, use_cache=False),
+        "generate": lambda: generate(loaded, IMAGE, QUESTION, max_new_tokens=2),
+    }
+    for name, run in runs.items():
+        with pytest.raises(
+            NonFiniteError, match=r"non-finite logits at the answer position \(0 NaN, 46 Inf of 46\)"
+        ) as e:
+            run()
+        assert str(e.value).startswith(f"{loaded.spec}: ") and "\n" not in str(e.value), name
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "--max-new-tokens", "2"],
+        ["counterfactual", "--mask", str(IMAGE.with_name("sample_00_obj1.png"))],
+        ["nonunique", "--head", "L1.H2"],
+    ],
+    ids=lambda c: c[0],
+)
+def test_commands_past_answer_refuse_non_finite_logits(tmp_path, capsys, command):
+    d = _overflowing_copy(tmp_path)
+    out = tmp_path / "out.json"
+    out.write_text('{"kept": true}')
+    argv = [command[0], "--model", str(d), "--image", str(IMAGE), "--question", QUESTION, *command[1:]]
+    assert main([*argv, "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {d}: the forward gave non-finite logits"), err
+    assert out.read_text() == '{"kept": true}'
 
 
 def test_cli_refuses_non_finite_logits_and_keeps_the_old_output(tmp_path, capsys):

@@ -150,7 +150,7 @@ def test_file_larger_than_the_limit_is_refused_unread(tmp_path):
     with open(path, "wb") as f:
         f.write(png_bytes(4, 4))
         f.truncate(MAX_FILE_BYTES + 1)  # sparse: nothing is written
-    _refused(path, "MB limit")
+    _refused(path, f"{MAX_FILE_BYTES + 1:,} bytes, over the {MAX_FILE_BYTES:,}-byte limit for this file")
 
 
 # ----- decoder exceptions ------------------------------------------------------
@@ -252,7 +252,7 @@ def test_permission_denied_as_the_os_reports_it(tmp_path, monkeypatch):
 
 
 def test_directory_is_refused(tmp_path):
-    _refused(tmp_path, "is a directory")
+    _refused(tmp_path, "is a folder")
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")

@@ -271,7 +271,7 @@ def test_fifos_and_files_that_are_not_folders_do_not_hang(lens_dir, tmp_path):
     tensors = lens_dir / "lens.safetensors"
     tensors.unlink()
     os.mkfifo(tensors)
-    assert _loads_within(lens_dir) == f"{tensors}: not a regular file"
+    assert _loads_within(lens_dir) == f"{tensors}: not a regular file (a FIFO, socket or device)"
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert _loads_within(afile).startswith(f"{afile}: not a folder")
@@ -317,3 +317,46 @@ def test_the_cli_answers_each_with_one_error_line(lens_dir, tmp_path, capsys, ed
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {lens_dir / 'lens.json'}: ") and needle in err and "\n" not in err
     assert not (tmp_path / "out.json").exists()
+
+
+# ---------------------------------------------------------------- corpora: a batch at a time
+
+
+def test_an_evaluation_set_is_decoded_a_batch_at_a_time(tmp_path, monkeypatch):
+    """eval-lens --pairs used to decode every image before the first forward (a
+    million pairs, a million images in memory): take() decodes none, a slice
+    decodes its own."""
+    import core.methods.tuned_lens.data as data
+    from core.pairs import Pair
+    from core.zoo.lens_corpus import SyntheticCorpus
+
+    decoded = []
+    monkeypatch.setattr(data, "load_pair_image", lambda pair: decoded.append(pair.line) or pair.line)
+    pairs = [Pair(i, i + 1, f"pairs.jsonl:{i + 1}", f"{i}.png", tmp_path / f"{i}.png", f"q{i}") for i in range(10_000)]
+    taken = data.PairsCorpus(pairs).take()
+    assert len(taken.images) == 10_000 and decoded == []
+    assert taken.images[16:19] == [17, 18, 19] and taken.images[-1] == 10_000 and decoded == [17, 18, 19, 10_000]
+    synthetic = SyntheticCorpus("heldout").take(1_000_000)  # drawn as read: returns at once
+    assert (
+        len(synthetic.questions) == 1_000_000
+        and synthetic.questions[0] == SyntheticCorpus("heldout").sample(0).question
+    )
+
+
+def test_eval_lens_names_a_bad_image_before_the_model_loads(tmp_path):
+    from core.cli import build_parser
+    from core.cli.lens import run_eval
+    from core.errors import ReadoutError
+
+    pairs = tmp_path / "pairs.jsonl"
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    good = Path(__file__).resolve().parents[2] / "resources" / "samples" / "sample_00.png"
+    pairs.write_text(f'{{"image": "{good}", "question": "q"}}\n{{"image": "bad.png", "question": "q"}}\n')
+
+    def never(args):
+        raise AssertionError("the model loaded before the images were checked")
+
+    argv = ["eval-lens", "--model", "shapes-llava", "--lens", str(SHIPPED), "--pairs", str(pairs)]
+    with pytest.raises(ReadoutError) as e:
+        run_eval(build_parser().parse_args([*argv, "--json", str(tmp_path / "e.json"), "--quiet"]), load=never)
+    assert str(e.value).startswith(f"{pairs}:2: ") and "bad.png" in str(e.value), e.value

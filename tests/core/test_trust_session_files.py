@@ -308,8 +308,8 @@ def test_a_fifo_as_the_session_is_refused_without_waiting(capsys, home, tmp_path
     fifo = home / "s.vlmr"
     os.mkfifo(fifo)
     code, err = _export(capsys, fifo, "csv", tmp_path / "a.csv")
-    assert code == 2 and err == [f"error: {fifo}: not a file (a FIFO, socket or device)"]
-    with pytest.raises(SessionError, match="not a file"):
+    assert code == 2 and err == [f"error: {fifo}: not a regular file (a FIFO, socket or device)"]
+    with pytest.raises(SessionError, match="not a regular file"):
         check_session_file(fifo)
 
 

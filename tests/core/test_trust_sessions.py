@@ -119,7 +119,7 @@ def test_export_of_an_older_schema_reads_a_migrated_copy(capsys, home, outdir):
         ("text.vlmr", b"just some notes\n", "not a session file (not an SQLite database)"),
         ("short.vlmr", b"SQLite", "not a session file (not an SQLite database)"),
         ("missing.vlmr", None, "no such session file"),
-        ("folder.vlmr", "dir", "not a file"),
+        ("folder.vlmr", "dir", "is a folder, not a session file"),
     ],
 )
 def test_export_of_what_is_not_a_session_leaves_it_as_it_was(capsys, home, outdir, name, content, needle):
@@ -224,7 +224,7 @@ def test_cli_session_that_is_not_a_session_fails_before_the_model_loads(capsys, 
     junk = home / "junk.vlmr"
     junk.write_bytes(b"not sqlite" * 10)
     argv = ["analyze", "--image", str(IMAGE), "--question", "q?", "--json", str(home / "a.json"), "--session"]
-    for session, needle in ((junk, "not a session file"), (home, "not a file"), (home / "no" / "s.vlmr", "no such")):
+    for session, needle in ((junk, "not a session file"), (home, "is a folder, not a session file"), (home / "no" / "s.vlmr", "no such")):
         assert main([*argv, str(session)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err

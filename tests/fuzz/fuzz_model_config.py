@@ -471,8 +471,6 @@ def _names_the_folder(message: str, folder: Path) -> bool:
     by name as the config and tokenizer checks spell it: ``config.json
     text_config.eos_token_id``), or the processor's or the prompt's setting."""
     names = tuple(f.name for f in folder.iterdir())
-    # "shapes need ~N GB in float32 and M GB is available": core/models/memory.py's
-    # ModelTooLargeError, which names the figures, not the folder (the load was of one folder)
     return str(folder) in message or message.startswith(
         (
             *names,
@@ -481,7 +479,6 @@ def _names_the_folder(message: str, folder: Path) -> bool:
             "vlm_readout",
             "no adapter supports",
             "adapter config",
-            "shapes need",
         )
     )
 

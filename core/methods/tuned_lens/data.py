@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,11 +42,31 @@ def position_mask(adapter, trace, positions: str) -> torch.Tensor:
 
 @dataclass
 class Batch:
-    """Images, questions and (optional) answers of one step."""
+    """Images, questions and (optional) answers of one step, or of a whole
+    evaluation set (:meth:`PairsCorpus.take`: its images a :class:`Made` sequence)."""
 
-    images: list
-    questions: list[str]
-    answers: list[str | None]
+    images: Sequence
+    questions: Sequence[str]
+    answers: Sequence[str | None]
+
+
+class Made(Sequence):
+    """``make(0), ..., make(n - 1)``, each made when it is read: an evaluation
+    set's images are decoded (or drawn) one batch at a time, so a corpus of a
+    million pairs is never held in memory at once."""
+
+    def __init__(self, n: int, make: Callable[[int], Any]):
+        self.n, self.make = n, make
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.make(i) for i in range(*index.indices(self.n))]
+        if not -self.n <= index < self.n:
+            raise IndexError(index)
+        return self.make(index % self.n)
 
 
 class PairsCorpus:
@@ -57,7 +78,6 @@ class PairsCorpus:
         if not pairs:
             raise LensError("the corpus has no pairs")
         self.pairs, self.seed, self.source = list(pairs), seed, source
-        self._taken: dict[int, Batch] = {}  # take() loads each image once (a CLI checks them before the model loads)
 
     def _order(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
@@ -74,12 +94,9 @@ class PairsCorpus:
         return Batch([load_pair_image(p) for p in out], [p.question for p in out], [p.answer for p in out])
 
     def take(self, n: int | None = None) -> Batch:
+        """The first ``n`` pairs (all without ``n``), their images decoded as they are read."""
         ps = self.pairs[:n] if n else self.pairs
-        if len(ps) not in self._taken:
-            self._taken[len(ps)] = Batch(
-                [load_pair_image(p) for p in ps], [p.question for p in ps], [p.answer for p in ps]
-            )
-        return self._taken[len(ps)]
+        return Batch(Made(len(ps), lambda i: load_pair_image(ps[i])), [p.question for p in ps], [p.answer for p in ps])
 
     def describe(self) -> dict:
         return {"source": self.source or "image-question pairs", "n_pairs": len(self.pairs), "order": "seeded shuffle"}

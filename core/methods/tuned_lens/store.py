@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 from pathlib import Path
 
 import torch
 
 from core import json_fields as jf
 from core.atomic import write_bytes_atomic, write_text_atomic
-from core.input_files import read_json_file
+from core.input_files import checked_path, read_json_file
 from core.methods.tuned_lens.lens import _EQUATIONS, FORMS, POSITION_SETS, SCHEMA_VERSION, LensError, TunedLens
 from core.models.memory import available_bytes
 
@@ -107,14 +106,11 @@ def load_lens(directory: Path | str, loaded=None) -> TunedLens:
     if loaded is not None:  # the model's fingerprint and shape, before the tensors are read
         lens.check_model(loaded)
     tpath = directory / tensors_name
+    if not os.path.lexists(tpath):
+        raise LensError(f"{directory}: {tpath.name} is missing")
     try:
-        mode = os.stat(tpath).st_mode
-    except OSError:
-        raise LensError(f"{directory}: {tpath.name} is missing") from None
-    if not stat.S_ISREG(mode):  # safe_open would wait on a FIFO
-        raise LensError(f"{tpath}: not a regular file")
-    try:
-        with safe_open(str(tpath), framework="pt") as f:
+        # the checked file itself (a FIFO is refused, never waited on by safe_open)
+        with checked_path(tpath, LensError) as held, safe_open(held, framework="pt") as f:
             _check_header(f, lens, tpath, tr.get("dtype", "float32"))
             tensors = {k: f.get_tensor(k) for k in f.keys()}
             meta_fp = (f.metadata() or {}).get("fingerprint", "")

@@ -117,7 +117,7 @@ class CocaAdapter(Adapter):
         """Decoder logits for every text position, ``(batch, pos, vocab)``.
         Padding sits after the last real token, so causal attention keeps it
         out of every real position."""
-        out = self.model(inputs.tensors["image"], inputs.tensors["text"], output_labels=False)
+        out = self.run_model(inputs.tensors["image"], inputs.tensors["text"], output_labels=False)
         return out["logits"]
 
     def append_token(self, inputs: ModelInputs, token_id: int) -> ModelInputs:
