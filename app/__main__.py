@@ -70,6 +70,11 @@ def _qt_message(kind, context, message: str) -> None:
         terminal.say(f"error: Qt: {' '.join(str(message).split())}")
 
 
+# How long closing the window waits for a cancelled job (most stop at once) before the process ends
+# without it (exit_now_if_jobs_were_let_go).
+CLOSE_GRACE_MS = 1500
+
+
 def main(argv: list[str] | None = None) -> int:
     from core import offline, terminal  # standard library only
 
@@ -93,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(Debian/Ubuntu: apt-get install {packages}; or run with QT_QPA_PLATFORM=offscreen)"
         )
         return 2
-    from PySide6.QtCore import QTimer, qInstallMessageHandler
+    from PySide6.QtCore import qInstallMessageHandler
     from PySide6.QtWidgets import QApplication
 
     from app.main_window import MainWindow
@@ -101,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     qInstallMessageHandler(_qt_message)
     app = QApplication.instance() or QApplication(sys.argv[:1])
     window = MainWindow(model_spec=args.model, session_path=args.session)
+    window.close_wait_ms = CLOSE_GRACE_MS  # the process ends with the window: a job mid-forward is not waited for
     if window.session_problem:  # shown in the window too; said here for whoever started it from a terminal
         print(f"warning: {window.session_problem}", file=sys.stderr)
     titles = [window.tabs.tabText(i).lower() for i in range(window.tabs.count())]
@@ -111,19 +117,56 @@ def main(argv: list[str] | None = None) -> int:
         window.set_question(args.question)
     window.show()
 
-    def screenshot_and_quit() -> None:
-        if not window.grab().save(args.screenshot):
-            print(f"error: cannot write {args.screenshot}", file=sys.stderr)
-        window.close()
-        app.quit()
-
     started = image_ok and window.run_readout()
     if args.screenshot:
-        if started:
-            window.idle.connect(lambda: QTimer.singleShot(100, screenshot_and_quit))
-        else:
-            QTimer.singleShot(100, screenshot_and_quit)
-    return app.exec()
+        return exit_now_if_jobs_were_let_go(_run_until_screenshot(app, window, args.screenshot, started))
+    status = app.exec()
+    return exit_now_if_jobs_were_let_go(status)
+
+
+def _run_until_screenshot(app, window, path: str, started: bool) -> int:
+    """Run the window until its read-out (if ``started``) is shown, save it to
+    ``path`` and close it. A local event loop, not the application's: Qt 6's
+    quit() closes every window of the process, and once the application has
+    quit, every later event loop of the thread returns at once (a test's, a
+    host's), so the application is left to whoever owns it."""
+    from PySide6.QtCore import QEventLoop, QTimer
+
+    loop = QEventLoop()
+
+    def screenshot_and_close() -> None:
+        if not window.grab().save(path):
+            print(f"error: cannot write {path}", file=sys.stderr)
+        window.close()
+        loop.exit(0)
+
+    if started:
+        window.idle.connect(lambda: QTimer.singleShot(100, screenshot_and_close))
+    else:
+        QTimer.singleShot(100, screenshot_and_close)
+    quit_on_close = app.quitOnLastWindowClosed()
+    app.setQuitOnLastWindowClosed(False)  # closing the window ends this loop, not the application
+    try:
+        return loop.exec()
+    finally:
+        app.setQuitOnLastWindowClosed(quit_on_close)
+
+
+def exit_now_if_jobs_were_let_go(status: int) -> int:
+    """``status``; but when closing the window let a job go (cancelled in the middle of a forward
+    it cannot leave, see app.workers), the process ends now rather than when that forward does:
+    the session was closed with the window, and the job's result goes nowhere."""
+    import contextlib
+    import os
+
+    from app.workers import abandoned_workers
+
+    if abandoned_workers():
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # closed, or none
+                stream.flush()
+        os._exit(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -19,14 +19,20 @@ from app.panels.claims_panel import ClaimsPanel
 from app.panels.head_methods_panel import HeadMethodsPanel
 from app.run_frame import RunFrame
 from app.samples import bundled_pairs_file
-from app.session_view import HEAD_METHOD_KINDS, asked_parameters, picked_dtype_and_device
+from app.session_view import (
+    HEAD_METHOD_KINDS,
+    asked_parameters,
+    claim_choices,
+    restore_claim_choices,
+)
 from core.readout import RecordedResult
 
 
 class ClaimsMixin:
     """Expects the window's ``workspace``, ``selection``, ``model_cache``, ``session``, ``tabs``,
     ``attention_panel``, ``counterfactual_panel``, ``model_picker``, ``_start``, ``_record``,
-    ``_made_for``, ``_ask``, ``_has_image``, ``is_busy``, ``model_choice``, ``set_model_choice`` and ``show_error``.
+    ``_made_for``, ``_ask``, ``_has_image``, ``is_busy``, ``model_choice``, ``set_model_choice``, ``show_error``,
+    ``_refuse_until``, ``_recheck_refusal`` and ``_selected_other_than``.
 
     Attributes:
         claim_made_for: the model (spec and fingerprint) the shown claim was checked on, or None.
@@ -50,13 +56,17 @@ class ClaimsMixin:
         self.head_methods_frame = RunFrame(self.head_methods, view)
         self.attention_panel.add_side(self.head_methods_frame)
         self.workspace.events.input_changed.connect(self._follow_claim_model)
+        panel = self.claims_panel  # a refusal about a field goes once the field is filled (_refuse_until)
+        panel.subject_edit.textChanged.connect(self._recheck_refusal)
+        panel.claim_edit.textChanged.connect(self._recheck_refusal)
+        panel.dataset_combo.currentIndexChanged.connect(self._recheck_refusal)
+        panel.region_check.toggled.connect(self._recheck_refusal)
 
     # ----- Claims --------------------------------------------------------
 
-    def _refuse_claim(self, message: str) -> bool:
-        self.claims_panel.show_message(message, error=True)
-        self.show_error(message)
-        return False
+    def _refuse_claim(self, message: str, met) -> bool:
+        """The claim cannot run as stated: the reason in the panel and the error line until ``met()``."""
+        return self._refuse_until(self.claims_panel, message, met)
 
     def run_claim(self) -> bool:
         """Check the Claims panel's claim on its subjects and data in the background; False, with
@@ -66,16 +76,28 @@ class ClaimsMixin:
         panel = self.claims_panel
         subjects, claim, dataset = panel.subjects(), panel.claim(), panel.dataset()
         if not subjects:
-            return self._refuse_claim("name a head or route (L1.H1, L1.H0+L1.H1), or select a head in Attention or DLA")
+            return self._refuse_claim(
+                "name a head or route (L1.H1, L1.H0+L1.H1), or select a head in Attention or DLA",
+                lambda: bool(panel.subjects()),
+            )
         if not claim:
-            return self._refuse_claim("state the claim: what the head or route is said to do, and on which inputs")
+            return self._refuse_claim(
+                "state the claim: what the head or route is said to do, and on which inputs",
+                lambda: bool(panel.claim()),
+            )
         if dataset is None:
-            return self._refuse_claim("choose the dataset folder (holding a pairs JSONL), or another dataset")
+            return self._refuse_claim(
+                "choose the dataset folder (holding a pairs JSONL), or another dataset",
+                lambda: panel.dataset() is not None,
+            )
         region = self.counterfactual_panel.mask() if panel.uses_region() else None
         if region is not None and not region.any():
-            return self._refuse_claim("painted region: paint one in the Counterfactual tab, or untick its box")
+            return self._refuse_claim(
+                "painted region: paint one in the Counterfactual tab, or untick its box",
+                lambda: not panel.uses_region() or self.counterfactual_panel.mask().any(),
+            )
         request = ClaimRequest(tuple(subjects), claim, dataset, panel.n(), max(1, panel.n() // 3), region)
-        asked = self.workspace.input
+        asked, choices = self.workspace.input, claim_choices(panel, region)  # as Run was pressed
 
         def show(validation) -> None:
             self.last_validation = validation
@@ -84,7 +106,7 @@ class ClaimsMixin:
             panel.show_validation(validation)
             from core.validate import source_files  # function-local: the chain's modules load torch
 
-            self._record(validation, parameters=source_files(dataset), with_image=False)
+            self._record(validation, parameters={**source_files(dataset), **choices}, with_image=False)
 
         self._start(
             show, validate_job, self.model_cache, self.model_choice(), request, clear=False, failed=self._claim_failed
@@ -118,15 +140,20 @@ class ClaimsMixin:
         validation = Validation.from_dict(run.result)
         spec = (run.model or {}).get("spec") or validation.model
         self.model_picker.setCurrentText(spec)
-        dtype, device = picked_dtype_and_device(run.dtype_and_device, self.model_choice())
+        dtype, device = self._dtype_and_device_for(spec, run.dtype_and_device)  # as restore_run picks them
         missing = self.set_model_choice(dtype, device)
         if missing:  # a device this machine lacks
             self.show_error("; ".join(missing))
         self.claim_made_for = RunInput(
             model_spec=spec, model_fingerprint=validation.fingerprint or None, model_dtype=dtype, model_device=device
         )
+        not_restored = restore_claim_choices(self.claims_panel, run, validation)
         self.claims_panel.show_validation(validation)
-        self.claims_panel.show_message(f"run #{run.id} of {run.created}, restored from the History")
+        self.claims_panel.show_message(
+            not_restored or f"run #{run.id} of {run.created}, restored from the History", error=bool(not_restored)
+        )
+        if not_restored:
+            self.show_error("; ".join([*missing, not_restored]))
         self.history_panel.show_current(run.id)
         self.statusBar().showMessage(f"run #{run.id} ({run.kind}) of {run.created} shown in the Claims tab")
         return True
@@ -144,8 +171,7 @@ class ClaimsMixin:
             message = f"{selected.name} is not an attention head: select a head (L1.H2) in Attention or DLA"
         else:
             return selected.name
-        self.head_methods.show_message(message, error=True)
-        self.show_error(message)
+        self._refuse_until(self.head_methods, message, self._selected_other_than(selected))
         return None
 
     def run_nonunique(self) -> bool:
@@ -166,7 +192,7 @@ class ClaimsMixin:
             self.head_methods.show_message("")
             self.head_methods.show_nonunique(result, doc)
             parameters = {
-                **asked_parameters(ask.question, ask.answer_text),
+                **asked_parameters(ask),
                 "component": head,
                 "region_rule": doc["region"]["rule"],
             }
@@ -193,7 +219,7 @@ class ClaimsMixin:
             doc = result.to_dict()
             self.head_methods.show_message("")
             self.head_methods.show_qk_ov(doc)
-            run_id = self._record(result, parameters=asked_parameters(ask.question, ask.answer_text))
+            run_id = self._record(result, parameters=asked_parameters(ask))
             self.workspace.add_result("qk-ov", doc, run_id, self._made_for(asked))
 
         self._start(show, qk_ov_job, self.model_cache, ask, head, clear=False, failed=self._head_failed)

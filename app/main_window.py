@@ -35,15 +35,13 @@ from PySide6.QtWidgets import (
     QMainWindow,
     QProgressBar,
     QPushButton,
-    QScrollArea,
     QSplitter,
-    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
 import core
-from app.canvas import ImageCanvas, describe_token_layout
+from app.canvas import ImageCanvas, describe_token_layout, read_token
 from app.claims import ClaimsMixin
 from app.components import ModelChoice, ShownRun
 from app.components.model_choice import CPU, device_choices
@@ -56,12 +54,17 @@ from app.jobs import (
     answer_pairs_job,
     counterfactual_job,
     default_patch_site,
+    generate_job,
     head_sources_job,
+    model_load_job,
+    nonunique_job,
     patch_job,
     patch_sites,
+    qk_ov_job,
     readout_job,
     statistics_job,
     sweep_job,
+    validate_job,
 )
 from app.panels.answer_panel import AnswerPanel, TargetNote
 from app.panels.attention_panel import AttentionPanel, block_names
@@ -74,13 +77,31 @@ from app.recent_models import BUILTIN_MODELS, recent_models, remember_model, rem
 from app.run_frame import TARGET_PLACEHOLDER, AnswerTokensMixin, WorkspaceMixin
 from app.samples import Sample, bundled_pairs_file, bundled_samples
 from app.session_view import SessionMixin, SessionWatch, asked_parameters, open_start_session
-from app.widgets import plain_label
+from app.widgets import DetachedTabs, ElidedLabel, ScrollPage, box, plain_label
 from app.workers import Worker, WorkerPool
 from core.images import image_sha256, load_mask
 from core.precision import AUTO_DTYPE_MEANING, DTYPE_CHOICES
 from core.readout import RecordedResult
 from core.views import patch_values
 
+# What the status line says as each job starts, before its first progress line (a validation's
+# comes seconds later: until then the line said the last job's "ready" or "cancelled").
+JOB_STATUS = {
+    answer_job: "answering…",
+    answer_pairs_job: "answering the pairs…",
+    generate_job: "generating…",
+    readout_job: "reading out…",
+    head_sources_job: "source contributions…",
+    counterfactual_job: "counterfactual…",
+    sweep_job: "occlusion sweep…",
+    ablation_job: "ablating…",
+    patch_job: "patching…",
+    statistics_job: "attention statistics…",
+    validate_job: "validating…",
+    nonunique_job: "non-unique attention…",
+    qk_ov_job: "QK / OV…",
+    model_load_job: "loading model…",
+}
 # the formats core.images accepts (ACCEPTED_FORMATS)
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
 
@@ -109,6 +130,15 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
     """
 
     idle = Signal()  # a job ended: its answer, error or cancellation is shown
+
+    # How long closing waits for a cancelled job to stop before letting it go (app.workers). A job
+    # let go runs on beside later ones (two loads at once clash), so only a process that ends with
+    # the window waits a moment only (app.__main__).
+    close_wait_ms = 30_000
+    _closed = False  # closeEvent ran: a job's late outcome is dropped
+    _outcome = "ready"  # the last job's end (ready, failed, cancelled), shown while idle
+    _error_shown = ""  # the error line's text
+    _unmet = None  # (panel, message, met) of the last refusal for a precondition the user can meet
 
     def __init__(
         self, model_spec: str = "shapes-llava", model_cache: dict | None = None, session_path: str | Path | None = None
@@ -141,6 +171,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         self._build_widgets(model_spec)
         self._follow_fields()
         self._follow_answer_tokens_fields()  # Generate, a token clicked, the typed-target note (app.run_frame)
+        self._follow_status_lines()
         self._build_menus()
         self._set_busy(False)
         self._clear_answer()
@@ -157,6 +188,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
     def _build_widgets(self, model_spec: str) -> None:
         self.model_picker = QComboBox()
         self.model_picker.setEditable(True)
+        self.model_picker.setInsertPolicy(QComboBox.InsertPolicy.NoInsert)  # listed once loaded (_end_job)
         self.model_picker.addItems(BUILTIN_MODELS)
         self.model_picker.setCurrentText(model_spec)
         self.model_picker.setMinimumWidth(260)
@@ -219,29 +251,28 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         self.counterfactual_panel.add_controls(self.intervention_panel)
         self.counterfactual_panel.add_results(self.intervention_panel.results, "Interventions")
         self._build_claims_widgets()  # the Claims tab and the Attention tab's head actions (app.claims)
-        # A scroll area keeps the painter's width from setting the tab widget's minimum (which
-        # would squeeze the image canvas in every other tab); its own tab hides the canvas.
-        counterfactual_scroll = QScrollArea()
-        counterfactual_scroll.setWidgetResizable(True)
-        counterfactual_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
-        counterfactual_scroll.setWidget(self.counterfactual_panel)
+        # Each tab's page scrolls what does not fit (ScrollPage): no result (a claim step's evidence,
+        # QK/OV's text, the painter's width) can raise the window's minimum size past the screen
+        # or squeeze the image canvas in the other tabs.
         frames = self._frame_views(
             canvas=self.canvas,
-            answer=answer_panel,
-            attention=self.attention_panel,
-            dla=self.dla_panel,
-            lens=self.lens_panel,
-            counterfactual=counterfactual_scroll,
+            answer=ScrollPage(answer_panel),
+            attention=ScrollPage(self.attention_panel),
+            dla=ScrollPage(self.dla_panel),
+            lens=ScrollPage(self.lens_panel),
+            counterfactual=ScrollPage(self.counterfactual_panel),  # its own tab hides the canvas
         )
-        self.tabs = QTabWidget()
+        # The tab bar sits above the canvas and the pages, so it stays put when the Counterfactual
+        # tab hides the canvas and its page takes the whole width.
+        self.tabs = DetachedTabs()
         for widget, title in (
             (frames["answer"], "Answer"),
             (frames["attention"], "Attention"),
             (frames["dla"], "DLA"),
             (frames["lens"], "Lens"),
             (frames["counterfactual"], "Counterfactual"),
-            (self.claims_panel, "Claims"),
-            (self.audit_panel, "Audit"),
+            (ScrollPage(self.claims_panel), "Claims"),
+            (ScrollPage(self.audit_panel), "Audit"),
         ):
             self.tabs.addTab(widget, title)
         self._build_history_tab()  # the session's runs (app.session_view); selecting one restores it
@@ -271,14 +302,15 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
 
         self.progress_bar = QProgressBar()
         self.progress_bar.setTextVisible(False)
-        self.status_label = plain_label("ready")
+        self.status_label = ElidedLabel("ready")
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.clicked.connect(self.cancel)
 
-        self.error_label = plain_label()
+        # One line (the whole message in its tooltip), always there when empty: a message of any
+        # length leaves every control where it was (the controls sit at the window's bottom edge,
+        # so a growing line above them would push them all up).
+        self.error_label = ElidedLabel(selectable=True)
         self.error_label.setStyleSheet("color: #c00000;")
-        self.error_label.setWordWrap(True)
-        self.error_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
         controls = QGridLayout()
         controls.addWidget(plain_label("Model"), 0, 0)
@@ -297,28 +329,34 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         buttons.addWidget(self.answer_button)
         buttons.addWidget(self.readout_button)
         controls.addLayout(buttons, 1, 2)
-        targets = QHBoxLayout()
-        targets.addWidget(self.target_edit)
-        targets.addWidget(self.foil_edit)
-        controls.addWidget(plain_label("Target"), 4, 0)
-        controls.addLayout(targets, 4, 1, 1, 2)
         progress_row = QHBoxLayout()
         progress_row.addWidget(self.progress_bar, stretch=2)
         progress_row.addWidget(self.status_label, stretch=3)
         controls.addLayout(progress_row, 2, 1)
         controls.addWidget(self.cancel_button, 2, 2)
         controls.addWidget(self.error_label, 3, 0, 1, 3)
-        # Which file the runs are saved in; red (and kept: the error line clears on the next image or run)
-        # when it is not the one asked for.
-        self.session_label = plain_label()
-        self.session_label.setWordWrap(True)
-        self.session_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        controls.addWidget(self.target_note, 5, 0, 1, 3)
-        controls.addWidget(self.session_label, 6, 0, 1, 3)
+        # The typed-target note beside the fields, its room kept while it is hidden and its height a
+        # button's: it comes and goes without moving the fields or anything above them.
+        note_policy = self.target_note.sizePolicy()
+        note_policy.setRetainSizeWhenHidden(True)
+        self.target_note.setSizePolicy(note_policy)
+        self.target_note.setFixedHeight(self.answer_button.sizeHint().height())
+        targets = QHBoxLayout()
+        targets.addWidget(self.target_edit, stretch=2)
+        targets.addWidget(self.foil_edit, stretch=2)
+        targets.addWidget(self.target_note, stretch=3)
+        controls.addWidget(plain_label("Target"), 4, 0)
+        controls.addLayout(targets, 4, 1, 1, 2)
+        # Which file the runs are saved in (red, and kept: the error line clears on the next image or
+        # run, when it is not the one asked for): one line in the status bar, the whole in its tooltip.
+        self.session_label = ElidedLabel(selectable=True)
+        self.statusBar().addPermanentWidget(self.session_label)
 
         central = QWidget()
         layout = QVBoxLayout(central)
-        layout.addWidget(splitter, stretch=1)
+        pages = box(QVBoxLayout(), self.tabs.bar, (splitter, 1))
+        pages.setSpacing(0)  # the bar sits on its pages
+        layout.addLayout(pages, stretch=1)
         layout.addLayout(controls)
         self.setCentralWidget(central)
 
@@ -382,8 +420,12 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         self.workspace.set_input(image_sha256=image_sha256(image), image_path=path)
         self._expected = None
         self.show_error("")
-        self.statusBar().showMessage(f"{self.image_name}  {image.width}×{image.height}")
+        self.statusBar().showMessage(self._image_line())
         return True
+
+    def _image_line(self) -> str:
+        """The status bar's line for the shown image: its name and size."""
+        return f"{self.image_name}  {self.image.width}×{self.image.height}"
 
     def _read_image(self, source) -> Image.Image | None:
         """``core.load_image(source)``, or None with the reason in the error line."""
@@ -551,7 +593,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         caption = self._caption(question)
         image = self.image
         answer, foil = self._targets()
-        asked = self.workspace.input
+        asked, ask = self.workspace.input, self._ask()  # ask: the fields as typed, recorded with the run
 
         def show(result) -> None:
             if result is None:
@@ -560,7 +602,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
             self._show_answer(answered, caption)
             self.analysis_inputs = (model, image, question)
             self._show_analysis(analysis)
-            run_id = self._record(analysis, parameters={"question": question})
+            run_id = self._record(analysis, parameters=asked_parameters(ask))
             results = {"analyze": analysis, "answer": answered.to_dict()}
             self.workspace.show_run(ShownRun(run_id, "analyze", self._made_for(asked), results))
 
@@ -596,7 +638,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
             self.last_counterfactual = result
             self.counterfactual_panel.set_result(result)
             options_text = {k: str(v) for k, v in options.items()}
-            parameters = {**asked_parameters(ask.question, ask.answer_text), "fill": fill, **options_text}
+            parameters = {**asked_parameters(ask), "fill": fill, **options_text}
             run_id = self._record(result, mask=mask, parameters=parameters)
             self.workspace.add_result("counterfactual", result.to_dict(), run_id, self._made_for(asked))
 
@@ -615,7 +657,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
             if result is None:
                 return
             self.counterfactual_panel.set_sweep(result)
-            run_id = self._record(result, parameters=asked_parameters(ask.question, ask.answer_text))
+            run_id = self._record(result, parameters=asked_parameters(ask))
             self.workspace.add_result("sweep", result.to_dict(), run_id, self._made_for(asked))
 
         self._start(show, sweep_job, self.model_cache, ask, int(k), fill, dict(options), clear=False)
@@ -686,11 +728,20 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         else:
             self.intervention_panel.set_patch_sites(None)
 
-    def _refuse_intervention(self, message: str) -> bool:
-        """An intervention that cannot run as chosen: the reason in the box and the error line."""
-        self.intervention_panel.show_message(message, error=True)
-        self.show_error(message)
-        return False
+    def _selected_other_than(self, selected):
+        """``met()`` of a refusal about the selection ``selected`` (None: nothing selected): a current
+        (not stale) component is selected, another than that one."""
+
+        def met() -> bool:
+            current = self.selection.current
+            return current is not None and not current.stale and current is not selected
+
+        return met
+
+    def _refuse_intervention(self, message: str, met=None) -> bool:
+        """An intervention that cannot run as chosen: the reason in the box and the error line (until
+        ``met()``, when given, holds: :meth:`_refuse_until`)."""
+        return self._refuse_until(self.intervention_panel, message, met)
 
     def ablate_selected(self) -> bool:
         """Ablate the component selected last in Attention, DLA or Lens with the Interventions box's
@@ -700,24 +751,30 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         if self.is_busy() or not self._has_image():
             return False
         panel, selected = self.intervention_panel, self.selection.current
+        selected_again = self._selected_other_than(selected)
         if selected is None:
             return self._refuse_intervention(
-                "select a component first: Read out, then click a head (Attention), a bar (DLA) or a lens row (Lens)"
+                "select a component first: Read out, then click a head (Attention), a bar (DLA) or a lens row (Lens)",
+                selected_again,
             )
         if selected.stale:
             return self._refuse_intervention(
-                f"{selected.name} was selected in another read-out than the one shown: select it again"
+                f"{selected.name} was selected in another read-out than the one shown: select it again",
+                selected_again,
             )
         from core.methods.component_ablation import parse_component  # loaded with the read-out it was selected in
 
         try:
             parse_component(selected.name, self._block_names())  # embed, a bias: not a write a forward can ablate
         except core.ReadoutError as e:
-            return self._refuse_intervention(str(e))
+            return self._refuse_intervention(str(e), selected_again)
         kind, positions = panel.kind(), panel.positions()
         mask = self.counterfactual_panel.mask() if positions == "region" else None
         if mask is not None and not mask.any():
-            return self._refuse_intervention("positions 'painted region': paint a region in the Counterfactual tab")
+            return self._refuse_intervention(
+                "positions 'painted region': paint a region in the Counterfactual tab",
+                lambda: panel.positions() != "region" or self.counterfactual_panel.mask().any(),
+            )
         request = AblationRequest(selected.name, selected.view, kind, positions, mask=mask)
         if kind == "mean":
             if not panel.references:
@@ -727,7 +784,9 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         elif kind == "resample":
             source = panel.source()
             if source is None:
-                return self._refuse_intervention("resample ablation: choose a source image (a sample or File…)")
+                return self._refuse_intervention(
+                    "resample ablation: choose a source image (a sample or File…)", lambda: panel.source() is not None
+                )
             request = dataclasses.replace(request, source=source, source_path=source)
         self._start_intervention(ablation_job, request, mask=mask)
         panel.show_message(f"running: {selected.name} {kind} ablation…")
@@ -743,11 +802,14 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         panel = self.intervention_panel
         source = panel.source() if source is None else source
         if source is None:
-            return self._refuse_intervention("patching: choose a source image (a sample or File…)")
+            return self._refuse_intervention(
+                "patching: choose a source image (a sample or File…)", lambda: panel.source() is not None
+            )
         mask = None if panel.positions() == "all" else self.counterfactual_panel.mask()
         if mask is not None and not mask.any():
             return self._refuse_intervention(
-                "patching: paint a region in the Counterfactual tab (or choose all positions: every visual token)"
+                "patching: paint a region in the Counterfactual tab (or choose all positions: every visual token)",
+                lambda: panel.positions() == "all" or self.counterfactual_panel.mask().any(),
             )
         source_image = self._read_image(source)
         if source_image is None:
@@ -769,7 +831,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
                 return
             self.last_intervention = result
             self._show_intervention_result(result.to_dict())  # as a restored run shows it
-            run_id = self._record(result, mask=mask, parameters=asked_parameters(ask.question, ask.answer_text))
+            run_id = self._record(result, mask=mask, parameters=asked_parameters(ask))
             self.workspace.add_result("intervention", result.to_dict(), run_id, self._made_for(asked))
 
         self._start(show, job, self.model_cache, ask, *args, clear=False)
@@ -786,18 +848,26 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         ``clear``: forget the shown answer first (new answers; not for follow-up read-outs); ``failed(message)``:
         runs on failure after the error line shows it (a panel saying it too)."""
         self.show_error("")
+        self._unmet = None  # a refusal's message gives way to the job's
         if clear:
             self._clear_answer()
         job = Worker(fn, *args)
-        job.progress.connect(self._on_progress)
-        job.failed.connect(self._on_failed)
+
+        def while_open(handler):  # an outcome queued as the window closed is nobody's (nothing recorded)
+            return lambda *outcome: None if self._closed else handler(*outcome)
+
+        job.progress.connect(while_open(self._on_progress))
+        job.failed.connect(while_open(self._on_failed))
         if failed is not None:
-            job.failed.connect(failed)  # after _on_failed: its _end_job clears the panels' "running" lines
-        job.cancelled.connect(self._on_cancelled)
-        job.finished.connect(show_result)
-        job.finished.connect(lambda _result: self._end_job("ready"))
+            job.failed.connect(while_open(failed))  # after _on_failed: its _end_job clears the panels' "running" lines
+        job.cancelled.connect(while_open(self._on_cancelled))
+        job.finished.connect(while_open(show_result))
+        job.finished.connect(while_open(lambda _result: self._end_job("ready")))
         self._job = self.workers.start(job)
         self._set_busy(True)
+        self.status_label.setText(JOB_STATUS.get(fn, "working…"))  # at once: the job's own lines follow
+        if self.image is not None:  # a "run #N shown" line from the History is not what is shown now
+            self.statusBar().showMessage(self._image_line())
 
     def _on_progress(self, done: int, total: int, message: str) -> None:
         if total <= 0:
@@ -825,11 +895,32 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
             self.head_methods.show_message("")
         self._set_busy(False)
         self._note_loaded_model()  # its fingerprint, dtype and device: known once loaded
+        if self.loaded_model() is not None:  # only a model that loaded joins the picker's list
+            self._remember_model(self.model_choice())
+        self._show_status(status)
+        self.idle.emit()
+
+    def _show_status(self, status: str) -> None:
+        """The status line when idle: ``status`` (ready, failed, cancelled), and beside it each load
+        warning of the model picked (e.g. unexpected tensors in the weights), while it is picked."""
+        self._outcome = status
         loaded = self.loaded_model()
         notes = loaded.info.get("warnings", []) if loaded is not None else []
-        # a load warning (e.g. unexpected tensors in the weights) stays beside every status of that model
         self.status_label.setText("; ".join([status, *(f"warning: {' '.join(n.split())}" for n in notes)]))
-        self.idle.emit()
+
+    def _follow_status_lines(self) -> None:
+        """Keep the status and error lines true as the window changes: another model picked (its own
+        load warnings), and a refusal's precondition met (a region painted, a component selected,
+        a positions or source choice made; the Claims tab's fields: app.claims)."""
+        for picker in (self.model_picker, self.dtype_picker, self.device_picker):
+            picker.currentTextChanged.connect(
+                lambda _text: None if self.is_busy() else self._show_status(self._outcome)
+            )
+        self.counterfactual_panel.mask_changed.connect(self._recheck_refusal)
+        disconnect = self.selection.changed.connect(self._recheck_refusal)
+        self.destroyed.connect(lambda *_: disconnect())
+        self.intervention_panel.positions_combo.currentIndexChanged.connect(self._recheck_refusal)
+        self.intervention_panel.source_combo.currentIndexChanged.connect(self._recheck_refusal)
 
     def _set_busy(self, busy: bool) -> None:
         # Disabling the focused button would hand the focus to the next field (the Question, its text
@@ -863,8 +954,35 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
     # ----- output -------------------------------------------------------
 
     def show_error(self, message: str) -> None:
-        """One line of red text; an empty message clears it."""
-        self.error_label.setText(" ".join(message.split()))
+        """One line of red text; an empty message clears it, and with it (when no job runs) the
+        last job's "failed" or "cancelled": clearing it is what a new action that went well does."""
+        self._error_shown = " ".join(message.split())
+        self.error_label.setText(self._error_shown)
+        if not self._error_shown and not self.is_busy():
+            self._show_status("ready")
+
+    def _refuse_until(self, panel, message: str, met=None) -> bool:
+        """Refuse a run for a precondition the user can meet: ``message`` in ``panel`` (one with
+        ``show_message`` and ``message_label``) and the error line, until ``met()`` holds (a region
+        painted, a head selected, a field filled: checked as those change). Returns False."""
+        panel.show_message(message, error=True)
+        self.show_error(message)
+        self._unmet = None if met is None else (panel, " ".join(message.split()), met)
+        return False
+
+    def _recheck_refusal(self, *_args, **_kwargs) -> None:
+        """The last refusal's precondition met: its message goes from its panel and the error
+        line, where they still show it (a later message stays)."""
+        if self._unmet is None:
+            return
+        panel, message, met = self._unmet
+        if not met():
+            return
+        self._unmet = None
+        if panel.message_label.text() == message:
+            panel.show_message("")
+        if self._error_shown == message:
+            self.show_error("")
 
     def _clear_answer(self) -> None:
         self.last_answer = None
@@ -873,7 +991,6 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
 
     def _show_answer(self, result: core.Answer, caption: str) -> None:
         self.last_answer = result
-        self._remember_model(self.model_choice())
         self.answer_panel.show_answer(result, caption)
 
     def _show_pairs(
@@ -888,11 +1005,12 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         self.attention_panel.set_result(analysis)
         self.dla_panel.set_result(analysis)
         self.lens_panel.set_result(analysis, readers=(analysis or {}).get("tuned_lens") or {})
-        if analysis is None:
-            self.canvas.clear_heatmap()
+        if analysis is None:  # the grids, notes and heatmap were the run's
+            self.canvas.set_tokens(None)
+            self.counterfactual_panel.set_tokens(None)
             return
         tokens = analysis["input"]["visual_tokens"]
-        self.canvas.set_tokens(tokens, view_names=self._view_names(analysis))
+        self.canvas.set_tokens(tokens, view_names=self._view_names(analysis), token_read=read_token(analysis))
         note = describe_token_layout(tokens, analysis["model"].get("family"))
         self.canvas.set_token_note(note)
         self.counterfactual_panel.set_tokens(tokens, view_names=self._view_names(analysis))
@@ -939,7 +1057,11 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         self._expected = None
 
     def closeEvent(self, event) -> None:
-        """Cancel running jobs and join their threads before the window goes."""
-        self.workers.shutdown()
+        """Cancel running jobs and join their threads before the window goes; one still running after
+        ``close_wait_ms`` (in a forward it cannot leave) is let go (app.workers): nothing of it is
+        shown or recorded (its outcome is dropped, the session closed)."""
+        self._closed = True
+        self._job = None
+        self.workers.shutdown(self.close_wait_ms)
         self._close_session()
         super().closeEvent(event)

@@ -25,7 +25,7 @@ import core
 from app.components import ModelChoice, RunInput, RunView, ShownRun, Workspace
 from app.components.workspace import ASKED_FIELDS, AnswerTokens, answer_token_label
 from app.jobs import GENERATE_TOKENS, generate_job, typed_token
-from app.widgets import ElidedLabel
+from app.widgets import KeepingLabel
 
 CURRENT_STYLE = "color: #555555; padding: 1px 4px;"
 STALE_STYLE = "color: #5a3b00; background: #ffd27a; padding: 1px 4px;"  # amber: not the current input
@@ -54,7 +54,7 @@ class RunFrame(QWidget):
         super().__init__(parent)
         self.panel = panel
         self.view = view
-        self.header = ElidedLabel()
+        self.header = KeepingLabel()
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(2)
@@ -75,7 +75,7 @@ class RunFrame(QWidget):
 
     def refresh(self) -> None:
         """Redraw the header from the view."""
-        self.header.setText(self.view.header())
+        self.header.setText(self.view.header(), keep=self.view.header_kept())  # the token read stays readable
         self.header.setStyleSheet(STALE_STYLE if self.view.stale else CURRENT_STYLE)
 
 
@@ -201,7 +201,6 @@ class AnswerTokensMixin:
                 self._forget_answer_token()
             made_for = self._made_for(dataclasses.replace(asked, answer_text=kept))
             tokens = AnswerTokens.of_generation(generation, made_for)
-            self._remember_model(model)
             self._set_answer_tokens(tokens)
             self.answer_panel.show_generated(tokens, caption)
             if not tokens.token_ids:

@@ -11,8 +11,10 @@ window refreshes both tables there. Nothing refreshes them by hand after a recor
 A run is restored from what the session stored (:meth:`SessionMixin.restore_run`):
 the image (its file when that still holds the same pixels, else the stored
 pixels), the question, the model (in the dtype and on the device it ran in), the
-answer token read out (the answer's tokens, the chosen one highlighted), the target fields and the panels, drawn
-from the stored result JSON exactly as they were drawn when the run was made.
+answer token read out (the answer's tokens, the chosen one highlighted), the target fields (as typed) and the
+panels, drawn from the stored result JSON exactly as they were drawn when the run was made; and the controls its
+request was made from (fill, painted region, sweep k, the Interventions box's choices, the token budget, a
+claim's fields), so pressing its button again runs the run shown. What the run did not store is said in red.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from PySide6.QtWidgets import QFileDialog, QMessageBox
 import core
 from app.components import ModelChoice
 from app.components.workspace import AnswerTokens, RunInput, ShownRun, answer_token_label
-from app.jobs import answer_of, model_load_job
+from app.jobs import Ask, answer_of, model_load_job
 from app.panels.history_panel import THUMBNAIL_PX, HistoryPanel
 from core.answer_text import AnswerText
 from core.images import image_sha256
@@ -44,6 +46,8 @@ READ_ONLY_NOTE = "read-only; new runs are not saved into it"
 HEAD_METHOD_KINDS = ("nonunique", "qk-ov")
 # the run kinds whose panels a restore draws (other kinds restore their input only)
 PANEL_KINDS = ("analyze", "counterfactual", "sweep", "intervention", *HEAD_METHOD_KINDS)
+# the Target and foil fields as typed, in the parameters the app records (:func:`asked_parameters`)
+TYPED_TARGET, TYPED_FOIL = "typed_target", "typed_foil"
 CLAIM_KINDS = ("validate",)  # checked on a model and a dataset, not on the shown input: the Claims tab restores them
 
 
@@ -179,10 +183,64 @@ def answer_text_of(run: Run) -> AnswerText | None:
     return AnswerText.from_dict(source or {})
 
 
-def asked_parameters(question: str, answer_text: AnswerText | None) -> dict:
-    """The parameters the app records with a follow-up run: the question, and the answer token
-    read out (its answer's tokens and index: what a restore needs to read there again)."""
-    return {"question": question, **(answer_text.to_dict() if answer_text is not None else {})}
+def uses_painted_region(run: Run) -> bool:
+    """Whether the run's request read the painted region: a counterfactual, an ablation at the
+    painted region, a patch of the region's tokens, any run recorded with a mask."""
+    parameters = run.parameters or {}
+    return (
+        run.mask_id is not None
+        or run.kind == "counterfactual"
+        or (run.kind == "intervention" and parameters.get("positions") == "region")
+        or "painted region" in (parameters.get("token_sets") or {})
+    )
+
+
+def asked_parameters(ask: Ask) -> dict:
+    """The parameters the app records with a run of the shown input (``ask``, as the job started
+    with it): the question, the Target and foil fields as typed (a word of several tokens reads
+    its first sub-token: the result names only that token, a restore puts the words back), and
+    the answer token read out (its answer's tokens and index: what a restore needs to read there
+    again)."""
+    answer_text = ask.answer_text
+    return {
+        "question": ask.question,
+        TYPED_TARGET: ask.answer,
+        TYPED_FOIL: ask.foil,
+        **(answer_text.to_dict() if answer_text is not None else {}),
+    }
+
+
+def claim_choices(panel, region) -> dict:
+    """What the app records with a ``validate`` run of the Claims panel's choices (``panel``, a
+    :class:`app.panels.claims_panel.ClaimsPanel`, when Run was pressed) beyond the claim's own
+    parameters and the dataset file (:func:`core.validate.source_files`): the subjects as typed,
+    n, and whether the painted region (``region``, None: not used) was the lines' target."""
+    return {"typed_subjects": panel.subject_edit.text().strip(), "n": panel.n(), "painted_region": region is not None}
+
+
+def restore_claim_choices(panel, run: Run, validation) -> str | None:
+    """Put a ``validate`` run's choices back in the Claims panel (:func:`claim_choices`; a run of an
+    older session: its chains' subjects and its search set's size): subjects, claim, data, n, the
+    painted-region box. The painted region itself is not stored with the run: returns a line saying
+    so when the run used one (None otherwise)."""
+    parameters = run.parameters or {}
+    panel.subject_edit.setText(parameters.get("typed_subjects") or ", ".join(c.subject for c in validation.chains))
+    panel.claim_edit.setText(validation.claim.text)
+    source = parameters.get("dataset")  # a file source's path; the generated scenes record none
+    if source is None:
+        panel.set_dataset("scenes")
+    elif panel.bundled is not None and Path(source) == Path(panel.bundled):
+        panel.set_dataset("bundled")
+    else:
+        panel.set_folder(source)
+    panel.n_spin.setValue(int(parameters.get("n") or validation.search.n_samples))
+    used_region = bool(parameters.get("painted_region"))
+    panel.region_check.setChecked(used_region)
+    if used_region:
+        return (
+            f"run #{run.id} used a painted region that is not stored with it: the region painted now is not the run's"
+        )
+    return None
 
 
 def picked_dtype_and_device(ran_in: dict, shown: ModelChoice) -> tuple[str, str]:
@@ -194,11 +252,15 @@ def picked_dtype_and_device(ran_in: dict, shown: ModelChoice) -> tuple[str, str]
     return dtype, "auto" if "+" in device else device
 
 
-def target_fields(kind: str, result, answer_text: AnswerText | None = None) -> tuple[str, str]:
-    """What the Target and foil fields held for the run: the answer token when it was not the one
-    an empty field asks for (the answer token read, ``answer_text``, else the model's own top
-    token), the foil when there was one. Either way a re-run reads the same numbers."""
-    target = unedited_target(kind, result)
+def target_fields(run: Run, answer_text: AnswerText | None = None) -> tuple[str, str]:
+    """What the Target and foil fields held for the run: as typed, where the app recorded them
+    (:func:`asked_parameters`); else (a run of an older session, or of the CLI) the answer token
+    when it was not the one an empty field asks for (the answer token read, ``answer_text``, else
+    the model's own top token), the foil when there was one. Either way a re-run reads the same numbers."""
+    parameters = run.parameters or {}
+    if isinstance(parameters.get(TYPED_TARGET), str) and isinstance(parameters.get(TYPED_FOIL), str):
+        return parameters[TYPED_TARGET], parameters[TYPED_FOIL]
+    target = unedited_target(run.kind, run.result)
     if target is None:
         return "", ""
     answer = target.get("answer") or ""
@@ -431,6 +493,7 @@ class SessionMixin:
         results = {run.kind: run.result}
         try:
             self._draw_run(restored)
+            self._restore_controls(restored)
         except (KeyError, TypeError, ValueError, IndexError) as e:  # a result of another shape or version
             self._show_analysis(None)
             restored.analysis, results = None, {}  # no view claims content it could not draw
@@ -457,7 +520,7 @@ class SessionMixin:
         """Read everything ``run`` needs from the session (nothing on screen changes)."""
         image, name, path = self._run_image(run)
         answer_text = answer_text_of(run)
-        answer, foil = target_fields(run.kind, run.result, answer_text)
+        answer, foil = target_fields(run, answer_text)
         ran_in = run.dtype_and_device
         spec = (run.model or {}).get("spec") or self.model_spec()
         restored = RestoredRun(
@@ -477,7 +540,9 @@ class SessionMixin:
         if run.kind == "analyze":
             restored.analysis, restored.analysis_id = run.result, run.id
         elif run.kind in PANEL_KINDS:
-            restored.analysis_id, restored.analysis = self._analysis_of_input(run, restored.question, answer_text)
+            restored.analysis_id, restored.analysis = self._analysis_of_input(
+                run, restored.question, answer_text, (answer, foil)
+            )
         if run.mask_id is not None:
             restored.mask = self.session.mask(run.mask_id)
         return restored
@@ -521,10 +586,12 @@ class SessionMixin:
         return image, name, None
 
     def _analysis_of_input(
-        self, run: Run, question: str, answer_text: AnswerText | None = None
+        self, run: Run, question: str, answer_text: AnswerText | None = None, targets: tuple[str, str] = ("", "")
     ) -> tuple[int | None, dict | None]:
-        """The latest analyze run before ``run`` on the same image, question, model and answer token
-        (its id and result), or ``(None, None)``: what the read-out panels showed when ``run`` was made."""
+        """The latest analyze run before ``run`` on the same image, question, model, answer token and
+        Target and foil fields (``targets``, :func:`target_fields`) (its id and result), or ``(None,
+        None)``: what the read-out panels showed, current, when ``run`` was made (a read-out of another
+        Target was stale beside it, and is not shown as the run's)."""
         spec = (run.model or {}).get("spec")
         for info in reversed(self.session.runs("analyze")):
             if info.id > run.id or info.image_sha256 != run.image_sha256 or info.model != spec:
@@ -533,7 +600,11 @@ class SessionMixin:
                 candidate = self.session.run(info.id)
             except DamagedRunError:  # a damaged run is no run's analysis
                 continue
-            if question_of(candidate) == question and answer_text_of(candidate) == answer_text:
+            if (
+                question_of(candidate) == question
+                and answer_text_of(candidate) == answer_text
+                and target_fields(candidate, answer_text) == targets
+            ):
                 return info.id, candidate.result
         return None, None
 
@@ -584,6 +655,30 @@ class SessionMixin:
             self._restore_selection(run.parameters or {})  # the component ablated, in the view it was selected in
         elif run.kind in HEAD_METHOD_KINDS:
             self._draw_head_method(run.kind, run.result)  # app.claims
+
+    def _restore_controls(self, restored: RestoredRun) -> None:
+        """Set the controls the run's request was made from, beyond the image, question, model,
+        Target and foil that :meth:`restore_run` sets and the component :meth:`_draw_run` selects:
+        the fill (and the painted region) of a counterfactual, a sweep's k and fill, the
+        Interventions box's choices, a generation's token budget; so pressing the run's button
+        again runs the run shown. What cannot be set again is marked where it shows and said in
+        the error line (``restored.notes``)."""
+        run = restored.run
+        parameters, result = run.parameters or {}, run.result
+        notes: list[str | None] = []
+        if run.kind == "counterfactual":
+            notes.append(self.counterfactual_panel.restore_fill(result, run.id))
+        elif run.kind == "sweep":
+            notes.append(self.counterfactual_panel.restore_sweep(result["sweep"], run.id))
+        elif run.kind == "intervention":
+            notes += self.intervention_panel.restore_choices(parameters, result, run.id)
+        elif run.kind == "generate" and parameters.get("max_new_tokens"):
+            self.answer_panel.set_generate_budget(int(parameters["max_new_tokens"]))
+        if uses_painted_region(run) and not np.array_equal(self.counterfactual_panel.mask(), restored.mask):
+            missing = f"the painted region of run #{run.id} is not stored with it: the region shown is not the run's"
+            self.counterfactual_panel.show_message(missing, error=True)
+            notes.append(missing)
+        restored.notes += [note for note in notes if note]
 
     def _show_intervention_result(self, result: dict) -> None:
         """The Interventions table of a stored intervention result (an ablation or a visual patch)."""

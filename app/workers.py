@@ -13,18 +13,25 @@ is emitted per run, on the GUI thread. Expected engine errors
 (:class:`core.ReadoutError`) fail with their one-line message; anything else
 fails with a one-line summary (the traceback goes to the log), never a crash.
 A :class:`WorkerPool` starts workers, keeps each until its thread has ended
-and joins them all on :meth:`WorkerPool.shutdown`.
+and joins them on :meth:`WorkerPool.shutdown`. A function that does not poll
+``cancel`` within the shutdown's time (one long forward of a large model) is let
+go rather than waited for: its signals are blocked, so nothing of it reaches the
+closing window (nothing is shown or recorded), and it is kept here until its
+thread ends (:func:`abandoned_workers`), since destroying a running ``QThread``
+aborts the process. ``app.__main__`` then exits without waiting for it; any other
+process joins it at exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from PySide6.QtCore import QObject, QThread, Signal, Slot
+from PySide6.QtCore import QDeadlineTimer, QObject, QThread, Signal, Slot
 
 from core import ReadoutError
 
@@ -150,6 +157,7 @@ class WorkerPool(QObject):
         Connect to the worker's signals before this call: a signal emitted
         before a connection exists is not delivered.
         """
+        abandoned_workers()  # joins those let go earlier that have ended since
         worker.qthread.finished.connect(self._forget_finished)
         self._workers.append(worker)
         worker.start()
@@ -160,16 +168,23 @@ class WorkerPool(QObject):
         return list(self._workers)
 
     def shutdown(self, timeout_ms: int = 30_000) -> bool:
-        """Cancel every worker and join its thread; True if all ended in time."""
+        """Cancel every worker and join its thread, within ``timeout_ms`` for them all; True if all
+        ended in time. A worker still running then is let go (see the module docstring): the pool
+        forgets it and none of its signals is emitted any more."""
+        deadline = QDeadlineTimer(timeout_ms)
         for worker in self._workers:
             worker.cancel()
+        all_ended = True
         for worker in list(self._workers):
-            if worker.qthread.wait(timeout_ms):
+            self._workers.remove(worker)
+            if worker.qthread.wait(deadline):
                 worker.release_collection()  # the queued slot may never run: the window is closing
-                self._workers.remove(worker)
             else:
-                log.error("a background job did not stop within %d ms", timeout_ms)
-        return not self._workers
+                all_ended = False
+                worker.blockSignals(True)  # its outcome, when it comes, is nobody's
+                _LET_GO.append(worker)
+                log.info("a background job was still running at shutdown: let go")
+        return all_ended
 
     @Slot()
     def _forget_finished(self) -> None:
@@ -177,3 +192,25 @@ class WorkerPool(QObject):
         for worker in [w for w in self._workers if w.returned]:
             worker.qthread.wait()
             self._workers.remove(worker)
+
+
+# Workers a shutdown let go while their function still ran, kept until their thread has ended.
+_LET_GO: list[Worker] = []
+
+
+def abandoned_workers() -> list[Worker]:
+    """The workers a :meth:`WorkerPool.shutdown` let go whose thread still runs; those that
+    have ended are joined and dropped (call on the GUI thread)."""
+    for worker in [w for w in _LET_GO if w.qthread.isFinished()]:
+        worker.qthread.wait()
+        worker.release_collection()
+        _LET_GO.remove(worker)
+    return list(_LET_GO)
+
+
+@atexit.register
+def _join_let_go() -> None:
+    """A process that exits normally waits for the workers let go (cancelled, they end at their
+    next poll): a ``QThread`` destroyed while it runs aborts the process."""
+    for worker in list(_LET_GO):
+        worker.qthread.wait()

@@ -14,13 +14,12 @@ from typing import Any, ClassVar
 
 from core.answer_text import AnswerText, run_parameters
 from core.audit import AuditRecord
-from core.capture import capture
 from core.errors import QuestionError
 from core.images import image_sha256, load_image
-from core.methods.patterns import FULL_PATTERN_LIMIT, RolloutStream  # FULL_PATTERN_LIMIT: re-exported
-from core.models.memory import check_working_set
+from core.methods.patterns import FULL_PATTERN_LIMIT  # re-exported
 from core.readout import Target, jsonable
-from core.readouts import ANALYZE_READOUTS, READOUTS, TEXT_PATTERN_LIMIT, ReadoutOptions, SampleContext, pattern_rows
+from core.readouts import ANALYZE_READOUTS, READOUTS, TEXT_PATTERN_LIMIT, ReadoutOptions
+from core.readouts.pipeline import capture_batch
 from core.readouts.residual import reconstruction_line
 from core.views import family_view_names
 
@@ -208,23 +207,13 @@ def analyze(
     img = load_image(image)
     step(0, 4, "capturing")
     prefix = answer_text.prefix_ids if answer_text is not None else ()
-    inputs = adapter.prepare([img], [question], raw_prompt=raw_prompt, answer_prefix=prefix)
-    n_tokens = inputs.input_ids.shape[1]
-    # refused in one line before the forward, not by the allocator halfway through it
-    check_working_set(loaded, n_tokens, "capture", eager=attention == "eager")
-    stream = RolloutStream(rollout_alpha) if n_tokens <= FULL_PATTERN_LIMIT else None
-    trace = capture(  # checked: finite logits at the answer, the processor agreeing with the model
-        loaded,
-        img,
-        question,
-        query_positions=pattern_rows(adapter, inputs, len(prefix)),
-        inputs=inputs,
-        attention=attention,
-        pattern_streams=[stream] if stream is not None else [],
-    )
-    pos = int(trace.answer_positions[0])
-    logits = trace.logits[0, pos].float().cpu()
-    predicted = int(logits.argmax())
+    options = ReadoutOptions(rollout_alpha=rollout_alpha, lens_top_k=LENS_TOP_K, answer_top_k=TOP_K, tuned=tuned)
+    captured = capture_batch(  # refused in one line before the forward if it would not fit
+        loaded, [img], [question], options, answer_prefix=prefix, raw_prompt=raw_prompt, attention=attention,
+        check_memory=True,
+    )  # fmt: skip
+    trace = captured.trace
+    predicted = int(captured.logits[0].argmax())
     if answer is not None and answer != "":
         answer_id = adapter.as_token_id(answer)
     else:
@@ -234,30 +223,14 @@ def analyze(
         raise QuestionError("the foil must differ from the answer")
     tokens = adapter.visual_tokens(img.size, trace.visual_positions[0].tolist())
     view_names = family_view_names(adapter, img.size)  # the views the geometry cannot name (core.views)
-    options = ReadoutOptions(rollout_alpha=rollout_alpha, lens_top_k=LENS_TOP_K, answer_top_k=TOP_K, tuned=tuned)
-    ctx = SampleContext(
-        loaded,
-        None,
-        img,
-        None,
-        trace,
-        0,
-        trace.query_positions.tolist().index(pos),
-        stream,
-        logits,
-        answer_id,
-        foil_id,
-        predicted,
-        options,
-        tokens,
-        position=pos,
-        question=question,
-        answer_prefix=tuple(prefix),
-    )
+    ctx = captured.context(
+        loaded, 0, answer_id=answer_id, options=options, image=img, foil_id=foil_id, tokens=tokens,
+        question=question, answer_prefix=tuple(prefix),
+    )  # fmt: skip
     sections: dict[str, Any] = {}
     audits: list[AuditRecord] = []
     for name in ANALYZE_READOUTS:
-        if name in _STEPS and (name != "rollout" or stream is not None):
+        if name in _STEPS and (name != "rollout" or captured.rollout is not None):
             done, message = _STEPS[name]
             step(done, 4, message)
         readout = READOUTS[name]

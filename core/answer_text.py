@@ -177,3 +177,55 @@ def word_tokens(adapter, word: str) -> list[tuple[int, str]]:
     it; more than one entry means the word spans several tokens (the caller
     reads its first sub-token or names the answer position instead)."""
     return [(i, adapter.token_str(i)) for i in adapter.text_ids(word)]
+
+
+@dataclass(frozen=True)
+class TypedToken:
+    """A Target or foil field's text as this model's tokenizer splits it: one token, or
+    several (a word the vocabulary holds in pieces), of which the first is read."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    tokens: tuple[str, ...]
+
+    @property
+    def token_id(self) -> int:
+        """The token read: the text's one token, or its first sub-token."""
+        return self.token_ids[0]
+
+    @property
+    def spans_several(self) -> bool:
+        return len(self.token_ids) > 1
+
+    def note(self) -> str:
+        """``'blue square' is 2 tokens for this model: blue | square; reading its first sub-token 'blue'``
+        (empty for one token)."""
+        if not self.spans_several:
+            return ""
+        return (
+            f"{self.text!r} is {len(self.token_ids)} tokens for this model: {' | '.join(self.tokens)}; "
+            f"reading its first sub-token {self.tokens[0]!r}"
+        )
+
+
+def typed_token(adapter, text: str, what: str | None = None) -> TypedToken | None:
+    """An answer or foil as typed (the app's Target / foil field, the command
+    line's ``--answer`` / ``--foil``) for this model: the one rule both use.
+    None for empty text; one token is that token; text the tokenizer splits
+    into several reads its first sub-token (:meth:`TypedToken.note` says so).
+    QuestionError (one line, starting with ``what`` where given) for text that
+    is no token, or holds markup or a word the vocabulary lacks."""
+    text = text.strip()
+    if not text:
+        return None
+    # over-long text (no token is this long) or one token (or none): the engine's own checks and message,
+    # before a long text is tokenised
+    pieces = [] if len(text) > MAX_TOKEN_CHARACTERS else word_tokens(adapter, text)
+    if len(pieces) <= 1:
+        token_id = adapter.token_id(text, what=what)
+        return TypedToken(text, (token_id,), (adapter.token_str(token_id),))
+    ids = [i for i, _ in pieces]
+    label = f"{what} {text!r}" if what else repr(text)
+    adapter.check_markup(text, ids, what=label)  # '<image> blue' would read the placeholder's token
+    adapter.check_known_words(text, ids, what=label)
+    return TypedToken(text, tuple(i for i, _ in pieces), tuple(t for _, t in pieces))

@@ -188,12 +188,9 @@ def _limits(loaded, max_new_tokens: int | None) -> tuple[int, int]:
     folder's generation config's, else :data:`DEFAULT_MAX_NEW_TOKENS`; the
     longest sequence (prompt and answer), the smaller of the model's position
     limit and the generation config's ``max_length``."""
-    config = getattr(loaded.model, "generation_config", None)
+    folders_new_tokens, max_length = loaded.adapter.generation_limits()
     if max_new_tokens is None:
-        max_new_tokens = getattr(config, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS
-    max_length = loaded.adapter.max_positions()
-    if getattr(config, "max_length", None):
-        max_length = min(max_length, int(config.max_length))
+        max_new_tokens = folders_new_tokens or DEFAULT_MAX_NEW_TOKENS
     return max_new_tokens, max_length
 
 

@@ -8,6 +8,7 @@ from app.canvas.image_canvas import (
     ImageCanvas,
     as_canvas_tokens,
     describe_token_layout,
+    read_token,
 )
 
 __all__ = [
@@ -18,5 +19,6 @@ __all__ = [
     "as_canvas_tokens",
     "box_slices",
     "describe_token_layout",
+    "read_token",
     "stroke_footprint",
 ]

@@ -43,7 +43,9 @@ from PySide6.QtWidgets import (
 from app.canvas.brush import MaskPainter
 from app.canvas.items import GridItem, PatchHeatmapItem, box_rect, cosmetic_pen, layer_clips
 from app.canvas.views import ALL_VIEWS, ViewSelector, default_choice, shown_views
-from app.widgets import ElidedLabel, plain_label
+from app.components.workspace import answer_token_label
+from app.widgets import KeepingLabel, elide_keeping, plain_label
+from core.answer_text import AnswerText
 from core.methods.counterfactual import INTERPOLATED_FLAG
 from core.methods.patterns import primary_image as _primary_image
 from core.views import ImageView, image_views
@@ -135,6 +137,19 @@ def describe_token_layout(tokens: Sequence, family: str | None = None) -> str:
     return "; ".join(notes)
 
 
+def read_token(analysis: Mapping) -> str:
+    """The token an analyze result's maps are about (the answer row predicts it): ``answer token 2
+    'zero'`` when it read at a token of an answer (with ``target 'blue' at`` before it when another
+    target was typed), else ``answer 'square'``."""
+    target = analysis.get("target") or {}
+    answer_text = AnswerText.from_dict(analysis.get("input") or {})
+    if answer_text is None:
+        return f"answer {target.get('answer')!r}"
+    at = answer_token_label(answer_text)
+    typed = target.get("answer_id") is not None and int(target["answer_id"]) != answer_text.token_id
+    return f"target {target.get('answer')!r} at {at}" if typed else at
+
+
 class _CanvasViewBox(pg.ViewBox):
     """A ViewBox that hands left-button drags and clicks to the canvas's tool
     while a paint tool is active; otherwise it pans and zooms as usual."""
@@ -201,6 +216,7 @@ class ImageCanvas(QWidget):
         self.levels: tuple[float, float] | None = None
         self.colormap: pg.ColorMap | None = None
         self.heatmap_label = ""
+        self.token_read = ""  # the token the tokens' run is about: every heatmap's title names it
         self._heat_request: tuple = (None, None)  # the levels and colour map set_heatmap was given
         self._boxes = np.zeros((0, 4))
         self._mode = "view"
@@ -232,9 +248,10 @@ class ImageCanvas(QWidget):
         self.fit_button.setText("Fit")
         self.fit_button.setToolTip("fit the whole image in the view (F)")
         self.fit_button.clicked.connect(self.fit_view)
-        # one elided line (the whole title in its tooltip): a long title neither widens the window
-        # (1280 px must hold every panel) nor pushes the image down by a line
-        self.heatmap_title = ElidedLabel()
+        # one elided line of its own under the controls (the whole title in its tooltip): a long title
+        # neither widens the window (1280 px must hold every panel) nor pushes the image down by a line,
+        # and the token the map is about is kept whole while the rest is elided
+        self.heatmap_title = KeepingLabel()
         self.heatmap_title.setStyleSheet("font-weight: bold;")
         top = QHBoxLayout()
         top.setContentsMargins(0, 0, 0, 0)
@@ -245,11 +262,12 @@ class ImageCanvas(QWidget):
         self.view_selector = ViewSelector()
         self.view_selector.currentIndexChanged.connect(self._on_view_picked)
         top.addWidget(self.view_selector)
-        top.addSpacing(12)
-        top.addWidget(self.heatmap_title, stretch=1)
+        top.addStretch(1)
 
+        # wraps at the canvas's width and never sets it (a LLaVA-NeXT note widened the window)
         self.note_label = plain_label(wrap=True)
         self.note_label.setStyleSheet("background: #fff3cd; color: #664d03; padding: 3px; border: 1px solid #e0c060;")
+        self.note_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.note_label.hide()
 
         self.view = pg.GraphicsLayoutWidget()
@@ -311,6 +329,7 @@ class ImageCanvas(QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(3)
         layout.addLayout(top)
+        layout.addWidget(self.heatmap_title)
         layout.addWidget(self.note_label)
         layout.addWidget(self.view, stretch=1)
         layout.addWidget(self.hover_label)
@@ -377,20 +396,26 @@ class ImageCanvas(QWidget):
         image: int | str | None = "primary",
         *,
         view_names: Mapping[int, str] | None = None,
+        token_read: str = "",
     ) -> None:
         """Draw the patch grid of ``tokens`` (:class:`core.geometry.VisualToken` or
         their JSON dicts; boxes in original-image pixels). Tokens with ``col < 0``
         (newline, CLS) are not cells. The tokens' views (:func:`core.views.image_views`,
         named by ``view_names = {image: name}`` from the family where given) fill
-        the view selector. The heatmap is cleared.
+        the view selector. The heatmap and the note (:meth:`set_token_note`: it
+        described the old tokens) are cleared; None clears the grid too.
 
         Args:
             image: the view drawn: ``"primary"`` (default: the view the user last
                 picked when these tokens have one of that name, else
                 :func:`app.canvas.views.default_choice`), a view's ``image``, or
                 None for all views laid out on the image.
+            token_read: the token the run of these tokens is about (:func:`read_token`),
+                named in every heatmap's title and colour bar.
         """
         self.tokens = as_canvas_tokens(tokens or [])
+        self.token_read = token_read
+        self.set_token_note("")
         self._view_names = dict(view_names or {})
         self.views = image_views(self.tokens, self.image_size(), self._view_names)
         if image == "primary":
@@ -527,7 +552,8 @@ class ImageCanvas(QWidget):
         self.colorbar.setColorMap(cmap)
         self.colorbar.setLevels((lo, hi))
         self._fit_colorbar_label()
-        self.heatmap_title.setText(f"heatmap: {label}" if label else "heatmap")
+        lead = f"heatmap for {self.token_read}" if self.token_read else "heatmap"
+        self.heatmap_title.setText(f"{lead}: {label}" if label else lead, keep=[lead])
         self._update_smooth()
         self._show_heatmap_items()
         self._clear_hover()  # the hovered cell's value belonged to the old map
@@ -550,13 +576,14 @@ class ImageCanvas(QWidget):
         return axis.labelText if axis.label.isVisible() else ""
 
     def _fit_colorbar_label(self) -> None:
-        """The heatmap label along the colour bar, elided to the bar's length (the whole
-        label is the title above the canvas and the bar's tooltip)."""
+        """The heatmap label along the colour bar, elided to the bar's length, the token it is
+        about kept whole (the whole label is the title above the canvas and the bar's tooltip)."""
         axis = self.colorbar.axis
-        label = self.heatmap_label
+        token = self.token_read if self.heatmap_label else ""
+        label = f"{token}: {self.heatmap_label}" if token else self.heatmap_label
         length = self.colorbar.geometry().height() - 10
         metrics = QFontMetricsF(axis.label.font())
-        shown = metrics.elidedText(label, Qt.TextElideMode.ElideRight, length) if length > 0 else label
+        shown = elide_keeping(label, [token], metrics, length) if length > 0 else label
         if shown == self.colorbar_label():
             return
         if shown:

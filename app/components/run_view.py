@@ -55,6 +55,17 @@ class RunView:
             return self.workspace.stale_note(self.run)
         return self.run.header(self.kind)
 
+    def header_kept(self) -> list[str]:
+        """The parts of :meth:`header` a narrow header keeps whole while it elides the rest: that
+        it is stale and what changed, and the tokens each input named reads (the question, image
+        and model are in the fields below; which token a view is about is not)."""
+        if self.run is None:
+            return []
+        if not self.stale:
+            return self.run.input.token_parts()
+        lead = self.workspace.stale_lead(self.run)
+        return [lead, *self.run.input.token_parts(), *self.workspace.input.token_parts()]
+
     def adopt(self, run: ShownRun, kind: str | None = None) -> bool:
         """Say the content now shows ``run`` (``kind``: which result; default the first of
         this view's kinds the run has). False, and nothing changes, if it has none."""

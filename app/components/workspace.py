@@ -121,14 +121,19 @@ class RunInput:
     def describe(self) -> str:
         """One line: question, image, model with its dtype and device (and the answer token
         read out, the target tokens when the user chose them)."""
-        parts = [short_question(self.question), self.image_name(), self.model_label()]
+        return " · ".join([short_question(self.question), self.image_name(), self.model_label(), *self.token_parts()])
+
+    def token_parts(self) -> list[str]:
+        """The parts of :meth:`describe` that name the tokens read: the answer token read out and
+        the target tokens the user chose (a narrow header keeps them whole, eliding the rest)."""
+        parts = []
         if self.answer_text is not None:
             parts.append(answer_token_label(self.answer_text))
         if self.answer:
             parts.append(f"target {self.answer!r}" + (f" vs {self.foil!r}" if self.foil else ""))
         elif self.foil:
             parts.append(f"foil {self.foil!r}")
-        return " · ".join(parts)
+        return parts
 
     def key(self) -> tuple:
         """What two inputs must share for a run drawn for one to show the other."""
@@ -325,6 +330,9 @@ class Workspace:
 
     def stale_note(self, run: ShownRun) -> str:
         """``stale: drawn for <run's input>; the input is now <current input>`` (naming what changed)."""
+        return f"{self.stale_lead(run)}: drawn for {run.input.describe()}; the input is now {self.input.describe()}"
+
+    def stale_lead(self, run: ShownRun) -> str:
+        """``stale (question changed)``: how :meth:`stale_note` starts."""
         changed = run.input.differences(self.input)
-        what = f" ({', '.join(changed)} changed)" if changed else ""
-        return f"stale{what}: drawn for {run.input.describe()}; the input is now {self.input.describe()}"
+        return "stale" + (f" ({', '.join(changed)} changed)" if changed else "")

@@ -33,11 +33,14 @@ from PySide6.QtWidgets import (
 
 import core
 from app.components.workspace import AnswerTokens, answer_token_label
+from app.panels import READ_OUT
 from app.panels.answer_patterns_panel import AnswerPatternsPanel
 from app.widgets import ElidedLabel, box, plain_label, set_columns
 from core.answer_text import AnswerText
 
 NO_ANSWER = "no answer yet"
+# under NO_ANSWER: the window's buttons that give one (its "Answer" and "Read out")
+HOW_TO_ANSWER = f"press {READ_OUT} for the answer and every panel, or Answer for the answer alone"
 NO_TOKENS = "Generate: the model's answer, token by token; click a token to read every panel at it"
 CHOOSE_TOKEN = "click a token to read every panel at it (the prompt and the answer's tokens before it are the input)"
 OTHER_INPUT = "generated for another image, question or model: Generate again to read this input's answer"
@@ -267,7 +270,7 @@ class AnswerPanel(QWidget):
     def clear(self) -> None:
         """The answer and the patterns go; the generated tokens stay (the window clears them when they answer nothing)."""
         self.label.setText(NO_ANSWER)
-        self.caption.setText("")
+        self.caption.setText(HOW_TO_ANSWER)
         self.table_title.setText("")
         self.fill_table(["token", "probability"], [])
         self.patterns.set_result(None)
@@ -345,7 +348,7 @@ class TargetNote(QWidget):
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
-        self.label = plain_label(wrap=True)
+        self.label = ElidedLabel()  # one line (the whole note in its tooltip): it never moves the fields
         self.label.setStyleSheet("color: #8a5a00;")
         self.button = QPushButton()
         self.button.setVisible(False)

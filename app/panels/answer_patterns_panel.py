@@ -6,6 +6,12 @@ JSON's ``answer_patterns`` (:mod:`core.methods.answer_patterns`). The row of
 the token read out is highlighted. Shown in the Answer tab, beside the chosen
 token's patch map on the canvas. Routing only: where a query reads, not what
 the value carries or whether the answer needs it.
+
+A cross-attention model (CoCa, Mllama) reads the image in its cross-attention
+blocks, which these rows leave out (``skipped_blocks``): the panel says so and
+names each cross-attention block with the answer row's image mass there (the
+Attention tab's); where the image is not in the token sequence at all, the
+self-attention rows' image column is "n/a", never an image mass of 0.
 """
 
 from __future__ import annotations
@@ -21,10 +27,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.panels import READ_OUT
 from app.panels.attention_panel import block_names
 from app.widgets import box, plain_label, set_columns
 
 MEAN_OVER_BLOCKS = "mean over blocks"
+MEAN_OVER_SELF_BLOCKS = "mean over self-attention blocks"  # a model with cross-attention blocks too
+NOT_IN_SEQUENCE = "n/a"  # the image column where the image is no key of self-attention
+NOT_IN_SEQUENCE_COLOUR = QColor("#e4e4e4")
 # the parts of a row (core.methods.answer_patterns.PARTS) and their column titles; a row's parts sum to 1
 PARTS = (
     ("question_mass", "question"),
@@ -40,8 +50,27 @@ NOTE_DETAIL = (
     "and the rest (chat markup, special tokens); the parts of a row sum to 1. Averaged over heads. A mass says "
     "where a query reads, not what the value carries or whether the answer needs it."
 )
-NO_PATTERNS = "read out (or click an answer token) to see the answer tokens' attention"
+NO_PATTERNS = f"press {READ_OUT} (or click an answer token) to see the answer tokens' attention"
 CHOSEN_ROW = QColor("#ffd27a")
+
+
+def cross_attention_image_mass(analysis: dict | None) -> dict[str, float]:
+    """``{cross-attention block name: the answer row's image mass there, mean over heads}`` of the
+    blocks ``answer_patterns`` leaves out, from the analyze ``attention`` rows (the Attention tab's)."""
+    section = (analysis or {}).get("answer_patterns") or {}
+    skipped = {int(b) for b in section.get("skipped_blocks") or []}
+    masses: dict[str, list[float]] = {}
+    for row in (analysis or {}).get("attention") or []:
+        if int(row["layer"]) in skipped:
+            masses.setdefault(row.get("block", f"L{row['layer']}"), []).append(float(row["visual_mass"]))
+    return {block: sum(values) / len(values) for block, values in masses.items()}
+
+
+def image_in_sequence(analysis: dict | None) -> bool:
+    """Whether the image's tokens are in the token sequence (keys of self-attention); a
+    cross-attention model's visual tokens have no sequence position."""
+    tokens = ((analysis or {}).get("input") or {}).get("visual_tokens") or []
+    return any(t.get("position") is not None for t in tokens)
 
 
 def mass_colour(value: float) -> QColor:
@@ -57,9 +86,15 @@ class AnswerPatternsPanel(QWidget):
         super().__init__(parent)
         self.section: dict | None = None
         self.answer_tokens: list[str] = []  # the answer's tokens (the analyze input's), for the row names
+        self.cross_mass: dict[str, float] = {}  # the cross-attention blocks left out, with their image mass
+        self.image_is_key = True  # False: the image is no key of these rows (image column n/a)
         self.title = plain_label(NO_PATTERNS, wrap=True)
         self.block_combo = QComboBox()
         self.block_combo.setToolTip("the mean over the self-attention blocks, or one block")
+        # a cross-attention model's image path, said where the image column is read
+        self.cross_note = plain_label(wrap=True, selectable=True)
+        self.cross_note.setStyleSheet("background: #eef4ff; color: #1d3b6a; padding: 3px; border: 1px solid #9db7e0;")
+        self.cross_note.hide()
         self.block_combo.currentIndexChanged.connect(lambda _i: self._fill())
         self.table = QTableWidget(0, len(PARTS) + 1)
         self.table.verticalHeader().setVisible(False)
@@ -73,6 +108,7 @@ class AnswerPatternsPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addLayout(box(QHBoxLayout(), (self.title, 1), self.block_combo))
+        layout.addWidget(self.cross_note)
         layout.addWidget(self.table, 1)
         layout.addWidget(self.note)
         self.set_result(None)
@@ -83,14 +119,37 @@ class AnswerPatternsPanel(QWidget):
         self.section = section if isinstance(section, dict) and section.get("rows") else None
         self.answer_tokens = list(((analysis or {}).get("input") or {}).get("answer_tokens") or [])
         names = block_names(analysis) if self.section else {}
+        self.cross_mass = cross_attention_image_mass(analysis) if self.section else {}
+        self.image_is_key = not self.cross_mass or image_in_sequence(analysis)
+        self._say_cross_attention((analysis or {}).get("model") or {})
         self.block_combo.blockSignals(True)
         self.block_combo.clear()
-        self.block_combo.addItem(MEAN_OVER_BLOCKS)
+        self.block_combo.addItem(MEAN_OVER_SELF_BLOCKS if self.cross_mass else MEAN_OVER_BLOCKS)
         for block in (self.section or {}).get("blocks") or []:
             self.block_combo.addItem(names.get(int(block), f"block {block}"))
         self.block_combo.blockSignals(False)
         self.block_combo.setEnabled(self.block_combo.count() > 1)
         self._fill()
+
+    def _say_cross_attention(self, model: dict) -> None:
+        """The note on a model with cross-attention blocks: its image path is those blocks, each
+        named with the answer row's image mass there; hidden for a model without them."""
+        if not self.cross_mass:
+            self.cross_note.hide()
+            return
+        masses = ", ".join(f"{block} {mass:.3f}" for block, mass in self.cross_mass.items())
+        where = (
+            "the image is not in its token sequence, so these self-attention rows have no image keys "
+            f"(image: {NOT_IN_SEQUENCE}, not 0)"
+            if not self.image_is_key
+            else "they are left out of these rows"
+        )
+        self.cross_note.setText(
+            f"{model.get('spec') or 'this model'} reads the image through cross-attention blocks; {where}. "
+            f"The answer row's image mass in each cross-attention block (mean over heads, as in the Attention tab): "
+            f"{masses}"
+        )
+        self.cross_note.show()
 
     def set_block(self, name: str) -> None:
         """Show one block's values (or :data:`MEAN_OVER_BLOCKS`)."""
@@ -146,9 +205,17 @@ class AnswerPatternsPanel(QWidget):
                 f"answer token {row['predicts']}"
             )
             self.table.setItem(r, 0, name)
-            for c, mass in enumerate(masses, start=1):
-                item = QTableWidgetItem(f"{mass:.3f}")
-                item.setBackground(QBrush(mass_colour(mass)))
+            for c, ((key, _), mass) in enumerate(zip(PARTS, masses, strict=True), start=1):
+                if key == "image_mass" and not self.image_is_key:
+                    item = QTableWidgetItem(NOT_IN_SEQUENCE)
+                    item.setBackground(QBrush(NOT_IN_SEQUENCE_COLOUR))
+                    item.setToolTip(
+                        "the image is no key of self-attention in this model: it enters through the "
+                        f"cross-attention blocks ({', '.join(self.cross_mass)}), see the note above"
+                    )
+                else:
+                    item = QTableWidgetItem(f"{mass:.3f}")
+                    item.setBackground(QBrush(mass_colour(mass)))
                 self.table.setItem(r, c, item)
             if r == chosen:
                 name.setBackground(QBrush(CHOSEN_ROW))

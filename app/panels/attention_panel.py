@@ -37,6 +37,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.panels import NO_ANALYSIS, READ_OUT
 from app.widgets import (
     FOREGROUND,
     axis_font,
@@ -56,6 +57,7 @@ SIGNED_MAP = "CET-D1"  # blue - white - red, for signed values
 MAX_ANNOTATED_CELLS = 256  # cells get their value written in them up to this many
 
 
+NO_STATISTICS = "no dataset run yet: Run > Attention statistics over the samples"  # the window's menu action
 NO_TEXT_HEAD = "click a head to see its text-side pattern (question tokens x question tokens)"
 ROLE_NAMES = {
     "sink": "BOS",
@@ -158,6 +160,7 @@ class HeatGrid(pg.PlotWidget):
         self.values = np.zeros((0, 0))
         self.row_labels: list[str] = []
         self.col_labels: list[str] = []
+        self.col_ticks: list[str] | None = None  # shorter column tick labels, used where the labels do not fit
         self.value_format = "{:.2f}"
         self._texts: list[pg.TextItem] = []
         self._highlight = QGraphicsRectItem(0, 0, 1, 1)
@@ -182,9 +185,13 @@ class HeatGrid(pg.PlotWidget):
         *,
         levels: tuple[float, float] | None = None,
         value_format: str = "{:.2f}",
+        col_ticks: Sequence[str] | None = None,
     ) -> None:
         """Show ``values (rows, cols)``; NaN cells stay empty. ``levels`` default
-        to the data range (symmetric about 0 for a signed colour map)."""
+        to the data range (symmetric about 0 for a signed colour map). ``col_ticks``:
+        shorter column tick labels (``0 1 2 3`` under an axis titled "head" for
+        ``H0 H1 H2 H3``), shown where they label more columns than ``col_labels`` would;
+        the hover tooltip keeps ``col_labels``."""
         values = np.asarray(values, dtype=float)
         if values.ndim != 2:
             raise ValueError(f"a heat grid needs (rows, cols) values, got shape {values.shape}")
@@ -192,6 +199,7 @@ class HeatGrid(pg.PlotWidget):
         rows, cols = values.shape
         self.row_labels = list(row_labels) if row_labels is not None else [str(r) for r in range(rows)]
         self.col_labels = list(col_labels) if col_labels is not None else [str(c) for c in range(cols)]
+        self.col_ticks = list(col_ticks) if col_ticks is not None else None
         self.value_format = value_format
         finite = values[np.isfinite(values)]
         if levels is None:
@@ -222,16 +230,21 @@ class HeatGrid(pg.PlotWidget):
 
     def _set_ticks(self, rows: int, cols: int) -> None:
         """Every k-th row and column label, as many as fit without overlapping (a 24 x 24
-        patch grid in a narrow plot labels every 4th); refitted on resize."""
+        patch grid in a narrow plot labels every 4th; CoCa's four heads all, as their short
+        ticks where ``H0``..``H3`` do not fit); refitted on resize."""
         rect = self.plot_item.getViewBox().sceneBoundingRect()
         if not self.isVisible():  # not laid out yet: every label, refitted on resize
             rect = QRectF()
-        for name, labels, n, room, vertical in (
-            ("left", self.row_labels, rows, rect.height(), True),
-            ("bottom", self.col_labels, cols, rect.width(), False),
+        for name, labels, short, n, room, vertical in (
+            ("left", self.row_labels, None, rows, rect.height(), True),
+            ("bottom", self.col_labels, self.col_ticks, cols, rect.width(), False),
         ):
             axis = self.plot_item.getAxis(name)
             step = tick_step(labels[:n], room, axis_font(axis), vertical=vertical)
+            if step > 1 and short:
+                short_step = tick_step(short[:n], room, axis_font(axis), vertical=vertical)
+                if short_step < step:
+                    labels, step = short, short_step
             axis.setTicks([[(i + 0.5, labels[i]) for i in range(0, n, step)]])
 
     def _write_values(self, levels: tuple[float, float]) -> None:
@@ -451,7 +464,7 @@ class AttentionPanel(QWidget):
         self.selected: tuple[int, int] | None = None
 
         # wraps: a long model spec never widens the panel (the window's splitter would jump)
-        self.title = plain_label("no analysis yet: press Run", wrap=True, selectable=True)
+        self.title = plain_label(NO_ANALYSIS, wrap=True, selectable=True)
         self.visual_grid = HeatGrid("mass on visual tokens")
         self.sink_grid = HeatGrid("BOS / sink mass (separate)", color_map=SINK_MAP)
         self.patch_map = HeatGrid("selected head: patch map", annotate=False)
@@ -476,7 +489,7 @@ class AttentionPanel(QWidget):
         self.metric_combo = QComboBox()
         self.metric_combo.addItems(list(STAT_METRICS))
         self.metric_combo.currentTextChanged.connect(self._draw_statistics)
-        self.stats_note = plain_label("no dataset run loaded", wrap=True, selectable=True)
+        self.stats_note = plain_label(NO_STATISTICS, wrap=True, selectable=True)
         self.box_plot = BoxPlot()
         metric_row = box(
             QHBoxLayout(),
@@ -516,8 +529,9 @@ class AttentionPanel(QWidget):
             sink[r, c] = a["bos_mass"]
         row_labels = [names[layer] for layer in self.layers]
         col_labels = [f"H{h}" for h in self.heads]
-        self.visual_grid.set_grid(vis, row_labels, col_labels, levels=(0.0, 1.0))
-        self.sink_grid.set_grid(sink, row_labels, col_labels, levels=(0.0, 1.0))
+        head_ticks = [str(h) for h in self.heads]  # under the axis titled "head" where "H0".. do not fit
+        self.visual_grid.set_grid(vis, row_labels, col_labels, levels=(0.0, 1.0), col_ticks=head_ticks)
+        self.sink_grid.set_grid(sink, row_labels, col_labels, levels=(0.0, 1.0), col_ticks=head_ticks)
         for grid in (self.visual_grid, self.sink_grid):
             grid.plot_item.setLabel("left", "block")
             grid.plot_item.setLabel("bottom", "head")
@@ -528,7 +542,7 @@ class AttentionPanel(QWidget):
                 f"(answer {t.get('answer', '?')!r}); {len(self.layers)} blocks x {len(self.heads)} heads"
             )
         else:
-            self.title.setText("no analysis yet: press Run")
+            self.title.setText(NO_ANALYSIS)
         previous = self.selected
         self.selected = None
         if previous in self.cells:
@@ -609,7 +623,7 @@ class AttentionPanel(QWidget):
                 self.text_note.setText(NO_TEXT_HEAD)
             elif not text:
                 self.text_note.setText(
-                    "this read-out has no text-side patterns (recorded before they existed): run it again"
+                    f"this read-out has no text-side patterns (recorded before they existed): run it again ({READ_OUT})"
                 )
             else:
                 self.text_note.setText(
@@ -671,7 +685,7 @@ class AttentionPanel(QWidget):
     def _draw_statistics(self, *_args) -> None:
         if not self.statistics:
             self.box_plot.set_boxes([], [])
-            self.stats_note.setText("no dataset run loaded")
+            self.stats_note.setText(NO_STATISTICS)
             return
         key, y_label = STAT_METRICS[self.metric_combo.currentText()]
         labels = [h.get("name", f"{h['block']}.H{h['head']}") for h in self.statistics]

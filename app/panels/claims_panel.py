@@ -39,7 +39,6 @@ from PySide6.QtWidgets import (
     QHeaderView,
     QLineEdit,
     QPushButton,
-    QScrollArea,
     QSpinBox,
     QTableWidget,
     QTableWidgetItem,
@@ -48,7 +47,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.components.selection import SelectedComponent, Selection, is_head
-from app.widgets import ElidedLabel, boxed, plain_label, set_columns, set_title, split, stacked, style_plot
+from app.widgets import ElidedLabel, boxed, plain_label, set_columns, set_title, split, stacked, style_plot, text_scroll
 
 COLUMNS = ("step", "title", "status", "key number", "n", "baselines (95% interval)")
 STATUS_COLUMN = COLUMNS.index("status")
@@ -170,7 +169,8 @@ class ClaimsPanel(QWidget):
         self.run_button.clicked.connect(self.run_requested)
         self.message_label = plain_label(wrap=True, selectable=True)
 
-        self.verdict_label = plain_label(NO_RESULT, wrap=True, selectable=True)
+        # two lines, empty or not (the whole in the tooltip when cut): a verdict never moves the chain choice
+        self.verdict_label = ElidedLabel(NO_RESULT, lines=2, selectable=True)
         self.verdict_label.setStyleSheet("font-weight: bold;")
         # one line each, the whole text a tooltip: the checklist keeps its room below
         self.distribution_label = ElidedLabel(selectable=True)
@@ -198,13 +198,10 @@ class ClaimsPanel(QWidget):
         self.details = plain_label("click a step to see its evidence", wrap=True, selectable=True)
         self.details.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
         # a step's evidence can run long: it scrolls, rather than growing the window past the screen
-        self.details_scroll = QScrollArea()
-        self.details_scroll.setWidgetResizable(True)
-        self.details_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
-        self.details_scroll.setWidget(self.details)
+        self.details_scroll = text_scroll(self.details)
         self.plot = pg.PlotWidget(background="w")
         style_plot(self.plot.getPlotItem())
-        self.plot.setMinimumSize(220, 100)
+        self.plot.setMinimumSize(220, 80)  # with the checklist's seven rows, the tab fits 1280 x 800
         self.pairs_table = QTableWidget(0, 5)
         set_columns(self.pairs_table, ("sample", "target before", "target after", "partner before", "partner after"))
         self.pairs_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
@@ -226,16 +223,16 @@ class ClaimsPanel(QWidget):
         form.addWidget(self.region_check, 3, 1, 1, 3)
         form.addWidget(self.message_label, 4, 0, 1, 4)
         form.setColumnStretch(1, 1)
-        chain_row = boxed(QHBoxLayout(), plain_label("chain of"), (self.chain_combo, 1))
+        # the distribution the verdict holds on, and beside it which chain the checklist shows: one row
+        chain_row = boxed(QHBoxLayout(), (self.distribution_label, 1), plain_label("chain of"), (self.chain_combo, 1))
         evidence = stacked((self.plot, 1), (self.pairs_table, 1), self.evidence_note)
         lower = split(Qt.Orientation.Horizontal, self.details_scroll, evidence, sizes=[420, 380])
         body = split(Qt.Orientation.Vertical, self.table, lower, sizes=[300, 300])
         layout = QVBoxLayout(self)
         layout.addLayout(form)
         layout.addWidget(self.verdict_label)
-        layout.addWidget(self.distribution_label)
-        layout.addWidget(self.condition_label)
         layout.addWidget(chain_row)
+        layout.addWidget(self.condition_label)
         layout.addWidget(body, 1)
 
         disconnect = selection.changed.connect(self._on_selection)
@@ -394,8 +391,11 @@ class ClaimsPanel(QWidget):
         elif step.number == 5 and numbers.get("per_sample"):
             per = numbers["per_sample"]
             self._histogram(per["drop_mean"], "drop of S under mean ablation per held-out input", "drop of S")
+            drop_zero = per.get("drop_zero")  # a list read back from a session, an array from the run itself
             self.evidence_note.setText(
-                f"zero ablation: mean drop {float(np.mean(per['drop_zero'])):.3g}" if per.get("drop_zero") else ""
+                f"zero ablation: mean drop {float(np.mean(drop_zero)):.3g}"
+                if drop_zero is not None and len(drop_zero)
+                else ""
             )
         elif step.number == 4 and numbers.get("pairs"):
             self._show_pairs(numbers["pairs"])

@@ -51,6 +51,27 @@ from core.methods.counterfactual import FILLS
 
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp);;All files (*)"
 TOOLS = (("brush", "Brush", "B"), ("eraser", "Eraser", "E"), ("box", "Box", "R"), ("view", "Pan", "H"))
+IN_MEMORY_SOURCE = "in-memory image"  # what a paste fill records of a source that was no file (Fill.parameters)
+NO_PASTE_SOURCE = "no image chosen"
+PAINT_FIRST = "paint a region first (brush or box), then Run"  # Run's refusal, until a region is painted
+
+
+def recorded_fill(recorded: Mapping) -> tuple[str, dict]:
+    """``(fill, options)`` as :meth:`CounterfactualPanel.fill_choice` gives them, of a recorded fill run
+    (a counterfactual result, or a sweep's ``sweep`` block: its ``fill`` and ``fill_parameters``,
+    :meth:`core.methods.counterfactual.Fill.parameters`); a paste source that was no file is left out."""
+    kind, params = recorded.get("fill"), recorded.get("fill_parameters") or {}
+    if kind not in FILLS:
+        raise ValueError(f"unknown fill {kind!r}; expected one of {', '.join(FILLS)}")
+    if kind == "constant" and isinstance(params.get("color"), (list, tuple)):
+        return kind, {"color": tuple(int(v) for v in params["color"])}
+    if kind == "blur" and params.get("sigma_px") is not None:
+        return kind, {"radius": float(params["sigma_px"])}
+    if kind == "noise" and params.get("seed") is not None:
+        return kind, {"seed": int(params["seed"])}
+    if kind == "paste" and params.get("source") not in (None, IN_MEMORY_SOURCE):
+        return kind, {"paste_from": str(params["source"])}
+    return kind, {}
 
 
 def _fmt(v: Any, signed: bool = False) -> str:
@@ -215,7 +236,7 @@ class CounterfactualPanel(QWidget):
         self.paste_button = QPushButton("Image…")
         self.paste_button.setToolTip("the image whose same region is pasted in (resized to this image)")
         self.paste_button.clicked.connect(self._pick_paste_source)
-        self.paste_label = ElidedLabel("no image chosen")  # a long file name must not widen the controls
+        self.paste_label = ElidedLabel(NO_PASTE_SOURCE)  # a long file name must not widen the controls
         self.paste_label.setStyleSheet("color: #555;")
         self._option_pages["paste"] = self._add_option_page(self.paste_button, self.paste_label)
         self.fill_combo.currentTextChanged.connect(self._on_fill_changed)
@@ -234,11 +255,13 @@ class CounterfactualPanel(QWidget):
         self.sweep_button.clicked.connect(self.request_sweep)
 
         fill_row = box(QHBoxLayout(), plain_label("Fill"), (self.fill_combo, 1))
-        self.region_label = plain_label(wrap=True)
+        # The region and message lines have a fixed height (the whole text in the tooltip when cut):
+        # painting or a message never moves the sweep and intervention controls below them.
+        self.region_label = ElidedLabel(lines=2)
         self.region_label.setStyleSheet("color: #333;")
         sweep_row = box(QHBoxLayout(), self.sweep_k, (self.sweep_button, 1))
 
-        self.message_label = plain_label(wrap=True, selectable=True)
+        self.message_label = ElidedLabel(lines=3, selectable=True)
 
         # The controls are a column beside the painter, scrolled on their own when the window is
         # short: below the canvas they fell under the visible area at 1280 x 800, so the painted
@@ -259,15 +282,16 @@ class CounterfactualPanel(QWidget):
         self.controls_scroll.setWidget(controls)
         self.controls_scroll.setMinimumWidth(controls.minimumSizeHint().width() + 16)  # room for a scroll bar
 
-        # results: pictures on top, numbers below
+        # results, each in a tab of the results column: the answer change (the edited image over its
+        # numbers), the occlusion map (the whole column: a map beside the edited image was ~120 px
+        # wide at 1280 x 800) and the window's interventions table (add_results)
         self.edited_view = _ImagePreview("edited image")
         self.sweep_canvas = ImageCanvas()
-        self.sweep_title = plain_label("occlusion sweep: not run")
+        self.sweep_title = ElidedLabel("occlusion sweep: not run")
         self.sweep_title.setStyleSheet("font-weight: bold;")
         self.sweep_summary = plain_label(wrap=True)
         self.sweep_summary.setStyleSheet("color: #333;")
-        sweep_box = stacked(self.sweep_title, (self.sweep_canvas, 1), self.sweep_summary)
-        pictures = split(Qt.Orientation.Horizontal, self.edited_view, sweep_box, sizes=[300, 360])
+        self.sweep_box = stacked(self.sweep_title, (self.sweep_canvas, 1), self.sweep_summary)
 
         self.answer_group = QGroupBox("Answer change")
         self.tokens_label = plain_label("no run yet", wrap=True)
@@ -329,11 +353,11 @@ class CounterfactualPanel(QWidget):
 
         numbers_box = boxed(QHBoxLayout(), (self.answer_group, 1), (self.routing_group, 1))
 
-        # the numbers in tabs: the window's intervention table is the second one (add_results)
+        answer_change = split(Qt.Orientation.Vertical, self.edited_view, numbers_box, sizes=[240, 400])
         self.numbers_tabs = QTabWidget()
-        self.numbers_tabs.addTab(numbers_box, "Answer change")
-        right = split(Qt.Orientation.Vertical, pictures, self.numbers_tabs, sizes=[330, 400])
-        splitter = split(Qt.Orientation.Horizontal, self.canvas, self.controls_scroll, right)
+        self.numbers_tabs.addTab(answer_change, "Answer change")
+        self.numbers_tabs.addTab(self.sweep_box, "Occlusion sweep")
+        splitter = split(Qt.Orientation.Horizontal, self.canvas, self.controls_scroll, self.numbers_tabs)
         for i, stretch in enumerate((3, 0, 4)):
             splitter.setStretchFactor(i, stretch)
         for i in (0, 1):
@@ -440,6 +464,27 @@ class CounterfactualPanel(QWidget):
             self.set_paste_source(options["paste_from"])
         self.fill_combo.setCurrentText(kind)
 
+    def restore_fill(self, recorded: Mapping, run_id: int) -> str | None:
+        """Choose the fill run ``run_id`` ran with (:func:`recorded_fill`). A paste source that was no
+        file cannot be chosen again: no source is chosen (Run refuses until one is) and the source line
+        says so in red; the same words are returned (None: the whole fill is the run's)."""
+        kind, options = recorded_fill(recorded)
+        self.set_fill(kind, **options)
+        if kind != "paste" or options:
+            return None
+        self.paste_source = None
+        missing = f"run #{run_id} pasted from an image that was no file: choose it again"
+        self.paste_label.setText(missing)
+        self.paste_label.setToolTip(missing)
+        self.paste_label.setStyleSheet("color: #c00000;")
+        return missing
+
+    def restore_sweep(self, sweep: Mapping, run_id: int) -> str | None:
+        """The sweep controls of run ``run_id`` (``k`` and the fill of its ``sweep`` block); what
+        could not be chosen again, as :meth:`restore_fill` says it."""
+        self.sweep_k.setValue(int(sweep["k"]))
+        return self.restore_fill(sweep, run_id)
+
     def fill_choice(self) -> tuple[str, dict]:
         """``(fill, options)`` as :func:`core.methods.counterfactual.region_counterfactual` takes them."""
         kind = self.fill_combo.currentText()
@@ -457,6 +502,7 @@ class CounterfactualPanel(QWidget):
         self.paste_source = str(path)
         self.paste_label.setText(Path(path).name)
         self.paste_label.setToolTip(str(path))
+        self.paste_label.setStyleSheet("color: #555;")
 
     def _on_fill_changed(self, kind: str) -> None:
         self.fill_options.setCurrentIndex(self._option_pages.get(kind, 0))
@@ -488,7 +534,7 @@ class CounterfactualPanel(QWidget):
             return False
         mask = self.canvas.mask()
         if not mask.any():
-            self.show_message("paint a region first (brush or box), then Run", error=True)
+            self.show_message(PAINT_FIRST, error=True)
             return False
         kind, options = self.fill_choice()
         if kind == "paste" and not options.get("paste_from"):
@@ -510,6 +556,8 @@ class CounterfactualPanel(QWidget):
 
     def _on_mask_changed(self, mask: np.ndarray) -> None:
         self._update_region_label(mask)
+        if mask.any() and self.message_label.text() == PAINT_FIRST:
+            self.show_message("")  # a region is painted now: the refusal no longer holds
         self.mask_changed.emit(mask)
 
     def _on_mode_changed(self, mode: str) -> None:
@@ -701,6 +749,7 @@ class CounterfactualPanel(QWidget):
         parts.append("patch-granular: each cell filled on its own")
         self.sweep_summary.setText("; ".join(parts))
         self.show_message("")
+        self.numbers_tabs.setCurrentWidget(self.sweep_box)  # the map just made (or restored) is what to see
 
     def clear_sweep(self) -> None:
         self.sweep = None

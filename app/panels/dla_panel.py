@@ -35,6 +35,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.panels import NO_ANALYSIS
 from app.panels.attention_panel import SIGNED_MAP, HeatGrid, block_names, is_cross_block, token_grid
 from app.widgets import FOREGROUND, plain_label, set_title, split, stacked, style_plot
 from core.readouts.residual import reconstruction_line
@@ -81,6 +82,7 @@ CONVENTIONS: dict[str, tuple[str, str, str]] = {
     ),
 }
 RERUN_CONVENTIONS = ("re-run (total removal)", "re-run (direct removal)")
+NO_SOURCES = "select a head's bar, then press its sources button (top right) for its per-source map"
 
 KIND_COLORS = {
     "embedding": "#8c8c8c",
@@ -182,7 +184,7 @@ class DLAPanel(QWidget):
         controls.addWidget(self.sources_button)
 
         # wrapped: a long model spec or target never sets the panel's minimum width
-        self.target_label = plain_label("no analysis yet: press Run", wrap=True, selectable=True)
+        self.target_label = plain_label(NO_ANALYSIS, wrap=True, selectable=True)
         self.error_label = plain_label("", wrap=True, selectable=True)
         self.sum_label = plain_label("", wrap=True, selectable=True)
         self.caveat_label = plain_label("", wrap=True, selectable=True)
@@ -215,7 +217,7 @@ class DLAPanel(QWidget):
         self.plot_widget.scene().sigMouseClicked.connect(self._on_click)
 
         self.source_grid = HeatGrid("per-source contribution", color_map=SIGNED_MAP, annotate=False)
-        self.source_label = plain_label("select a head's bar, then ask for its sources", wrap=True, selectable=True)
+        self.source_label = plain_label(NO_SOURCES, wrap=True, selectable=True)
         side = stacked((self.source_grid, 1), (self.source_label, 0))
         bars = stacked(self.legend, (self.plot_widget, 1))
         splitter = split(Qt.Orientation.Horizontal, bars, side, sizes=[880, 360])
@@ -239,7 +241,7 @@ class DLAPanel(QWidget):
         self._enable_rerun(False)
         self.source_values, self.source_head = None, None
         self.source_grid.clear_grid()  # the map and the head it was for go together
-        self.source_label.setText("select a head's bar, then ask for its sources")
+        self.source_label.setText(NO_SOURCES)
         if result:
             t = result.get("target", {})
             u = (
@@ -257,7 +259,7 @@ class DLAPanel(QWidget):
                 + f"; max |sum of components - x_L| = {rd.get('reconstruction_max_abs_err', float('nan')):.2e}"
             )
         else:
-            self.target_label.setText("no analysis yet: press Run")
+            self.target_label.setText(NO_ANALYSIS)
             self.error_label.setText("")
         if self.selected not in {c["name"] for c in self.components}:
             self.selected = None

@@ -16,7 +16,7 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QGroupBox, QHBoxLayout, QPushButton, QVBoxLayout, QWidget
 
 from app.components.selection import SelectedComponent, Selection
-from app.widgets import box, plain_label
+from app.widgets import ElidedLabel, box, plain_label, text_scroll
 
 NO_HEAD = "select a head (click a cell above) to run Non-unique… or QK/OV on it"
 NO_RESULT = "Non-unique…: other patterns with the same output, off the painted region (or the most-attended tokens)"
@@ -78,7 +78,8 @@ class HeadMethodsPanel(QWidget):
     def __init__(self, selection: Selection, parent: QWidget | None = None):
         super().__init__(parent)
         self.kind: str | None = None  # "nonunique" or "qk-ov": the result shown
-        self.head_label = plain_label(NO_HEAD, wrap=True, selectable=True)
+        # two lines whatever head is selected (the whole in the tooltip): the buttons below never move
+        self.head_label = ElidedLabel(NO_HEAD, lines=2, selectable=True)
         self.nonunique_button = QPushButton("Non-unique…")
         self.nonunique_button.setToolTip(
             "could the head give the same output with its attention off the painted region (or off the tokens "
@@ -88,19 +89,25 @@ class HeadMethodsPanel(QWidget):
         self.qk_ov_button = QPushButton("QK/OV")
         self.qk_ov_button.setToolTip("the head's QK and OV circuits: weight level, and the realised scores here")
         self.qk_ov_button.clicked.connect(self.qk_ov_requested)
-        self.message_label = plain_label(wrap=True, selectable=True)
+        self.message_label = ElidedLabel(lines=2, selectable=True)  # its height fixed, as the head line's
         self.title = plain_label(NO_RESULT, wrap=True, selectable=True)
         self.title.setStyleSheet("font-weight: bold;")
         self.text = plain_label(wrap=True, selectable=True)
         self.weight_box, self.weight_text = self._group("weight level: potential, no input")
         self.activation_box, self.activation_text = self._group("activation level: this input")
+        # The result scrolls: each box keeps every line of its text however short the column is,
+        # and a long result never raises the window's minimum height.
+        result = QWidget()
+        result_layout = box(QVBoxLayout(), self.title, self.text, self.weight_box, self.activation_box)
+        result_layout.addStretch(1)
+        result.setLayout(result_layout)
+        self.result_scroll = text_scroll(result, min_lines=6)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.head_label)
         layout.addLayout(box(QHBoxLayout(), self.nonunique_button, self.qk_ov_button, end_stretch=True))
-        for widget in (self.message_label, self.title, self.text, self.weight_box, self.activation_box):
-            layout.addWidget(widget)
-        layout.addStretch(1)
+        layout.addWidget(self.message_label)
+        layout.addWidget(self.result_scroll, 1)
         disconnect = selection.changed.connect(self._on_selection)
         self.destroyed.connect(lambda *_: disconnect())  # the selection may outlive this widget
         self._on_selection(selection.current)

@@ -24,7 +24,8 @@ The table has one row per edit set (an ablation) or per token set and
 direction (a patch): the answer, its logit difference (the answer logit
 without a foil) and probability before -> after (change), the prediction
 before -> after, and whether it flipped. A reverse row starts from the source
-image's run. A run restored from the History fills the same table.
+image's run. A run restored from the History fills the same table and sets
+the choices it was made with (:meth:`InterventionPanel.restore_choices`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.components.selection import SelectedComponent, Selection
-from app.widgets import plain_label, set_columns
+from app.widgets import ElidedLabel, plain_label, set_columns
 from core.readout import change_line
 
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
@@ -212,7 +213,7 @@ class InterventionPanel(QWidget):
         self.reference_set = ""
         self.results = InterventionResults()
 
-        self.component_label = plain_label(NO_SELECTION, wrap=True, selectable=True)
+        self.component_label = ElidedLabel(NO_SELECTION, lines=2, selectable=True)
         self.kind_combo = _compact_combo([(text, kind) for kind, text in KINDS.items()])
         self.kind_combo.setToolTip(
             "zero: the write removed; mean: replaced by its mean over the reference images; "
@@ -246,16 +247,18 @@ class InterventionPanel(QWidget):
         group = QGroupBox("Interventions")
         grid = QGridLayout(group)
         grid.setContentsMargins(4, 4, 4, 4)
+        # The controls keep their places whatever is selected or chosen: the component line has a
+        # fixed height, and the lines that come and go (mean's reference set, a message) follow the buttons.
         grid.addWidget(self.component_label, 0, 0, 1, 2)
         grid.addWidget(self.kind_combo, 1, 0)
         grid.addWidget(self.positions_combo, 1, 1)
-        grid.addWidget(self.reference_label, 2, 0, 1, 2)
-        grid.addWidget(self.source_combo, 3, 0)
-        grid.addWidget(self.source_button, 3, 1)
-        grid.addWidget(self.site_combo, 4, 0)
-        grid.addWidget(self.block_combo, 4, 1)
-        grid.addWidget(self.ablate_button, 5, 0)
-        grid.addWidget(self.patch_button, 5, 1)
+        grid.addWidget(self.source_combo, 2, 0)
+        grid.addWidget(self.source_button, 2, 1)
+        grid.addWidget(self.site_combo, 3, 0)
+        grid.addWidget(self.block_combo, 3, 1)
+        grid.addWidget(self.ablate_button, 4, 0)
+        grid.addWidget(self.patch_button, 4, 1)
+        grid.addWidget(self.reference_label, 5, 0, 1, 2)
         grid.addWidget(self.message_label, 6, 0, 1, 2)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -264,6 +267,7 @@ class InterventionPanel(QWidget):
         self.kind_combo.currentIndexChanged.connect(lambda _i: self._show_reference())
         self.site_combo.currentIndexChanged.connect(lambda _i: self._fill_blocks())
         self._blocks: list[tuple[str, str]] = []
+        self._pending_site: tuple[str, int | None] | None = None  # chosen before the model's sites were known
         disconnect = selection.changed.connect(self.show_selection)
         self.destroyed.connect(lambda *_: disconnect())  # the selection may outlive this widget
         self.show_selection(selection.current)
@@ -316,6 +320,10 @@ class InterventionPanel(QWidget):
         """The sites the loaded family can patch (None: not known yet, the job picks the earliest)
         and its blocks ``[(name, kind)]`` ("self" / "cross"), for the block choice. The choice
         made is kept when the new list has it, else ``default`` is chosen."""
+        if sites is None and self._pending_site is not None:  # still not known: the choice stays shown
+            self._show_pending_site(*self._pending_site)
+            return
+        self._pending_site = None
         site, layer = self.site_choice()
         site = site or default
         self._blocks = list(blocks)
@@ -333,16 +341,37 @@ class InterventionPanel(QWidget):
             _select_data(self.block_combo, layer)
 
     def set_site(self, site: str, layer: int | None = None) -> None:
-        """Choose ``site`` (one of the family's) and its block (``resid``; ``kv_source``: None = every cross block)."""
-        if not _select_data(self.site_combo, site):
-            raise ValueError(f"site {site!r}: this model has {', '.join(self.sites()) or 'no known site'}")
+        """Choose ``site`` (one of the family's) and its block (``resid``; ``kv_source``: None = every cross
+        block). Before the model is loaded (its sites not known yet) the choice is shown as it is and
+        kept when :meth:`set_patch_sites` lists the family's sites (the family's default if it lacks it)."""
         if site == "resid" and layer is None:
             layer = 0
+        if not self.sites():
+            self._show_pending_site(site, layer)
+            return
+        if not _select_data(self.site_combo, site):
+            raise ValueError(f"site {site!r}: this model has {', '.join(self.sites()) or 'no known site'}")
         if self.block_combo.count() and not _select_data(self.block_combo, layer):
             raise ValueError(f"{site}: no block {layer!r}")
 
+    def _show_pending_site(self, site: str, layer: int | None) -> None:
+        """``site`` and ``layer`` as the only choice, until the model's sites are known."""
+        self._pending_site = (site, layer)
+        self.site_combo.blockSignals(True)
+        self.site_combo.clear()
+        self.site_combo.addItem(SITE_TITLES.get(site, site), site)
+        self.site_combo.blockSignals(False)
+        self.block_combo.clear()
+        if site == "kv_source" and layer is None:
+            self.block_combo.addItem(EVERY_CROSS_BLOCK, None)
+        elif layer is not None:
+            self.block_combo.addItem(f"entering block {layer}" if site == "resid" else f"block {layer}", layer)
+        self.block_combo.setEnabled(False)  # the blocks are listed once the model is loaded
+
     def sites(self) -> list[str]:
         """The sites offered (none before the model is known)."""
+        if self._pending_site is not None:
+            return []
         return [d for d in (self.site_combo.itemData(i) for i in range(self.site_combo.count())) if d is not None]
 
     def site_choice(self) -> tuple[str | None, int | None]:
@@ -351,6 +380,43 @@ class InterventionPanel(QWidget):
         site = self.site_combo.currentData()
         layer = self.block_combo.currentData() if self.block_combo.count() else None
         return site, layer
+
+    def restore_choices(self, parameters: Mapping, result: Mapping, run_id: int) -> list[str]:
+        """Choose what intervention run ``run_id`` was made with, from its recorded ``parameters`` and
+        ``result``: an ablation's kind, positions and source (resample); a patch's site, block, source and
+        positions. What cannot be chosen again (a source image that was no file, another reference set, a
+        run not made from these controls) is said in red in the box and returned."""
+        notes = []
+        if "site" in result:  # a visual patch
+            try:
+                self.set_site(result["site"], result.get("layer"))
+            except ValueError as e:  # the model shown has no such site or block
+                notes.append(f"run #{run_id} patched at a site not offered here ({e})")
+            self.set_positions("all" if "all visual tokens" in (parameters.get("token_sets") or {}) else "region")
+            notes += self._restore_source(parameters, run_id)
+        elif parameters.get("ablation") in KINDS and parameters.get("positions") in POSITIONS:
+            kind = parameters["ablation"]
+            self.set_kind(kind)
+            self.set_positions(parameters["positions"])
+            if kind == "resample":
+                notes += self._restore_source(parameters, run_id)
+            recorded = [Path(p) for p in parameters.get("reference_images") or ()]
+            if kind == "mean" and recorded != self.references:
+                notes.append(
+                    f"run #{run_id} took its mean over other reference images than the {self.reference_set} ones"
+                )
+        else:
+            notes.append(f"run #{run_id} was not made with these controls: they are not its choices")
+        self.show_message("; ".join(notes), error=bool(notes))
+        return notes
+
+    def _restore_source(self, parameters: Mapping, run_id: int) -> list[str]:
+        path = parameters.get("source_image")
+        if path:
+            self.set_source(path)
+            return []
+        self.source_combo.setCurrentIndex(0)  # the placeholder: Ablate and Patch refuse until one is chosen
+        return [f"run #{run_id}'s source image was no file: choose it again"]
 
     # ----- state in ------------------------------------------------------
 

@@ -31,6 +31,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.panels import NO_ANALYSIS
 from app.panels.attention_panel import block_names
 from app.widgets import axis_font, box, plain_label, set_title, split, stacked, style_plot, tick_step
 
@@ -93,7 +94,7 @@ class LensPanel(QWidget):
         self.curves: dict[str, dict[str, pg.PlotDataItem]] = {p: {} for p in PLOTS}
 
         # wraps: a long model spec never widens the panel (the window's splitter would jump)
-        self.title = plain_label("no analysis yet: press Run", wrap=True, selectable=True)
+        self.title = plain_label(NO_ANALYSIS, wrap=True, selectable=True)
         self.graphics = pg.GraphicsLayoutWidget()
         self.graphics.setBackground("w")
         self.plots: dict[str, pg.PlotItem] = {}
@@ -161,7 +162,7 @@ class LensPanel(QWidget):
                 f" for answer {t.get('answer')!r}{against}"
             )
         else:
-            self.title.setText("no analysis yet: press Run")
+            self.title.setText(NO_ANALYSIS)
         self._redraw()
 
     def set_readers(self, readers: dict[str, Sequence[dict]] | None) -> None:

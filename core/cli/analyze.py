@@ -3,18 +3,16 @@ the analyze JSON (docs/ARCHITECTURE.md, "One vlm-readout analyze")."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from core.cli.args import (
     add_answer_text_args,
     add_model_args,
     add_raw_prompt_arg,
     answer_text_of,
-    check_answer_tokens,
+    answer_tokens,
     check_token_options,
 )
 from core.cli.loading import load_from_args
+from core.cli.outputs import write_and_record
 from core.terminal import progress_bar
 
 
@@ -44,14 +42,14 @@ def add_command(subparsers, load=load_from_args) -> None:
 def run(args, load=load_from_args) -> int:
     # function-local: core.analyze and the session import torch / numpy, not needed for --help
     from core.analyze import analyze
-    from core.atomic import check_output_file, staged_writes
+    from core.atomic import check_output_file
     from core.images import load_image
 
     check_output_file(args.json)  # fail fast, before the model loads
     check_token_options(args)
     image = load_image(args.image)
     if args.session:
-        from core.session import check_session_file, record_into
+        from core.session import check_session_file
 
         check_session_file(args.session)
     tuned = None
@@ -61,25 +59,22 @@ def run(args, load=load_from_args) -> int:
         tuned = load_lens(args.lens)
     loaded = load(args)
     answer_text = answer_text_of(args, loaded)
-    check_answer_tokens(args, loaded.adapter)
+    answer, foil = answer_tokens(args, loaded.adapter)
     with progress_bar("analyze", quiet=args.quiet, total=4, messages=True) as progress:
         result = analyze(
             loaded,
             image,
             args.question,
-            answer=args.answer,
-            foil=args.foil,
+            answer=answer,
+            foil=foil,
             tuned=tuned,
             raw_prompt=args.raw_prompt,
             answer_text=answer_text,
             progress=progress,
             attention=args.attention,
         )
-    # the JSON is written beside its target and put in place only once the run is recorded: a failed
-    # --session (a full disk, a link to nothing) leaves the earlier --json output as it was
-    with staged_writes() as out:
-        out.add(Path(args.json), (json.dumps(result.to_dict()) + "\n").encode("utf-8"))
-        if args.session:
-            record_into(args.session, result, image=image, image_path=args.image, model=loaded)
+    write_and_record(
+        args.json, result.to_dict(), args.session, result, model=loaded, image=image, image_path=args.image
+    )
     print(result.summary())
     return 0

@@ -123,14 +123,23 @@ def check_token_options(args) -> None:
         answer_text_request(args)
 
 
-def check_answer_tokens(args, adapter) -> None:
-    """After the model loads: ``--answer`` and ``--foil`` each name one token of
-    its vocabulary that is text, not markup (:meth:`Adapter.token_id`: one line
-    starting with the option)."""
+def answer_tokens(args, adapter) -> tuple[int | None, int | None]:
+    """After the model loads: the ids of ``--answer`` and ``--foil`` (None: not
+    given) by the one rule of a typed answer, the app's Target and foil fields'
+    too (:func:`core.answer_text.typed_token`): one token is that token; text
+    the tokenizer splits reads its first sub-token, said in a ``warning:`` line;
+    markup or a word the vocabulary lacks is one error line starting with the option."""
+    from core.answer_text import typed_token
+    from core.terminal import say
+
+    ids = []
     for option in ("--answer", "--foil"):
         value = getattr(args, option.removeprefix("--"), None)
-        if value is not None:
-            adapter.token_id(value, what=option)
+        typed = typed_token(adapter, value, what=option) if value is not None else None
+        if typed is not None and typed.spans_several:
+            say(f"warning: {option} {typed.note()}")
+        ids.append(typed.token_id if typed is not None else None)
+    return ids[0], ids[1]
 
 
 def answer_text_of(args, loaded):

@@ -13,8 +13,6 @@ expected failure is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from core.answer_text import run_parameters
 from core.arguments import LazyChoices, Number, batch_size, positive_int, seed_int
@@ -22,10 +20,11 @@ from core.cli.args import (
     add_answer_text_args,
     add_model_args,
     answer_text_of,
-    check_answer_tokens,
+    answer_tokens,
     check_token_options,
 )
 from core.cli.loading import load_from_args
+from core.cli.outputs import write_and_record
 from core.errors import ReadoutError
 from core.readout import RecordedResult, change_line
 from core.terminal import progress_bar
@@ -86,7 +85,7 @@ def add_command(subparsers, load=load_from_args) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the counterfactual methods import torch, not needed for --help
-    from core.atomic import check_output_file, staged_writes
+    from core.atomic import check_output_file
     from core.images import image_sha256, load_image
     from core.methods.counterfactual import Fill, mask_from_png, occlusion_sweep, region_counterfactual
 
@@ -113,8 +112,9 @@ def run(args, load=load_from_args) -> int:
         check_session_file(args.session)
     loaded = load(args)
     answer_text = answer_text_of(args, loaded)
-    check_answer_tokens(args, loaded.adapter)
-    answer = args.answer if args.answer is not None else answer_text.token_id if answer_text is not None else None
+    answer, foil = answer_tokens(args, loaded.adapter)
+    if answer is None and answer_text is not None:
+        answer = answer_text.token_id
     prefix = answer_text.prefix_ids if answer_text is not None else ()
     header = {
         "model": {
@@ -142,7 +142,7 @@ def run(args, load=load_from_args) -> int:
                 k=args.sweep,
                 fill=fill,
                 answer=answer,
-                foil=args.foil,
+                foil=foil,
                 batch_size=args.batch_size,
                 progress=progress,
                 answer_prefix=prefix,
@@ -163,28 +163,17 @@ def run(args, load=load_from_args) -> int:
             mask,
             fill,
             answer=answer,
-            foil=args.foil,
+            foil=foil,
             routing=not args.no_routing,
             answer_prefix=prefix,
         )
         out = result.to_dict()
         line = change_line(result.original.to_dict(), result.edited.to_dict(), result.effect.flipped)
     doc = {**out, **header}
-    with staged_writes() as outputs:  # the JSON is put in place once the run is recorded (core/atomic.py)
-        outputs.add(Path(args.json), (json.dumps(doc, allow_nan=False) + "\n").encode("utf-8"))
-        if args.session:
-            from core.session import record_into
-
-            # the stored doc has the header too
-            extra = {"question": args.question, "paste_from": args.paste_from, **run_parameters(answer_text)}
-            record_into(
-                args.session,
-                RecordedResult.of(result, doc),
-                image=image,
-                image_path=args.image,
-                mask=mask,
-                parameters=extra,
-                model=loaded,
-            )
+    extra = {"question": args.question, "paste_from": args.paste_from, **run_parameters(answer_text)}
+    write_and_record(  # the stored doc has the header too
+        args.json, doc, args.session, RecordedResult.of(result, doc),
+        model=loaded, image=image, image_path=args.image, mask=mask, parameters=extra,
+    )  # fmt: skip
     print(line)
     return 0

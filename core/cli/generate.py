@@ -10,12 +10,10 @@ then the answer text and why it stopped.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from core.arguments import positive_int
 from core.cli.args import add_model_args, add_raw_prompt_arg
 from core.cli.loading import load_from_args
+from core.cli.outputs import write_and_record
 from core.terminal import progress_bar
 
 
@@ -70,7 +68,7 @@ def check_stop_strings(stops: list[str]) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: torch loads when the command runs, not for --help
-    from core.atomic import check_output_file, staged_writes
+    from core.atomic import check_output_file
     from core.generate import generate
     from core.images import image_sha256, load_image
 
@@ -102,13 +100,9 @@ def run(args, load=load_from_args) -> int:
         print(f"end  {s['token']!r}  p={s['prob']:.4f}")
     print(f"answer: {result.text}")
     print(f"stop: {result.stop_reason} ({len(result.token_ids)} tokens, {'KV cache' if result.cache else 'no cache'})")
-    with staged_writes() as outputs:  # the JSON is put in place once the run is recorded (core/atomic.py)
-        if args.json:
-            doc = result.to_dict()
-            doc["input"].update(image=str(args.image), image_sha256=image_sha256(image), image_size=list(image.size))
-            outputs.add(Path(args.json), (json.dumps(doc, allow_nan=False) + "\n").encode("utf-8"))
-        if args.session:
-            from core.session import record_into
-
-            record_into(args.session, result, image=image, image_path=args.image, model=loaded)
+    doc = None
+    if args.json:
+        doc = result.to_dict()
+        doc["input"].update(image=str(args.image), image_sha256=image_sha256(image), image_size=list(image.size))
+    write_and_record(args.json, doc, args.session, result, model=loaded, image=image, image_path=args.image)
     return 0

@@ -15,9 +15,6 @@ the JSON also holds the method's caveat (``does_not_say``).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from core.answer_text import run_parameters
 from core.arguments import Number, positive_share, probability, seed_int
 from core.cli.args import (
@@ -28,6 +25,7 @@ from core.cli.args import (
     check_token_options,
 )
 from core.cli.loading import load_from_args
+from core.cli.outputs import write_and_record
 from core.readout import RecordedResult
 from core.terminal import progress_bar
 
@@ -140,7 +138,7 @@ def add_command(subparsers, load=load_from_args) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the method imports torch, not needed for --help
-    from core.atomic import check_output_file, staged_writes
+    from core.atomic import check_output_file
     from core.images import load_image
     from core.methods.counterfactual import mask_from_png
     from core.methods.nonunique import nonunique_of_input
@@ -179,26 +177,11 @@ def run(args, load=load_from_args) -> int:
             progress=progress,
         )
     rule = doc["region"]["rule"]
-    with staged_writes() as outputs:  # the JSON is put in place once the run is recorded (core/atomic.py)
-        outputs.add(Path(args.json), (json.dumps(doc, allow_nan=False) + "\n").encode("utf-8"))
-        if args.session:
-            from core.session import record_into
-
-            extra = {
-                "question": args.question,
-                "component": args.head,
-                "region_rule": rule,
-                **run_parameters(answer_text),
-            }
-            record_into(
-                args.session,
-                RecordedResult.of(result, doc),
-                image=image,
-                image_path=args.image,
-                mask=mask,
-                parameters=extra,
-                model=loaded,
-            )
+    extra = {"question": args.question, "component": args.head, "region_rule": rule, **run_parameters(answer_text)}
+    write_and_record(
+        args.json, doc, args.session, RecordedResult.of(result, doc),
+        model=loaded, image=image, image_path=args.image, mask=mask, parameters=extra,
+    )  # fmt: skip
     print(result.summary())
     for lv in result.levels:
         print(lv.statement)

@@ -9,9 +9,6 @@ the answer row of one input, with the position scheme).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from core.arguments import positive_int
 from core.cli.args import (
     add_answer_text_args,
@@ -21,6 +18,7 @@ from core.cli.args import (
     check_token_options,
 )
 from core.cli.loading import load_from_args
+from core.cli.outputs import write_and_record
 
 # The copying score's token set at most (core.methods.qk_ov.COPYING_VOCAB_LIMIT, not imported:
 # it loads torch): its matrix is tokens x tokens, its eigenvalues cubic in them.
@@ -102,7 +100,7 @@ def copy_token_ids(adapter, words: str) -> list[int]:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the method and the session import torch, not needed for --help
-    from core.atomic import check_output_file, write_text_atomic
+    from core.atomic import check_output_file
     from core.errors import QuestionError
 
     check_output_file(args.json)  # fail fast, before the model loads
@@ -141,13 +139,7 @@ def run(args, load=load_from_args) -> int:
         answer_text=answer_text_of(args, loaded),
         top_k=args.top_k,
     )
-    write_text_atomic(Path(args.json), json.dumps(result.to_dict(), allow_nan=False) + "\n")
-    if args.session:
-        from core.session import record_into
-
-        if image is None:
-            record_into(args.session, result, model=loaded)
-        else:
-            record_into(args.session, result, image=image, image_path=args.image, model=loaded)
+    on_image = {} if image is None else {"image": image, "image_path": args.image}
+    write_and_record(args.json, result.to_dict(), args.session, result, model=loaded, **on_image)
     print(result.summary())
     return 0

@@ -12,12 +12,10 @@ distribution the numbers were measured on.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from core.arguments import Number, batch_size, non_negative_int, seed_int
 from core.cli.args import add_model_args
 from core.cli.loading import load_from_args
+from core.cli.outputs import write_and_record
 
 # Inputs of each set (--n, --n-side): every one is held in memory with its masks (~100 kB a scene)
 # through the seven steps.
@@ -145,7 +143,7 @@ def checklist(chain) -> list[str]:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the chain imports torch and numpy, not needed for --help
-    from core.atomic import check_output_file, staged_writes
+    from core.atomic import check_output_file
     from core.images import load_mask
     from core.terminal import progress_bar
     from core.validate import validate
@@ -174,13 +172,11 @@ def run(args, load=load_from_args) -> int:
             progress=progress,
         )
     doc = result.to_dict()
-    with staged_writes() as outputs:  # the JSON is put in place once the run is recorded (core/atomic.py)
-        outputs.add(Path(args.json), (json.dumps(doc, allow_nan=False) + "\n").encode("utf-8"))
-        if args.session:
-            from core.session import record_into
-            from core.validate import source_files
+    from core.validate import source_files
 
-            record_into(args.session, result, model=loaded, parameters=source_files(args.dataset, args.heldout))
+    write_and_record(
+        args.json, doc, args.session, result, model=loaded, parameters=source_files(args.dataset, args.heldout)
+    )
     for chain, verdict in zip(result.chains, result.verdicts()):
         print("\n".join(checklist(chain)))
         print(f"  verdict: {verdict['verdict']}")

@@ -8,16 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from core.answer_text import AnswerText
-from core.capture import capture
 from core.dataset_audit.dataset import token_cover
-from core.errors import QuestionError, ReadoutError, oom_guard
+from core.errors import QuestionError, ReadoutError
 from core.geometry import region_tokens
-from core.methods.patterns import FULL_PATTERN_LIMIT, RolloutStream
 from core.pairs import Pair, load_pair_image, load_pair_mask
-from core.readouts import ReadoutMethod, ReadoutOptions, SampleContext, pattern_rows
+from core.readouts import ReadoutMethod, ReadoutOptions, SampleContext
+from core.readouts.pipeline import capture_batch
 
 
 def base_record(item: Pair) -> dict:
@@ -85,31 +83,16 @@ def run_batch(loaded, batch: list[_Prepared], methods: list[ReadoutMethod], opti
     prefixes = {p.answer_prefix for p in batch}
     if len(batch) > 1 and prefixes != {()}:
         raise ValueError("run_batch: samples read out at an answer token run one at a time")
-    inputs = adapter.prepare(
-        [p.image for p in batch], [p.item.question for p in batch], answer_prefix=batch[0].answer_prefix
+    captured = capture_batch(
+        loaded,
+        [p.image for p in batch],
+        [p.item.question for p in batch],
+        options,
+        patterns={m.patterns for m in methods},
+        needs_capture=any(m.needs_capture for m in methods),
+        answer_prefix=batch[0].answer_prefix,
     )
-    answer_pos = [int(x) for x in inputs.answer_positions.tolist()]
-    n_tokens = inputs.input_ids.shape[1]
-    want = {m.patterns for m in methods}
-    stream = RolloutStream(options.rollout_alpha) if "rollout" in want and n_tokens <= FULL_PATTERN_LIMIT else None
-    trace = None
-    if any(m.needs_capture for m in methods):
-        n_prefix = len(batch[0].answer_prefix)
-        qpos = pattern_rows(adapter, inputs, n_prefix) if "text" in want else sorted(set(answer_pos))
-        layers = None if (want & {"answer", "text"}) else []
-        trace = capture(
-            loaded,
-            None,
-            "",
-            inputs=inputs,
-            query_positions=qpos,
-            pattern_layers=layers,
-            pattern_streams=[stream] if stream is not None else [],
-        )
-        logits = trace.logits[torch.arange(len(batch)), torch.as_tensor(answer_pos)].float().cpu()
-    else:
-        with oom_guard(f"running a batch of {len(batch)}"), torch.no_grad():
-            logits = adapter.next_token_logits(inputs).float().cpu()
+    trace = captured.trace
     records: list[dict] = []
     audits: list[dict] = []
     contexts: list[SampleContext | None] = []
@@ -118,8 +101,7 @@ def run_batch(loaded, batch: list[_Prepared], methods: list[ReadoutMethod], opti
         rec = base_record(p.item)
         ctx = None
         try:
-            row = logits[b]
-            predicted = int(row.argmax())
+            predicted = int(captured.logits[b].argmax())
             rec["predicted"] = adapter.token_str(predicted)
             rec["correct"] = (predicted == p.answer_id) if p.answer_id is not None else None
             tokens: list = []
@@ -138,24 +120,18 @@ def run_batch(loaded, batch: list[_Prepared], methods: list[ReadoutMethod], opti
                     n_patch = sum(1 for t in tokens if t.col >= 0)
                     rec["region"]["n_tokens"] = len(region)
                     rec["region"]["token_share"] = len(region) / n_patch if n_patch else None
-            ctx = SampleContext(
+            ctx = captured.context(
                 loaded,
-                p.item,
-                p.image,
-                p.mask,
-                trace,
                 b,
-                trace.query_positions.tolist().index(answer_pos[b]) if trace is not None else None,
-                stream,
-                row,
-                p.answer_id if p.answer_id is not None else predicted,
-                p.foil_id,
-                predicted,
-                options,
-                tokens,
-                cover,
-                region,
-                position=answer_pos[b],
+                answer_id=p.answer_id,
+                options=options,
+                item=p.item,
+                image=p.image,
+                mask=p.mask,
+                foil_id=p.foil_id,
+                tokens=tokens,
+                cover=cover,
+                region=region,
                 question=p.item.question,
                 answer_prefix=p.answer_prefix,
             )

@@ -99,6 +99,16 @@ class Decoding:
         (default none; Qwen2-VL: its M-RoPE position ids)."""
         return {}
 
+    def generation_limits(self) -> tuple[int | None, int]:
+        """``(max_new_tokens, max_length)`` of the model folder's generation
+        config (the first None where it sets none); ``max_length`` no more than
+        the decoder's position limit (:meth:`max_positions`)."""
+        config = getattr(self.model, "generation_config", None)
+        max_length = self.max_positions()
+        if getattr(config, "max_length", None):
+            max_length = min(max_length, int(config.max_length))
+        return getattr(config, "max_new_tokens", None), max_length
+
     def end_token_ids(self) -> set[int]:
         """The token ids that end an answer: the model folder's generation
         config ``eos_token_id`` (an int or a list), the tokenizer's EOS and

@@ -69,7 +69,7 @@ class ReadoutOptions:
     tuned: Any = None
 
 
-@dataclass
+@dataclass(kw_only=True)  # built by keyword (core.readouts.pipeline.CapturedBatch.context)
 class SampleContext:
     """One sample (inside a batch), as the read-outs see it.
 
@@ -93,18 +93,18 @@ class SampleContext:
     """
 
     loaded: Any
-    item: Any
     image: Any
-    mask: np.ndarray | None
     trace: Any
     batch: int
     query_index: int | None
     rollout: Any
     logits: torch.Tensor
     answer_id: int
-    foil_id: int | None
     predicted_id: int
     options: ReadoutOptions
+    foil_id: int | None = None
+    item: Any = None
+    mask: np.ndarray | None = None
     tokens: list = field(default_factory=list)
     cover: np.ndarray | None = None
     region: list[int] | None = None

@@ -274,9 +274,9 @@ class Session:
         if app_id != APPLICATION_ID:
             raise SessionError(f"{p}: not a session file (an SQLite database of another program)")
         if check:
-            problems = [r[0] for r in conn.execute("PRAGMA quick_check(1)").fetchall()]
-            if problems != ["ok"]:
-                raise SessionError(f"{p}: corrupt session file (integrity check: {problems[0]})")
+            rows = [r[0] for r in conn.execute(f"PRAGMA quick_check({_COUNTED_PROBLEMS})").fetchall()]
+            if rows != ["ok"]:
+                raise SessionError(f"{p}: corrupt session file ({_integrity_summary(rows)})")
         for kind, name in objects:
             if kind not in ("table", "index"):
                 raise SessionError(
@@ -931,6 +931,22 @@ class Session:
 
 
 # ---------------------------------------------------------------- checked rows
+
+_COUNTED_PROBLEMS = 100  # SQLite's integrity check stops there (a corrupt file may have thousands)
+
+
+def _integrity_summary(rows: list) -> str:
+    """SQLite's integrity-check rows as one line: how many problems and the first. A row can hold
+    several problems, one a line, under a "*** in database main ***" heading ("Page 15 is never
+    used" for each lost page): listed, they made the message a screenful."""
+    problems = [line.strip() for row in rows for line in str(row).splitlines()]
+    problems = [line for line in problems if line and not (line.startswith("***") and line.endswith("***"))]
+    if not problems:
+        return "SQLite integrity check failed"
+    if len(problems) == 1:
+        return f"SQLite integrity check: {problems[0]}"
+    count = f"{_COUNTED_PROBLEMS} or more" if len(problems) >= _COUNTED_PROBLEMS else str(len(problems))
+    return f"SQLite integrity check: {count} problems, first: {problems[0]}"
 
 
 def _shown_value(value) -> str:

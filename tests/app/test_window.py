@@ -246,6 +246,24 @@ def test_main_screenshot(qtbot, tmp_path, image_arg):
     assert not image.isNull() and image.width() > 400
 
 
+def test_the_screenshot_run_leaves_the_process_able_to_run_windows(qtbot, tmp_path, window, model_cache):
+    """main() runs an event loop of its own: Qt 6's quit() closed every window
+    of the process (this one too) and, once quit, every later event loop of the
+    thread returned at once, so every window test after it timed out."""
+    from app.main_window import MainWindow
+
+    argv = ["--model", "shapes-llava", "--screenshot", str(tmp_path / "a.png"), "--session", str(tmp_path / "s.vlmr")]
+    assert main(argv) == 0
+    assert window.isVisible() and not window._closed
+    run_until_idle(qtbot, window, window.run_readout)  # a window opened before it
+    later = MainWindow(model_cache=model_cache, session_path=tmp_path / "later.vlmr")
+    qtbot.addWidget(later)
+    later.show()
+    run_until_idle(qtbot, later, later.run_readout)  # and one opened after it
+    assert later.analysis is not None and window.analysis is not None
+    later.close()
+
+
 def test_missing_x11_libraries_give_one_clear_line(monkeypatch, capsys):
     """Without the system libraries Qt's xcb plugin loads, the app says which
     and how to install them, instead of Qt's abort."""

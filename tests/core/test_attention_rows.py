@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-import core.analyze as analyze_module
+import core.readouts.pipeline as pipeline
 from core import load_model
 from core.analyze import analyze
 from core.attention_rows import ROW_CHUNK, RecomputedRows, recording
@@ -191,14 +191,14 @@ def test_pattern_rows_are_the_text_and_answer_rows_never_the_visual_ones(llava, 
 
 def test_analyze_asks_for_the_rows_its_readouts_read(llava, sample, monkeypatch):
     seen = {}
-    real = analyze_module.capture
+    real = pipeline.capture  # the one capture analyze and the dataset audit run (core.readouts.pipeline)
 
     def spy(*args, **kwargs):
         trace = real(*args, **kwargs)
         seen["rows"], seen["streams"] = trace.query_positions.tolist(), kwargs.get("pattern_streams")
         return trace
 
-    monkeypatch.setattr(analyze_module, "capture", spy)
+    monkeypatch.setattr(pipeline, "capture", spy)
     d = analyze(llava, sample[0], sample[1])
     inputs = llava.adapter.prepare([sample[0]], [sample[1]])
     assert seen["rows"] == pattern_rows(llava.adapter, inputs)
@@ -206,5 +206,5 @@ def test_analyze_asks_for_the_rows_its_readouts_read(llava, sample, monkeypatch)
     assert "attention" not in d["input"]  # the default (sdpa) is not recorded as a parameter
     eager = analyze(llava, sample[0], sample[1], attention="eager")
     assert eager["input"]["attention"] == "eager" and eager.parameters()["attention"] == "eager"
-    monkeypatch.setattr(analyze_module, "FULL_PATTERN_LIMIT", 3)
+    monkeypatch.setattr(pipeline, "FULL_PATTERN_LIMIT", 3)
     assert analyze(llava, sample[0], sample[1])["rollout"] is None

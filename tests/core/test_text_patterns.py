@@ -16,7 +16,8 @@ from tests.core.test_capture_coca import tiny_coca_float64
 from tests.core.test_capture_llava import tiny_llava_float64
 from tests.tolerances import coarsest, step_dtype, sum_tol, unit_roundoff
 
-analyze_module = importlib.import_module("core.analyze")  # the module (its FULL_PATTERN_LIMIT), not the function
+analyze_module = importlib.import_module("core.analyze")
+pipeline = importlib.import_module("core.readouts.pipeline")  # its FULL_PATTERN_LIMIT: the capture analyze runs
 
 
 def full_capture(loaded, image, question):
@@ -126,7 +127,7 @@ def test_analyze_of_a_long_prompt_keeps_the_text_rows(monkeypatch):
     llava = load_model("shapes-llava")
     s = scenes.make_sample("heldout", 7)
     full = analyze_module.analyze(llava, s.image, s.question)
-    monkeypatch.setattr(analyze_module, "FULL_PATTERN_LIMIT", 0)
+    monkeypatch.setattr(pipeline, "FULL_PATTERN_LIMIT", 0)
     long = analyze_module.analyze(llava, s.image, s.question)
     assert long["rollout"] is None and full["rollout"] is not None
     a, b = full["text_patterns"], long["text_patterns"]

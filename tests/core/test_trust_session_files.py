@@ -376,3 +376,27 @@ def test_a_session_through_a_link_to_nothing_is_refused_before_the_model_loads(c
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {link}: a symbolic link to "), err
     with pytest.raises(SessionError, match="a symbolic link to"):
         Session.create(link)
+
+
+def test_qk_ov_json_is_put_in_place_only_once_its_run_is_recorded(capsys, home, tmp_path, monkeypatch):
+    """qk-ov wrote its --json before recording (a failed record changed it); it
+    now ends as every command does (core/cli/outputs.py write_and_record)."""
+    import core.session
+
+    session = _session(home / "s.vlmr")
+    out = tmp_path / "qk.json"
+    out.write_text("the earlier run\n")
+
+    def disk_full(path, readout, **kwargs):
+        raise SessionError(f"{path}: cannot record the run: the disk is full")
+
+    monkeypatch.setattr(core.session, "record_into", disk_full)
+    argv = ["qk-ov", "--model", "shapes-llava", "--head", "L1.H2", "--json", str(out), "--session", str(session)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {session}: cannot record the run: the disk is full"
+    ]
+    assert out.read_text() == "the earlier run\n" and not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.setattr(core.session, "record_into", record_into)
+    assert main(argv) == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["head"]

@@ -224,7 +224,11 @@ def test_cli_session_that_is_not_a_session_fails_before_the_model_loads(capsys, 
     junk = home / "junk.vlmr"
     junk.write_bytes(b"not sqlite" * 10)
     argv = ["analyze", "--image", str(IMAGE), "--question", "q?", "--json", str(home / "a.json"), "--session"]
-    for session, needle in ((junk, "not a session file"), (home, "is a folder, not a session file"), (home / "no" / "s.vlmr", "no such")):
+    for session, needle in (
+        (junk, "not a session file"),
+        (home, "is a folder, not a session file"),
+        (home / "no" / "s.vlmr", "no such"),
+    ):
         assert main([*argv, str(session)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
