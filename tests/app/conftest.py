@@ -3,8 +3,10 @@
 import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before any Qt import
-# The app remembers recent models in QSettings: keep the tests' out of the user's config.
+# The app remembers recent models in QSettings: keep the tests' out of the user's config
+# (removed when the run ends: a folder per run used to pile up in /tmp).
 os.environ["XDG_CONFIG_HOME"] = __import__("tempfile").mkdtemp(prefix="vlm-readout-test-config-")
+__import__("atexit").register(__import__("shutil").rmtree, os.environ["XDG_CONFIG_HOME"], ignore_errors=True)
 
 import pytest  # noqa: E402
 from PySide6.QtCore import QThreadPool  # noqa: E402

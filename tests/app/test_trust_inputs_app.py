@@ -47,7 +47,7 @@ def test_model_folder_with_missing_weights_is_refused_in_the_window(qtbot, windo
     window.model_picker.setCurrentText("shapes-llava")
     run_until_idle(qtbot, window, window.answer_question)
     assert window.error_label.text() == "" and window.last_answer is not None
-    assert isinstance(window.model_cache.get("shapes-llava"), core.LoadedModel)
+    assert isinstance(window.model_cache.get(window.model_choice()), core.LoadedModel)  # keyed by ModelChoice
 
 
 def test_load_warning_stays_beside_the_status(qtbot, window, tmp_path):
