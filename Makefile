@@ -17,8 +17,9 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/vlm-readout-app
 
+# Two workers, each test file whole in one (--dist loadfile): the suite in half the time on two cores.
 test: $(STAMP)
-	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(PY) -m pip install --quiet ruff && $(VENV)/bin/ruff check core app tests bench
