@@ -2,7 +2,8 @@
 with the seven-step chain, :func:`core.validate.validate`) and the Attention tab's
 actions on the selected head (Non-unique…, QK/OV).
 
-Each runs in a worker (:mod:`app.jobs`), is recorded in the session with its
+Each is a request (:mod:`core.requests`) run by the window's one request path (a
+worker, then the session's record), is recorded in the session with its
 audit rows (kinds ``validate``, ``nonunique``, ``qk-ov``) and is restored from the
 History. A claim is checked on a model, not on an input: the Claims panel shows
 it only while that model is the one picked (another model clears it). The head
@@ -14,24 +15,18 @@ from __future__ import annotations
 
 from app.components import RunInput, RunView
 from app.components.selection import is_head
-from app.jobs import ClaimRequest, nonunique_job, qk_ov_job, validate_job
 from app.panels.claims_panel import ClaimsPanel
 from app.panels.head_methods_panel import HeadMethodsPanel
 from app.run_frame import RunFrame
 from app.samples import bundled_pairs_file
-from app.session_view import (
-    HEAD_METHOD_KINDS,
-    asked_parameters,
-    claim_choices,
-    restore_claim_choices,
-)
-from core.readout import RecordedResult
+from app.session_view import HEAD_METHOD_KINDS, restore_claim_choices
+from core.requests import NonuniqueRequest, QkOvRequest, ValidateRequest
 
 
 class ClaimsMixin:
     """Expects the window's ``workspace``, ``selection``, ``model_cache``, ``session``, ``tabs``,
-    ``attention_panel``, ``counterfactual_panel``, ``model_picker``, ``_start``, ``_record``,
-    ``_made_for``, ``_ask``, ``_has_image``, ``is_busy``, ``model_choice``, ``set_model_choice``, ``show_error``,
+    ``attention_panel``, ``counterfactual_panel``, ``model_picker``, ``_run_request``, ``_asked``,
+    ``_made_for``, ``_has_image``, ``is_busy``, ``model_choice``, ``set_model_choice``, ``show_error``,
     ``_refuse_until``, ``_recheck_refusal`` and ``_selected_other_than``.
 
     Attributes:
@@ -96,21 +91,19 @@ class ClaimsMixin:
                 "painted region: paint one in the Counterfactual tab, or untick its box",
                 lambda: not panel.uses_region() or self.counterfactual_panel.mask().any(),
             )
-        request = ClaimRequest(tuple(subjects), claim, dataset, panel.n(), max(1, panel.n() // 3), region)
-        asked, choices = self.workspace.input, claim_choices(panel, region)  # as Run was pressed
+        request = ValidateRequest(
+            subjects=tuple(subjects), claim=claim, dataset=dataset, n=panel.n(), n_side=max(1, panel.n() // 3),
+            region=region,
+        )  # fmt: skip
+        asked = self.workspace.input  # as Run was pressed
 
-        def show(validation) -> None:
+        def show(validation, _run_id) -> None:
             self.last_validation = validation
             self.claim_made_for = self._made_for(asked)
             panel.show_message("")
             panel.show_validation(validation)
-            from core.validate import source_files  # function-local: the chain's modules load torch
 
-            self._record(validation, parameters={**source_files(dataset), **choices}, with_image=False)
-
-        self._start(
-            show, validate_job, self.model_cache, self.model_choice(), request, clear=False, failed=self._claim_failed
-        )
+        self._run_request(request, show, failed=self._claim_failed)
         panel.show_message(f"running: the seven-step chain on {', '.join(subjects)}…")
         return True
 
@@ -135,10 +128,8 @@ class ClaimsMixin:
 
     def _restore_claim(self, run) -> bool:
         """Show a recorded ``validate`` run in the Claims tab, its model picked (it has no image)."""
-        from core.validate import Validation
-
-        validation = Validation.from_dict(run.result)
-        spec = (run.model or {}).get("spec") or validation.model
+        validation = run.readout  # a core.validate.Validation
+        spec = run.model_spec or validation.model
         self.model_picker.setCurrentText(spec)
         dtype, device = self._dtype_and_device_for(spec, run.dtype_and_device)  # as restore_run picks them
         missing = self.set_model_choice(dtype, device)
@@ -184,23 +175,17 @@ class ClaimsMixin:
             return False
         mask = self.counterfactual_panel.mask()
         mask = mask if mask.any() else None
-        ask, asked = self._ask(), self.workspace.input
+        asked = self.workspace.input
+        region = "painted region" if mask is not None else None
+        request = NonuniqueRequest(**self._asked(), head=head, mask=mask, mask_name=region)
 
-        def show(found) -> None:
-            result, doc = found
-            self.last_head_method = result
+        def show(result, run_id: int | None) -> None:
+            self.last_head_method = result  # with the head, the region rule, the model and the input
             self.head_methods.show_message("")
-            self.head_methods.show_nonunique(result, doc)
-            parameters = {
-                **asked_parameters(ask),
-                "component": head,
-                "region_rule": doc["region"]["rule"],
-            }
-            run_id = self._record(RecordedResult.of(result, doc), mask=mask, parameters=parameters)
-            self.workspace.add_result("nonunique", doc, run_id, self._made_for(asked))
+            self.head_methods.show_nonunique(result)
+            self.workspace.add_result("nonunique", result, run_id, self._made_for(asked))
 
-        path = self.current_image_path()
-        self._start(show, nonunique_job, self.model_cache, ask, head, mask, path, clear=False, failed=self._head_failed)
+        self._run_request(request, show, failed=self._head_failed)
         self.head_methods.show_message(f"running: non-unique attention of {head}…")
         return True
 
@@ -212,32 +197,28 @@ class ClaimsMixin:
         head = self._selected_head()
         if head is None:
             return False
-        ask, asked = self._ask(), self.workspace.input
+        asked, request = self.workspace.input, QkOvRequest(**self._asked(), head=head)
 
-        def show(result) -> None:
+        def show(result, run_id: int | None) -> None:
             self.last_head_method = result
-            doc = result.to_dict()
             self.head_methods.show_message("")
-            self.head_methods.show_qk_ov(doc)
-            run_id = self._record(result, parameters=asked_parameters(ask))
-            self.workspace.add_result("qk-ov", doc, run_id, self._made_for(asked))
+            self.head_methods.show_qk_ov(result)
+            self.workspace.add_result("qk-ov", result, run_id, self._made_for(asked))
 
-        self._start(show, qk_ov_job, self.model_cache, ask, head, clear=False, failed=self._head_failed)
+        self._run_request(request, show, failed=self._head_failed)
         self.head_methods.show_message(f"running: QK / OV of {head}…")
         return True
 
     def _head_failed(self, message: str) -> None:
         self.head_methods.show_message(message, error=True)
 
-    def _draw_head_method(self, kind: str, doc: dict) -> None:
-        """A recorded ``nonunique`` or ``qk-ov`` result in the head panel, its head selected in Attention."""
-        where = doc["head"] if kind == "qk-ov" else doc  # qk-ov names its head in a dict, nonunique at the top
-        block, index = where.get("block"), where.get("head")
-        if block is not None and index is not None:
-            self.attention_panel.select_head(int(block), int(index))
-        if kind == "qk-ov":
-            self.head_methods.show_qk_ov(doc)
+    def _draw_head_method(self, result) -> None:
+        """A recorded ``nonunique`` or ``qk-ov`` result (its Readout) in the head panel, its head
+        selected in Attention."""
+        if result.kind == "qk-ov":
+            self.attention_panel.select_head(*result.block_and_head)
+            self.head_methods.show_qk_ov(result)
         else:
-            from core.methods.nonunique import NonuniqueResult
-
-            self.head_methods.show_nonunique(NonuniqueResult.from_dict(doc), doc)
+            if result.block is not None and result.head is not None:
+                self.attention_panel.select_head(result.block, result.head)
+            self.head_methods.show_nonunique(result)

@@ -17,9 +17,9 @@ asks for.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
@@ -47,24 +47,14 @@ from app.components import ModelChoice, ShownRun
 from app.components.model_choice import CPU, device_choices
 from app.components.selection import Selection, head_component, lens_component
 from app.jobs import (
-    AblationRequest,
-    Ask,
-    ablation_job,
     answer_job,
+    answer_of,
     answer_pairs_job,
-    counterfactual_job,
-    default_patch_site,
-    generate_job,
+    as_run,
     head_sources_job,
     model_load_job,
-    nonunique_job,
-    patch_job,
-    patch_sites,
-    qk_ov_job,
-    readout_job,
+    request_job,
     statistics_job,
-    sweep_job,
-    validate_job,
 )
 from app.panels.answer_panel import AnswerPanel, TargetNote
 from app.panels.attention_panel import AttentionPanel, block_names
@@ -76,31 +66,45 @@ from app.panels.lens_panel import LensPanel
 from app.recent_models import BUILTIN_MODELS, recent_models, remember_model, remembered_choice
 from app.run_frame import TARGET_PLACEHOLDER, AnswerTokensMixin, WorkspaceMixin
 from app.samples import Sample, bundled_pairs_file, bundled_samples
-from app.session_view import SessionMixin, SessionWatch, asked_parameters, open_start_session
+from app.session_view import SessionMixin, SessionWatch, open_start_session
 from app.widgets import DetachedTabs, ElidedLabel, ScrollPage, box, plain_label
 from app.workers import Worker, WorkerPool
 from core.images import image_sha256, load_mask
 from core.precision import AUTO_DTYPE_MEANING, DTYPE_CHOICES
 from core.readout import RecordedResult
+from core.requests import (
+    AblationRequest,
+    AnalyzeRequest,
+    CounterfactualRequest,
+    PatchingRequest,
+    SweepRequest,
+)
+from core.requests.patching import default_patch_site, patch_sites
 from core.views import patch_values
+
+if TYPE_CHECKING:
+    from core.analyze import AnalyzeResult
+    from core.methods.patterns import HeadSummary
+    from core.readouts.rollout import RolloutSection
 
 # What the status line says as each job starts, before its first progress line (a validation's
 # comes seconds later: until then the line said the last job's "ready" or "cancelled").
 JOB_STATUS = {
     answer_job: "answering…",
     answer_pairs_job: "answering the pairs…",
-    generate_job: "generating…",
-    readout_job: "reading out…",
     head_sources_job: "source contributions…",
-    counterfactual_job: "counterfactual…",
-    sweep_job: "occlusion sweep…",
-    ablation_job: "ablating…",
-    patch_job: "patching…",
     statistics_job: "attention statistics…",
-    validate_job: "validating…",
-    nonunique_job: "non-unique attention…",
-    qk_ov_job: "QK / OV…",
     model_load_job: "loading model…",
+    # a request_job's line: by its request's name (core.requests)
+    "generate": "generating…",
+    "analyze": "reading out…",
+    "counterfactual": "counterfactual…",
+    "sweep": "occlusion sweep…",
+    "ablation": "ablating…",
+    "patching": "patching…",
+    "validate": "validating…",
+    "nonunique": "non-unique attention…",
+    "qk-ov": "QK / OV…",
 }
 # the formats core.images accepts (ACCEPTED_FORMATS)
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
@@ -149,7 +153,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         self.session_problem = session_problem  # also printed by app.__main__ for a terminal user
         self.session_watch = SessionWatch(self)  # the audit table follows the session's recorded runs
         self.session_watch.recorded.connect(self._on_run_recorded)
-        self.analysis: dict | None = None  # the last analyze result shown in the panels
+        self.analysis: AnalyzeResult | None = None  # the last analyze result shown in the panels
         self.analysis_inputs: tuple | None = None  # (ModelChoice, image, question) it was computed on
         self.last_counterfactual = None
         self.last_intervention = None
@@ -542,7 +546,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         def show(result: core.Answer) -> None:
             self._show_answer(result, caption)
             # not recorded: the Answer tab names this input; the read-out views compare theirs with it
-            self.workspace.show_run(ShownRun(None, "answer", self._made_for(asked), {"answer": result.to_dict()}))
+            self.workspace.show_run(ShownRun(None, "answer", self._made_for(asked), {"answer": result}))
 
         self._start(show, answer_job, self.model_cache, model, self.image, question)
         return True
@@ -580,10 +584,19 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
     def _targets(self) -> tuple[str, str]:
         return self.target_edit.text().strip(), self.foil_edit.text().strip()
 
-    def _ask(self) -> Ask:
-        """The shown model, image, question and target tokens, for a follow-up job."""
-        question, answer_text = self.question_edit.text().strip(), self.workspace.input.answer_text
-        return Ask(self.model_choice(), self.image, question, *self._targets(), answer_text=answer_text)
+    def _asked(self) -> dict:
+        """The shown image, question, target fields as typed and answer token read out: the
+        :class:`core.requests.base.AskedRequest` fields of a request about the shown input."""
+        asked = self.workspace.input
+        answer, foil = self._targets()
+        return {
+            "image": self.image,
+            "image_path": asked.image_path,
+            "question": self.question_edit.text().strip(),
+            "answer": answer,
+            "foil": foil,
+            "answer_text": asked.answer_text,
+        }
 
     def run_readout(self) -> bool:
         """Answer and read out the shown pair in the background; False if not started."""
@@ -592,21 +605,17 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         model, question = self.model_choice(), self.question_edit.text().strip()
         caption = self._caption(question)
         image = self.image
-        answer, foil = self._targets()
-        asked, ask = self.workspace.input, self._ask()  # ask: the fields as typed, recorded with the run
+        asked, request = self.workspace.input, AnalyzeRequest(**self._asked())
 
-        def show(result) -> None:
-            if result is None:
-                return
-            answered, analysis = result
+        def show(analysis, run_id: int | None) -> None:
+            answered = answer_of(analysis)  # read from the same forward, not from a second one
             self._show_answer(answered, caption)
             self.analysis_inputs = (model, image, question)
             self._show_analysis(analysis)
-            run_id = self._record(analysis, parameters=asked_parameters(ask))
-            results = {"analyze": analysis, "answer": answered.to_dict()}
+            results = {"analyze": analysis, "answer": answered}
             self.workspace.show_run(ShownRun(run_id, "analyze", self._made_for(asked), results))
 
-        self._start(show, readout_job, self.model_cache, model, image, question, answer, foil, asked.answer_text)
+        self._run_request(request, show, clear=True)
         return True
 
     def request_head_sources(self, layer: int, head: int) -> bool:
@@ -632,17 +641,18 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         """Fill the painted region and re-run the model (Counterfactual tab)."""
         if self.is_busy() or self.image is None:
             return False
-        ask, asked = self._ask(), self.workspace.input
+        fill_options = self._fill_options(options)
+        if fill_options is None:
+            return False
+        asked = self.workspace.input
+        request = CounterfactualRequest(**self._asked(), mask=mask, fill=fill, **fill_options)
 
-        def show(result) -> None:
+        def show(result, run_id: int | None) -> None:
             self.last_counterfactual = result
             self.counterfactual_panel.set_result(result)
-            options_text = {k: str(v) for k, v in options.items()}
-            parameters = {**asked_parameters(ask), "fill": fill, **options_text}
-            run_id = self._record(result, mask=mask, parameters=parameters)
-            self.workspace.add_result("counterfactual", result.to_dict(), run_id, self._made_for(asked))
+            self.workspace.add_result("counterfactual", result, run_id, self._made_for(asked))
 
-        self._start(show, counterfactual_job, self.model_cache, ask, mask, fill, dict(options), clear=False)
+        self._run_request(request, show)
         self.counterfactual_panel.set_busy(True)  # after _start parked the focus of the Run button
         return True
 
@@ -651,18 +661,31 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         if self.is_busy() or self.image is None:
             return False
         fill, options = self.counterfactual_panel.fill_choice()
-        ask, asked = self._ask(), self.workspace.input
+        fill_options = self._fill_options(options)
+        if fill_options is None:
+            return False
+        asked = self.workspace.input
+        request = SweepRequest(**self._asked(), k=int(k), fill=fill, **fill_options)
 
-        def show(result) -> None:
-            if result is None:
-                return
+        def show(result, run_id: int | None) -> None:
             self.counterfactual_panel.set_sweep(result)
-            run_id = self._record(result, parameters=asked_parameters(ask))
-            self.workspace.add_result("sweep", result.to_dict(), run_id, self._made_for(asked))
+            self.workspace.add_result("sweep", result, run_id, self._made_for(asked))
 
-        self._start(show, sweep_job, self.model_cache, ask, int(k), fill, dict(options), clear=False)
+        self._run_request(request, show)
         self.counterfactual_panel.set_busy(True)  # after _start parked the focus of the sweep button
         return True
+
+    def _fill_options(self, options: dict) -> dict | None:
+        """The Counterfactual panel's fill options as a fill request's fields: a paste source read
+        into pixels (None, with the reason in the error line, when it cannot be read)."""
+        options = dict(options)
+        source = options.pop("paste_from", None)
+        if source is not None:
+            pixels = self._read_image(source)
+            if pixels is None:
+                return None
+            options.update(paste_from=pixels, paste_from_path=str(source))
+        return options
 
     def attention_statistics(self, items: list, dataset: Path | None = None) -> bool:
         """Distributions of every head's answer-row attention over ``items``
@@ -701,7 +724,7 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
 
     def _block_names(self) -> list[str]:
         """The shown read-out's block names, in block order (as the trace names them)."""
-        names = block_names(self.analysis or {})
+        names = block_names(self.analysis)
         return [names[i] for i in sorted(names)]
 
     def _select_head(self, layer: int, head: int) -> None:
@@ -775,20 +798,26 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
                 "positions 'painted region': paint a region in the Counterfactual tab",
                 lambda: panel.positions() != "region" or self.counterfactual_panel.mask().any(),
             )
-        request = AblationRequest(selected.name, selected.view, kind, positions, mask=mask)
+        chosen = {}  # the mean's references, the resample's source image
         if kind == "mean":
             if not panel.references:
                 return self._refuse_intervention("mean ablation: no reference images (the bundled samples are missing)")
-            references = tuple(panel.references)
-            request = dataclasses.replace(request, references=references, reference_set=panel.reference_set)
+            chosen = {"references": tuple(str(r) for r in panel.references), "reference_set": panel.reference_set}
         elif kind == "resample":
             source = panel.source()
             if source is None:
                 return self._refuse_intervention(
                     "resample ablation: choose a source image (a sample or File…)", lambda: panel.source() is not None
                 )
-            request = dataclasses.replace(request, source=source, source_path=source)
-        self._start_intervention(ablation_job, request, mask=mask)
+            source_image = self._read_image(source)
+            if source_image is None:
+                return False
+            chosen = {"source_image": source_image, "source_image_path": str(source)}
+        request = AblationRequest(
+            **self._asked(), component=selected.name, selected_in=selected.view, ablation=kind, positions=positions,
+            mask=mask, **chosen,
+        )  # fmt: skip
+        self._start_intervention(request)
         panel.show_message(f"running: {selected.name} {kind} ablation…")
         return True
 
@@ -818,23 +847,46 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         # audit row names what was patched in
         source_path = str(source) if isinstance(source, (str, Path)) else None
         site, layer = panel.site_choice()
-        self._start_intervention(patch_job, source_image, mask, site, layer, source_path, mask=mask)
+        request = PatchingRequest(
+            **self._asked(), source_image=source_image, source_image_path=source_path, mask=mask, site=site,
+            layer=layer,
+        )  # fmt: skip
+        self._start_intervention(request)
         panel.show_message(f"running: patching at {site or 'the earliest visual site'}…")
         return True
 
-    def _start_intervention(self, job, *args, mask) -> None:
-        """Run an intervention job on the shown input; its result fills the table and is recorded."""
-        ask, asked = self._ask(), self.workspace.input
+    def _start_intervention(self, request) -> None:
+        """Run an intervention request on the shown input; its result fills the table."""
+        asked = self.workspace.input
 
-        def show(result) -> None:
+        def show(result, run_id: int | None) -> None:
+            self.last_intervention = result
+            self._show_intervention_result(result)  # as a restored run shows it
+            self.workspace.add_result("intervention", result, run_id, self._made_for(asked))
+
+        self._run_request(request, show)
+
+    def _run_request(self, request, show, *, clear: bool = False, failed=None) -> None:
+        """Run ``request`` (:mod:`core.requests`) on the picked model in the worker: the one path
+        of every run the window records. The generic job (:func:`app.jobs.request_job`), then the
+        session's record of the request's document of the result with its parameters (what the
+        CLI records for the same request; a request of an image records it, with the painted
+        region it used), then ``show(result, run_id)`` with the typed result; nothing when it was
+        cancelled before a result. ``clear``, ``failed``: as :meth:`_start`'s."""
+
+        def done(result) -> None:
             if result is None:
                 return
-            self.last_intervention = result
-            self._show_intervention_result(result.to_dict())  # as a restored run shows it
-            run_id = self._record(result, mask=mask, parameters=asked_parameters(ask))
-            self.workspace.add_result("intervention", result.to_dict(), run_id, self._made_for(asked))
+            loaded = self.loaded_model()
+            ran = as_run(request, loaded)  # the request as it ran: its parameters, its document
+            inputs = ran.recorded_inputs()  # the image and the painted region, as the CLI records them
+            recorded = ran.recorded(result, loaded)
+            run_id = self._record(
+                recorded, mask=inputs.get("mask"), parameters=ran.parameters(), with_image="image" in inputs
+            )
+            show(result, run_id)
 
-        self._start(show, job, self.model_cache, ask, *args, clear=False)
+        self._start(done, request_job, self.model_cache, self.model_choice(), request, clear=clear, failed=failed)
 
     def cancel(self) -> None:
         """Ask the running job to stop; the window goes idle when it has."""
@@ -865,7 +917,8 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         job.finished.connect(while_open(lambda _result: self._end_job("ready")))
         self._job = self.workers.start(job)
         self._set_busy(True)
-        self.status_label.setText(JOB_STATUS.get(fn, "working…"))  # at once: the job's own lines follow
+        status = JOB_STATUS.get(args[-1].name if fn is request_job else fn, "working…")
+        self.status_label.setText(status)  # at once: the job's own lines follow
         if self.image is not None:  # a "run #N shown" line from the History is not what is shown now
             self.statusBar().showMessage(self._image_line())
 
@@ -999,31 +1052,31 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         self.last_answers = answers
         self.answer_panel.show_pairs(questions, answers, expected)
 
-    def _show_analysis(self, analysis: dict | None) -> None:
+    def _show_analysis(self, analysis: AnalyzeResult | None) -> None:
         """Fill the read-out panels and the canvas from one analyze result (None clears)."""
         self.analysis = analysis
         self.attention_panel.set_result(analysis)
         self.dla_panel.set_result(analysis)
-        self.lens_panel.set_result(analysis, readers=(analysis or {}).get("tuned_lens") or {})
+        tuned = analysis.tuned_lens if analysis is not None else None
+        self.lens_panel.set_result(analysis, readers=tuned.readers if tuned is not None else {})
         if analysis is None:  # the grids, notes and heatmap were the run's
             self.canvas.set_tokens(None)
             self.counterfactual_panel.set_tokens(None)
             return
-        tokens = analysis["input"]["visual_tokens"]
-        self.canvas.set_tokens(tokens, view_names=self._view_names(analysis), token_read=read_token(analysis))
-        note = describe_token_layout(tokens, analysis["model"].get("family"))
+        tokens, view_names = analysis.input.visual_tokens, analysis.input.view_names
+        self.canvas.set_tokens(tokens, view_names=view_names, token_read=read_token(analysis))
+        note = describe_token_layout(tokens, analysis.model.family)
         self.canvas.set_token_note(note)
-        self.counterfactual_panel.set_tokens(tokens, view_names=self._view_names(analysis))
+        self.counterfactual_panel.set_tokens(tokens, view_names=view_names)
         self.counterfactual_panel.set_token_note(note)
-        rollout = analysis.get("rollout")
-        if rollout:
+        rollout = analysis.rollout
+        if rollout is not None:
             self.canvas.set_heatmap(
                 self._patch_values(rollout),
-                label=f"rollout (alpha {rollout['alpha']}): structural-flow approximation, not a cause",
+                label=f"rollout (alpha {rollout.alpha}): structural-flow approximation, not a cause",
             )
-        target = analysis["target"]
         if not self.target_edit.text().strip():
-            self.target_edit.setPlaceholderText(f"answer token (now: {target['answer']}, the model's top token)")
+            self.target_edit.setPlaceholderText(f"answer token (now: {analysis.target.answer}, the model's top token)")
 
     def _on_tab_changed(self, index: int) -> None:
         # the painter has its own canvas: give it the whole width instead of showing the image twice
@@ -1035,22 +1088,15 @@ class MainWindow(ClaimsMixin, SessionMixin, AnswerTokensMixin, WorkspaceMixin, Q
         if row is not None:
             self.canvas.set_heatmap(
                 self._patch_values(row),
-                label=f"{row['block']}.H{head}: answer-row attention (routing only)",
+                label=f"{row.name}: answer-row attention (routing only)",
             )
 
-    def _patch_values(self, section: dict) -> np.ndarray:
+    def _patch_values(self, section: HeadSummary | RolloutSection) -> np.ndarray:
         """One value per canvas token from a read-out section's patch grids (every view's, where it has them)."""
-        return patch_values(self.canvas.tokens, section["visual_patch_mass"], section.get("visual_patch_mass_by_image"))
-
-    @staticmethod
-    def _view_names(analysis: dict) -> dict[int, str]:
-        """The family's names of the run's views, as the analyze JSON records them
-        (``input.view_names``; ``{}``: the geometry names them)."""
-        return {int(k): v for k, v in (analysis["input"].get("view_names") or {}).items()}
+        return patch_values(self.canvas.tokens, section.visual_patch_mass, section.visual_patch_mass_by_image)
 
     def _show_sources_map(self, layer: int, head: int, values) -> None:
-        rows = (self.analysis or {}).get("attention", [])
-        block = next((row["block"] for row in rows if row["layer"] == layer), f"block {layer}")
+        block = block_names(self.analysis).get(int(layer), f"block {layer}")
         self.canvas.set_heatmap(np.asarray(values), label=f"{block}.H{head}: frozen-scale DLA per source token")
 
     def _forget_expected(self) -> None:

@@ -24,8 +24,9 @@ from PySide6.QtWidgets import QVBoxLayout, QWidget
 import core
 from app.components import ModelChoice, RunInput, RunView, ShownRun, Workspace
 from app.components.workspace import ASKED_FIELDS, AnswerTokens, answer_token_label
-from app.jobs import GENERATE_TOKENS, generate_job, typed_token
+from app.jobs import GENERATE_TOKENS, typed_token
 from app.widgets import KeepingLabel
+from core.requests import GenerateRequest
 
 CURRENT_STYLE = "color: #555555; padding: 1px 4px;"
 STALE_STYLE = "color: #5a3b00; background: #ffd27a; padding: 1px 4px;"  # amber: not the current input
@@ -163,7 +164,7 @@ class AnswerTokensMixin:
     """The Answer tab's tokens half of :class:`app.main_window.MainWindow`: Generate, a token
     clicked as the answer token every panel reads, the typed-target note. Expects the
     workspace half (:class:`WorkspaceMixin`), the window's ``answer_panel``, ``target_note``,
-    ``target_edit``, ``foil_edit``, ``model_cache``, ``image``, ``_start``, ``_record``,
+    ``target_edit``, ``foil_edit``, ``model_cache``, ``image``, ``_run_request``,
     ``run_readout`` and ``show_error``.
 
     Attributes:
@@ -188,12 +189,13 @@ class AnswerTokensMixin:
         if self.is_busy() or not self._has_image():
             return False
         budget = int(max_new_tokens or self.answer_panel.max_tokens.value())
-        model, question, asked = self.model_choice(), self.question_edit.text().strip(), self.workspace.input
+        question, asked = self.question_edit.text().strip(), self.workspace.input
         caption = self._caption(question)
+        request = GenerateRequest(
+            image=self.image, image_path=asked.image_path, question=question, max_new_tokens=budget
+        )
 
-        def show(generation) -> None:
-            if generation is None:
-                return
+        def show(generation, run_id: int | None) -> None:
             # the token chosen stays chosen when this answer holds it (the same tokens); else none is
             chosen = asked.answer_text
             kept = chosen if chosen is not None and chosen.token_ids == tuple(generation.token_ids) else None
@@ -205,10 +207,9 @@ class AnswerTokensMixin:
             self.answer_panel.show_generated(tokens, caption)
             if not tokens.token_ids:
                 self.show_error(f"the model generated no token (stopped: {tokens.stop_reason})")
-            run_id = self._record(generation)
-            self.workspace.show_run(ShownRun(run_id, "generate", made_for, {"generate": generation.to_dict()}))
+            self.workspace.show_run(ShownRun(run_id, "generate", made_for, {"generate": generation}))
 
-        self._start(show, generate_job, self.model_cache, model, self.image, question, budget)
+        self._run_request(request, show, clear=True)
         return True
 
     def choose_answer_token(self, index: int) -> bool:
@@ -286,7 +287,9 @@ class AnswerTokensMixin:
             self._set_answer_tokens(self._answer_tokens_of(run.input, answer_text))
         else:
             self.answer_panel.set_chosen(answer_text.index)
-        self.answer_panel.show_answer_token(analysis["target"], answer_text, self.answer_panel.caption.text())
+        self.answer_panel.show_answer_token(
+            analysis.target, analysis.top, answer_text, self.answer_panel.caption.text()
+        )
 
     def _refresh_target_note(self) -> None:
         """The one-line note on a typed Target / foil of several tokens (with the offer to read at

@@ -12,7 +12,8 @@ A run is restored from what the session stored (:meth:`SessionMixin.restore_run`
 the image (its file when that still holds the same pixels, else the stored
 pixels), the question, the model (in the dtype and on the device it ran in), the
 answer token read out (the answer's tokens, the chosen one highlighted), the target fields (as typed) and the
-panels, drawn from the stored result JSON exactly as they were drawn when the run was made; and the controls its
+panels, drawn from the stored result restored as its class (``Run.readout``: the one conversion of stored JSON,
+:func:`core.readout.restore_result`) exactly as they were drawn when the run was made; and the controls its
 request was made from (fill, painted region, sweep k, the Interventions box's choices, the token budget, a
 claim's fields), so pressing its button again runs the run shown. What the run did not store is said in red.
 """
@@ -24,6 +25,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PySide6.QtCore import QObject, Signal
@@ -32,12 +34,17 @@ from PySide6.QtWidgets import QFileDialog, QMessageBox
 import core
 from app.components import ModelChoice
 from app.components.workspace import AnswerTokens, RunInput, ShownRun, answer_token_label
-from app.jobs import Ask, answer_of, model_load_job
-from app.panels.history_panel import THUMBNAIL_PX, HistoryPanel
+from app.jobs import answer_of, model_load_job
+from app.panels.history_panel import THUMBNAIL_PX, HistoryPanel, HistoryRow
 from core.answer_text import AnswerText
 from core.images import image_sha256
 from core.precision import DTYPE_CHOICES
+from core.readout import Readout, Target
+from core.requests.base import TYPED_FOIL, TYPED_TARGET  # the fields as typed (AskedRequest.asked_parameters)
 from core.session import DamagedRunError, Run, RunInfo, Session, SessionError
+
+if TYPE_CHECKING:
+    from core.analyze import AnalyzeResult
 
 SESSION_FILTER = "VLM Readout sessions (*.vlmr *.sqlite *.db);;All files (*)"
 OPEN_MODES = ("append", "read_only")  # continue the file; or read it and record into a temporary copy
@@ -46,8 +53,7 @@ READ_ONLY_NOTE = "read-only; new runs are not saved into it"
 HEAD_METHOD_KINDS = ("nonunique", "qk-ov")
 # the run kinds whose panels a restore draws (other kinds restore their input only)
 PANEL_KINDS = ("analyze", "counterfactual", "sweep", "intervention", *HEAD_METHOD_KINDS)
-# the Target and foil fields as typed, in the parameters the app records (:func:`asked_parameters`)
-TYPED_TARGET, TYPED_FOIL = "typed_target", "typed_foil"
+EDITED_KINDS = ("counterfactual", "sweep", "intervention")  # an original run and an edited one
 CLAIM_KINDS = ("validate",)  # checked on a model and a dataset, not on the shown input: the Claims tab restores them
 
 
@@ -111,76 +117,63 @@ class SessionWatch(QObject):
 # ---------------------------------------------------------------- what a stored run holds
 
 
-def unedited_target(kind: str, result) -> dict | None:
-    """The Target (as a dict) of the run before any edit: analyze's ``target``, a counterfactual's,
-    sweep's or intervention's ``original``; None for other kinds or shapes."""
-    if not isinstance(result, dict):
+def readout_of(run: Run) -> Readout | None:
+    """The run's result as its class (:attr:`core.session.Run.readout`); None when its stored JSON
+    does not restore (a result of another shape or version: a restore says why)."""
+    try:
+        return run.readout
+    except DamagedRunError:
         return None
-    target = result.get("target") if kind == "analyze" else result.get("original")
-    return target if isinstance(target, dict) else None
 
 
-def intervention_effect(result: dict) -> tuple[str, dict] | None:
-    """``(label, effect dict)`` of an intervention result's first row: an ablation's row, or a visual
-    patch's forward direction (``{original, edited, effect}``); None when it has no rows."""
-    rows = result.get("rows") or []
-    if not rows:
+def unedited_target(kind: str, readout: Readout | None) -> Target | None:
+    """The :class:`core.readout.Target` of the run before any edit: analyze's ``target``, a
+    counterfactual's, sweep's or intervention's ``original``; None for other kinds (or no result)."""
+    if readout is None:
         return None
-    row = rows[0]
-    if "site" in result:  # VisualPatchResult: token sets patched at a site
-        return f"{row['name']} patched at {result['site']}", row["forward"]
-    return row["label"], row
+    if kind == "analyze":
+        return readout.target
+    return readout.original if kind in EDITED_KINDS else None
 
 
-def ablated_head(result: dict) -> tuple[int, int] | None:
-    """``(block, head)`` when an intervention's first edit set edits one head's output (``z``), as an
-    ablation of the head selected in the Attention tab does; else None."""
-    rows = result.get("rows") or []
-    edits = (rows[0].get("edits") or []) if rows else []
-    heads = {(e.get("block"), e.get("head")) for e in edits if e.get("site") == "z" and e.get("head") is not None}
-    if len(heads) != 1:
-        return None
-    block, head = heads.pop()
-    return int(block), int(head)
-
-
-def history_answer(kind: str, result) -> str:
+def history_answer(kind: str, readout: Readout | None) -> str:
     """A history row's answer: the prediction (with its probability and the answer token read
     for analyze; before -> after for an edited run)."""
-    if not isinstance(result, dict):
+    if readout is None:
         return ""
     if kind == "analyze":
-        top = (result.get("target") or {}).get("top") or []
-        answer_text = AnswerText.from_dict(result.get("input") or {})
+        answer_text = readout.answer_text
         at = f" at {answer_token_label(answer_text)}" if answer_text is not None else ""
-        return f"{top[0][0]} (p {float(top[0][1]):.3f}){at}" if top else ""
+        return f"{readout.top[0][0]} (p {float(readout.top[0][1]):.3f}){at}" if readout.top else ""
     if kind == "counterfactual":
-        before, after = result.get("original"), result.get("edited")
-    elif kind == "intervention":
-        found = intervention_effect(result)
-        before, after = (found[1]["original"], found[1]["edited"]) if found else (None, None)
+        before, after = readout.original, readout.edited
+    elif kind == "intervention":  # an ablation's first edit set, or a visual patch's forward direction
+        found = readout.first_effect()
+        before, after = (found[1].original, found[1].edited) if found else (None, None)
     else:
-        before, after = unedited_target(kind, result), None
-    if not isinstance(before, dict):
+        before, after = unedited_target(kind, readout), None
+    if before is None:
         return ""
-    return before["predicted"] + (f" → {after['predicted']}" if isinstance(after, dict) else "")
+    return before.predicted + (f" → {after.predicted}" if after is not None else "")
 
 
 def question_of(run: Run) -> str:
     """The run's question: the parameters the app and the CLI record, else the analyze input's."""
     question = (run.parameters or {}).get("question")
-    if question is None and isinstance(run.result, dict):
-        question = (run.result.get("input") or {}).get("question")
+    if question is None and run.kind == "analyze":
+        analysis = readout_of(run)
+        question = analysis.input.question if analysis is not None else None
     return str(question or "")
 
 
 def answer_text_of(run: Run) -> AnswerText | None:
     """The answer token the run read out: an analyze run's ``input`` records it, a follow-up the
-    app recorded names it in its parameters (:func:`asked_parameters`); None: the first token after
-    the bare prompt."""
-    result = run.result if isinstance(run.result, dict) else {}
-    source = result.get("input") if run.kind == "analyze" else run.parameters
-    return AnswerText.from_dict(source or {})
+    app recorded names it in its parameters (:meth:`core.requests.base.AskedRequest.asked_parameters`);
+    None: the first token after the bare prompt."""
+    if run.kind == "analyze":
+        analysis = readout_of(run)
+        return analysis.answer_text if analysis is not None else None
+    return AnswerText.from_dict(run.parameters or {})
 
 
 def uses_painted_region(run: Run) -> bool:
@@ -195,31 +188,9 @@ def uses_painted_region(run: Run) -> bool:
     )
 
 
-def asked_parameters(ask: Ask) -> dict:
-    """The parameters the app records with a run of the shown input (``ask``, as the job started
-    with it): the question, the Target and foil fields as typed (a word of several tokens reads
-    its first sub-token: the result names only that token, a restore puts the words back), and
-    the answer token read out (its answer's tokens and index: what a restore needs to read there
-    again)."""
-    answer_text = ask.answer_text
-    return {
-        "question": ask.question,
-        TYPED_TARGET: ask.answer,
-        TYPED_FOIL: ask.foil,
-        **(answer_text.to_dict() if answer_text is not None else {}),
-    }
-
-
-def claim_choices(panel, region) -> dict:
-    """What the app records with a ``validate`` run of the Claims panel's choices (``panel``, a
-    :class:`app.panels.claims_panel.ClaimsPanel`, when Run was pressed) beyond the claim's own
-    parameters and the dataset file (:func:`core.validate.source_files`): the subjects as typed,
-    n, and whether the painted region (``region``, None: not used) was the lines' target."""
-    return {"typed_subjects": panel.subject_edit.text().strip(), "n": panel.n(), "painted_region": region is not None}
-
-
 def restore_claim_choices(panel, run: Run, validation) -> str | None:
-    """Put a ``validate`` run's choices back in the Claims panel (:func:`claim_choices`; a run of an
+    """Put a ``validate`` run's choices back in the Claims panel (its request's parameters:
+    :meth:`core.requests.ValidateRequest.parameters`; a run of an
     older session: its chains' subjects and its search set's size): subjects, claim, data, n, the
     painted-region box. The painted region itself is not stored with the run: returns a line saying
     so when the run used one (None otherwise)."""
@@ -254,20 +225,17 @@ def picked_dtype_and_device(ran_in: dict, shown: ModelChoice) -> tuple[str, str]
 
 def target_fields(run: Run, answer_text: AnswerText | None = None) -> tuple[str, str]:
     """What the Target and foil fields held for the run: as typed, where the app recorded them
-    (:func:`asked_parameters`); else (a run of an older session, or of the CLI) the answer token
-    when it was not the one an empty field asks for (the answer token read, ``answer_text``, else
-    the model's own top token), the foil when there was one. Either way a re-run reads the same numbers."""
+    (:meth:`core.requests.base.AskedRequest.asked_parameters`); else (a run of an older session or
+    an older command line) the answer token when it was not the one an empty field asks for (the
+    answer token read, ``answer_text``, else the model's own top token), the foil when there was one. Either way a re-run reads the same numbers."""
     parameters = run.parameters or {}
     if isinstance(parameters.get(TYPED_TARGET), str) and isinstance(parameters.get(TYPED_FOIL), str):
         return parameters[TYPED_TARGET], parameters[TYPED_FOIL]
-    target = unedited_target(run.kind, run.result)
+    target = unedited_target(run.kind, readout_of(run))
     if target is None:
         return "", ""
-    answer = target.get("answer") or ""
-    default = answer_text.token_id if answer_text is not None else target.get("predicted_id")
-    if target.get("answer_id") is not None and target.get("answer_id") == default:
-        answer = ""
-    return answer, target.get("foil") or ""
+    default = answer_text.token_id if answer_text is not None else target.predicted_id
+    return ("" if target.answer_id == default else target.answer), target.foil or ""
 
 
 @dataclasses.dataclass
@@ -287,7 +255,7 @@ class RestoredRun:
     answer: str
     foil: str
     answer_text: AnswerText | None = None  # the answer token read out (None: the first token, bare prompt)
-    analysis: dict | None = None  # the run's own analyze result, or the latest of the same input
+    analysis: AnalyzeResult | None = None  # the run's own analyze result, or the latest of the same input
     analysis_id: int | None = None
     mask: np.ndarray | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -330,7 +298,7 @@ class SessionMixin:
     def _use_session(self, session: Session) -> None:
         """Record into ``session`` from now on; its audit table and history follow its events."""
         self.session = session
-        self._history_rows: dict[int, dict] = {}
+        self._history_rows: dict[int, HistoryRow] = {}
         self._thumbnails: dict[str, np.ndarray | None] = {}
         self.session_watch.watch(session)
         self._refresh_audit()
@@ -414,33 +382,36 @@ class SessionMixin:
         self.history_panel.set_runs(rows)
         self.workspace.set_runs(infos)
 
-    def _history_row(self, info: RunInfo) -> dict:
+    def _history_row(self, info: RunInfo) -> HistoryRow:
         row = self._history_rows.get(info.id)
         if row is None:
             try:
                 run = self.session.run(info.id)
             except DamagedRunError as e:  # listed, but its stored values cannot be read: say so in its row
-                return {
-                    **dict.fromkeys(("image", "question", "model"), ""),
-                    "run_id": info.id,
-                    "kind": info.kind,
-                    "created": info.created,
-                    "thumbnail": None,
-                    "answer": f"damaged: {e.why}",
-                }
+                return HistoryRow(info.id, info.kind, info.created, answer=f"damaged: {e.why}")
             stored = self.session.image(info.image_sha256) if info.image_sha256 else None
-            row = {
-                "run_id": info.id,
-                "kind": info.kind,
-                "created": info.created,
-                "image": Path(stored.path).name if stored and stored.path else (info.image_sha256 or "")[:12],
-                "thumbnail": self._thumbnail(info.image_sha256),
-                "question": question_of(run) or str((run.parameters or {}).get("claim", "")),
-                "answer": history_answer(run.kind, run.result) or info.summary,
-                "model": info.model or "",
-            }
+            row = HistoryRow(
+                info.id,
+                info.kind,
+                info.created,
+                image=Path(stored.path).name if stored and stored.path else (info.image_sha256 or "")[:12],
+                thumbnail=self._thumbnail(info.image_sha256),
+                question=question_of(run) or str((run.parameters or {}).get("claim", "")),
+                answer=self._history_answer(run, info),
+                model=info.model or "",
+            )
             self._history_rows[info.id] = row
         return row
+
+    @staticmethod
+    def _history_answer(run: Run, info: RunInfo) -> str:
+        """The answer column: :func:`history_answer` (else the run's summary), or why its result
+        cannot be drawn."""
+        try:
+            readout = run.readout
+        except DamagedRunError as e:  # its values read, its result does not restore
+            return f"damaged: {e.why}"
+        return history_answer(run.kind, readout) or info.summary
 
     def _thumbnail(self, sha: str | None) -> np.ndarray | None:
         """A small ``(h, w, 3)`` copy of the session's stored pixels of ``sha`` (None when not stored)."""
@@ -490,18 +461,20 @@ class SessionMixin:
         # what the pickers hold (a device this machine lacks is not picked: the run shows stale)
         picked = self.model_choice()
         self.workspace.set_input(model_dtype=picked.dtype, model_device=picked.device)
-        results = {run.kind: run.result}
+        results = {}
         try:
+            results[run.kind] = run.readout  # DamagedRunError: a stored result of another shape or version
             self._draw_run(restored)
             self._restore_controls(restored)
-        except (KeyError, TypeError, ValueError, IndexError) as e:  # a result of another shape or version
+        except (DamagedRunError, KeyError, TypeError, ValueError, IndexError) as e:
             self._show_analysis(None)
             restored.analysis, results = None, {}  # no view claims content it could not draw
-            restored.notes.append(f"run #{run.id} cannot be drawn ({type(e).__name__}: {e})")
+            why = e.why if isinstance(e, DamagedRunError) else f"{type(e).__name__}: {e}"
+            restored.notes.append(f"run #{run.id} cannot be drawn ({why})")
         run_ids = {}
         if restored.analysis is not None:  # the Answer tab and the read-out views show this analyze run
             results["analyze"] = restored.analysis
-            results["answer"] = answer_of(restored.analysis).to_dict()
+            results["answer"] = answer_of(restored.analysis)
             run_ids["analyze"] = run_ids["answer"] = restored.analysis_id
         self.workspace.show_run(ShownRun(run.id, run.kind, restored.input(sha), results, run_ids))
         self.history_panel.show_current(run.id)
@@ -522,7 +495,7 @@ class SessionMixin:
         answer_text = answer_text_of(run)
         answer, foil = target_fields(run, answer_text)
         ran_in = run.dtype_and_device
-        spec = (run.model or {}).get("spec") or self.model_spec()
+        spec = run.model_spec or self.model_spec()
         restored = RestoredRun(
             run,
             image,
@@ -530,7 +503,7 @@ class SessionMixin:
             path,
             question_of(run),
             spec,
-            (run.model or {}).get("fingerprint"),
+            run.model_fingerprint,
             *self._dtype_and_device_for(spec, ran_in),
             ran_in,
             answer,
@@ -538,7 +511,7 @@ class SessionMixin:
             answer_text,
         )
         if run.kind == "analyze":
-            restored.analysis, restored.analysis_id = run.result, run.id
+            restored.analysis, restored.analysis_id = readout_of(run), run.id  # None: said when drawn
         elif run.kind in PANEL_KINDS:
             restored.analysis_id, restored.analysis = self._analysis_of_input(
                 run, restored.question, answer_text, (answer, foil)
@@ -564,8 +537,9 @@ class SessionMixin:
         """``(PIL image, name, path)`` of the run's image: its file when that still holds the
         recorded pixels, else the session's stored pixels (path None)."""
         sha = run.image_sha256
-        if sha is None and isinstance(run.result, dict):
-            sha = (run.result.get("input") or {}).get("image_sha256")
+        readout = readout_of(run) if sha is None and run.kind in ("analyze", "generate") else None
+        if readout is not None:  # a run recorded without its image whose result names it
+            sha = readout.input.image_sha256 if run.kind == "analyze" else readout.image_sha256
         stored = self.session.image(sha) if sha else None
         if stored is None:
             raise core.ReadoutError("the session has no image for it")
@@ -587,17 +561,18 @@ class SessionMixin:
 
     def _analysis_of_input(
         self, run: Run, question: str, answer_text: AnswerText | None = None, targets: tuple[str, str] = ("", "")
-    ) -> tuple[int | None, dict | None]:
+    ) -> tuple[int | None, AnalyzeResult | None]:
         """The latest analyze run before ``run`` on the same image, question, model, answer token and
         Target and foil fields (``targets``, :func:`target_fields`) (its id and result), or ``(None,
         None)``: what the read-out panels showed, current, when ``run`` was made (a read-out of another
         Target was stale beside it, and is not shown as the run's)."""
-        spec = (run.model or {}).get("spec")
+        spec = run.model_spec
         for info in reversed(self.session.runs("analyze")):
             if info.id > run.id or info.image_sha256 != run.image_sha256 or info.model != spec:
                 continue
             try:
                 candidate = self.session.run(info.id)
+                analysis = candidate.readout
             except DamagedRunError:  # a damaged run is no run's analysis
                 continue
             if (
@@ -605,7 +580,7 @@ class SessionMixin:
                 and answer_text_of(candidate) == answer_text
                 and target_fields(candidate, answer_text) == targets
             ):
-                return info.id, candidate.result
+                return info.id, analysis
         return None, None
 
     def _answer_tokens_of(self, input: RunInput, answer_text: AnswerText) -> AnswerTokens:
@@ -617,15 +592,11 @@ class SessionMixin:
                 continue
             try:
                 candidate = self.session.run(info.id)
+                generation = candidate.readout  # a core.generate.Generation
             except DamagedRunError:
                 continue
-            result = candidate.result if isinstance(candidate.result, dict) else {}
-            if question_of(candidate) == input.question and tuple(result.get("token_ids") or ()) == (
-                answer_text.token_ids
-            ):
-                from core.generate import Generation
-
-                return AnswerTokens.of_generation(Generation.from_dict(result), input)
+            if question_of(candidate) == input.question and tuple(generation.token_ids) == answer_text.token_ids:
+                return AnswerTokens.of_generation(generation, input)
         return AnswerTokens.of_answer_text(answer_text, input)
 
     def _draw_run(self, restored: RestoredRun) -> None:
@@ -637,24 +608,23 @@ class SessionMixin:
             self._show_answer(answer_of(analysis), self._caption(restored.question))
         if restored.mask is not None and restored.mask.shape == (restored.image.height, restored.image.width):
             self.counterfactual_panel.canvas.set_mask(restored.mask, undoable=False)
+        readout = run.readout  # restored by restore_run
         if run.kind == "generate":  # the answer's clickable tokens, as generated
-            from core.generate import Generation
-
-            tokens = AnswerTokens.of_generation(Generation.from_dict(run.result), self.workspace.input)
+            tokens = AnswerTokens.of_generation(readout, self.workspace.input)
             self._set_answer_tokens(tokens)
             self.answer_panel.show_generated(tokens, self._caption(restored.question))
         elif run.kind == "counterfactual":
-            self.counterfactual_panel.set_result(run.result)
+            self.counterfactual_panel.set_result(readout)
         elif run.kind == "sweep":
-            self.counterfactual_panel.set_sweep(run.result)
+            self.counterfactual_panel.set_sweep(readout)
         elif run.kind == "intervention":
-            head = ablated_head(run.result)
+            head = readout.ablated_head()
             if head is not None and analysis is not None:
                 self.attention_panel.select_head(*head)  # its map goes onto the canvas, as when it was ablated
-            self._show_intervention_result(run.result)
+            self._show_intervention_result(readout)
             self._restore_selection(run.parameters or {})  # the component ablated, in the view it was selected in
         elif run.kind in HEAD_METHOD_KINDS:
-            self._draw_head_method(run.kind, run.result)  # app.claims
+            self._draw_head_method(readout)  # app.claims
 
     def _restore_controls(self, restored: RestoredRun) -> None:
         """Set the controls the run's request was made from, beyond the image, question, model,
@@ -664,14 +634,15 @@ class SessionMixin:
         again runs the run shown. What cannot be set again is marked where it shows and said in
         the error line (``restored.notes``)."""
         run = restored.run
-        parameters, result = run.parameters or {}, run.result
+        parameters, readout = run.parameters or {}, run.readout
         notes: list[str | None] = []
+        paste_file = parameters.get("paste_from")  # the file a paste fill's pixels were read from
         if run.kind == "counterfactual":
-            notes.append(self.counterfactual_panel.restore_fill(result, run.id))
+            notes.append(self.counterfactual_panel.restore_fill(readout.fill, run.id, paste_file))
         elif run.kind == "sweep":
-            notes.append(self.counterfactual_panel.restore_sweep(result["sweep"], run.id))
+            notes.append(self.counterfactual_panel.restore_sweep(readout, run.id, paste_file))
         elif run.kind == "intervention":
-            notes += self.intervention_panel.restore_choices(parameters, result, run.id)
+            notes += self.intervention_panel.restore_choices(parameters, readout, run.id)
         elif run.kind == "generate" and parameters.get("max_new_tokens"):
             self.answer_panel.set_generate_budget(int(parameters["max_new_tokens"]))
         if uses_painted_region(run) and not np.array_equal(self.counterfactual_panel.mask(), restored.mask):
@@ -680,8 +651,9 @@ class SessionMixin:
             notes.append(missing)
         restored.notes += [note for note in notes if note]
 
-    def _show_intervention_result(self, result: dict) -> None:
-        """The Interventions table of a stored intervention result (an ablation or a visual patch)."""
+    def _show_intervention_result(self, result) -> None:
+        """The Interventions table of an intervention result (an ablation's ``InterventionResult`` or
+        a visual patch's ``VisualPatchResult``), made now or restored."""
         self.intervention_panel.show_result(result)
         self.counterfactual_panel.show_results(self.intervention_panel.results)
 

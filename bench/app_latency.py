@@ -72,7 +72,8 @@ def readout_row(window, spec: str, sample, repeats: int) -> dict:
     """One model's row: the first Run (loads the model), then the interleaved timings."""
     import threading
 
-    from app.main_window import readout_job
+    from app.jobs import request_job
+    from core.requests import AnalyzeRequest
 
     never = threading.Event()
 
@@ -92,15 +93,16 @@ def readout_row(window, spec: str, sample, repeats: int) -> dict:
     started = time.perf_counter()
     run_and_show()  # the first press of Run also loads the model from disk
     first_ms = 1000 * (time.perf_counter() - started)
-    loaded = window.model_cache[spec]
+    loaded = window.loaded_model()
+    request = AnalyzeRequest(**window._asked())  # what Run asks: the window's one request path runs it
     inputs = loaded.adapter.prepare([image], [sample.question])
     with torch.no_grad():
         times = interleaved_times(
             {
                 "forward": lambda: loaded.adapter.forward_logits(inputs),
                 "answer": lambda: answer(loaded, image, sample.question),
-                "worker_job": lambda: readout_job(
-                    window.model_cache, spec, image, sample.question, "", "", progress=no_progress, cancel=never
+                "worker_job": lambda: request_job(
+                    window.model_cache, window.model_choice(), request, progress=no_progress, cancel=never
                 ),
                 "run_to_shown": run_and_show,
             },

@@ -9,21 +9,36 @@ their :class:`~core.readouts.base.SampleContext` and places their sections.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from core.answer_text import AnswerText, run_parameters
 from core.audit import AuditRecord
 from core.errors import QuestionError
+from core.geometry import VisualToken
 from core.images import image_sha256, load_image
-from core.methods.patterns import FULL_PATTERN_LIMIT  # re-exported
+from core.methods.answer_patterns import AnswerPatterns
+from core.methods.logit_lens import LensRow
+from core.methods.patterns import FULL_PATTERN_LIMIT, HeadSummary, TextPatterns  # FULL_PATTERN_LIMIT re-exported
 from core.readout import Target, jsonable
 from core.readouts import ANALYZE_READOUTS, READOUTS, TEXT_PATTERN_LIMIT, ReadoutOptions
+from core.readouts.answer import AnswerSection
 from core.readouts.pipeline import capture_batch
-from core.readouts.residual import reconstruction_line
+from core.readouts.residual import ResidualSection
+from core.readouts.rollout import RolloutSection
+from core.readouts.tuned_lens import TunedLensSection
 from core.views import family_view_names
 
-__all__ = ["FULL_PATTERN_LIMIT", "SCHEMA_VERSION", "TEXT_PATTERN_LIMIT", "TOP_K", "AnalyzeResult", "analyze"]
+__all__ = [
+    "FULL_PATTERN_LIMIT",
+    "SCHEMA_VERSION",
+    "TEXT_PATTERN_LIMIT",
+    "TOP_K",
+    "AnalyzeInput",
+    "AnalyzeResult",
+    "AnalyzedModel",
+    "analyze",
+]
 
 SCHEMA_VERSION = 1
 # Alternatives listed in ``target.top`` (as many as core.answer lists by default).
@@ -34,86 +49,190 @@ LENS_TOP_K = 5
 _STEPS = {"dla": (1, "decomposing the residual"), "attention": (2, "summarising attention"), "rollout": (3, "rollout")}
 
 
-@dataclass(frozen=True, eq=False, repr=False)
-class AnalyzeResult(dict):
+@dataclass(frozen=True)
+class AnalyzedModel:
+    """analyze's ``model``: the spec and fingerprint the model was loaded from and
+    :meth:`core.models.adapter.Adapter.describe` (its sizes, norm, attention and
+    position scheme, dtype and device). ``extra``: what a family adds to its
+    description (``norm_placement``, ``final_transform``), in its order, after
+    the rest. A key an older JSON lacks reads as None."""
+
+    spec: str | None
+    fingerprint: str | None
+    family: str | None
+    n_layers: int | None
+    n_heads: int | None
+    d_model: int | None
+    final_norm: str | None
+    attention_kind: str | None
+    position_scheme: str | None
+    dtype: str | None
+    device: str | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, loaded) -> AnalyzedModel:
+        return cls.from_dict({"spec": loaded.spec, "fingerprint": loaded.fingerprint, **loaded.adapter.describe()})
+
+    def to_dict(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}, **self.extra}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AnalyzedModel:
+        named = [f.name for f in fields(cls) if f.name != "extra"]
+        return cls(**{k: d.get(k) for k in named}, extra={k: v for k, v in d.items() if k not in named})
+
+
+@dataclass(frozen=True)
+class AnalyzeInput:
+    """analyze's ``input``: what the model was run on.
+
+    Attributes:
+        question: the question as given; ``prompt`` the model's prompt around it;
+            ``raw_prompt``: whether the question could hold special tokens.
+        input_ids, tokens: the sequence run, one display string per position.
+        image_sha256, image_size: the image's pixels hash and ``(width, height)``.
+        visual_tokens: the :class:`core.geometry.VisualToken` s (boxes in the image's pixels).
+        dtype, device: what the numbers were computed in and where.
+        attention: "sdpa" (the model's own; no JSON key) or "eager".
+        view_names: ``{image: name}`` of the views the geometry cannot name
+            (:func:`core.views.family_view_names`; no JSON key when empty).
+        answer_text: the answer token read out (teacher forcing); None: the
+            first token after the bare prompt (no JSON keys).
+    """
+
+    question: str
+    prompt: str
+    raw_prompt: bool
+    input_ids: list[int]
+    tokens: list[str]
+    image_sha256: str
+    image_size: tuple[int, int]
+    visual_tokens: list[VisualToken]
+    dtype: str | None = None
+    device: str | None = None
+    attention: str = "sdpa"
+    view_names: dict[int, str] = field(default_factory=dict)
+    answer_text: AnswerText | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "question": self.question,
+            "prompt": self.prompt,
+            "raw_prompt": self.raw_prompt,
+            **({"attention": self.attention} if self.attention != "sdpa" else {}),
+            "input_ids": list(self.input_ids),
+            "tokens": list(self.tokens),
+            "image_sha256": self.image_sha256,
+            "image_size": list(self.image_size),
+            "visual_tokens": [t.to_dict() for t in self.visual_tokens],
+            **({"view_names": {str(k): v for k, v in self.view_names.items()}} if self.view_names else {}),
+            **(self.answer_text.to_dict() if self.answer_text is not None else {}),
+            "dtype": self.dtype,
+            "device": self.device,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AnalyzeInput:
+        return cls(
+            question=d["question"],
+            prompt=d["prompt"],
+            raw_prompt=d.get("raw_prompt", False),
+            input_ids=list(d["input_ids"]),
+            tokens=list(d["tokens"]),
+            image_sha256=d["image_sha256"],
+            image_size=tuple(d["image_size"]),
+            visual_tokens=[VisualToken.from_dict(t) for t in d["visual_tokens"]],
+            dtype=d.get("dtype"),
+            device=d.get("device"),
+            attention=d.get("attention", "sdpa"),
+            view_names={int(k): v for k, v in (d.get("view_names") or {}).items()},
+            answer_text=AnswerText.from_dict(d),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class AnalyzeResult:
     """One ``analyze`` run: a :class:`core.readout.Readout` (``kind``
     "analyze", :meth:`to_dict`, :meth:`from_dict`, :meth:`summary`,
     :meth:`parameters`, :meth:`audit_records`).
 
-    It also reads as the analyze JSON document itself: the instance is a
-    ``dict`` (so a ``collections.abc.Mapping``) holding :meth:`to_dict`'s
-    strict JSON, computed once at construction, so the callers that read the
-    result as that document (``result["target"]["prob"]``, ``json.dumps(result)``,
-    the app's panels, a session's ``record``) keep working. Treat it as
-    read-only: the fields are the result; the mapping is their JSON.
-
-    ``target`` is the answer position's :class:`core.readout.Target`; ``top``
-    the model's alternatives there (``[[token, prob], ...]``), kept in the
-    JSON's ``target`` dict. ``rollout_alpha`` is the weight the run was given
-    (the JSON holds it in ``rollout`` only when rollout ran).
+    Each field is one part of the analyze JSON (docs/ARCHITECTURE.md, "The
+    analyze JSON"), typed; :meth:`to_dict` is the JSON (strict: non-finite
+    floats are None) and :meth:`from_dict` reads it back, the one place a stored
+    document becomes a result. ``target`` is the answer position's
+    :class:`core.readout.Target` and ``top`` the model's alternatives there
+    (``[(token, prob), ...]``), the JSON's ``target`` together. The sections are
+    the read-outs' (:mod:`core.readouts`): ``residual_decomposition`` a
+    :class:`~core.readouts.residual.ResidualSection`, ``logit_lens`` the
+    :class:`~core.methods.logit_lens.LensRow` s, ``tuned_lens`` a
+    :class:`~core.readouts.tuned_lens.TunedLensSection` (None without a lens),
+    ``attention`` the :class:`~core.methods.patterns.HeadSummary` s, ``rollout`` a
+    :class:`~core.readouts.rollout.RolloutSection` (None past
+    :data:`FULL_PATTERN_LIMIT`), ``text_patterns`` the
+    :class:`~core.methods.patterns.TextPatterns` and ``answer_patterns`` the
+    :class:`~core.methods.answer_patterns.AnswerPatterns` (None in a JSON
+    written before they existed). ``rollout_alpha`` is the weight the run was
+    given (the JSON holds it in ``rollout`` only when rollout ran).
     """
 
-    model: dict
-    input: dict
+    model: AnalyzedModel
+    input: AnalyzeInput
     target: Target
-    top: list
-    residual_decomposition: dict
-    logit_lens: list
-    tuned_lens: dict | None
-    attention: list
-    rollout: dict | None
-    text_patterns: dict
+    top: list[tuple[str, float]]
+    residual_decomposition: ResidualSection
+    logit_lens: list[LensRow]
+    tuned_lens: TunedLensSection | None
+    attention: list[HeadSummary]
+    rollout: RolloutSection | None
+    text_patterns: TextPatterns | None
     audit: list[AuditRecord]
-    answer_patterns: dict | None = None
+    answer_patterns: AnswerPatterns | None = None
     rollout_alpha: float | None = None
     schema_version: int = SCHEMA_VERSION
     kind: ClassVar[str] = "analyze"
-
-    def __post_init__(self) -> None:
-        target = self.target.to_dict()
-        doc = {
-            "schema_version": self.schema_version,
-            "model": self.model,
-            "input": self.input,
-            "target": {"position": target.pop("position"), **target, "top": self.top},
-            "residual_decomposition": self.residual_decomposition,
-            "logit_lens": self.logit_lens,
-            "tuned_lens": self.tuned_lens,
-            "attention": self.attention,
-            "rollout": self.rollout,
-            "text_patterns": self.text_patterns,
-            "answer_patterns": self.answer_patterns,
-            "audit": [a.to_dict() for a in self.audit],
-        }
-        dict.update(self, jsonable(doc))
 
     def __repr__(self) -> str:
         return f"AnalyzeResult({self.summary()})"
 
     def to_dict(self) -> dict:
         """The analyze JSON (strict: non-finite floats are ``None``)."""
-        return dict(self)
+        doc = {
+            "schema_version": self.schema_version,
+            "model": self.model.to_dict(),
+            "input": self.input.to_dict(),
+            "target": AnswerSection(self.target, self.top).to_dict(),
+            "residual_decomposition": self.residual_decomposition.to_dict(),
+            "logit_lens": [r.to_dict() for r in self.logit_lens],
+            "tuned_lens": _dict_or_none(self.tuned_lens),
+            "attention": [h.to_dict() for h in self.attention],
+            "rollout": _dict_or_none(self.rollout),
+            "text_patterns": _dict_or_none(self.text_patterns),
+            "answer_patterns": _dict_or_none(self.answer_patterns),
+            "audit": [a.to_dict() for a in self.audit],
+        }
+        return jsonable(doc)
 
     @classmethod
     def from_dict(cls, d: dict) -> AnalyzeResult:
         """The result an analyze JSON (:meth:`to_dict`, or a session's stored result) describes."""
-        target = dict(d["target"])
-        top = target.pop("top", [])
-        rollout = d.get("rollout")
+        model, input = AnalyzedModel.from_dict(d["model"]), AnalyzeInput.from_dict(d["input"])  # the JSON's order
+        answer = AnswerSection.from_dict(d["target"])
+        rollout = RolloutSection.from_dict(d["rollout"]) if d.get("rollout") else None
         return cls(
-            model=d["model"],
-            input=d["input"],
-            target=Target.from_dict(target),
-            top=top,
-            residual_decomposition=d["residual_decomposition"],
-            logit_lens=d["logit_lens"],
-            tuned_lens=d.get("tuned_lens"),
-            attention=d["attention"],
+            model=model,
+            input=input,
+            target=answer.target,
+            top=answer.top,
+            residual_decomposition=ResidualSection.from_dict(d["residual_decomposition"]),
+            logit_lens=[LensRow.from_dict(r) for r in d["logit_lens"]],
+            tuned_lens=TunedLensSection.from_dict(d["tuned_lens"]) if d.get("tuned_lens") is not None else None,
+            attention=[HeadSummary.from_dict(h) for h in d["attention"]],
             rollout=rollout,
-            text_patterns=d.get("text_patterns"),
-            answer_patterns=d.get("answer_patterns"),
+            text_patterns=TextPatterns.from_dict(d["text_patterns"]) if d.get("text_patterns") else None,
+            answer_patterns=AnswerPatterns.from_dict(d["answer_patterns"]) if d.get("answer_patterns") else None,
             audit=[AuditRecord.from_dict(a) for a in d.get("audit", [])],
-            rollout_alpha=rollout["alpha"] if rollout else None,
+            rollout_alpha=rollout.alpha if rollout else None,
             schema_version=d.get("schema_version", SCHEMA_VERSION),
         )
 
@@ -123,30 +242,30 @@ class AnalyzeResult(dict):
         parts = ["answer " + self.target.line()]
         if self.answer_text is not None:
             parts[0] += f" at answer {self.answer_text.label()}"
-        heads = [h for h in self.attention if h.get("visual_mass") is not None]
+        heads = [h for h in self.attention if h.visual_mass is not None]
         if heads:
-            h = max(heads, key=lambda h: h["visual_mass"])
-            parts.append(f"most visual head L{h['layer']}.H{h['head']} {h['visual_mass']:.2f}")
-        comps = self.residual_decomposition["components"]
+            h = max(heads, key=lambda h: h.visual_mass)
+            parts.append(f"most visual head L{h.layer}.H{h.head} {h.visual_mass:.2f}")
+        comps = self.residual_decomposition.components
         if comps:
-            c = max(comps, key=lambda c: abs(c["dla_frozen"]))
-            parts.append(f"largest frozen-scale DLA {c['name']} {c['dla_frozen']:+.2f}")
-        parts.append(reconstruction_line(self.residual_decomposition, self.model.get("dtype")))
+            c = max(comps, key=lambda c: abs(c.dla_frozen))
+            parts.append(f"largest frozen-scale DLA {c.name} {c.dla_frozen:+.2f}")
+        parts.append(self.residual_decomposition.reconstruction_line(self.model.dtype))
         return "; ".join(parts)
 
     def parameters(self) -> dict:
         """What the run was called with: question, answer and foil tokens,
         rollout weight; ``raw_prompt``, ``attention`` (eager) and ``tuned_lens`` only when used."""
         out: dict[str, Any] = {
-            "question": self.input["question"],
+            "question": self.input.question,
             "answer": self.target.answer,
             "foil": self.target.foil,
             "rollout_alpha": self.rollout_alpha,
         }
-        if self.input.get("raw_prompt"):
+        if self.input.raw_prompt:
             out["raw_prompt"] = True
-        if self.input.get("attention", "sdpa") != "sdpa":
-            out["attention"] = self.input["attention"]
+        if self.input.attention != "sdpa":
+            out["attention"] = self.input.attention
         out.update(run_parameters(self.answer_text))
         if self.tuned_lens is not None:
             out["tuned_lens"] = True
@@ -158,7 +277,20 @@ class AnalyzeResult(dict):
     @property
     def answer_text(self) -> AnswerText | None:
         """The answer token read out (None: the first token after the bare prompt)."""
-        return AnswerText.from_dict(self.input)
+        return self.input.answer_text
+
+    @property
+    def block_names(self) -> dict[int, str]:
+        """``{block index: block name}`` of the blocks the attention rows cover, in block order."""
+        return {h.layer: h.block for h in sorted(self.attention, key=lambda h: h.layer)}
+
+    def head(self, layer: int, head: int) -> HeadSummary | None:
+        """The attention row of head ``head`` in block ``layer``, or None."""
+        return next((h for h in self.attention if h.layer == int(layer) and h.head == int(head)), None)
+
+
+def _dict_or_none(section) -> dict | None:
+    return section.to_dict() if section is not None else None
 
 
 def analyze(
@@ -238,26 +370,26 @@ def analyze(
         if audit is not None:
             audits.append(audit)
     step(4, 4, "done")
-    target = sections.pop("target")
-    top = target.pop("top")
+    answer_section = sections.pop("target")
     return AnalyzeResult(
-        model={"spec": loaded.spec, "fingerprint": loaded.fingerprint, **adapter.describe()},
-        input={
-            "question": question,
-            "prompt": adapter.prompt(question),
-            "raw_prompt": raw_prompt,
-            **({"attention": attention} if attention != "sdpa" else {}),
-            "input_ids": trace.input_ids[0].tolist(),
-            "tokens": ctx.token_strings,
-            "image_sha256": image_sha256(img),
-            "image_size": list(img.size),
-            "visual_tokens": [t.to_dict() for t in tokens],
-            **({"view_names": view_names} if view_names else {}),
-            **(answer_text.to_dict() if answer_text is not None else {}),
+        model=AnalyzedModel.of(loaded),
+        input=AnalyzeInput(
+            question=question,
+            prompt=adapter.prompt(question),
+            raw_prompt=raw_prompt,
+            input_ids=trace.input_ids[0].tolist(),
+            tokens=ctx.token_strings,
+            image_sha256=image_sha256(img),
+            image_size=tuple(img.size),
+            # as the JSON holds them (a resampler latent's box None): a live result reads as a restored one
+            visual_tokens=[VisualToken.from_dict(t.to_dict()) for t in tokens],
+            attention=attention,
+            view_names=dict(view_names or {}),
+            answer_text=answer_text,
             **adapter.dtype_and_device(),
-        },
-        target=Target.from_dict(target),
-        top=top,
+        ),
+        target=answer_section.target,
+        top=answer_section.top,
         audit=audits,
         rollout_alpha=rollout_alpha,
         **sections,

@@ -464,8 +464,19 @@ def safe_name(name: str) -> str:
     return _UNSAFE_NAME.sub("_", str(name))[:80] or "figure"
 
 
+def _readout(run: Run, notes: list[str]):
+    """The run's result as its class (:attr:`Run.readout`), or None with a note when its stored
+    JSON does not fit the class (another shape or version): the pictures drawn from it are left out."""
+    try:
+        return run.readout
+    except DamagedRunError as e:
+        notes.append(f"run {run.id}: its pictures cannot be drawn from its stored result ({e.why}); left out")
+        return None
+
+
 def _run_figures(session: Session, run: Run, notes: list[str]) -> list[Figure]:
-    r = run.result if isinstance(run.result, dict) else {}
+    readout = _readout(run, notes)
+    r = run.result if readout is not None and isinstance(run.result, dict) else {}
     image = None
     if run.image_sha256:
         try:
@@ -548,27 +559,19 @@ def _run_figures(session: Session, run: Run, notes: list[str]) -> list[Figure]:
                     png,
                 )
             )
-    sweep = r.get("sweep")
-    if isinstance(sweep, dict):
-        key = "logit_diff_change" if sweep.get("logit_diff_change") is not None else "logit_change"
-        grid = sweep.get(key)
-        cells = sweep.get("cells") or []
-        boxes = None
-        if grid and len(cells) == len(grid) * len(grid[0]):
-            order = {(c["row"], c["col"]): c.get("box") for c in cells}
-            boxes = [order.get((i, j)) for i in range(len(grid)) for j in range(len(grid[0]))]
-            boxes = boxes if all(b is not None for b in boxes) else None
-        if grid:
-            add(
-                "sweep",
-                f"occlusion sweep, k={sweep.get('k')}",
-                f"occlusion sweep {key} (k={sweep.get('k')}, fill {sweep.get('fill')})",
-                grid,
-                boxes=boxes,
-                diverging=True,
-                note="blue: the answer loses",
-                granularity="patch-granular: one flat cell per k x k block of patches (not interpolated)",
-            )
+    if run.kind == "sweep" and readout is not None and readout.effect.size:
+        sweep = readout  # core.methods.counterfactual.OcclusionMap
+        key = "logit_diff_change" if sweep.logit_diff_change is not None else "logit_change"
+        add(
+            "sweep",
+            f"occlusion sweep, k={sweep.k}",
+            f"occlusion sweep {key} (k={sweep.k}, fill {sweep.fill.kind})",
+            _grid_of(sweep.effect),
+            boxes=sweep.cell_boxes(),
+            diverging=True,
+            note="blue: the answer loses",
+            granularity="patch-granular: one flat cell per k x k block of patches (not interpolated)",
+        )
     if run.mask_id is not None:
         try:
             mask = session.mask(run.mask_id)
@@ -576,12 +579,19 @@ def _run_figures(session: Session, run: Run, notes: list[str]) -> list[Figure]:
             notes.append(f"run {run.id}: {e}; its painted-region picture is left out")
             mask = None
         if mask is not None:
-            figs.append(_mask_figure(run, mask, image))
+            fill = getattr(readout, "fill", None)  # a fill run's (counterfactual, sweep)
+            figs.append(_mask_figure(run, mask, image, fill.kind if fill is not None else None))
     return figs
 
 
-def _mask_figure(run: Run, mask, image, size: int = 256) -> Figure:
-    """The painted region on the image: tinted magenta, outlined in yellow."""
+def _grid_of(values) -> list[list[float | None]]:
+    """A float array as the pictures take a grid: rows of numbers, None where not finite."""
+    return [[float(v) if math.isfinite(v) else None for v in row] for row in values.tolist()]
+
+
+def _mask_figure(run: Run, mask, image, fill: str | None = None, size: int = 256) -> Figure:
+    """The painted region on the image (``fill``: the fill it was replaced with): tinted magenta,
+    outlined in yellow."""
     import numpy as np
     from PIL import Image
 
@@ -599,7 +609,6 @@ def _mask_figure(run: Run, mask, image, size: int = 256) -> Figure:
     inner[:, 1:] &= m[:, :-1]
     inner[:, :-1] &= m[:, 1:]
     arr[m & ~inner] = (255.0, 230.0, 0.0)
-    fill = run.result.get("fill") if isinstance(run.result, dict) else None
     title = "painted region" + (f", fill {fill}" if fill else "")
     png = _framed(Image.fromarray(arr.round().astype(np.uint8)), f"run {run.id}: {title}")
     caption = f"{title}; {int(mask.sum())} px of {w0}x{h0}; tinted magenta, outlined yellow"

@@ -10,6 +10,11 @@
   parameters it was called with and its :class:`core.audit.AuditRecord` rows.
 - :func:`jsonable`: the one JSON cleaning (numpy and torch values to Python,
   non-finite floats to ``None``, as in every JSON the engine writes).
+- :data:`RESULT_TYPES` and :func:`restore_result`: the class of each session
+  run kind, and the one conversion of a stored result JSON back into that
+  class (``from_dict``); a document that does not fit is one
+  :class:`ResultDocumentError` naming the kind. JSON is what a session and the
+  CLI store; a restored run is worked on as its class.
 
 Import-light on purpose (no torch or numpy at import): the session and the CLI
 parser read this module.
@@ -19,8 +24,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from importlib import import_module
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from core.errors import ReadoutError
 
 
 def jsonable(x):
@@ -110,11 +118,49 @@ class Target:
         return from_dict_fields(cls, d)
 
 
-def change_line(before: dict, after: dict, flipped: bool) -> str:
+@dataclass
+class AnswerEffect:
+    """One edit's effect on the answer numbers: edited minus original
+    (``logit_diff_change`` None without a foil); ``flipped``: the argmax token changed."""
+
+    logit_change: float
+    logit_diff_change: float | None
+    prob_change: float
+    flipped: bool
+
+    @classmethod
+    def between(cls, original: Target, edited: Target) -> AnswerEffect:
+        """``edited`` minus ``original`` (two forwards read with the same answer and foil)."""
+        both = original.logit_diff is not None and edited.logit_diff is not None
+        return cls(
+            edited.logit - original.logit,
+            edited.logit_diff - original.logit_diff if both else None,
+            edited.prob - original.prob,
+            edited.predicted_id != original.predicted_id,
+        )
+
+    @property
+    def drop(self) -> float:
+        """The decrease of the target score (logit difference with a foil, else the
+        answer logit): positive when the edit hurt the answer."""
+        return -(self.logit_diff_change if self.logit_diff_change is not None else self.logit_change)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AnswerEffect:
+        return from_dict_fields(cls, d)
+
+
+def change_line(before: Target | dict, after: Target | dict, flipped: bool) -> str:
     """One edit's effect on the answer: ``'blue' logit diff +3.210 -> +0.500, p 0.912
     -> 0.300; predicted 'blue' -> 'red' (flipped)`` (the answer logit without a foil).
-    ``before`` / ``after``: :meth:`Target.to_dict`, or a stored run's target JSON (of
-    which it reads only answer, logit, logit_diff, prob and predicted)."""
+    ``before`` / ``after``: :class:`Target` s, or a stored run's target JSON as the
+    session's v2 migration reads it (of which it reads only answer, logit, logit_diff,
+    prob and predicted)."""
+    before = before.to_dict() if isinstance(before, Target) else before
+    after = after.to_dict() if isinstance(after, Target) else after
     score, a, b = "logit diff", before.get("logit_diff"), after.get("logit_diff")
     if a is None or b is None:
         score, a, b = "logit", before["logit"], after["logit"]
@@ -200,3 +246,103 @@ class RecordedResult:
 
     def __repr__(self) -> str:
         return f"RecordedResult({self.kind!r}, summary={self._summary!r})"
+
+
+class ResultDocumentError(ReadoutError):
+    """A stored result document that does not restore as its run kind's class
+    (:func:`restore_result`): ``the stored <kind> result does not fit <Class>
+    (<what is wrong>)``. ``kind`` and ``cause`` (what is wrong) are kept."""
+
+    def __init__(self, kind: str, class_name: str, cause: str):
+        self.kind = kind
+        self.cause = " ".join(str(cause).split())
+        super().__init__(f"the stored {kind} result does not fit {class_name} ({self.cause})")
+
+
+@dataclass(frozen=True)
+class Note:
+    """A ``note`` run: what a user or a notebook wrote beside the runs, stored as
+    given (``content``, a JSON object; ``text`` its words when it has them)."""
+
+    content: dict
+    kind: ClassVar[str] = "note"
+
+    @property
+    def text(self) -> str:
+        return str(self.content.get("text") or "")
+
+    def to_dict(self) -> dict:
+        return dict(self.content)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Note:
+        return cls(dict(d))
+
+    def summary(self) -> str:
+        return self.text
+
+    def parameters(self) -> dict:
+        return {}
+
+    def audit_records(self) -> list:
+        return []
+
+
+# The class of each session run kind (core.session.records.KINDS), as "module:Class" imported on use
+# (most pull in torch; this module must not). The "intervention" kind holds two classes: see result_type.
+RESULT_TYPES: dict[str, str] = {
+    "analyze": "core.analyze:AnalyzeResult",
+    "generate": "core.generate:Generation",
+    "counterfactual": "core.methods.counterfactual.effect:RegionCounterfactual",
+    "sweep": "core.methods.counterfactual.sweep:OcclusionMap",
+    "intervention": "core.methods.interventions:InterventionResult",
+    "audit": "core.dataset_audit.summaries:AuditSummary",
+    "nonunique": "core.methods.nonunique.results:NonuniqueResult",
+    "qk-ov": "core.methods.qk_ov:QkOvResult",
+    "label": "core.methods.labels.chain:ValidationChain",
+    "validate": "core.validate:Validation",
+    "lens": "core.methods.tuned_lens.evaluate:LensEvaluation",
+    "note": "core.readout:Note",
+}
+VISUAL_PATCH_TYPE = "core.methods.interventions:VisualPatchResult"
+
+
+def result_type(kind: str, doc: Any) -> str | None:
+    """``"module:Class"`` of a ``kind`` run's result ``doc``; None for a kind without a
+    class of its own (a notebook's own kind, the app's attention ``statistics``).
+
+    The one rule for the ``intervention`` kind, which the app and the CLI record for
+    both ablations (and activation patching, knockout) and visual-feature patching:
+    a document naming a patch ``site`` is a ``VisualPatchResult``; any other an
+    ``InterventionResult`` (whose JSON has no ``site``)."""
+    if kind == "intervention" and isinstance(doc, dict) and "site" in doc:
+        return VISUAL_PATCH_TYPE
+    return RESULT_TYPES.get(kind)
+
+
+def result_class(path: str) -> type:
+    """The class ``"module:Class"`` names (its module imported now)."""
+    module, _, name = path.partition(":")
+    return getattr(import_module(module), name)
+
+
+def restore_result(kind: str, doc: Any) -> Readout:
+    """The typed result of a ``kind`` run whose stored JSON is ``doc``: its class's
+    ``from_dict(doc)`` (:func:`result_type`); a kind without a class of its own is a
+    :class:`RecordedResult` holding ``doc`` as it is. The one place stored result JSON
+    turns into the classes the session, export and app work with.
+
+    Raises:
+        ResultDocumentError: ``doc`` does not fit the class (not a JSON object, a
+            field missing or of another type or version); the message names the kind.
+    """
+    path = result_type(kind, doc)
+    if path is None:
+        return RecordedResult(kind, doc)
+    cls = result_class(path)
+    if not isinstance(doc, dict):
+        raise ResultDocumentError(kind, cls.__name__, f"a {type(doc).__name__}, not a JSON object")
+    try:
+        return cls.from_dict(doc)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, ReadoutError) as e:
+        raise ResultDocumentError(kind, cls.__name__, f"{type(e).__name__}: {e}") from None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyqtgraph as pg
@@ -45,10 +45,12 @@ from app.canvas.items import GridItem, PatchHeatmapItem, box_rect, cosmetic_pen,
 from app.canvas.views import ALL_VIEWS, ViewSelector, default_choice, shown_views
 from app.components.workspace import answer_token_label
 from app.widgets import KeepingLabel, elide_keeping, plain_label
-from core.answer_text import AnswerText
 from core.methods.counterfactual import INTERPOLATED_FLAG
 from core.methods.patterns import primary_image as _primary_image
 from core.views import ImageView, image_views
+
+if TYPE_CHECKING:
+    from core.analyze import AnalyzeResult
 
 INTERPOLATED_TEXT = f"interpolated: {INTERPOLATED_FLAG}"
 MODES = ("view", "brush", "eraser", "box")
@@ -137,17 +139,16 @@ def describe_token_layout(tokens: Sequence, family: str | None = None) -> str:
     return "; ".join(notes)
 
 
-def read_token(analysis: Mapping) -> str:
+def read_token(analysis: AnalyzeResult) -> str:
     """The token an analyze result's maps are about (the answer row predicts it): ``answer token 2
     'zero'`` when it read at a token of an answer (with ``target 'blue' at`` before it when another
     target was typed), else ``answer 'square'``."""
-    target = analysis.get("target") or {}
-    answer_text = AnswerText.from_dict(analysis.get("input") or {})
+    target, answer_text = analysis.target, analysis.answer_text
     if answer_text is None:
-        return f"answer {target.get('answer')!r}"
+        return f"answer {target.answer!r}"
     at = answer_token_label(answer_text)
-    typed = target.get("answer_id") is not None and int(target["answer_id"]) != answer_text.token_id
-    return f"target {target.get('answer')!r} at {at}" if typed else at
+    typed = target.answer_id != answer_text.token_id
+    return f"target {target.answer!r} at {at}" if typed else at
 
 
 class _CanvasViewBox(pg.ViewBox):

@@ -8,9 +8,11 @@ and says which run it was drawn for, or that it is stale (see
 history a view can list and restore.
 
 A run is the unit: one :class:`RunInput` (what was asked) and the results it
-produced, each in the engine's result vocabulary (the JSON a
-:class:`core.readout.Readout` writes, ``to_dict()``), keyed by run kind
-("answer", "generate", "analyze", "counterfactual", "sweep", "intervention").
+produced, keyed by run kind ("answer", "generate", "analyze", "counterfactual",
+"sweep", "intervention", "nonunique", "qk-ov"), each typed: the method's
+:class:`core.readout.Readout` (a result made now, or a stored run restored by
+:func:`core.readout.restore_result`), and the :class:`core.answer.Answer` of an
+answer. JSON is what the session stores, not what the views draw.
 
 A run may read out at one token of an answer (:class:`core.answer_text.AnswerText`,
 ``RunInput.answer_text``): choosing another token is another input, so every
@@ -27,6 +29,7 @@ from pathlib import Path
 from app.components.events import Event
 from app.components.model_choice import CPU, ModelChoice
 from core.answer_text import AnswerText
+from core.readout import Readout
 
 QUESTION_CHARS = 40  # a question longer than this is shortened in headers
 
@@ -215,7 +218,8 @@ class AnswerTokens:
 
 @dataclass
 class ShownRun:
-    """One run as the window shows it: its input and every result of it, ``{kind: JSON result}``.
+    """One run as the window shows it: its input and every result of it, ``{kind: result}`` (a
+    :class:`core.readout.Readout`; an answer's :class:`core.answer.Answer`).
 
     ``run_id`` is the session's id of the run that made it (None: not recorded, as an
     Answer); ``run_ids`` the id of each follow-up result's own run by kind.
@@ -224,7 +228,7 @@ class ShownRun:
     run_id: int | None
     kind: str
     input: RunInput
-    results: dict[str, dict] = field(default_factory=dict)
+    results: dict[str, Readout] = field(default_factory=dict)
     run_ids: dict[str, int | None] = field(default_factory=dict)
 
     def id_of(self, kind: str | None = None) -> int | None:
@@ -293,7 +297,9 @@ class Workspace:
         self.shown = run
         self.events.run_shown.emit(run=run, kind=run.kind)
 
-    def add_result(self, kind: str, result: dict, run_id: int | None = None, input: RunInput | None = None) -> ShownRun:
+    def add_result(
+        self, kind: str, result: Readout, run_id: int | None = None, input: RunInput | None = None
+    ) -> ShownRun:
         """A follow-up result (a counterfactual, a sweep, an intervention, an answer) of ``input``
         (default: the current input; a job passes the input it was started with).
 

@@ -14,6 +14,7 @@ every panel. The panel never runs the model.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QPoint, QRect, QSize, Qt, Signal
 from PySide6.QtWidgets import (
@@ -37,6 +38,9 @@ from app.panels import READ_OUT
 from app.panels.answer_patterns_panel import AnswerPatternsPanel
 from app.widgets import ElidedLabel, box, plain_label, set_columns
 from core.answer_text import AnswerText
+
+if TYPE_CHECKING:
+    from core.readout import Target
 
 NO_ANSWER = "no answer yet"
 # under NO_ANSWER: the window's buttons that give one (its "Answer" and "Read out")
@@ -293,22 +297,24 @@ class AnswerPanel(QWidget):
             [(f"{k}: {t}", "—" if p is None else f"{p:.3f}") for k, (t, p) in enumerate(zip(tokens.tokens, probs))],
         )
 
-    def show_answer_token(self, target: dict, answer_text: AnswerText, caption: str) -> None:
+    def show_answer_token(
+        self, target: Target, top: Sequence[tuple[str, float]], answer_text: AnswerText, caption: str
+    ) -> None:
         """A read-out at one answer token: ``answer token 2 'zero'  (p = 0.839)`` (the target's
         probability there; a typed target other than that token is named) and the alternatives
         at that position.
 
         Args:
-            target: the analyze JSON's ``target`` (answer, answer_id, prob, top).
+            target: the analyze result's Target; ``top`` its alternatives (``AnalyzeResult.top``).
             answer_text: the answer and the token read out.
         """
         where = answer_token_label(answer_text)
-        typed = int(target["answer_id"]) != answer_text.token_id
-        named = f"target {target['answer']!r} at {where}" if typed else where
-        self.label.setText(f"{named}  (p = {float(target['prob']):.3f})")
+        typed = target.answer_id != answer_text.token_id
+        named = f"target {target.answer!r} at {where}" if typed else where
+        self.label.setText(f"{named}  (p = {float(target.prob):.3f})")
         self.caption.setText(caption)
         self.table_title.setText(f"top alternatives at {where}")
-        self.fill_table(["token", "probability"], [(str(t), f"{float(p):.3f}") for t, p in target["top"]])
+        self.fill_table(["token", "probability"], [(str(t), f"{float(p):.3f}") for t, p in top])
 
     def show_pairs(
         self, questions: Sequence[str], answers: Sequence[core.Answer], expected: Sequence[str | None] | None

@@ -16,6 +16,8 @@ self-attention rows' image column is "n/a", never an image mass of 0.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, NamedTuple
+
 from PySide6.QtGui import QBrush, QColor, QFont
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -30,6 +32,10 @@ from PySide6.QtWidgets import (
 from app.panels import READ_OUT
 from app.panels.attention_panel import block_names
 from app.widgets import box, plain_label, set_columns
+
+if TYPE_CHECKING:
+    from core.analyze import AnalyzeResult
+    from core.methods.answer_patterns import AnswerPatterns
 
 MEAN_OVER_BLOCKS = "mean over blocks"
 MEAN_OVER_SELF_BLOCKS = "mean over self-attention blocks"  # a model with cross-attention blocks too
@@ -54,23 +60,31 @@ NO_PATTERNS = f"press {READ_OUT} (or click an answer token) to see the answer to
 CHOSEN_ROW = QColor("#ffd27a")
 
 
-def cross_attention_image_mass(analysis: dict | None) -> dict[str, float]:
+class AnswerRow(NamedTuple):
+    """One row of the table: the query's sequence position, its token, the answer token it predicts."""
+
+    position: int
+    token: str
+    predicts: int
+
+
+def cross_attention_image_mass(analysis: AnalyzeResult | None) -> dict[str, float]:
     """``{cross-attention block name: the answer row's image mass there, mean over heads}`` of the
     blocks ``answer_patterns`` leaves out, from the analyze ``attention`` rows (the Attention tab's)."""
-    section = (analysis or {}).get("answer_patterns") or {}
-    skipped = {int(b) for b in section.get("skipped_blocks") or []}
+    if analysis is None or analysis.answer_patterns is None:
+        return {}
+    skipped = {int(b) for b in analysis.answer_patterns.skipped_blocks}
     masses: dict[str, list[float]] = {}
-    for row in (analysis or {}).get("attention") or []:
-        if int(row["layer"]) in skipped:
-            masses.setdefault(row.get("block", f"L{row['layer']}"), []).append(float(row["visual_mass"]))
+    for row in analysis.attention:
+        if row.layer in skipped:
+            masses.setdefault(row.block, []).append(float(row.visual_mass))
     return {block: sum(values) / len(values) for block, values in masses.items()}
 
 
-def image_in_sequence(analysis: dict | None) -> bool:
+def image_in_sequence(analysis: AnalyzeResult | None) -> bool:
     """Whether the image's tokens are in the token sequence (keys of self-attention); a
     cross-attention model's visual tokens have no sequence position."""
-    tokens = ((analysis or {}).get("input") or {}).get("visual_tokens") or []
-    return any(t.get("position") is not None for t in tokens)
+    return analysis is not None and any(t.position is not None for t in analysis.input.visual_tokens)
 
 
 def mass_colour(value: float) -> QColor:
@@ -84,7 +98,7 @@ class AnswerPatternsPanel(QWidget):
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
-        self.section: dict | None = None
+        self.section: AnswerPatterns | None = None
         self.answer_tokens: list[str] = []  # the answer's tokens (the analyze input's), for the row names
         self.cross_mass: dict[str, float] = {}  # the cross-attention blocks left out, with their image mass
         self.image_is_key = True  # False: the image is no key of these rows (image column n/a)
@@ -113,25 +127,26 @@ class AnswerPatternsPanel(QWidget):
         layout.addWidget(self.note)
         self.set_result(None)
 
-    def set_result(self, analysis: dict | None) -> None:
-        """Show ``analysis["answer_patterns"]`` (None, or a run without it: empty)."""
-        section = (analysis or {}).get("answer_patterns")
-        self.section = section if isinstance(section, dict) and section.get("rows") else None
-        self.answer_tokens = list(((analysis or {}).get("input") or {}).get("answer_tokens") or [])
+    def set_result(self, analysis: AnalyzeResult | None) -> None:
+        """Show ``analysis.answer_patterns`` (None, or a run without it: empty)."""
+        section = analysis.answer_patterns if analysis is not None else None
+        self.section = section if section is not None and section.positions else None
+        answer_text = analysis.answer_text if analysis is not None else None
+        self.answer_tokens = list(answer_text.tokens) if answer_text is not None else []
         names = block_names(analysis) if self.section else {}
         self.cross_mass = cross_attention_image_mass(analysis) if self.section else {}
         self.image_is_key = not self.cross_mass or image_in_sequence(analysis)
-        self._say_cross_attention((analysis or {}).get("model") or {})
+        self._say_cross_attention(analysis.model.spec if analysis is not None else None)
         self.block_combo.blockSignals(True)
         self.block_combo.clear()
         self.block_combo.addItem(MEAN_OVER_SELF_BLOCKS if self.cross_mass else MEAN_OVER_BLOCKS)
-        for block in (self.section or {}).get("blocks") or []:
+        for block in self.section.blocks if self.section is not None else []:
             self.block_combo.addItem(names.get(int(block), f"block {block}"))
         self.block_combo.blockSignals(False)
         self.block_combo.setEnabled(self.block_combo.count() > 1)
         self._fill()
 
-    def _say_cross_attention(self, model: dict) -> None:
+    def _say_cross_attention(self, spec: str | None) -> None:
         """The note on a model with cross-attention blocks: its image path is those blocks, each
         named with the answer row's image mass there; hidden for a model without them."""
         if not self.cross_mass:
@@ -145,7 +160,7 @@ class AnswerPatternsPanel(QWidget):
             else "they are left out of these rows"
         )
         self.cross_note.setText(
-            f"{model.get('spec') or 'this model'} reads the image through cross-attention blocks; {where}. "
+            f"{spec or 'this model'} reads the image through cross-attention blocks; {where}. "
             f"The answer row's image mass in each cross-attention block (mean over heads, as in the Attention tab): "
             f"{masses}"
         )
@@ -158,29 +173,30 @@ class AnswerPatternsPanel(QWidget):
             raise ValueError(f"no block {name!r} in the answer patterns")
         self.block_combo.setCurrentIndex(index)
 
-    def rows(self) -> list[dict]:
+    def rows(self) -> list[AnswerRow]:
         """The section's rows (one per answer token predicted), [] when none is shown."""
-        return list((self.section or {}).get("rows") or [])
+        section = self.section
+        if section is None:
+            return []
+        return [AnswerRow(*row) for row in zip(section.positions, section.tokens, section.predicts, strict=True)]
 
     def values(self) -> list[tuple[float, ...]]:
         """Per shown row, the masses in :data:`PARTS` order, as the table shows them."""
-        return [self._masses(r, row) for r, row in enumerate(self.rows())]
+        return [self._masses(r) for r in range(len(self.rows()))]
 
     def chosen_row(self) -> int | None:
         """The row of the token read out (the last: the read-out predicts it), or None."""
         return len(self.rows()) - 1 if self.rows() else None
 
-    def row_name(self, row: dict) -> str:
+    def row_name(self, row: AnswerRow) -> str:
         """``2: zero``: the answer token the row's query predicts (its index when the tokens are not known)."""
-        k = int(row["predicts"])
+        k = int(row.predicts)
         return f"{k}: {self.answer_tokens[k]}" if k < len(self.answer_tokens) else f"answer token {k}"
 
-    def _masses(self, r: int, row: dict) -> tuple[float, ...]:
+    def _masses(self, r: int) -> tuple[float, ...]:
+        """Row ``r``'s masses in :data:`PARTS` order (the order of ``core.methods.answer_patterns.PARTS``)."""
         block = self.block_combo.currentIndex() - 1  # -1: the mean over blocks
-        if block < 0:
-            return tuple(float(row[key]) for key, _ in PARTS)
-        by_block = self.section["by_block"]
-        return tuple(float(by_block[key][block][r]) for key, _ in PARTS)
+        return self.section.masses(r, block if block >= 0 else None)
 
     def _fill(self) -> None:
         rows = self.rows()
@@ -198,11 +214,11 @@ class AnswerPatternsPanel(QWidget):
         bold = QFont(self.table.font())
         bold.setBold(True)
         for r, row in enumerate(rows):
-            masses = self._masses(r, row)
+            masses = self._masses(r)
             name = QTableWidgetItem(self.row_name(row))
             name.setToolTip(
-                f"the query at sequence position {row['position']} (token {row['token']!r}) predicting "
-                f"answer token {row['predicts']}"
+                f"the query at sequence position {row.position} (token {row.token!r}) predicting "
+                f"answer token {row.predicts}"
             )
             self.table.setItem(r, 0, name)
             for c, ((key, _), mass) in enumerate(zip(PARTS, masses, strict=True), start=1):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyqtgraph as pg
@@ -49,7 +50,12 @@ from app.widgets import (
     style_plot,
     tick_step,
 )
-from core.methods.patterns import display_token, head_text_pattern
+from core.methods.patterns import display_token
+
+if TYPE_CHECKING:
+    from core.analyze import AnalyzeResult
+    from core.geometry import VisualToken
+    from core.methods.patterns import HeadSummary
 
 MASS_MAP = "viridis"
 SINK_MAP = "CET-L12"  # light to dark blue: the sink grid never looks like the visual grid
@@ -88,9 +94,9 @@ def describe_hidden_mass(labels: Sequence[str], other: dict[str, np.ndarray], n_
     return line
 
 
-def block_names(result: dict) -> dict[int, str]:
-    """``{block index: block name}`` from an analyze result's attention rows."""
-    return {int(a["layer"]): a.get("block", f"L{a['layer']}") for a in result.get("attention", [])}
+def block_names(result: AnalyzeResult | None) -> dict[int, str]:
+    """``{block index: block name}`` of an analyze result's attention rows (``{}`` for None)."""
+    return result.block_names if result is not None else {}
 
 
 def is_cross_block(name: str) -> bool:
@@ -98,12 +104,12 @@ def is_cross_block(name: str) -> bool:
     return name.endswith(".xattn")
 
 
-def token_grid(values: Sequence[float], visual_tokens: Sequence[dict], image: int | None = None) -> np.ndarray:
+def token_grid(values: Sequence[float], visual_tokens: Sequence[VisualToken], image: int | None = None) -> np.ndarray:
     """Per-visual-token values laid onto one image's patch grid.
 
     Args:
-        values: ``(n_visual_tokens,)``, in the order of ``result["input"]["visual_tokens"]``.
-        visual_tokens: the analyze JSON's visual token dicts (``index, row, col, image``).
+        values: ``(n_visual_tokens,)``, in the order of ``result.input.visual_tokens``.
+        visual_tokens: the analyze result's visual tokens.
         image: which image's grid; default the image with the most patch tokens.
 
     Returns:
@@ -113,20 +119,20 @@ def token_grid(values: Sequence[float], visual_tokens: Sequence[dict], image: in
     values = np.asarray(values, dtype=float).ravel()
     if len(values) != len(visual_tokens):
         raise ValueError(f"{len(values)} values for {len(visual_tokens)} visual tokens")
-    patches = [(k, t) for k, t in enumerate(visual_tokens) if t.get("col", -1) is not None and t.get("col", -1) >= 0]
+    patches = [(k, t) for k, t in enumerate(visual_tokens) if t.col >= 0]
     if not patches:
         return np.full((0, 0), np.nan)
     if image is None:
         counts: dict[int, int] = {}
         for _, t in patches:
-            counts[t.get("image", 0)] = counts.get(t.get("image", 0), 0) + 1
+            counts[t.image] = counts.get(t.image, 0) + 1
         image = max(sorted(counts), key=lambda im: counts[im])
-    mine = [(k, t) for k, t in patches if t.get("image", 0) == image]
-    rows = max(t["row"] for _, t in mine) + 1
-    cols = max(t["col"] for _, t in mine) + 1
+    mine = [(k, t) for k, t in patches if t.image == image]
+    rows = max(t.row for _, t in mine) + 1
+    cols = max(t.col for _, t in mine) + 1
     grid = np.full((rows, cols), np.nan)
     for k, t in mine:
-        grid[t["row"], t["col"]] = values[k]
+        grid[t.row, t.col] = values[k]
     return grid
 
 
@@ -443,7 +449,7 @@ STAT_METRICS = {
 class AttentionPanel(QWidget):
     """Layer x head attention of the answer position.
 
-    Feed it with :meth:`set_result` (the ``core.analyze.analyze`` dict) and,
+    Feed it with :meth:`set_result` (a :class:`core.analyze.AnalyzeResult`) and,
     for a dataset run, :meth:`set_statistics`. Select a head with a click or
     :meth:`select_head`.
 
@@ -455,12 +461,12 @@ class AttentionPanel(QWidget):
 
     def __init__(self, parent=None):
         super().__init__(parent)
-        self.result: dict | None = None
+        self.result: AnalyzeResult | None = None
         self.statistics: list[dict] = []
         self.n_samples: int | None = None
         self.layers: list[int] = []  # grid row -> block index
         self.heads: list[int] = []  # grid col -> head index
-        self.cells: dict[tuple[int, int], dict] = {}  # (layer, head) -> attention row
+        self.cells: dict[tuple[int, int], HeadSummary] = {}  # (layer, head) -> attention row
         self.selected: tuple[int, int] | None = None
 
         # wraps: a long model spec never widens the panel (the window's splitter would jump)
@@ -513,20 +519,19 @@ class AttentionPanel(QWidget):
 
     # ---- data in ----------------------------------------------------------
 
-    def set_result(self, result: dict | None) -> None:
+    def set_result(self, result: AnalyzeResult | None) -> None:
         """Show an analyze result (None clears). Keeps the selected head if it still exists."""
         self.result = result
-        rows = (result or {}).get("attention") or []
-        self.cells = {(int(a["layer"]), int(a["head"])): a for a in rows}
-        names = block_names(result or {})
+        self.cells = {(a.layer, a.head): a for a in result.attention} if result is not None else {}
+        names = block_names(result)
         self.layers = sorted(names)
         self.heads = sorted({h for _, h in self.cells})
         vis = np.full((len(self.layers), len(self.heads)), np.nan)
         sink = np.full_like(vis, np.nan)
         for (layer, head), a in self.cells.items():
             r, c = self.layers.index(layer), self.heads.index(head)
-            vis[r, c] = a["visual_mass"]
-            sink[r, c] = a["bos_mass"]
+            vis[r, c] = a.visual_mass
+            sink[r, c] = a.bos_mass
         row_labels = [names[layer] for layer in self.layers]
         col_labels = [f"H{h}" for h in self.heads]
         head_ticks = [str(h) for h in self.heads]  # under the axis titled "head" where "H0".. do not fit
@@ -535,11 +540,10 @@ class AttentionPanel(QWidget):
         for grid in (self.visual_grid, self.sink_grid):
             grid.plot_item.setLabel("left", "block")
             grid.plot_item.setLabel("bottom", "head")
-        if result:
-            t, m = result.get("target", {}), result.get("model", {})
+        if result is not None:
             self.title.setText(
-                f"{m.get('spec', '?')}: attention of the answer position {t.get('position', '?')} "
-                f"(answer {t.get('answer', '?')!r}); {len(self.layers)} blocks x {len(self.heads)} heads"
+                f"{result.model.spec or '?'}: attention of the answer position {result.target.position} "
+                f"(answer {result.target.answer!r}); {len(self.layers)} blocks x {len(self.heads)} heads"
             )
         else:
             self.title.setText(NO_ANALYSIS)
@@ -585,10 +589,10 @@ class AttentionPanel(QWidget):
         self.visual_grid.highlight(r, c)
         self.sink_grid.highlight(r, c)
         self.details.setText(self._describe(a))
-        grid = np.asarray(a.get("visual_patch_mass") or np.zeros((0, 0)), dtype=float)
+        grid = np.asarray(a.visual_patch_mass or np.zeros((0, 0)), dtype=float)
         if grid.ndim != 2:
             grid = np.zeros((0, 0))
-        set_title(self.patch_map.plot_item, f"{a.get('block')}.H{head}: per patch, not interpolated", "9pt")
+        set_title(self.patch_map.plot_item, f"{a.name}: per patch, not interpolated", "9pt")
         self.patch_map.set_grid(grid, levels=(0.0, max(float(np.nanmax(grid)) if grid.size else 0.0, 1e-6)))
         self.patch_map.plot_item.setLabel("left", "patch row")
         self.patch_map.plot_item.setLabel("bottom", "patch col")
@@ -597,7 +601,7 @@ class AttentionPanel(QWidget):
             self.head_selected.emit(int(layer), int(head))
         return True
 
-    def head_row(self, layer: int, head: int) -> dict | None:
+    def head_row(self, layer: int, head: int) -> HeadSummary | None:
         """The analyze attention row of one head (its ``visual_patch_mass`` is the canvas map)."""
         return self.cells.get((int(layer), int(head)))
 
@@ -606,78 +610,77 @@ class AttentionPanel(QWidget):
         ``(queries, keys)`` weights and ``{role: (queries,)}`` the mass each
         query row put on keys that are not shown; None for a block without one
         (cross-attention) or a result recorded without text patterns."""
-        found = head_text_pattern((self.result or {}).get("text_patterns"), layer, head)
+        text = self.result.text_patterns if self.result is not None else None
+        found = text.head_pattern(layer, head) if text is not None else None
         if found is None:
             return None
-        other = {role: np.asarray(v, dtype=float) for role, v in found["other_mass"].items()}
-        return np.asarray(found["weights"], dtype=float), other
+        other = {role: v.double().numpy() for role, v in found.other_mass.items()}
+        return found.weights.double().numpy(), other
 
-    def _show_text_pattern(self, a: dict | None) -> None:
+    def _show_text_pattern(self, a: HeadSummary | None) -> None:
         """Draw the selected head's question-token x question-token pattern (None clears)."""
-        text = (self.result or {}).get("text_patterns")
-        pattern = self.text_pattern(a["layer"], a["head"]) if a is not None else None
+        text = self.result.text_patterns if self.result is not None else None
+        pattern = self.text_pattern(a.layer, a.head) if a is not None else None
         if pattern is None:
             self.text_grid.set_grid(np.zeros((0, 0)))
             set_title(self.text_grid.plot_item, "selected head: text-side pattern", "9pt")
             if a is None:
                 self.text_note.setText(NO_TEXT_HEAD)
-            elif not text:
+            elif text is None:
                 self.text_note.setText(
                     f"this read-out has no text-side patterns (recorded before they existed): run it again ({READ_OUT})"
                 )
             else:
                 self.text_note.setText(
-                    f"{a.get('block')} is a cross-attention block: its keys are image tokens only, "
+                    f"{a.block} is a cross-attention block: its keys are image tokens only, "
                     "so it has no text-side pattern"
                 )
             return
         weights, other = pattern
-        allowed = np.asarray(head_text_pattern(text, a["layer"], a["head"])["allowed"], dtype=bool)
+        allowed = text.allowed[a.layer].numpy().astype(bool)
         shown = np.where(allowed, weights, np.nan)  # keys a query may not attend (causal mask) stay blank
-        labels = [display_token(t) for t in text["tokens"]]
+        labels = [display_token(t) for t in text.tokens]
         finite = shown[np.isfinite(shown)]
         self.text_grid.set_grid(
             shown, labels, labels, levels=(0.0, max(float(finite.max()) if finite.size else 0, 1e-6))
         )
         set_title(
             self.text_grid.plot_item,
-            f"{a.get('block')}.H{a['head']}: text-side attention (rows: queries, columns: keys)",
+            f"{a.name}: text-side attention (rows: queries, columns: keys)",
             "9pt",
         )
         self.text_grid.plot_item.setLabel("left", "query token")
         self.text_grid.plot_item.setLabel("bottom", "key token")
-        self.text_note.setText(describe_hidden_mass(labels, other, text.get("n_text_dropped", 0)))
+        self.text_note.setText(describe_hidden_mass(labels, other, text.n_text_dropped))
 
     def _on_cell(self, row: int, col: int) -> None:
         self.select_head(self.layers[row], self.heads[col])
 
-    def _describe(self, a: dict) -> str:
-        name = f"{a.get('block', 'L' + str(a['layer']))}.H{a['head']}"
+    def _describe(self, a: HeadSummary) -> str:
         lines = [
-            f"{name}  (block {a['layer']}, head {a['head']})",
-            f"visual mass  {a['visual_mass']:.3f}",
-            f"BOS / sink   {a['bos_mass']:.3f}",
+            f"{a.name}  (block {a.layer}, head {a.head})",
+            f"visual mass  {a.visual_mass:.3f}",
+            f"BOS / sink   {a.bos_mass:.3f}",
         ]
-        for role, v in sorted((a.get("other_mass") or {}).items()):
+        for role, v in sorted((a.other_mass or {}).items()):
             lines.append(f"{role.replace('_', ' ')}  {v:.3f}")
-        lines.append(f"entropy      {a['entropy']:.3f} nats")
+        lines.append(f"entropy      {a.entropy:.3f} nats")
         lines.append(f"argmax       {self._describe_source(a)}")
         return "\n".join(lines)
 
-    def _describe_source(self, a: dict) -> str:
-        src = int(a["argmax_source"])
-        inp = (self.result or {}).get("input", {})
-        vts = inp.get("visual_tokens", [])
-        if is_cross_block(a.get("block", "")):
+    def _describe_source(self, a: HeadSummary) -> str:
+        src = a.argmax_source
+        vts = self.result.input.visual_tokens if self.result is not None else []
+        if is_cross_block(a.block):
             if 0 <= src < len(vts):
                 t = vts[src]
-                return f"key {src}: visual token {t['index']} (row {t['row']}, col {t['col']})"
+                return f"key {src}: visual token {t.index} (row {t.row}, col {t.col})"
             return f"key {src}"
-        tokens = inp.get("tokens", [])
+        tokens = self.result.input.tokens if self.result is not None else []
         tok = tokens[src] if 0 <= src < len(tokens) else "?"
         for t in vts:
-            if t.get("position") == src:
-                return f"position {src} {tok!r}: visual token {t['index']} (row {t['row']}, col {t['col']})"
+            if t.position == src:
+                return f"position {src} {tok!r}: visual token {t.index} (row {t.row}, col {t.col})"
         return f"position {src} {tok!r}"
 
     # ---- dataset distribution ----------------------------------------------

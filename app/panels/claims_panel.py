@@ -48,6 +48,7 @@ from PySide6.QtWidgets import (
 
 from app.components.selection import SelectedComponent, Selection, is_head
 from app.widgets import ElidedLabel, boxed, plain_label, set_columns, set_title, split, stacked, style_plot, text_scroll
+from core.methods.labels.chain import SwapPair
 
 COLUMNS = ("step", "title", "status", "key number", "n", "baselines (95% interval)")
 STATUS_COLUMN = COLUMNS.index("status")
@@ -121,11 +122,6 @@ def step_details(step) -> str:
         lines += ["baselines:", *(f"  {baseline_line(step, b)} (n={b.n})" for b in step.baselines)]
     lines += [f"note: {note}" for note in step.notes]
     return "\n".join(lines)
-
-
-def verdict_of(validation, chain) -> dict:
-    """The :meth:`core.validate.Validation.verdicts` entry of ``chain``."""
-    return validation.verdicts()[validation.chains.index(chain)]
 
 
 class ClaimsPanel(QWidget):
@@ -345,11 +341,10 @@ class ClaimsPanel(QWidget):
             self.table.setRowCount(0)
             self._show_step(None)
             return
-        verdict = verdict_of(self.validation, chain)
-        held = self.validation.held_back(chain)
-        said = "supported" if verdict["supported"] else f"not supported: {verdict['status']}, held back by step {held}"
+        status, held = chain.status(), self.validation.held_back(chain)
+        said = "supported" if chain.label().supported else f"not supported: {status.status}, held back by step {held}"
         self.verdict_label.setText(f"{chain.subject}: {said}")
-        self.verdict_label.setToolTip(verdict["reason"])
+        self.verdict_label.setToolTip(status.reason)
         self.distribution_label.setText(f"on {self.validation.heldout.describe()}")
         steps = list(chain.steps.values())
         self.table.blockSignals(True)
@@ -382,23 +377,21 @@ class ClaimsPanel(QWidget):
             self.details.setText("click a step to see its evidence" if self.validation is not None else "")
             return
         self.details.setText(step_details(step))
-        numbers = step.numbers
-        if step.number == 1 and numbers.get("per_sample"):
-            per = numbers["per_sample"]
-            self._histogram(per["target_mass"], "attention mass on the target per held-out input", "target mass")
-            hits = sum(1 for h in per.get("hit", []) if h)
-            self.evidence_note.setText(f"{hits} of {len(per['target_mass'])} inputs have their argmax on the target")
-        elif step.number == 5 and numbers.get("per_sample"):
-            per = numbers["per_sample"]
-            self._histogram(per["drop_mean"], "drop of S under mean ablation per held-out input", "drop of S")
-            drop_zero = per.get("drop_zero")  # a list read back from a session, an array from the run itself
+        per, pairs = step.per_sample, step.swap_pairs
+        if step.number == 1 and per is not None and per.target_mass is not None:
+            self._histogram(per.target_mass, "attention mass on the target per held-out input", "target mass")
+            hits = sum(1 for h in (per.hit if per.hit is not None else ()) if h)
+            self.evidence_note.setText(f"{hits} of {len(per.target_mass)} inputs have their argmax on the target")
+        elif step.number == 5 and per is not None and per.drop_mean is not None:
+            self._histogram(per.drop_mean, "drop of S under mean ablation per held-out input", "drop of S")
+            drop_zero = per.drop_zero  # a list read back from a session, an array from the run itself
             self.evidence_note.setText(
                 f"zero ablation: mean drop {float(np.mean(drop_zero)):.3g}"
                 if drop_zero is not None and len(drop_zero)
                 else ""
             )
-        elif step.number == 4 and numbers.get("pairs"):
-            self._show_pairs(numbers["pairs"])
+        elif step.number == 4 and pairs:
+            self._show_pairs(pairs)
         elif step.number in (1, 4, 5):
             self.evidence_note.setText("this result holds no per-sample evidence (recorded before it was kept)")
 
@@ -413,16 +406,20 @@ class ClaimsPanel(QWidget):
         plot.setLabel("left", "inputs")
         self.plot.setVisible(True)
 
-    def _show_pairs(self, pairs: list[dict]) -> None:
-        keys = ("sample", "mass_target_before", "mass_target_after", "mass_partner_before", "mass_partner_after")
+    def _show_pairs(self, pairs: list[SwapPair]) -> None:
         self.pairs_table.setRowCount(len(pairs))
         for r, pair in enumerate(pairs):
-            for c, key in enumerate(keys):
-                v = pair.get(key)
-                text = str(v) if c == 0 or v is None else f"{v:.3f}"
+            masses = (
+                pair.mass_target_before,
+                pair.mass_target_after,
+                pair.mass_partner_before,
+                pair.mass_partner_after,
+            )
+            cells = (str(pair.sample), *("None" if v is None else f"{v:.3f}" for v in masses))
+            for c, text in enumerate(cells):
                 self.pairs_table.setItem(r, c, QTableWidgetItem(text))
         self.pairs_table.setVisible(True)
-        followed = sum(1 for p in pairs if p.get("follows"))
+        followed = sum(1 for p in pairs if p.follows)
         self.evidence_note.setText(
             f"swap pairs: the head's mass on the target and its partner location before and after the swap; "
             f"{followed} of {len(pairs)} follow the swap"

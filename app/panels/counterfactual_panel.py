@@ -47,31 +47,27 @@ from PySide6.QtWidgets import (
 
 from app.canvas import ImageCanvas
 from app.widgets import ElidedLabel, box, boxed, plain_label, split, stacked
-from core.methods.counterfactual import FILLS
+from core.methods.counterfactual import FILLS, Fill, OcclusionMap, RegionCounterfactual
 
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp);;All files (*)"
 TOOLS = (("brush", "Brush", "B"), ("eraser", "Eraser", "E"), ("box", "Box", "R"), ("view", "Pan", "H"))
-IN_MEMORY_SOURCE = "in-memory image"  # what a paste fill records of a source that was no file (Fill.parameters)
 NO_PASTE_SOURCE = "no image chosen"
 PAINT_FIRST = "paint a region first (brush or box), then Run"  # Run's refusal, until a region is painted
 
 
-def recorded_fill(recorded: Mapping) -> tuple[str, dict]:
-    """``(fill, options)`` as :meth:`CounterfactualPanel.fill_choice` gives them, of a recorded fill run
-    (a counterfactual result, or a sweep's ``sweep`` block: its ``fill`` and ``fill_parameters``,
-    :meth:`core.methods.counterfactual.Fill.parameters`); a paste source that was no file is left out."""
-    kind, params = recorded.get("fill"), recorded.get("fill_parameters") or {}
-    if kind not in FILLS:
-        raise ValueError(f"unknown fill {kind!r}; expected one of {', '.join(FILLS)}")
-    if kind == "constant" and isinstance(params.get("color"), (list, tuple)):
-        return kind, {"color": tuple(int(v) for v in params["color"])}
-    if kind == "blur" and params.get("sigma_px") is not None:
-        return kind, {"radius": float(params["sigma_px"])}
-    if kind == "noise" and params.get("seed") is not None:
-        return kind, {"seed": int(params["seed"])}
-    if kind == "paste" and params.get("source") not in (None, IN_MEMORY_SOURCE):
-        return kind, {"paste_from": str(params["source"])}
-    return kind, {}
+def recorded_fill(fill: Fill) -> tuple[str, dict]:
+    """``(fill, options)`` as :meth:`CounterfactualPanel.fill_choice` gives them, of the fill a recorded
+    run ran with (a restored :class:`core.methods.counterfactual.Fill`); a paste source that was no
+    file is left out."""
+    if fill.kind == "constant":
+        return fill.kind, {"color": tuple(int(v) for v in fill.color)}
+    if fill.kind == "blur":
+        return fill.kind, {"radius": float(fill.radius)}
+    if fill.kind == "noise":
+        return fill.kind, {"seed": int(fill.seed)}
+    if fill.kind == "paste" and fill.has_source_file:
+        return fill.kind, {"paste_from": str(fill.paste_from)}
+    return fill.kind, {}
 
 
 def _fmt(v: Any, signed: bool = False) -> str:
@@ -147,8 +143,8 @@ class CounterfactualPanel(QWidget):
         super().__init__(parent)
         self.image: np.ndarray | None = None
         self.tokens: list = []
-        self.result: dict | None = None
-        self.sweep: dict | None = None
+        self.result: RegionCounterfactual | None = None
+        self.sweep: OcclusionMap | np.ndarray | None = None
         self.paste_source: str | None = None
         self._color = (128, 128, 128)
         self._build()
@@ -449,26 +445,30 @@ class CounterfactualPanel(QWidget):
 
     # ----- fill ----------------------------------------------------------
 
-    def set_fill(self, kind: str, **options) -> None:
-        """Choose the fill and its options (``color=(r, g, b)``, ``radius``, ``seed``, ``paste_from``)."""
+    def set_fill(self, kind: str, *, color=None, radius=None, seed=None, paste_from=None) -> None:
+        """Choose the fill and its options (``color=(r, g, b)``, ``radius``, ``seed``, ``paste_from``;
+        None: as they are)."""
         if kind not in FILLS:
             raise ValueError(f"unknown fill {kind!r}; expected one of {', '.join(FILLS)}")
-        if options.get("color") is not None:
-            self._color = tuple(int(v) for v in options["color"])
+        if color is not None:
+            self._color = tuple(int(v) for v in color)
             self._set_color_swatch()
-        if options.get("radius") is not None:
-            self.radius_spin.setValue(float(options["radius"]))
-        if options.get("seed") is not None:
-            self.seed_spin.setValue(int(options["seed"]))
-        if options.get("paste_from") is not None:
-            self.set_paste_source(options["paste_from"])
+        if radius is not None:
+            self.radius_spin.setValue(float(radius))
+        if seed is not None:
+            self.seed_spin.setValue(int(seed))
+        if paste_from is not None:
+            self.set_paste_source(paste_from)
         self.fill_combo.setCurrentText(kind)
 
-    def restore_fill(self, recorded: Mapping, run_id: int) -> str | None:
-        """Choose the fill run ``run_id`` ran with (:func:`recorded_fill`). A paste source that was no
-        file cannot be chosen again: no source is chosen (Run refuses until one is) and the source line
+    def restore_fill(self, fill: Fill, run_id: int, paste_file: str | None = None) -> str | None:
+        """Choose the fill run ``run_id`` ran with (:func:`recorded_fill`; ``paste_file``: the file a
+        paste's pixels were read from, as the request recorded it). A paste source that was no file
+        cannot be chosen again: no source is chosen (Run refuses until one is) and the source line
         says so in red; the same words are returned (None: the whole fill is the run's)."""
-        kind, options = recorded_fill(recorded)
+        kind, options = recorded_fill(fill)
+        if kind == "paste" and not options and paste_file:
+            options = {"paste_from": paste_file}
         self.set_fill(kind, **options)
         if kind != "paste" or options:
             return None
@@ -479,11 +479,11 @@ class CounterfactualPanel(QWidget):
         self.paste_label.setStyleSheet("color: #c00000;")
         return missing
 
-    def restore_sweep(self, sweep: Mapping, run_id: int) -> str | None:
-        """The sweep controls of run ``run_id`` (``k`` and the fill of its ``sweep`` block); what
-        could not be chosen again, as :meth:`restore_fill` says it."""
-        self.sweep_k.setValue(int(sweep["k"]))
-        return self.restore_fill(sweep, run_id)
+    def restore_sweep(self, sweep: OcclusionMap, run_id: int, paste_file: str | None = None) -> str | None:
+        """The sweep controls of run ``run_id`` (its ``k`` and fill); what could not be chosen again,
+        as :meth:`restore_fill` says it."""
+        self.sweep_k.setValue(int(sweep.k))
+        return self.restore_fill(sweep.fill, run_id, paste_file)
 
     def fill_choice(self) -> tuple[str, dict]:
         """``(fill, options)`` as :func:`core.methods.counterfactual.region_counterfactual` takes them."""
@@ -587,51 +587,39 @@ class CounterfactualPanel(QWidget):
 
     # ----- results -------------------------------------------------------
 
-    def set_result(self, result, edited_image=None) -> None:
-        """Show a region counterfactual: ``RegionCounterfactual`` or its ``to_dict()``
-        (the ``counterfactual`` JSON of docs/ARCHITECTURE.md). ``edited_image`` ``(H, W, 3)`` uint8
-        (default: the result's ``edited_image`` when it has one)."""
-        if hasattr(result, "to_dict"):
-            if edited_image is None:
-                edited_image = getattr(result, "edited_image", None)
-            result = result.to_dict()
-        if not isinstance(result, Mapping):
-            raise TypeError(f"expected a counterfactual result dict, got {type(result).__name__}")
+    def set_result(self, result: RegionCounterfactual, edited_image=None) -> None:
+        """Show a region counterfactual (made now, or restored from a session). ``edited_image``
+        ``(H, W, 3)`` uint8 (default: the result's ``edited_image``, which a restored one has not)."""
         if edited_image is None:
-            edited_image = result.get("edited_image")
-        self.result = dict(result)
-        o, e, eff = result.get("original") or {}, result.get("edited") or {}, result.get("effect") or {}
-        answer, foil = o.get("answer"), o.get("foil")
+            edited_image = result.edited_image
+        self.result = result
+        o, e, eff = result.original, result.edited, result.effect
         self.tokens_label.setText(
-            f"answer {answer!r} vs foil {foil!r}" if foil is not None else f"answer {answer!r} (no foil: logit only)"
+            f"answer {o.answer!r} vs foil {o.foil!r}"
+            if o.foil is not None
+            else f"answer {o.answer!r} (no foil: logit only)"
         )
-        flipped = bool(eff.get("flipped"))
-        if flipped:
-            self.flip_label.setText(f"flipped: predicted {o.get('predicted')!r} → {e.get('predicted')!r}")
+        if eff.flipped:
+            self.flip_label.setText(f"flipped: predicted {o.predicted!r} → {e.predicted!r}")
             self.flip_label.setStyleSheet("color: #b00000;")
         else:
-            self.flip_label.setText(f"not flipped: predicted {o.get('predicted')!r} both times")
+            self.flip_label.setText(f"not flipped: predicted {o.predicted!r} both times")
             self.flip_label.setStyleSheet("color: #1b6e1b;")
         rows = [
-            (o.get("predicted"), e.get("predicted"), "flipped" if flipped else "same"),
-            (_fmt(o.get("prob")), _fmt(e.get("prob")), _fmt(eff.get("prob_change"), True)),
-            (_fmt(o.get("logit")), _fmt(e.get("logit")), _fmt(eff.get("logit_change"), True)),
-            (_fmt(o.get("logit_diff")), _fmt(e.get("logit_diff")), _fmt(eff.get("logit_diff_change"), True)),
+            (o.predicted, e.predicted, "flipped" if eff.flipped else "same"),
+            (_fmt(o.prob), _fmt(e.prob), _fmt(eff.prob_change, True)),
+            (_fmt(o.logit), _fmt(e.logit), _fmt(eff.logit_change, True)),
+            (_fmt(o.logit_diff), _fmt(e.logit_diff), _fmt(eff.logit_diff_change, True)),
         ]
         for r, row in enumerate(rows):
             for c, text in enumerate(row):
                 item = QTableWidgetItem(str(text))
                 item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
                 self.answer_table.setItem(r, c, item)
-        params = result.get("fill_parameters") or {}
-        keys = {"constant": ("color",), "blur": ("sigma_px",), "noise": ("seed",), "paste": ("source",)}
-        shown = ", ".join(f"{k} {params[k]}" for k in keys.get(result.get("fill"), ()) if k in params)
-        self.fill_summary.setText(
-            f"fill: {result.get('fill')}{' (' + shown + ')' if shown else ''}  ·  "
-            f"region {result.get('mask_area_px')} px"
-        )
+        fill = result.fill.kind
+        self.fill_summary.setText(f"fill: {result.fill.describe()}  ·  region {result.mask_area_px} px")
         if edited_image is not None:
-            self.edited_view.set_image(np.asarray(edited_image), f"edited image ({result.get('fill')} fill)")
+            self.edited_view.set_image(np.asarray(edited_image), f"edited image ({fill} fill)")
         else:
             self.edited_view.set_image(None, "edited image: not in the result")
         self._show_routing()
@@ -639,8 +627,8 @@ class CounterfactualPanel(QWidget):
         self.show_results()
 
     def _show_routing(self) -> None:
-        routing = (self.result or {}).get("routing")
-        if not routing:
+        routing = self.result.routing if self.result is not None else None
+        if routing is None:
             for label in (self.rollout_value, self.dla_value, self.mean_mass_value):
                 label.setText("—")
             self.heads_title.setText(
@@ -648,25 +636,21 @@ class CounterfactualPanel(QWidget):
             )
             self.heads_table.setRowCount(0)
             return
-        rollout = routing.get("rollout_mass")
-        alpha = routing.get("rollout_alpha")
+        rollout, alpha = routing.rollout_mass, routing.rollout_alpha
         self.rollout_value.setText(
             f"{rollout:.4f}" + (f"  (α = {alpha})" if alpha is not None else "")
             if rollout is not None
             else "— (prompt too long for full patterns)"
         )
-        dla = routing.get("dla_through_region")
+        dla = routing.dla_through_region
         self.dla_value.setText(_fmt(dla, True) + "  (frozen-scale)" if dla is not None else "—")
-        heads = list(routing.get("attention_mass") or [])
-        masses = [float(h["mass"]) for h in heads]
-        self.mean_mass_value.setText(f"{np.mean(masses):.4f} over {len(masses)} heads" if masses else "—")
-        k = min(int(self.top_k.value()), len(heads))
-        top = sorted(heads, key=lambda h: -float(h["mass"]))[:k]
-        self.heads_title.setText(f"attention mass per head, top {k} of {len(heads)}")
+        heads = routing.attention_mass
+        self.mean_mass_value.setText(f"{routing.mean_attention_mass:.4f} over {len(heads)} heads" if heads else "—")
+        top = routing.top_heads(min(int(self.top_k.value()), len(heads)))
+        self.heads_title.setText(f"attention mass per head, top {len(top)} of {len(heads)}")
         self.heads_table.setRowCount(len(top))
         for r, h in enumerate(top):
-            cells = (f"L{h.get('layer')}.H{h.get('head')}", str(h.get("block", "")), f"{float(h['mass']):.4f}")
-            for c, text in enumerate(cells):
+            for c, text in enumerate((h.name, h.block, f"{h.mass:.4f}")):
                 item = QTableWidgetItem(text)
                 item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
                 self.heads_table.setItem(r, c, item)
@@ -687,63 +671,31 @@ class CounterfactualPanel(QWidget):
 
     # ----- occlusion sweep ------------------------------------------------
 
-    def set_sweep(self, sweep, grid=None, *, label: str | None = None) -> None:
-        """Show an occlusion-sweep map on the patch grid.
-
-        Args:
-            sweep: ``OcclusionMap``, its ``to_dict()``, or a ``(grid_rows,
-                grid_cols)`` array of effects.
-            grid: with an array: the cells (``[{"row", "col", "box"}]`` or a
-                dict with ``"cells"``); default: the panel's visual tokens
-                (k = 1).
-            label: what the values are (default from the sweep).
-        """
-        if hasattr(sweep, "to_dict"):
-            sweep = sweep.to_dict()
-        flipped = None
-        k = None
-        fill = None
-        if isinstance(sweep, Mapping):
-            s = sweep.get("sweep", sweep)
-            values = s.get("logit_diff_change")
-            name = "logit diff change"
-            if values is None:
-                values, name = s.get("logit_change"), "answer logit change"
-            cells = s.get("cells")
-            flipped = s.get("flipped")
-            k, fill = s.get("k"), s.get("fill")
-            self.sweep = dict(sweep)
+    def set_sweep(self, sweep: OcclusionMap | np.ndarray, *, label: str | None = None) -> None:
+        """Show an occlusion-sweep map on the patch grid: an ``OcclusionMap`` (made now, or restored
+        from a session) on its cells, or a bare ``(grid_rows, grid_cols)`` array of effects on the
+        panel's visual tokens (k = 1). ``label``: what the values are (default from the sweep)."""
+        flipped = k = fill = None
+        if isinstance(sweep, OcclusionMap):
+            grid_values = np.array(sweep.effect, dtype=np.float64)
+            name = "logit diff change" if sweep.logit_diff_change is not None else "answer logit change"
+            tokens, flipped, k, fill = sweep.cell_tokens(), sweep.flipped, sweep.k, sweep.fill.kind
         else:
-            values, name = sweep, "effect"
-            cells = grid.get("cells") if isinstance(grid, Mapping) else grid
-            if isinstance(grid, Mapping):
-                k, fill = grid.get("k"), grid.get("fill")
-            self.sweep = {"values": values, "cells": cells}
-        grid_values = np.array(values, dtype=np.float64)
+            grid_values, name, tokens, k = np.array(sweep, dtype=np.float64), "effect", self.tokens, 1
         if grid_values.ndim != 2:
             raise ValueError(f"the sweep map must be a (rows, cols) grid, got shape {grid_values.shape}")
-        if cells is None:
-            tokens = self.tokens
-            k = k or 1
-        else:
-            tokens = [
-                {"index": i, "image": 0, "row": c["row"], "col": c["col"], "box": c["box"]}
-                for i, c in enumerate(cells)
-                if c.get("box") is not None
-            ]
+        self.sweep = sweep
         self.sweep_canvas.set_tokens(tokens, image=None)
         self.sweep_canvas.set_heatmap(grid_values, label=label or name)
-        where = f"k = {k}" if k else ""
-        self.sweep_title.setText(
-            "occlusion sweep" + (f" ({where}, {fill} fill)" if fill else f" ({where})" if where else "")
-        )
+        where = f"k = {k}"
+        self.sweep_title.setText("occlusion sweep" + (f" ({where}, {fill} fill)" if fill else f" ({where})"))
         finite = np.isfinite(grid_values)
         parts = []
         if finite.any():
             worst = np.unravel_index(np.nanargmin(grid_values), grid_values.shape)
             parts.append(f"largest drop {-float(np.nanmin(grid_values)):.3f} at cell [{worst[0]}, {worst[1]}]")
         if flipped is not None:
-            parts.append(f"{int(np.sum(np.array(flipped, dtype=bool)))} cells flip the answer")
+            parts.append(f"{int(np.sum(np.asarray(flipped, dtype=bool)))} cells flip the answer")
         if not finite.all():
             parts.append(f"{int((~finite).sum())} cells not run")
         parts.append("patch-granular: each cell filled on its own")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyqtgraph as pg
@@ -38,7 +39,10 @@ from PySide6.QtWidgets import (
 from app.panels import NO_ANALYSIS
 from app.panels.attention_panel import SIGNED_MAP, HeatGrid, block_names, is_cross_block, token_grid
 from app.widgets import FOREGROUND, plain_label, set_title, split, stacked, style_plot
-from core.readouts.residual import reconstruction_line
+
+if TYPE_CHECKING:
+    from core.analyze import AnalyzeResult
+    from core.methods.residual import Component, RerunRow
 
 # convention shown in the combo -> (field, axis label, caveat)
 CONVENTIONS: dict[str, tuple[str, str, str]] = {
@@ -116,21 +120,26 @@ def component_kind(name: str) -> str:
     return "other"
 
 
-def visual_token_values(result: dict, layer: int, sources_row: Sequence[float]) -> np.ndarray:
+def visual_token_values(result: AnalyzeResult, layer: int, sources_row: Sequence[float]) -> np.ndarray:
     """One head's per-source values (a row of ``core.methods.contributions.source_contributions``,
     ``(sources,)``: every sequence position for self-attention, the visual keys for cross-attention)
-    -> ``(n_visual_tokens,)`` in the order of ``result["input"]["visual_tokens"]``."""
+    -> ``(n_visual_tokens,)`` in the order of ``result.input.visual_tokens``."""
     row = np.asarray(sources_row, dtype=float).ravel()
-    vts = result["input"]["visual_tokens"]
+    vts = result.input.visual_tokens
     if is_cross_block(block_names(result).get(int(layer), "")):
         return row[: len(vts)]
-    return row[[int(t["position"]) for t in vts]]
+    return row[[int(t.position) for t in vts]]
+
+
+def _number(value: float | None) -> float:
+    """A stored number, NaN where the JSON held none (a non-finite value is written as null)."""
+    return float("nan") if value is None else float(value)
 
 
 class DLAPanel(QWidget):
     """Per-component direct logit attribution under a chosen convention.
 
-    Setters: :meth:`set_result` (analyze dict), :meth:`set_rerun` (re-run rows),
+    Setters: :meth:`set_result` (an AnalyzeResult), :meth:`set_rerun` (re-run rows),
     :meth:`set_convention`, :meth:`set_top_k`, :meth:`select_component` /
     :meth:`select_head`, :meth:`set_sources` (a head's per-visual-token values).
 
@@ -148,9 +157,8 @@ class DLAPanel(QWidget):
 
     def __init__(self, parent=None):
         super().__init__(parent)
-        self.result: dict | None = None
-        self.components: list[dict] = []
-        self.rerun_rows: list[dict] = []
+        self.result: AnalyzeResult | None = None
+        self.rerun_rows: list[RerunRow] = []
         self.rank_correlation: dict | None = None
         self.shown: list[tuple[str, float]] = []  # the bars drawn, top first
         self.selected: str | None = None
@@ -232,44 +240,37 @@ class DLAPanel(QWidget):
 
     # ---- data in ----------------------------------------------------------
 
-    def set_result(self, result: dict | None) -> None:
+    def set_result(self, result: AnalyzeResult | None) -> None:
         """Show an analyze result (None clears); re-run rows and sources of an older result are dropped."""
         self.result = result
-        rd = (result or {}).get("residual_decomposition") or {}
-        self.components = list(rd.get("components", []))
         self.rerun_rows, self.rank_correlation = [], None
         self._enable_rerun(False)
         self.source_values, self.source_head = None, None
         self.source_grid.clear_grid()  # the map and the head it was for go together
         self.source_label.setText(NO_SOURCES)
-        if result:
-            t = result.get("target", {})
-            u = (
-                f"answer {t.get('answer')!r} minus foil {t.get('foil')!r}"
-                if t.get("foil")
-                else f"answer {t.get('answer')!r}"
-            )
+        if result is not None:
+            t, rd = result.target, result.residual_decomposition
+            u = f"answer {t.answer!r} minus foil {t.foil!r}" if t.foil else f"answer {t.answer!r}"
             self.target_label.setText(
-                f"{result.get('model', {}).get('spec', '?')}: components of x_L at position {t.get('position')}, "
-                f"read along u = {u}; model logit{' difference' if t.get('foil') else ''} "
-                f"{rd.get('target_logit', float('nan')):.3f}"
+                f"{result.model.spec or '?'}: components of x_L at position {t.position}, "
+                f"read along u = {u}; model logit{' difference' if t.foil else ''} "
+                f"{_number(rd.target_logit):.3f}"
             )
             self.error_label.setText(
-                reconstruction_line(rd, result.get("model", {}).get("dtype"))
-                + f"; max |sum of components - x_L| = {rd.get('reconstruction_max_abs_err', float('nan')):.2e}"
+                rd.reconstruction_line(result.model.dtype)
+                + f"; max |sum of components - x_L| = {_number(rd.reconstruction_max_abs_err):.2e}"
             )
         else:
             self.target_label.setText(NO_ANALYSIS)
             self.error_label.setText("")
-        if self.selected not in {c["name"] for c in self.components}:
+        if self.selected not in {c.name for c in self.components()}:
             self.selected = None
         self._redraw()
 
-    def set_rerun(self, rows: Sequence[dict] | None, rank_correlation: dict | None = None) -> None:
-        """Re-run rows (``compare_with_rerun(...).to_dict()["rows"]``: name, dla_frozen,
-        dla_jacobian, direct_removal, total_removal); enables the re-run conventions.
-        None or [] disables them."""
-        self.rerun_rows = [dict(r) for r in rows or []]
+    def set_rerun(self, rows: Sequence[RerunRow] | None, rank_correlation: dict | None = None) -> None:
+        """Re-run rows (``compare_with_rerun(...).rows``: name, dla_frozen, dla_jacobian,
+        direct_removal, total_removal); enables the re-run conventions. None or [] disables them."""
+        self.rerun_rows = list(rows or [])
         self.rank_correlation = dict(rank_correlation) if rank_correlation else None
         self._enable_rerun(bool(self.rerun_rows))
         if not self.rerun_rows and self.convention() in RERUN_CONVENTIONS:
@@ -301,7 +302,7 @@ class DLAPanel(QWidget):
 
     def select_head(self, layer: int, head: int) -> None:
         """Select the bar of head ``head`` in block ``layer`` (e.g. from the attention panel)."""
-        names = block_names(self.result or {})
+        names = block_names(self.result)
         if int(layer) in names:
             self.select_component(f"{names[int(layer)]}.H{int(head)}")
 
@@ -315,18 +316,18 @@ class DLAPanel(QWidget):
 
     def set_sources(self, layer: int, head: int, values: Sequence[float], convention: str = "dla_frozen") -> None:
         """A head's per-source contributions, ``values (n_visual_tokens,)`` in the order of
-        ``result["input"]["visual_tokens"]`` (see :func:`visual_token_values`). Shown on
+        ``result.input.visual_tokens`` (see :func:`visual_token_values`). Shown on
         the patch grid here and re-emitted with :attr:`sources_shown` for the canvas."""
         vals = np.asarray(values, dtype=float).ravel()
-        vts = (self.result or {}).get("input", {}).get("visual_tokens", [])
+        vts = self.result.input.visual_tokens if self.result is not None else []
         self.source_values, self.source_head = vals, (int(layer), int(head))
-        name = f"{block_names(self.result or {}).get(int(layer), f'L{layer}')}.H{int(head)}"
+        name = f"{block_names(self.result).get(int(layer), f'L{layer}')}.H{int(head)}"
         grid = token_grid(vals, vts) if vts else np.zeros((0, 0))
         set_title(self.source_grid.plot_item, f"{name}: per source ({convention}), per patch", "9pt")
         self.source_grid.set_grid(grid)
         if vals.size:
             k = int(np.nanargmax(np.abs(vals)))
-            where = f" (row {vts[k]['row']}, col {vts[k]['col']})" if k < len(vts) else ""
+            where = f" (row {vts[k].row}, col {vts[k].col})" if k < len(vts) else ""
             self.source_label.setText(
                 f"{name}: sum over visual tokens {np.nansum(vals):+.3f}; largest |value| at visual token {k}{where}: "
                 f"{vals[k]:+.3f}. Signed, first-order, through this head's value path only."
@@ -337,11 +338,18 @@ class DLAPanel(QWidget):
 
     # ---- read-outs (tests, the lead) ---------------------------------------
 
+    def components(self) -> list[Component]:
+        """The shown result's residual components (none without a result)."""
+        return list(self.result.residual_decomposition.components) if self.result is not None else []
+
     def values(self) -> dict[str, float]:
         """``{component: value}`` of every component under the current convention (not only the shown ones)."""
         field = CONVENTIONS[self.convention()][0]
-        rows = self.rerun_rows if self.convention() in RERUN_CONVENTIONS else self.components
-        return {r["name"]: float(r[field]) for r in rows if r.get(field) is not None}
+        if self.convention() in RERUN_CONVENTIONS:
+            found = {r.name: getattr(r, field) for r in self.rerun_rows}
+        else:
+            found = self.result.residual_decomposition.component_values(field) if self.result is not None else {}
+        return {name: float(v) for name, v in found.items() if v is not None}
 
     def shown_values(self) -> list[tuple[str, float]]:
         """The bars drawn, top first: ``[(component, value)]``."""
@@ -360,7 +368,7 @@ class DLAPanel(QWidget):
         m = HEAD_NAME.match(name or "")
         if not m:
             return None
-        index = {v: k for k, v in block_names(self.result or {}).items()}
+        index = {v: k for k, v in block_names(self.result).items()}
         if m["block"] not in index:
             return None
         return index[m["block"]], int(m["head"])
@@ -379,8 +387,8 @@ class DLAPanel(QWidget):
         self.bars.setOpts(x0=np.minimum(v, 0), y=ys, width=np.abs(v), height=0.7, brushes=brushes)
         ghost = np.zeros_like(v)
         if conv in RERUN_CONVENTIONS:
-            by_name = {r["name"]: r for r in self.rerun_rows}
-            ghost = np.array([float(by_name[n]["dla_frozen"]) for n in shown], dtype=float)
+            by_name = {r.name: r for r in self.rerun_rows}
+            ghost = np.array([float(by_name[n].dla_frozen) for n in shown], dtype=float)
             self.ghost_bars.setOpts(x0=np.minimum(ghost, 0), y=ys, width=np.abs(ghost), height=0.35)
         else:
             self.ghost_bars.setOpts(x0=[], y=[], width=[], height=0.35)
@@ -409,16 +417,14 @@ class DLAPanel(QWidget):
         self.caveat_label.setText(caveat)
 
     def _write_sums(self, conv: str, values: dict[str, float]) -> None:
-        rd = (self.result or {}).get("residual_decomposition") or {}
         n_shown, n_all = len(self.shown), len(values)
         shown_sum = sum(x for _, x in self.shown)
         parts = [f"{n_shown} of {n_all} components shown; sum of shown bars {shown_sum:+.4f}"]
         if n_shown < n_all:
             parts.append(f"sum of all {sum(values.values()):+.4f}")
-        if conv == "frozen scale" and rd:
-            parts.append(
-                f"expected (logit - unembedding and final-norm biases) {rd.get('frozen_sum_expected', float('nan')):+.4f}"
-            )
+        if conv == "frozen scale" and self.result is not None:
+            expected = _number(self.result.residual_decomposition.frozen_sum_expected)
+            parts.append(f"expected (logit - unembedding and final-norm biases) {expected:+.4f}")
         elif conv == "Jacobian":
             parts.append("not additive: the sum is not the logit")
         elif conv in RERUN_CONVENTIONS and self.rank_correlation:

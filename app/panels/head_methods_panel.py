@@ -5,7 +5,7 @@ pattern the only one that gives its output? docs/METHODS.md §4.10) and QK/OV
 The panel never runs the model: its buttons emit :attr:`HeadMethodsPanel.nonunique_requested`
 and :attr:`HeadMethodsPanel.qk_ov_requested`; the window runs the job on the
 selected head (:class:`app.components.selection.Selection`) and hands the
-result's JSON back (:meth:`~HeadMethodsPanel.show_nonunique`,
+result back (:meth:`~HeadMethodsPanel.show_nonunique`,
 :meth:`~HeadMethodsPanel.show_qk_ov`). QK/OV keeps the weight level (potential,
 no input) and the activation level (this input) in two boxes of their own.
 """
@@ -26,42 +26,6 @@ def nonunique_lines(result) -> list[str]:
     """A :class:`core.methods.nonunique.NonuniqueResult` as the command prints it: the summary, one
     statement per level, the verdict and the method's caveat."""
     return [result.summary(), *(lv.statement for lv in result.levels), result.verdict, f"caveat: {result.does_not_say}"]
-
-
-def weight_level_lines(doc: dict) -> list[str]:
-    """The weight level of a ``qk-ov`` JSON: the flag, QK and OV singular values, the copying score."""
-    w = doc["weight_level"]
-    qk, ov = w["qk"], w["ov"]
-    lines = [
-        w["flag"],
-        f"QK {qk['form']}: singular values {', '.join(f'{s:.3g}' for s in qk['singular_values'][:5])} "
-        f"(left out: {qk['left_out']})",
-        f"OV {ov['form']}: singular values {', '.join(f'{s:.3g}' for s in ov['singular_values'][:5])}",
-    ]
-    copying = w.get("copying")
-    if copying is not None:
-        lines.append(f"copying score {copying['eigen_copying']:+.3f} over {len(copying['tokens'])} tokens")
-    else:
-        lines.append(f"copying score skipped: {w.get('copying_skipped')}")
-    return lines
-
-
-def activation_level_lines(doc: dict) -> list[str]:
-    """The activation level of a ``qk-ov`` JSON: the flag, the top keys, the check against the model's scores."""
-    act = doc.get("activation_level")
-    if act is None:
-        return ["no input: the weight level only"]
-    lines = [act["flag"], f"answer position {act['position']} ({act['position_scheme']}); keys: {act['keys']}"]
-    for k in act["top_keys"]:
-        lines.append(
-            f"  key {k['key']} {k['token']!r} ({k['role']}): weight {k['weight']:.3f}, score {k['score']:+.3f}"
-        )
-    agreement = act["agreement"]
-    lines.append(
-        f"against {agreement['against']}: max |score diff| {agreement['max_abs_score_difference']:.2e}, "
-        f"max |pattern diff| {agreement['max_abs_pattern_difference']:.2e}"
-    )
-    return lines
 
 
 class HeadMethodsPanel(QWidget):
@@ -128,21 +92,22 @@ class HeadMethodsPanel(QWidget):
         self.message_label.setStyleSheet("color: #c00000;" if error else "color: #333;")
         self.message_label.setText(" ".join(message.split()))
 
-    def show_nonunique(self, result, doc: dict) -> None:
-        """A :class:`core.methods.nonunique.NonuniqueResult` and the JSON it was recorded as."""
+    def show_nonunique(self, result) -> None:
+        """A :class:`core.methods.nonunique.NonuniqueResult` of one input (its header names the head
+        and the source set's rule)."""
         self.kind = "nonunique"
-        self.title.setText(f"non-unique attention of {doc.get('component')}; source set: {doc['region']['rule']}")
+        self.title.setText(f"non-unique attention of {result.component}; source set: {result.region_rule}")
         self.text.setText("\n".join(nonunique_lines(result)))
         self.text.setVisible(True)
         self.weight_box.setVisible(False)
         self.activation_box.setVisible(False)
 
-    def show_qk_ov(self, doc: dict) -> None:
-        """A ``qk-ov`` JSON (:meth:`core.methods.qk_ov.QkOvResult.to_dict`)."""
+    def show_qk_ov(self, result) -> None:
+        """A :class:`core.methods.qk_ov.QkOvResult`: its weight and activation levels in their boxes."""
         self.kind = "qk-ov"
-        self.title.setText(f"QK / OV of {doc['head']['name']} ({doc['head']['block_kind']}-attention)")
-        self.weight_text.setText("\n".join(weight_level_lines(doc)))
-        self.activation_text.setText("\n".join(activation_level_lines(doc)))
+        self.title.setText(f"QK / OV of {result.name} ({result.block_kind}-attention)")
+        self.weight_text.setText("\n".join(result.weight_lines()))
+        self.activation_text.setText("\n".join(result.activation_lines()))
         self.text.setVisible(False)
         self.weight_box.setVisible(True)
         self.activation_box.setVisible(True)

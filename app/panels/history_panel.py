@@ -6,12 +6,13 @@ pixels, and its name), the question, the answer, the model. Selecting a row
 :attr:`HistoryPanel.run_selected` ``(run_id)``: the window restores that run.
 
 The panel never touches the session: :meth:`HistoryPanel.set_runs` takes
-plain dicts (:data:`ROW_KEYS`), built by the window from ``Session.runs()``.
+:class:`HistoryRow` s, built by the window from ``Session.runs()``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 
 import numpy as np
@@ -22,9 +23,22 @@ from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableWidget, QTab
 from app.widgets import plain_label
 
 COLUMNS = ("run", "kind", "time", "image", "question", "answer", "model")
-# what one row dict may hold; "thumbnail" is an (h, w, 3) uint8 array or None
-ROW_KEYS = ("run_id", "kind", "created", "image", "thumbnail", "question", "answer", "model")
 THUMBNAIL_PX = 48
+
+
+@dataclass(frozen=True)
+class HistoryRow:
+    """One run as the history lists it: its id, kind and time (ISO 8601 UTC), the image's name and
+    thumbnail (``(h, w, 3)`` uint8, or None), the question, the answer and the model, as shown."""
+
+    run_id: int
+    kind: str
+    created: str
+    image: str = ""
+    thumbnail: np.ndarray | None = None
+    question: str = ""
+    answer: str = ""
+    model: str = ""
 
 
 def local_time(created: str | None) -> str:
@@ -78,9 +92,9 @@ class HistoryPanel(QWidget):
 
     # ----- data in -------------------------------------------------------
 
-    def set_runs(self, rows: Sequence[dict]) -> None:
-        """Show ``rows`` (dicts with :data:`ROW_KEYS`), oldest first; the selection (the shown run)
-        is kept when its run is still listed. Emits nothing."""
+    def set_runs(self, rows: Sequence[HistoryRow]) -> None:
+        """Show ``rows``, oldest first; the selection (the shown run) is kept when its run is still
+        listed. Emits nothing."""
         current = self.current_run()
         self.table.blockSignals(True)
         try:
@@ -88,21 +102,21 @@ class HistoryPanel(QWidget):
             self.table.setRowCount(len(rows))
             self._ids = []
             for r, row in enumerate(rows):
-                self._ids.append(int(row["run_id"]))
+                self._ids.append(int(row.run_id))
                 cells = (
-                    f"#{row['run_id']}",
-                    row.get("kind") or "",
-                    local_time(row.get("created")),
-                    row.get("image") or "",
-                    row.get("question") or "",
-                    row.get("answer") or "",
-                    row.get("model") or "",
+                    f"#{row.run_id}",
+                    row.kind,
+                    local_time(row.created),
+                    row.image,
+                    row.question,
+                    row.answer,
+                    row.model,
                 )
                 for c, text in enumerate(cells):
                     item = QTableWidgetItem(str(text))
                     item.setToolTip(str(text))
                     self.table.setItem(r, c, item)
-                icon = thumbnail_icon(row.get("thumbnail"))
+                icon = thumbnail_icon(row.thumbnail)
                 if icon is not None:
                     self.table.item(r, COLUMNS.index("image")).setIcon(icon)
         finally:

@@ -49,7 +49,8 @@ from PySide6.QtWidgets import (
 
 from app.components.selection import SelectedComponent, Selection
 from app.widgets import ElidedLabel, plain_label, set_columns
-from core.readout import change_line
+from core.methods.interventions import InterventionResult, VisualPatchResult
+from core.requests.patching import ALL_VISUAL_TOKENS
 
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
 KINDS = {"zero": "zero", "mean": "mean", "resample": "resample"}  # engine kind -> combo text
@@ -84,36 +85,17 @@ def _select_data(combo: QComboBox, data) -> bool:
     return index >= 0
 
 
-def result_rows(result: Mapping) -> list[tuple[str, dict, dict, dict]]:
-    """``[(label, before, after, effect)]`` of an intervention result's JSON: an ablation's edit
-    sets, or a visual patch's token sets forward and reverse (``before``: the run the edit
-    starts from; a reverse row starts from the source image's run)."""
-    rows = []
-    for row in result.get("rows") or []:
-        if "site" in result:  # VisualPatchResult
-            for direction in ("forward", "reverse"):
-                effect = row.get(direction)
-                if effect is not None:
-                    rows.append((f"{row['name']} {direction}", effect["original"], effect["edited"], effect["effect"]))
-        else:
-            rows.append((row["label"], row["original"], row["edited"], row["effect"]))
-    return rows
-
-
-def describe_result(result: Mapping) -> str:
+def describe_result(result: InterventionResult | VisualPatchResult) -> str:
     """The table's title: which intervention, where, on which answer (and foil)."""
-    original = result.get("original") or {}
-    answer = f"answer {original.get('answer')!r}"
-    if original.get("foil") is not None:
-        answer += f" vs foil {original['foil']!r}"
-    if "site" in result:
-        where = result["site"] if result.get("layer") is None else f"{result['site']} block {result['layer']}"
-        source = result.get("source_image") or {}
-        named = Path(source["path"]).name if source.get("path") else "pixels without a file"
-        sha = f" (sha256 {source['sha256'][:12]})" if source.get("sha256") else ""
+    original = result.original
+    answer = f"answer {original.answer!r}" + (f" vs foil {original.foil!r}" if original.foil is not None else "")
+    if isinstance(result, VisualPatchResult):
+        where = result.site if result.layer is None else f"{result.site} block {result.layer}"
+        named = Path(result.source_image_path).name if result.source_image_path else "pixels without a file"
+        sha = f" (sha256 {result.source_image_sha256[:12]})" if result.source_image_sha256 else ""
         return f"visual-feature patching at {where} from {named}{sha}; {answer}"
-    kind = f" ({result['ablation']})" if result.get("ablation") else ""
-    return f"{result.get('method', 'intervention')}{kind} read at position {result.get('position')}; {answer}"
+    kind = f" ({result.ablation})" if result.ablation else ""
+    return f"{result.method}{kind} read at position {result.position}; {answer}"
 
 
 def _change(before: float | None, after: float | None, digits: int, signed: bool = True) -> str:
@@ -133,7 +115,7 @@ class InterventionResults(QWidget):
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
-        self.result: dict | None = None
+        self.result: InterventionResult | VisualPatchResult | None = None
         self.title = plain_label(NO_RESULT, wrap=True, selectable=True)
         self.title.setStyleSheet("font-weight: bold;")
         self.table = QTableWidget(0, len(COLUMNS))
@@ -154,29 +136,31 @@ class InterventionResults(QWidget):
         layout.addWidget(self.table, 1)
         layout.addWidget(self.note)
 
-    def show_result(self, result: Mapping) -> None:
-        """Fill the table from an intervention result's JSON (``InterventionResult.to_dict()`` or
-        ``VisualPatchResult.to_dict()``, as the session stores it)."""
-        self.result = dict(result)
-        rows = result_rows(result)
-        has_foil = (result.get("original") or {}).get("foil") is not None
+    def show_result(self, result: InterventionResult | VisualPatchResult) -> None:
+        """Fill the table from an intervention result (an ablation's edit sets, or a visual patch's
+        token sets forward and reverse: a reverse row starts from the source image's run), made now
+        or restored from a session."""
+        self.result = result
+        rows = result.effect_rows()
+        has_foil = result.original.foil is not None
         self.table.horizontalHeaderItem(2).setText("logit diff" if has_foil else "logit (no foil)")
         self.title.setText(describe_result(result) if rows else f"{describe_result(result)}: no edit set ran")
         self.table.setRowCount(len(rows))
-        for r, (label, before, after, effect) in enumerate(rows):
-            score = "logit_diff" if has_foil else "logit"
+        for r, (label, row) in enumerate(rows):
+            before, after, flipped = row.original, row.edited, row.effect.flipped
+            score = (lambda t: t.logit_diff) if has_foil else (lambda t: t.logit)
             cells = (
                 label,
-                str(before.get("answer")),
-                _change(before.get(score), after.get(score), 3),
-                _change(before.get("prob"), after.get("prob"), 4, signed=False),
-                f"{before.get('predicted')} →\n{after.get('predicted')}",
-                "yes" if effect.get("flipped") else "no",
+                str(before.answer),
+                _change(score(before), score(after), 3),
+                _change(before.prob, after.prob, 4, signed=False),
+                f"{before.predicted} →\n{after.predicted}",
+                "yes" if flipped else "no",
             )
-            line = change_line(before, after, bool(effect.get("flipped")))  # the whole row, as the summary says it
+            line = row.line(label)  # the whole row, as the summary says it
             for c, text in enumerate(cells):
                 item = QTableWidgetItem(text)
-                item.setToolTip(f"{label}: {line}")
+                item.setToolTip(line)
                 if c:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
                 self.table.setItem(r, c, item)
@@ -381,25 +365,28 @@ class InterventionPanel(QWidget):
         layer = self.block_combo.currentData() if self.block_combo.count() else None
         return site, layer
 
-    def restore_choices(self, parameters: Mapping, result: Mapping, run_id: int) -> list[str]:
-        """Choose what intervention run ``run_id`` was made with, from its recorded ``parameters`` and
-        ``result``: an ablation's kind, positions and source (resample); a patch's site, block, source and
-        positions. What cannot be chosen again (a source image that was no file, another reference set, a
-        run not made from these controls) is said in red in the box and returned."""
+    def restore_choices(
+        self, parameters: Mapping, result: InterventionResult | VisualPatchResult, run_id: int
+    ) -> list[str]:
+        """Choose what intervention run ``run_id`` was made with, from its ``result`` (a patch's site,
+        block, token sets and source image; an ablation's kind) and the request's recorded
+        ``parameters`` (an ablation's positions, references and source image). What cannot be chosen
+        again (a source image that was no file, another reference set, a run not made from these
+        controls) is said in red in the box and returned."""
         notes = []
-        if "site" in result:  # a visual patch
+        if isinstance(result, VisualPatchResult):
             try:
-                self.set_site(result["site"], result.get("layer"))
+                self.set_site(result.site, result.layer)
             except ValueError as e:  # the model shown has no such site or block
                 notes.append(f"run #{run_id} patched at a site not offered here ({e})")
-            self.set_positions("all" if "all visual tokens" in (parameters.get("token_sets") or {}) else "region")
-            notes += self._restore_source(parameters, run_id)
-        elif parameters.get("ablation") in KINDS and parameters.get("positions") in POSITIONS:
-            kind = parameters["ablation"]
+            self.set_positions("all" if any(r.name == ALL_VISUAL_TOKENS for r in result.rows) else "region")
+            notes += self._restore_source(result.source_image_path, run_id)
+        elif result.ablation in KINDS and parameters.get("positions") in POSITIONS:
+            kind = result.ablation
             self.set_kind(kind)
             self.set_positions(parameters["positions"])
             if kind == "resample":
-                notes += self._restore_source(parameters, run_id)
+                notes += self._restore_source(parameters.get("source_image"), run_id)
             recorded = [Path(p) for p in parameters.get("reference_images") or ()]
             if kind == "mean" and recorded != self.references:
                 notes.append(
@@ -410,8 +397,7 @@ class InterventionPanel(QWidget):
         self.show_message("; ".join(notes), error=bool(notes))
         return notes
 
-    def _restore_source(self, parameters: Mapping, run_id: int) -> list[str]:
-        path = parameters.get("source_image")
+    def _restore_source(self, path: str | None, run_id: int) -> list[str]:
         if path:
             self.set_source(path)
             return []
@@ -436,9 +422,9 @@ class InterventionPanel(QWidget):
         self.message_label.setStyleSheet("color: #c00000;" if error else "color: #333;")
         self.message_label.setText(" ".join(text.split()))
 
-    def show_result(self, result) -> None:
-        """Show an intervention result (the engine's object or its ``to_dict()``) in the table."""
-        self.results.show_result(result.to_dict() if hasattr(result, "to_dict") else result)
+    def show_result(self, result: InterventionResult | VisualPatchResult) -> None:
+        """Show an intervention result in the table."""
+        self.results.show_result(result)
         self.show_message("")
 
     def clear_result(self) -> None:

@@ -14,7 +14,8 @@ so it names what the blocks before l wrote).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyqtgraph as pg
@@ -34,6 +35,10 @@ from PySide6.QtWidgets import (
 from app.panels import NO_ANALYSIS
 from app.panels.attention_panel import block_names
 from app.widgets import axis_font, box, plain_label, set_title, split, stacked, style_plot, tick_step
+from core.methods.logit_lens import LensRow
+
+if TYPE_CHECKING:
+    from core.analyze import AnalyzeResult
 
 LOGIT_LENS = "logit lens"
 READER_COLORS = ["#1f5fb4", "#e0701b", "#2a9d3a", "#c0392b", "#8e44ad", "#7f7f7f", "#b8860b", "#17becf"]
@@ -45,17 +50,25 @@ PLOTS = ("rank", "logit", "kl")
 TOP_HEADER = "top tokens (p)"
 
 
-def _rank(row: dict) -> float | None:
-    v = row.get("answer_rank", row.get("answer_rank_mean"))
+def lens_row(row: LensRow | Mapping) -> LensRow:
+    """A reader's row as drawn: a :class:`core.methods.logit_lens.LensRow` as it is; an
+    ``eval-lens`` row (``{layer, answer_rank_mean, kl_bits}``: a mean rank, a KL in bits)
+    as one, its KL in nats and its missing numbers None."""
+    if isinstance(row, LensRow):
+        return row
+    kl = row.get("kl_bits")
+    return LensRow(
+        layer=row["layer"],
+        answer_rank=row.get("answer_rank_mean"),
+        answer_logit=None,
+        logit_diff=None,
+        kl_to_final=None if kl is None else float(kl) * math.log(2),
+        top=[],
+    )
+
+
+def _number(v: float | None) -> float | None:
     return None if v is None else float(v)
-
-
-def _kl(row: dict) -> float | None:
-    if row.get("kl_to_final") is not None:
-        return float(row["kl_to_final"])
-    if row.get("kl_bits") is not None:  # eval-lens rows are in bits
-        return float(row["kl_bits"]) * math.log(2)
-    return None
 
 
 def legend_html(names: Sequence[str]) -> str:
@@ -74,11 +87,10 @@ def legend_html(names: Sequence[str]) -> str:
 class LensPanel(QWidget):
     """Per-layer answer rank, logit difference and KL to final, for one or more readers.
 
-    Setters: :meth:`set_result` (analyze dict: its ``logit_lens`` rows),
+    Setters: :meth:`set_result` (an AnalyzeResult: its ``logit_lens`` rows),
     :meth:`set_readers` (``{name: rows}`` overlaid on the logit lens; rows are
-    ``{layer, answer_rank, answer_logit, logit_diff, kl_to_final, top}`` like
-    ``logit_lens``, missing keys skipped; ``answer_rank_mean`` and ``kl_bits``
-    of ``eval-lens`` rows are accepted too).
+    :class:`core.methods.logit_lens.LensRow` s like ``logit_lens``, numbers that
+    are None skipped; ``eval-lens`` rows are accepted too, :func:`lens_row`).
 
     Signals:
         layer_selected(layer): a table row was clicked (``layer``: the lens row's, 0 .. n_blocks).
@@ -88,9 +100,9 @@ class LensPanel(QWidget):
 
     def __init__(self, parent=None):
         super().__init__(parent)
-        self.result: dict | None = None
+        self.result: AnalyzeResult | None = None
         self.table_layers: list[int] = []  # table row -> lens layer
-        self.readers: dict[str, list[dict]] = {}
+        self.readers: dict[str, list[LensRow]] = {}
         self.curves: dict[str, dict[str, pg.PlotDataItem]] = {p: {} for p in PLOTS}
 
         # wraps: a long model spec never widens the panel (the window's splitter would jump)
@@ -147,51 +159,51 @@ class LensPanel(QWidget):
 
     # ---- data in ----------------------------------------------------------
 
-    def set_result(self, result: dict | None, readers: dict[str, Sequence[dict]] | None = None) -> None:
+    def set_result(self, result: AnalyzeResult | None, readers: Mapping[str, Sequence] | None = None) -> None:
         """Show an analyze result's logit lens (None clears), with ``readers``
         overlaid as in :meth:`set_readers` if given (one redraw for both);
         without ``readers`` the earlier extra readers are kept."""
         self.result = result
         if readers is not None:
             self.readers = self._extra_readers(readers)
-        if result:
-            t = result.get("target", {})
-            against = f" minus foil {t['foil']!r}" if t.get("foil") else ""
+        if result is not None:
+            t = result.target
+            against = f" minus foil {t.foil!r}" if t.foil else ""
             self.title.setText(
-                f"{result.get('model', {}).get('spec', '?')}: lens read-outs at the answer position {t.get('position')}"
-                f" for answer {t.get('answer')!r}{against}"
+                f"{result.model.spec or '?'}: lens read-outs at the answer position {t.position}"
+                f" for answer {t.answer!r}{against}"
             )
         else:
             self.title.setText(NO_ANALYSIS)
         self._redraw()
 
-    def set_readers(self, readers: dict[str, Sequence[dict]] | None) -> None:
+    def set_readers(self, readers: Mapping[str, Sequence] | None) -> None:
         """Overlay more readers, ``{name: rows}`` (replaces earlier extra readers; the logit lens stays)."""
         self.readers = self._extra_readers(readers)
         self._redraw()
 
     @staticmethod
-    def _extra_readers(readers: dict[str, Sequence[dict]] | None) -> dict[str, list[dict]]:
-        return {k: list(v) for k, v in (readers or {}).items() if k != LOGIT_LENS}
+    def _extra_readers(readers: Mapping[str, Sequence] | None) -> dict[str, list[LensRow]]:
+        return {k: [lens_row(r) for r in v] for k, v in (readers or {}).items() if k != LOGIT_LENS}
 
-    def all_readers(self) -> dict[str, list[dict]]:
+    def all_readers(self) -> dict[str, list[LensRow]]:
         """``{name: rows}`` of every reader drawn, the logit lens first."""
         out = {}
-        if self.result and self.result.get("logit_lens"):
-            out[LOGIT_LENS] = list(self.result["logit_lens"])
+        if self.result is not None and self.result.logit_lens:
+            out[LOGIT_LENS] = list(self.result.logit_lens)
         out.update(self.readers)
         return out
 
     def layer_labels(self, n_points: int) -> list[str]:
         """Tick label of each lens row: the block the residual enters, then "final"."""
-        names = block_names(self.result or {})
+        names = block_names(self.result)
         return [names.get(i, f"L{i}") if i < n_points - 1 else "final" for i in range(n_points)]
 
     # ---- drawing ----------------------------------------------------------
 
     def _uses_diff(self) -> bool:
         rows = [r for rows in self.all_readers().values() for r in rows]
-        return any(r.get("logit_diff") is not None for r in rows)
+        return any(r.logit_diff is not None for r in rows)
 
     def _redraw(self) -> None:
         readers = self.all_readers()
@@ -204,11 +216,11 @@ class LensPanel(QWidget):
         n_points = max((len(rows) for rows in readers.values()), default=0)
         drawn = {key: {} for key in PLOTS}  # {plot: {reader: (xs, ys)}}, readers in order
         for name, rows in readers.items():
-            rows = sorted(rows, key=lambda r: r["layer"])
+            rows = sorted(rows, key=lambda r: r.layer)
             series = {
-                "rank": [(r["layer"], _rank(r)) for r in rows],
-                "logit": [(r["layer"], r.get("logit_diff") if use_diff else r.get("answer_logit")) for r in rows],
-                "kl": [(r["layer"], _kl(r)) for r in rows],
+                "rank": [(r.layer, _number(r.answer_rank)) for r in rows],
+                "logit": [(r.layer, r.logit_diff if use_diff else r.answer_logit) for r in rows],
+                "kl": [(r.layer, _number(r.kl_to_final)) for r in rows],
             }
             for key, pts in series.items():
                 pts = [(x, y) for x, y in pts if y is not None]
@@ -269,9 +281,9 @@ class LensPanel(QWidget):
         for key in PLOTS:
             self.plots[key].getAxis("bottom").setTicks(ticks)
 
-    def _rank_ticks(self, readers: dict[str, list[dict]]) -> None:
+    def _rank_ticks(self, readers: dict[str, list[LensRow]]) -> None:
         """Rank axis (log of rank + 1) labelled with ranks: 0, 1, 10, 100, ..."""
-        ranks = [_rank(r) for rows in readers.values() for r in rows]
+        ranks = [_number(r.answer_rank) for rows in readers.values() for r in rows]
         top = max([r for r in ranks if r is not None], default=1.0)
         major, minor, decade = [(0.0, "0")], [], 1
         while decade <= max(top, 1.0) * 10:
@@ -297,18 +309,18 @@ class LensPanel(QWidget):
         self.table.horizontalHeaderItem(4).setToolTip("the reader's top tokens at that layer, with their probability")
 
     def _fill_table(self, *_args) -> None:
-        rows = sorted(self.all_readers().get(self.reader_combo.currentText(), []), key=lambda r: r["layer"])
-        self.table_layers = [int(r["layer"]) for r in rows]
+        rows = sorted(self.all_readers().get(self.reader_combo.currentText(), []), key=lambda r: r.layer)
+        self.table_layers = [int(r.layer) for r in rows]
         labels = self.layer_labels(len(rows))
         use_diff = self._uses_diff()
         self._set_headers("logit diff" if use_diff else "logit")
         self.table.setRowCount(len(rows))
         for i, r in enumerate(rows):
-            rank, kl = _rank(r), _kl(r)
-            logit = r.get("logit_diff") if use_diff else r.get("answer_logit")
-            top = ", ".join(f"{tok} {p:.2f}" for tok, p in r.get("top") or [])
+            rank, kl = _number(r.answer_rank), _number(r.kl_to_final)
+            logit = r.logit_diff if use_diff else r.answer_logit
+            top = ", ".join(f"{tok} {p:.2f}" for tok, p in r.top or [])
             cells = [
-                labels[i] if i < len(labels) else str(r["layer"]),
+                labels[i] if i < len(labels) else str(r.layer),
                 "" if rank is None else f"{rank:g}",
                 "" if logit is None else f"{logit:+.3f}",
                 "" if kl is None else f"{kl:.3f}",

@@ -7,6 +7,7 @@ parser) and ``run(args, load) -> int``:
     generate.py        generate
     evaluate_zoo.py    evaluate-zoo      audit.py        audit
     counterfactual.py  counterfactual    export.py       export
+    ablate.py          ablate            patch.py        patch
     lens.py            train-lens, eval-lens
     nonunique.py       nonunique         qk_ov.py        qk-ov
     validate.py        validate
@@ -50,6 +51,7 @@ from core.arguments import (  # noqa: F401  (re-exported: callers import them fr
     share_below_one,
 )
 from core.cli import (
+    ablate,
     analyze,
     answer,
     audit,
@@ -59,6 +61,7 @@ from core.cli import (
     generate,
     lens,
     nonunique,
+    patch,
     qk_ov,
     validate,
 )
@@ -73,7 +76,21 @@ _add_model_args = add_model_args
 _load = load_from_args
 
 # In the order of `vlm-readout --help`.
-COMMANDS = (answer, generate, analyze, evaluate_zoo, audit, counterfactual, export, lens, nonunique, qk_ov, validate)
+COMMANDS = (
+    answer,
+    generate,
+    analyze,
+    evaluate_zoo,
+    audit,
+    counterfactual,
+    ablate,
+    patch,
+    export,
+    lens,
+    nonunique,
+    qk_ov,
+    validate,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

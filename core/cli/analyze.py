@@ -12,7 +12,8 @@ from core.cli.args import (
     check_token_options,
 )
 from core.cli.loading import load_from_args
-from core.cli.outputs import write_and_record
+from core.cli.outputs import finish
+from core.requests.analyze import AnalyzeRequest
 from core.terminal import progress_bar
 
 
@@ -40,8 +41,9 @@ def add_command(subparsers, load=load_from_args) -> None:
 
 
 def run(args, load=load_from_args) -> int:
-    # function-local: core.analyze and the session import torch / numpy, not needed for --help
-    from core.analyze import analyze
+    # function-local: the lens store and the session import torch / numpy, not needed for --help
+    from dataclasses import replace
+
     from core.atomic import check_output_file
     from core.images import load_image
 
@@ -57,24 +59,20 @@ def run(args, load=load_from_args) -> int:
         from core.methods.tuned_lens.store import load_lens
 
         tuned = load_lens(args.lens)
-    loaded = load(args)
-    answer_text = answer_text_of(args, loaded)
-    answer, foil = answer_tokens(args, loaded.adapter)
-    with progress_bar("analyze", quiet=args.quiet, total=4, messages=True) as progress:
-        result = analyze(
-            loaded,
-            image,
-            args.question,
-            answer=answer,
-            foil=foil,
-            tuned=tuned,
-            raw_prompt=args.raw_prompt,
-            answer_text=answer_text,
-            progress=progress,
-            attention=args.attention,
-        )
-    write_and_record(
-        args.json, result.to_dict(), args.session, result, model=loaded, image=image, image_path=args.image
+    request = AnalyzeRequest(
+        image=image,
+        image_path=args.image,
+        question=args.question,
+        answer=args.answer or "",
+        foil=args.foil or "",
+        lens=args.lens,
+        tuned=tuned,
+        attention=args.attention,
+        raw_prompt=args.raw_prompt,
     )
-    print(result.summary())
-    return 0
+    loaded = load(args)
+    request = replace(request, answer_text=answer_text_of(args, loaded))
+    answer_tokens(args, loaded.adapter)  # a word of several tokens: said in a warning line
+    with progress_bar("analyze", quiet=args.quiet, total=4, messages=True) as progress:
+        result = request.run(loaded, progress)
+    return finish(args, request, result, model=loaded)

@@ -6,7 +6,6 @@ read-outs' registry): the ``--methods`` help is read from it only when shown."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import sys
@@ -19,39 +18,10 @@ from core.arguments import LazyHelp, batch_size, positive_int, positive_share, p
 from core.cli.args import add_answer_text_args, add_model_args, answer_text_request
 from core.cli.loading import load_from_args
 from core.errors import ReadoutError
-from core.pairs import pairs_file, read_pairs
+from core.requests.audit import AuditRequest
 from core.terminal import progress_bar
 
 # ---------------------------------------------------------------- command
-
-
-def with_answer_text(items, request: tuple[str, int] | None):
-    """The items read out at one token of one answer text (``request``, the command
-    line's :func:`core.cli.args.answer_text_request`, over every item's own
-    ``answer_text`` / ``answer_token_index``)."""
-    if request is None:
-        return items
-    text, index = request
-    return [dataclasses.replace(i, answer_text=text, answer_token_index=index) for i in items]
-
-
-def run_params_for(loaded, dataset: Path, methods, args, n_items: int) -> dict:
-    return {
-        "model": loaded.spec,
-        "fingerprint": getattr(loaded, "fingerprint", ""),
-        "family": loaded.adapter.family,
-        **loaded.adapter.dtype_and_device(),
-        "dataset": str(dataset),
-        "n_samples": n_items,
-        "limit": args.limit,
-        "batch_size": args.batch_size,
-        "methods": [m.name for m in methods],
-        "target": "the dataset's answer minus its foil where given; else the answer text's token where given; "
-        "else the model's top token",
-        "query": "answer position (after the answer text's tokens before the one read, where an answer text is given)",
-        "answer_text": args.answer_text,
-        "answer_token_index": args.token_index,
-    }
 
 
 def run(args, load=load_from_args) -> int:
@@ -60,28 +30,26 @@ def run(args, load=load_from_args) -> int:
     import torch
 
     from core.atomic import check_output_folder, staged_writes
-    from core.dataset_audit import (
-        DEFAULT_METHODS,
-        SCHEMA_VERSION,
-        AuditOptions,
-        audit_table,
-        dist_env,
-        format_number,
-        gather,
-        merge_shards,
-        parse_methods,
-        run_shard,
-        shard_chunks,
-        summarize,
-        write_outputs,
-    )
+    from core.dataset_audit import dist_env, format_number, gather, merge_shards, shard_chunks, summarize, write_outputs
 
-    methods = parse_methods(args.methods if args.methods is not None else DEFAULT_METHODS)
+    request = AuditRequest(
+        dataset=args.dataset,
+        methods=args.methods,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        rollout_alpha=args.rollout_alpha,
+        region_min_cover=args.region_min_cover,
+        dla_top_k=args.dla_top_k,
+        fill=args.fill,
+        answer_text=args.answer_text,
+        answer_token_index=args.token_index,
+    )
+    methods = request.readouts()
     check_output_folder(args.out)  # fail fast, before the model loads
-    dataset = pairs_file(args.dataset, "dataset file")
+    dataset = request.pairs_file()
     with progress_bar("dataset", quiet=args.quiet, messages=True) as progress:  # a million lines take seconds
-        items = read_pairs(dataset, limit=args.limit, what="dataset file", progress=progress)
-    items = with_answer_text(items, answer_text_request(args))
+        items = request.read_items(progress)
+    answer_text_request(args)  # --answer-text and --token-index checked, each a line starting with its option
     if args.session:
         from core.session import check_session_file
 
@@ -109,51 +77,28 @@ def run(args, load=load_from_args) -> int:
             owned = True
     try:
         loaded = load(args)
-        options = AuditOptions(
-            rollout_alpha=args.rollout_alpha,
-            region_min_cover=args.region_min_cover,
-            dla_top_k=args.dla_top_k,
-            counterfactual_fill=args.fill,
-        )
         n_mine = sum(len(c) for c in shard_chunks(len(items), args.batch_size, rank, world))
         with (
             progress_bar("audit", quiet=args.quiet or rank != 0, total=n_mine) as progress,
             cancel_on_sigint() as cancelled,
         ):
-            shard = run_shard(
-                loaded,
-                items,
-                methods,
-                options,
-                batch_size=args.batch_size,
-                rank=rank,
-                world=world,
-                progress=progress,
-                cancel=cancelled,
-            )
+            shard = request.run_shard(loaded, items, rank=rank, world=world, progress=progress, cancel=cancelled)
         shards = [shard] if world == 1 else gather(shard, rank, world)
         if rank != 0:
             return 0
         merged = merge_shards(shards)
         if not merged.cancelled:
             check_some_succeeded(merged.records, items, dataset, args.out)  # else nothing is written
-        run_params = run_params_for(loaded, dataset, methods, args, len(items))
+        run_params = request.run_parameters(loaded, len(items))
         # the files land together once the --session run is recorded: a failure leaves an earlier run's as they were
         with staged_writes() as staging:
-            files = write_outputs(staging, args.out, merged, methods, run_params, options, len(items))
+            files = write_outputs(staging, args.out, merged, methods, run_params, request.options(), len(items))
             _stage_run_json(staging, args.out, started, world, backend, run_params, merged.cancelled, files)
             if args.session:  # one summary run per audit (per-sample numbers stay in samples.jsonl): core/session.py
-                from core.readout import RecordedResult, jsonable
                 from core.session import record_into
 
-                summary_doc = summarize(merged.records, methods, len(items), merged.cancelled)
-                doc = {"schema_version": SCHEMA_VERSION, "parameters": run_params, **summary_doc, "out": str(args.out)}
-                audits = audit_table(methods, merged.first_audits, run_params, options)
-                line = f"{doc['n_samples']} samples: {doc['n_ok']} ok, {doc['n_errors']} errors; accuracy " + (
-                    f"{format_number(doc.get('accuracy')) or 'n/a'}" + (" (cancelled)" if merged.cancelled else "")
-                )
-                run = RecordedResult("audit", jsonable(doc), line, run_params, audits)
-                record_into(args.session, run, model=loaded)
+                run = request.summary_run(loaded, merged, len(items), str(args.out))
+                record_into(args.session, run, model=loaded, parameters=request.parameters())  # as the app records it
         s = summarize(merged.records, [], len(items), merged.cancelled)
         failed = f" (their errors: {Path(args.out) / 'summary.json'})" if s["n_errors"] else ""
         print(

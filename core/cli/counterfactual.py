@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 
-from core.answer_text import run_parameters
 from core.arguments import LazyChoices, Number, batch_size, positive_int, seed_int
 from core.cli.args import (
     add_answer_text_args,
@@ -24,9 +23,10 @@ from core.cli.args import (
     check_token_options,
 )
 from core.cli.loading import load_from_args
-from core.cli.outputs import write_and_record
+from core.cli.outputs import finish
 from core.errors import ReadoutError
-from core.readout import RecordedResult, change_line
+from core.readout import change_line
+from core.requests.counterfactual import CounterfactualRequest, SweepRequest
 from core.terminal import progress_bar
 
 # a Gaussian sigma in pixels; past this the blur is flat over any image and its kernel only costs memory
@@ -85,9 +85,11 @@ def add_command(subparsers, load=load_from_args) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the counterfactual methods import torch, not needed for --help
+    from dataclasses import replace
+
     from core.atomic import check_output_file
-    from core.images import image_sha256, load_image
-    from core.methods.counterfactual import Fill, mask_from_png, occlusion_sweep, region_counterfactual
+    from core.images import load_image
+    from core.methods.counterfactual import mask_from_png
 
     if (args.mask is None) == (args.sweep is None):
         raise ReadoutError("give --mask MASK.png or --sweep K (one of them)")
@@ -100,54 +102,36 @@ def run(args, load=load_from_args) -> int:
     check_token_options(args)
     image = load_image(args.image)
     mask = mask_from_png(args.mask, image.size) if args.mask else None
-    options = {"color": args.color, "radius": args.radius, "seed": args.seed}
-    if args.fill == "paste":
-        if not args.paste_from:
-            raise ReadoutError("--fill paste needs --paste-from IMG")
-        options["paste_from"] = load_image(args.paste_from)
-    fill = Fill(args.fill, **{k: v for k, v in options.items() if v is not None})
+    if args.fill == "paste" and not args.paste_from:
+        raise ReadoutError("--fill paste needs --paste-from IMG")
+    asked = dict(
+        image=image,
+        image_path=args.image,
+        question=args.question,
+        answer=args.answer or "",
+        foil=args.foil or "",
+        fill=args.fill,
+        color=args.color,
+        radius=args.radius,
+        seed=args.seed,
+        paste_from=load_image(args.paste_from) if args.paste_from else None,
+        paste_from_path=args.paste_from,
+    )
+    if args.sweep is not None:
+        request = SweepRequest(**asked, k=args.sweep, batch_size=args.batch_size, interpolated=args.interpolated)
+    else:
+        request = CounterfactualRequest(**asked, mask=mask, mask_name=args.mask, routing=not args.no_routing)
+    request.fill_spec()  # its checks, before the model loads
     if args.session:
         from core.session import check_session_file
 
         check_session_file(args.session)
     loaded = load(args)
-    answer_text = answer_text_of(args, loaded)
-    answer, foil = answer_tokens(args, loaded.adapter)
-    if answer is None and answer_text is not None:
-        answer = answer_text.token_id
-    prefix = answer_text.prefix_ids if answer_text is not None else ()
-    header = {
-        "model": {
-            "spec": loaded.spec,
-            "fingerprint": getattr(loaded, "fingerprint", None),
-            **loaded.adapter.describe(),
-        },
-        "input": {
-            "question": args.question,
-            "image": str(args.image),
-            "image_sha256": image_sha256(image),
-            "image_size": list(image.size),
-            "mask": str(args.mask) if args.mask else None,
-            "paste_from": str(args.paste_from) if args.paste_from else None,
-            **(answer_text.to_dict() if answer_text is not None else {}),
-            **loaded.adapter.dtype_and_device(),
-        },
-    }
+    request = replace(request, answer_text=answer_text_of(args, loaded))
+    answer_tokens(args, loaded.adapter)  # a word of several tokens: said in a warning line
     if args.sweep is not None:
         with progress_bar("occlusion sweep", quiet=args.quiet) as progress:
-            result = occlusion_sweep(
-                loaded,
-                image,
-                args.question,
-                k=args.sweep,
-                fill=fill,
-                answer=answer,
-                foil=foil,
-                batch_size=args.batch_size,
-                progress=progress,
-                answer_prefix=prefix,
-            )
-        out = result.to_dict(interpolated=args.interpolated)
+            result = request.run(loaded, progress)
         eff = result.effect
         worst = divmod(int(eff.argmin()), eff.shape[1])
         line = (
@@ -156,24 +140,6 @@ def run(args, load=load_from_args) -> int:
             f"{int(result.flipped.sum())} cells flip the answer"
         )
     else:
-        result = region_counterfactual(
-            loaded,
-            image,
-            args.question,
-            mask,
-            fill,
-            answer=answer,
-            foil=foil,
-            routing=not args.no_routing,
-            answer_prefix=prefix,
-        )
-        out = result.to_dict()
+        result = request.run(loaded)
         line = change_line(result.original.to_dict(), result.edited.to_dict(), result.effect.flipped)
-    doc = {**out, **header}
-    extra = {"question": args.question, "paste_from": args.paste_from, **run_parameters(answer_text)}
-    write_and_record(  # the stored doc has the header too
-        args.json, doc, args.session, RecordedResult.of(result, doc),
-        model=loaded, image=image, image_path=args.image, mask=mask, parameters=extra,
-    )  # fmt: skip
-    print(line)
-    return 0
+    return finish(args, request, result, model=loaded, lines=[line])  # the JSON has the header (request.document)

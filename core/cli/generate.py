@@ -13,7 +13,8 @@ from __future__ import annotations
 from core.arguments import positive_int
 from core.cli.args import add_model_args, add_raw_prompt_arg
 from core.cli.loading import load_from_args
-from core.cli.outputs import write_and_record
+from core.cli.outputs import finish
+from core.requests.generate import GenerateRequest
 from core.terminal import progress_bar
 
 
@@ -69,8 +70,7 @@ def check_stop_strings(stops: list[str]) -> None:
 def run(args, load=load_from_args) -> int:
     # function-local: torch loads when the command runs, not for --help
     from core.atomic import check_output_file
-    from core.generate import generate
-    from core.images import image_sha256, load_image
+    from core.images import load_image
 
     if args.json:
         check_output_file(args.json)  # fail fast, before the model loads
@@ -80,19 +80,19 @@ def run(args, load=load_from_args) -> int:
         from core.session import check_session_file
 
         check_session_file(args.session)
+    request = GenerateRequest(
+        image=image,
+        image_path=args.image,
+        question=args.question,
+        max_new_tokens=args.max_new_tokens,
+        stop_strings=tuple(args.stop),
+        top_k=args.top_k,
+        raw_prompt=args.raw_prompt,
+        use_cache=not args.no_cache,
+    )
     loaded = load(args)
     with progress_bar("generating", quiet=args.quiet) as progress:
-        result = generate(
-            loaded,
-            image,
-            args.question,
-            max_new_tokens=args.max_new_tokens,
-            stop_strings=args.stop,
-            top_k=args.top_k,
-            raw_prompt=args.raw_prompt,
-            use_cache=not args.no_cache,
-            progress=progress,
-        )
+        result = request.run(loaded, progress)
     for i, (token, prob, top) in enumerate(zip(result.tokens, result.probs, result.top)):
         print(token_line(i, token, prob, top))
     if result.stop_token is not None:
@@ -100,9 +100,4 @@ def run(args, load=load_from_args) -> int:
         print(f"end  {s['token']!r}  p={s['prob']:.4f}")
     print(f"answer: {result.text}")
     print(f"stop: {result.stop_reason} ({len(result.token_ids)} tokens, {'KV cache' if result.cache else 'no cache'})")
-    doc = None
-    if args.json:
-        doc = result.to_dict()
-        doc["input"].update(image=str(args.image), image_sha256=image_sha256(image), image_size=list(image.size))
-    write_and_record(args.json, doc, args.session, result, model=loaded, image=image, image_path=args.image)
-    return 0
+    return finish(args, request, result, model=loaded, lines=())  # the JSON's input names the image too

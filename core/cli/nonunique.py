@@ -15,7 +15,6 @@ the JSON also holds the method's caveat (``does_not_say``).
 
 from __future__ import annotations
 
-from core.answer_text import run_parameters
 from core.arguments import Number, positive_share, probability, seed_int
 from core.cli.args import (
     add_answer_text_args,
@@ -25,11 +24,10 @@ from core.cli.args import (
     check_token_options,
 )
 from core.cli.loading import load_from_args
-from core.cli.outputs import write_and_record
-from core.readout import RecordedResult
+from core.cli.outputs import finish
+from core.requests.nonunique import DEFAULT_SCORE_BOUNDS, LEVELS, NonuniqueRequest
 from core.terminal import progress_bar
 
-LEVELS = ("a", "b", "c-query", "c-residual")  # core.methods.nonunique.LEVEL_NAMES (not imported: it loads torch)
 DEFAULT_SHARE = 0.5
 # core.methods.nonunique.TOP_TOKENS_RULE, for --help (not imported: it loads torch)
 TOP_TOKENS_RULE = (
@@ -138,10 +136,11 @@ def add_command(subparsers, load=load_from_args) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the method imports torch, not needed for --help
+    from dataclasses import replace
+
     from core.atomic import check_output_file
     from core.images import load_image
     from core.methods.counterfactual import mask_from_png
-    from core.methods.nonunique import nonunique_of_input
 
     check_output_file(args.json)  # fail fast, before the model loads
     check_token_options(args)
@@ -151,38 +150,32 @@ def run(args, load=load_from_args) -> int:
         from core.session import check_session_file
 
         check_session_file(args.session)
+    request = NonuniqueRequest(
+        image=image,
+        image_path=args.image,
+        question=args.question,
+        head=args.head,
+        mask=mask,
+        mask_name=args.region,
+        raw_prompt=args.raw_prompt,
+        cover=args.cover,
+        share=args.share,
+        tol=args.tol,
+        score_bounds=tuple(args.score_bound or DEFAULT_SCORE_BOUNDS),
+        levels=tuple(args.levels),
+        objective=args.objective,
+        min_moved=args.min_moved,
+        space=args.space,
+        seed=args.seed,
+        steps=args.steps,
+    )
     loaded = load(args)
-    answer_text = answer_text_of(args, loaded)
+    request = replace(request, answer_text=answer_text_of(args, loaded))
     with progress_bar("nonunique", quiet=args.quiet, messages=True) as progress:
-        result, doc = nonunique_of_input(
-            loaded,
-            image,
-            args.question,
-            args.head,
-            mask=mask,
-            mask_name=str(args.region) if args.region else None,
-            image_path=str(args.image),
-            answer_text=answer_text,
-            raw_prompt=args.raw_prompt,
-            cover=args.cover,
-            share=args.share,
-            tol=args.tol,
-            score_bounds=args.score_bound or [1.0, 2.0],
-            levels=tuple(args.levels),
-            objective=args.objective,
-            min_moved=args.min_moved,
-            space=args.space,
-            seed=args.seed,
-            steps=args.steps,
-            progress=progress,
-        )
-    rule = doc["region"]["rule"]
-    extra = {"question": args.question, "component": args.head, "region_rule": rule, **run_parameters(answer_text)}
-    write_and_record(
-        args.json, doc, args.session, RecordedResult.of(result, doc),
-        model=loaded, image=image, image_path=args.image, mask=mask, parameters=extra,
+        result = request.run(loaded, progress)
+    doc = result.to_dict()  # the method's JSON with the head, the region rule, the model and the input
+    parameters = {**request.parameters(), "region_rule": doc["region"]["rule"]}
+    return finish(
+        args, request, result, model=loaded, doc=doc, parameters=parameters,
+        lines=[result.summary(), *(lv.statement for lv in result.levels)],
     )  # fmt: skip
-    print(result.summary())
-    for lv in result.levels:
-        print(lv.statement)
-    return 0

@@ -18,11 +18,10 @@ from core.cli.args import (
     check_token_options,
 )
 from core.cli.loading import load_from_args
-from core.cli.outputs import write_and_record
+from core.cli.outputs import finish
 
-# The copying score's token set at most (core.methods.qk_ov.COPYING_VOCAB_LIMIT, not imported:
-# it loads torch): its matrix is tokens x tokens, its eigenvalues cubic in them.
-MAX_COPY_TOKENS = 2048
+# MAX_COPY_TOKENS and copy_token_ids are re-exported: their home was this module
+from core.requests.qk_ov import MAX_COPY_TOKENS, QkOvRequest, check_copy_words, copy_token_ids  # noqa: F401
 
 
 def add_command(subparsers, load=load_from_args) -> None:
@@ -53,53 +52,10 @@ def add_command(subparsers, load=load_from_args) -> None:
     q.set_defaults(func=lambda args: run(args, load))
 
 
-def check_copy_words(words: str) -> list[str]:
-    """The comma-separated words of ``--copy-tokens``, before the model loads;
-    QuestionError (one line starting with ``--copy-tokens``) for text that is
-    no word list (:func:`core.answer_text.text_problem`), an empty word, or
-    more words than the copying score may run over (its matrix is tokens x
-    tokens: :data:`MAX_COPY_TOKENS`)."""
-    from core.answer_text import shown_text, text_problem
-    from core.errors import QuestionError
-
-    problem = text_problem(words)
-    if problem is not None:
-        raise QuestionError(f"--copy-tokens {problem}")
-    split = [w.strip() for w in words.split(",")]
-    if "" in split:
-        raise QuestionError(f"--copy-tokens {shown_text(words)}: word {split.index('') + 1} is empty")
-    if len(split) > MAX_COPY_TOKENS:
-        raise QuestionError(
-            f"--copy-tokens: {len(split):,} words; the copying score runs over at most {MAX_COPY_TOKENS}"
-        )
-    return split
-
-
-def copy_token_ids(adapter, words: str) -> list[int]:
-    """The token ids of comma-separated ``words`` (every sub-token, each once, in
-    order); QuestionError (one line starting with ``--copy-tokens``) for a word
-    that holds markup (an image placeholder, a special token) or that the
-    vocabulary lacks (the unknown token: the score would run over it in the
-    word's place), or more than :data:`MAX_COPY_TOKENS` tokens in all."""
-    from core.answer_text import shown_text, word_tokens
-    from core.errors import QuestionError
-
-    ids: list[int] = []
-    for word in check_copy_words(words):
-        pieces = [i for i, _ in word_tokens(adapter, word)]
-        label = f"--copy-tokens word {shown_text(word)}"
-        adapter.check_markup(word, pieces, what=label)
-        adapter.check_known_words(word, pieces, what=label)
-        ids += [i for i in pieces if i not in ids]
-    if len(ids) > MAX_COPY_TOKENS:
-        raise QuestionError(
-            f"--copy-tokens: the words are {len(ids):,} tokens; the copying score runs over at most {MAX_COPY_TOKENS}"
-        )
-    return ids
-
-
 def run(args, load=load_from_args) -> int:
     # function-local: the method and the session import torch, not needed for --help
+    from dataclasses import replace
+
     from core.atomic import check_output_file
     from core.errors import QuestionError
 
@@ -120,26 +76,17 @@ def run(args, load=load_from_args) -> int:
         from core.session import check_session_file
 
         check_session_file(args.session)
-    loaded = load(args)
-    from core.methods.qk_ov import head_of, qk_ov
-
-    block, _, _ = head_of(loaded.adapter, args.head)  # a bad head fails before anything runs
-    if args.copy_tokens is not None and loaded.adapter.blocks[block][1] != "self":
-        raise QuestionError(
-            f"--copy-tokens: {args.head} is a cross-attention head (its values are visual tokens, not token "
-            "embeddings): it has no copying score"
-        )
-    result = qk_ov(
-        loaded,
-        args.head,
-        image,
-        args.question,
-        copy_tokens=copy_token_ids(loaded.adapter, args.copy_tokens) if args.copy_tokens is not None else None,
+    request = QkOvRequest(
+        head=args.head,
+        image=image,
+        image_path=args.image,
+        question=args.question,
+        copy_tokens=args.copy_tokens,
         raw_prompt=args.raw_prompt,
-        answer_text=answer_text_of(args, loaded),
         top_k=args.top_k,
     )
-    on_image = {} if image is None else {"image": image, "image_path": args.image}
-    write_and_record(args.json, result.to_dict(), args.session, result, model=loaded, **on_image)
-    print(result.summary())
-    return 0
+    loaded = load(args)
+    request.copy_ids(loaded.adapter)  # a bad head or copy word fails before the answer text is read
+    request = replace(request, answer_text=answer_text_of(args, loaded))
+    result = request.run(loaded)
+    return finish(args, request, result, model=loaded)

@@ -15,7 +15,8 @@ from __future__ import annotations
 from core.arguments import Number, batch_size, non_negative_int, seed_int
 from core.cli.args import add_model_args
 from core.cli.loading import load_from_args
-from core.cli.outputs import write_and_record
+from core.cli.outputs import finish
+from core.requests.validate import ValidateRequest
 
 # Inputs of each set (--n, --n-side): every one is held in memory with its masks (~100 kB a scene)
 # through the seven steps.
@@ -146,7 +147,6 @@ def run(args, load=load_from_args) -> int:
     from core.atomic import check_output_file
     from core.images import load_mask
     from core.terminal import progress_bar
-    from core.validate import validate
 
     check_output_file(args.json)  # fail fast, before the model loads
     region = load_mask(args.region) if args.region else None
@@ -154,31 +154,23 @@ def run(args, load=load_from_args) -> int:
         from core.session import check_session_file
 
         check_session_file(args.session)
+    request = ValidateRequest(
+        subjects=(*args.head, *args.route),
+        claim=args.claim,
+        dataset=args.dataset,
+        heldout=args.heldout,
+        candidates=args.candidates,
+        n=args.n,
+        n_side=args.n_side,
+        region=region,
+        min_distractors=args.min_distractors,
+        seed=args.seed,
+        batch_size=args.batch_size,
+    )
     loaded = load(args)
     with progress_bar("validate", quiet=args.quiet, messages=True) as progress:
-        result = validate(
-            loaded,
-            [*args.head, *args.route],
-            claim=args.claim,
-            dataset=args.dataset,
-            heldout=args.heldout,
-            candidates=args.candidates,
-            n=args.n,
-            n_side=args.n_side,
-            region=region,
-            min_distractors=args.min_distractors,
-            seed=args.seed,
-            batch_size=args.batch_size,
-            progress=progress,
-        )
-    doc = result.to_dict()
-    from core.validate import source_files
-
-    write_and_record(
-        args.json, doc, args.session, result, model=loaded, parameters=source_files(args.dataset, args.heldout)
-    )
+        result = request.run(loaded, progress)
+    lines = []
     for chain, verdict in zip(result.chains, result.verdicts()):
-        print("\n".join(checklist(chain)))
-        print(f"  verdict: {verdict['verdict']}")
-    print(result.summary())
-    return 0
+        lines += [*checklist(chain), f"  verdict: {verdict['verdict']}"]
+    return finish(args, request, result, model=loaded, lines=[*lines, result.summary()])

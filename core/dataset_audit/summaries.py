@@ -4,7 +4,8 @@ correct / incorrect samples, routing against the causal effect (Spearman,
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from core.audit import AuditRecord
 from core.readouts import ReadoutMethod
@@ -108,6 +109,91 @@ def audit_table(
         params = {"readout": m.name, **m.parameters(options), **run_params}
         rows.append(AuditRecord.for_method(m.audit_method, controls=controls, parameters=params, notes=notes))
     return rows
+
+
+@dataclass
+class AuditSummary:
+    """The one session run of a dataset audit (kind ``audit``): what it was run with
+    (``run_parameters``), :func:`summarize`'s counts and distributions, and the folder
+    its per-sample files went to (``out``). Per-sample numbers stay in those files."""
+
+    schema_version: int
+    run_parameters: dict
+    n_requested: int
+    n_samples: int
+    cancelled: bool
+    n_ok: int
+    n_errors: int
+    errors: list[dict]
+    n_correct: int
+    n_incorrect: int
+    n_unlabelled: int
+    accuracy: float | None
+    by_kind: dict
+    region_token_share: dict | None
+    groups: dict
+    out: str | None  # None: an in-process run that wrote no folder
+    routing_vs_effect: dict | None = None
+    audits: list[AuditRecord] = field(default_factory=list, repr=False)
+
+    kind: ClassVar[str] = "audit"
+
+    def summary(self) -> str:
+        """``20 samples: 19 ok, 1 errors; accuracy 0.85`` (and ``(cancelled)``)."""
+        line = f"{self.n_samples} samples: {self.n_ok} ok, {self.n_errors} errors; accuracy "
+        return line + (format_number(self.accuracy) or "n/a") + (" (cancelled)" if self.cancelled else "")
+
+    def parameters(self) -> dict:
+        return dict(self.run_parameters)
+
+    def audit_records(self) -> list[AuditRecord]:
+        return list(self.audits)
+
+    def to_dict(self) -> dict:
+        doc = {
+            "schema_version": self.schema_version,
+            "parameters": self.run_parameters,
+            "n_requested": self.n_requested,
+            "n_samples": self.n_samples,
+            "cancelled": self.cancelled,
+            "n_ok": self.n_ok,
+            "n_errors": self.n_errors,
+            "errors": self.errors,
+            "n_correct": self.n_correct,
+            "n_incorrect": self.n_incorrect,
+            "n_unlabelled": self.n_unlabelled,
+            "accuracy": self.accuracy,
+            "by_kind": self.by_kind,
+            "region_token_share": self.region_token_share,
+            "groups": self.groups,
+        }
+        if self.routing_vs_effect is not None:
+            doc["routing_vs_effect"] = self.routing_vs_effect
+        return {**doc, "out": self.out}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AuditSummary:
+        """The run an ``audit`` JSON (:meth:`to_dict`, a stored run's) describes (its audit
+        rows are the session's, not in the JSON)."""
+        return cls(
+            int(d["schema_version"]),
+            dict(d["parameters"]),
+            int(d["n_requested"]),
+            int(d["n_samples"]),
+            bool(d["cancelled"]),
+            int(d["n_ok"]),
+            int(d["n_errors"]),
+            list(d["errors"]),
+            int(d["n_correct"]),
+            int(d["n_incorrect"]),
+            int(d["n_unlabelled"]),
+            d["accuracy"],
+            dict(d["by_kind"]),
+            d["region_token_share"],
+            dict(d["groups"]),
+            d["out"],
+            d.get("routing_vs_effect"),
+        )
 
 
 def format_number(x) -> str:

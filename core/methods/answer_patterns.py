@@ -68,6 +68,28 @@ class AnswerPatterns:
             "by_block": {part: self.by_block[part].tolist() for part in PARTS},
         }
 
+    @classmethod
+    def from_dict(cls, d: dict) -> AnswerPatterns:
+        """The inverse of :meth:`to_dict` (the audit row travels apart, in the analyze JSON's
+        ``audit``); the masses in float64, which holds every JSON number as written."""
+        rows = d["rows"]
+        return cls(
+            list(d["positions"]),
+            list(d["tokens"]),
+            list(d["predicts"]),
+            list(d["blocks"]),
+            list(d["skipped_blocks"]),
+            {part: torch.tensor(d["by_block"][part], dtype=torch.float64) for part in PARTS},
+            {part: torch.tensor([row[part] for row in rows], dtype=torch.float64) for part in PARTS},
+        )
+
+    def masses(self, row: int, block: int | None = None) -> tuple[float, ...]:
+        """Row ``row``'s masses in :data:`PARTS` order: averaged over the blocks (``block``
+        None) or in one of them (an index into :attr:`blocks`)."""
+        if block is None:
+            return tuple(float(self.mean[part][row]) for part in PARTS)
+        return tuple(float(self.by_block[part][block][row]) for part in PARTS)
+
 
 def key_kinds(adapter, trace, n_prompt: int, batch: int = 0) -> list[str]:
     """One of "question", "answer", "image", "sink", "other" or "padding" per

@@ -35,7 +35,7 @@ from core.capture import Trace, capture, hooks
 from core.edits import Edit
 from core.errors import InterventionError
 from core.images import image_sha256, load_image
-from core.readout import Target, change_line
+from core.readout import AnswerEffect, Target, change_line
 
 # ---------------------------------------------------------------- answer read-outs
 
@@ -54,15 +54,18 @@ class InterventionEffect:
         label: what was edited ("L1.H2 zero", a token set's name, ...).
         edits: each :class:`Edit` as ``Edit.to_dict()``.
         original, edited: the answer numbers without and with the edits.
-        effect: ``logit_change``, ``logit_diff_change``, ``prob_change`` (edited
-            minus original) and ``flipped`` (the argmax changed).
+        effect: edited minus original (:class:`core.readout.AnswerEffect`).
     """
 
     label: str
     edits: list[dict]
     original: Target
     edited: Target
-    effect: dict
+    effect: AnswerEffect
+
+    def line(self, label: str | None = None) -> str:
+        """``label: 'blue' logit diff +3.210 -> +0.500, p 0.912 -> 0.300; predicted 'blue' -> 'red' (flipped)``."""
+        return f"{label or self.label}: {change_line(self.original, self.edited, self.effect.flipped)}"
 
     def to_dict(self) -> dict:
         return {
@@ -70,26 +73,24 @@ class InterventionEffect:
             "edits": self.edits,
             "original": self.original.to_dict(),
             "edited": self.edited.to_dict(),
-            "effect": self.effect,
+            "effect": self.effect.to_dict(),
         }
 
-
-def _effect_line(label: str, effect: InterventionEffect) -> str:
-    """``label: 'blue' logit diff +3.210 -> +0.500, p 0.912 -> 0.300; predicted 'blue' -> 'red' (flipped)``."""
-    return f"{label}: {change_line(effect.original.to_dict(), effect.edited.to_dict(), effect.effect['flipped'])}"
+    @classmethod
+    def from_dict(cls, d: dict) -> InterventionEffect:
+        return cls(
+            str(d["label"]),
+            list(d["edits"]),
+            Target.from_dict(d["original"]),
+            Target.from_dict(d["edited"]),
+            AnswerEffect.from_dict(d["effect"]),
+        )
 
 
 def effect_of(label: str, edits: Sequence[Edit], original: Target, edited: Target) -> InterventionEffect:
-    diff = None
-    if original.logit_diff is not None and edited.logit_diff is not None:
-        diff = edited.logit_diff - original.logit_diff
-    effect = {
-        "logit_change": edited.logit - original.logit,
-        "logit_diff_change": diff,
-        "prob_change": edited.prob - original.prob,
-        "flipped": edited.predicted_id != original.predicted_id,
-    }
-    return InterventionEffect(label, [e.to_dict() for e in edits], original, edited, effect)
+    return InterventionEffect(
+        label, [e.to_dict() for e in edits], original, edited, AnswerEffect.between(original, edited)
+    )
 
 
 # ---------------------------------------------------------------- audit rows
@@ -160,7 +161,7 @@ class InterventionResult:
 
     def summary(self) -> str:
         """``ablation at position 12: L1.H2 zero: 'blue' logit diff +3.210 -> +0.500; predicted ...``."""
-        rows = "; ".join(_effect_line(r.label, r) for r in self.rows) or "no edit set ran"
+        rows = "; ".join(r.line() for r in self.rows) or "no edit set ran"
         return f"{self.method} at position {self.position}: {rows}"
 
     @property
@@ -194,6 +195,24 @@ class InterventionResult:
     def audit_records(self) -> list[AuditRecord]:
         return [self.audit] if self.audit else []
 
+    def effect_rows(self) -> list[tuple[str, InterventionEffect]]:
+        """``(label, effect)`` of every edited run: one per edit set."""
+        return [(r.label, r) for r in self.rows]
+
+    def first_effect(self) -> tuple[str, InterventionEffect] | None:
+        """``(label, effect)`` of the first edit set (None when none ran): what a run list shows of it."""
+        return (self.rows[0].label, self.rows[0]) if self.rows else None
+
+    def ablated_head(self) -> tuple[int, int] | None:
+        """``(block, head)`` when the first edit set edits one head's output (``z``), as an
+        ablation of one head does; else None."""
+        edits = self.rows[0].edits if self.rows else []
+        heads = {(e.get("block"), e.get("head")) for e in edits if e.get("site") == "z" and e.get("head") is not None}
+        if len(heads) != 1:
+            return None
+        block, head = heads.pop()
+        return int(block), int(head)
+
     def to_dict(self) -> dict:
         return {
             "method": self.method,
@@ -204,6 +223,21 @@ class InterventionResult:
             "ablation": self.ablation,
             "edit_sets": self.edit_sets,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> InterventionResult:
+        """The result an intervention JSON (:meth:`to_dict`, a stored run's) describes; of
+        the caller's parameters only the ablation kind is in it."""
+        ablation = d.get("ablation")
+        return cls(
+            str(d["method"]),
+            int(d["position"]),
+            Target.from_dict(d["original"]),
+            [InterventionEffect.from_dict(r) for r in d["rows"]],
+            AuditRecord.from_dict(d["audit"]) if d.get("audit") else None,
+            dict(d["edit_sets"]),
+            {"ablation": ablation} if ablation is not None else {},
+        )
 
 
 _METHOD_NOTES = {
@@ -580,6 +614,17 @@ class VisualPatchRow:
             "reverse_matches_original": self.reverse_matches_original,
         }
 
+    @classmethod
+    def from_dict(cls, d: dict) -> VisualPatchRow:
+        return cls(
+            str(d["name"]),
+            [int(t) for t in d["tokens"]],
+            InterventionEffect.from_dict(d["forward"]),
+            InterventionEffect.from_dict(d["reverse"]) if d.get("reverse") is not None else None,
+            bool(d["forward_matches_source"]),
+            d.get("reverse_matches_original"),
+        )
+
 
 @dataclass
 class VisualPatchResult:
@@ -607,11 +652,7 @@ class VisualPatchResult:
     def summary(self) -> str:
         """``visual-feature patching at projector_out: painted region forward: 'blue' logit diff ...``."""
         where = self.site if self.layer is None else f"{self.site} block {self.layer}"
-        rows = []
-        for r in self.rows:
-            rows.append(_effect_line(f"{r.name} forward", r.forward))
-            if r.reverse is not None:
-                rows.append(_effect_line(f"{r.name} reverse", r.reverse))
+        rows = [effect.line(label) for label, effect in self.effect_rows()]
         return f"visual-feature patching at {where}: " + ("; ".join(rows) or "no token set ran")
 
     def parameters(self) -> dict:
@@ -634,6 +675,24 @@ class VisualPatchResult:
     def audit_records(self) -> list[AuditRecord]:
         return [self.audit] if self.audit else []
 
+    def effect_rows(self) -> list[tuple[str, InterventionEffect]]:
+        """``(label, effect)`` of every patched run: each token set forward, then reverse when it
+        ran (a reverse row starts from the source image's run)."""
+        rows = []
+        for r in self.rows:
+            rows.append((f"{r.name} forward", r.forward))
+            if r.reverse is not None:
+                rows.append((f"{r.name} reverse", r.reverse))
+        return rows
+
+    def first_effect(self) -> tuple[str, InterventionEffect] | None:
+        """``(label, effect)`` of the first token set's forward patch (None when none ran)."""
+        return (f"{self.rows[0].name} patched at {self.site}", self.rows[0].forward) if self.rows else None
+
+    def ablated_head(self) -> None:
+        """No head is ablated by a patch (see :meth:`InterventionResult.ablated_head`)."""
+        return None
+
     def to_dict(self) -> dict:
         return {
             "site": self.site,
@@ -646,6 +705,23 @@ class VisualPatchResult:
             "reverse": self.reverse,
             "answer_prefix_ids": list(self.answer_prefix),
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> VisualPatchResult:
+        """The result a visual-patch JSON (:meth:`to_dict`, a stored run's) describes."""
+        source_image = d.get("source_image") or {}
+        return cls(
+            str(d["site"]),
+            d.get("layer"),
+            Target.from_dict(d["original"]),
+            Target.from_dict(d["source"]),
+            [VisualPatchRow.from_dict(r) for r in d["rows"]],
+            AuditRecord.from_dict(d["audit"]) if d.get("audit") else None,
+            source_image.get("sha256"),
+            source_image.get("path"),
+            bool(d["reverse"]),
+            tuple(int(t) for t in d.get("answer_prefix_ids") or ()),
+        )
 
 
 _SITE_NOTES = {

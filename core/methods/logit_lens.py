@@ -19,17 +19,37 @@ from core.precision import accumulating
 
 @dataclass
 class LensRow:
+    """One layer of a lens read-out. ``reader`` names the tuned-lens reader that
+    made the row ("trained", "mean", "random", ...; None: the logit lens, whose
+    JSON row has no ``reader`` key)."""
+
     layer: int
     answer_rank: int  # 0 = top
     answer_logit: float
     logit_diff: float | None
     kl_to_final: float  # KL(final || lens) in nats
     top: list[tuple[str, float]]  # (token, probability)
+    reader: str | None = None
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
         d["top"] = [[t, p] for t, p in self.top]
+        if self.reader is None:
+            del d["reader"]
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LensRow:
+        """The row a :meth:`to_dict` (a stored analyze ``logit_lens`` or ``tuned_lens`` row) describes."""
+        return cls(
+            d["layer"],
+            d["answer_rank"],
+            d["answer_logit"],
+            d["logit_diff"],
+            d["kl_to_final"],
+            [(t, p) for t, p in d["top"]],
+            d.get("reader"),
+        )
 
 
 @dataclass

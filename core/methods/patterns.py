@@ -15,6 +15,7 @@ from core.audit import AuditRecord
 from core.capture import capture
 from core.geometry import region_tokens
 from core.images import load_image
+from core.readout import from_dict_fields
 
 FULL_PATTERN_LIMIT = 1024  # rollout's limit: it costs a pos^3 product per block (RolloutStream)
 
@@ -43,8 +44,18 @@ class HeadSummary:
     other_mass: dict[str, float] = field(default_factory=dict)
     visual_patch_mass_by_image: list[dict] | None = None
 
+    @property
+    def name(self) -> str:
+        """``L2.H3``: the block's name, then the head."""
+        return f"{self.block}.H{self.head}"
+
     def to_dict(self) -> dict:
         return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HeadSummary:
+        """The head a :meth:`to_dict` (a stored analyze ``attention`` row) describes."""
+        return from_dict_fields(cls, d)
 
 
 @dataclass
@@ -245,6 +256,18 @@ class TextPatterns:
         """``(queries, keys)``: one head's text-text pattern."""
         return self.patterns[block][head]
 
+    def head_pattern(self, block: int, head: int) -> HeadTextPattern | None:
+        """One head's weights, mask and hidden mass; None when ``block`` is not one
+        of these (self-attention) blocks."""
+        block, head = int(block), int(head)
+        if block not in self.patterns:
+            return None
+        return HeadTextPattern(
+            self.patterns[block][head],
+            self.allowed[block],
+            {role: v[head] for role, v in self.other_mass[block].items()},
+        )
+
     def to_dict(self) -> dict:
         """JSON-ready, without the audit row: per-block lists aligned with
         ``blocks`` (JSON object keys would turn block indices into strings)."""
@@ -263,7 +286,9 @@ class TextPatterns:
 
     @classmethod
     def from_dict(cls, d: dict) -> TextPatterns:
-        """The inverse of :meth:`to_dict` (the audit row travels apart, in the analyze JSON's ``audit``)."""
+        """The inverse of :meth:`to_dict` (the audit row travels apart, in the analyze JSON's
+        ``audit``). The weights are read in float64, which holds every JSON number as
+        written, so ``from_dict(d).to_dict() == d`` (a float32 weight is one exactly)."""
         blocks = [int(b) for b in d["blocks"]]
         return cls(
             [int(p) for p in d["positions"]],
@@ -272,14 +297,29 @@ class TextPatterns:
             blocks,
             list(d["block_names"]),
             list(d.get("skipped_blocks", [])),
-            {b: torch.tensor(p, dtype=torch.float32) for b, p in zip(blocks, d["patterns"], strict=True)},
+            {b: torch.tensor(p, dtype=torch.float64) for b, p in zip(blocks, d["patterns"], strict=True)},
             {
-                b: {r: torch.tensor(v, dtype=torch.float32) for r, v in m.items()}
+                b: {r: torch.tensor(v, dtype=torch.float64) for r, v in m.items()}
                 for b, m in zip(blocks, d["other_mass"], strict=True)
             },
             {b: torch.tensor(a, dtype=torch.bool) for b, a in zip(blocks, d["allowed"], strict=True)},
             int(d.get("n_text_dropped", 0)),
         )
+
+
+@dataclass(frozen=True)
+class HeadTextPattern:
+    """One head's text-side pattern (:meth:`TextPatterns.head_pattern`).
+
+    Attributes:
+        weights: ``(queries, keys)`` attention weights among the shown tokens.
+        allowed: ``(queries, keys)`` bool, the keys each query may attend.
+        other_mass: ``{role: (queries,)}`` the mass each query row put on keys not shown.
+    """
+
+    weights: torch.Tensor
+    allowed: torch.Tensor
+    other_mass: dict[str, torch.Tensor]
 
 
 def head_text_pattern(text: dict | None, block: int, head: int) -> dict | None:

@@ -295,6 +295,55 @@ class QkOvResult:
             [AuditRecord.from_dict(a) for a in d.get("audit", [])],
         )
 
+    @property
+    def name(self) -> str:
+        """The head as named (``L1.H2``)."""
+        return self.head["name"]
+
+    @property
+    def block_kind(self) -> str:
+        """``self`` or ``cross``: the attention the head is part of."""
+        return self.head["block_kind"]
+
+    @property
+    def block_and_head(self) -> tuple[int, int]:
+        """``(block index, head index)``."""
+        return int(self.head["block"]), int(self.head["head"])
+
+    def weight_lines(self) -> list[str]:
+        """The weight level as lines: the flag, QK and OV singular values, the copying score."""
+        w = self.weight_level
+        qk, ov = w["qk"], w["ov"]
+        lines = [
+            w["flag"],
+            f"QK {qk['form']}: singular values {', '.join(f'{s:.3g}' for s in qk['singular_values'][:5])} "
+            f"(left out: {qk['left_out']})",
+            f"OV {ov['form']}: singular values {', '.join(f'{s:.3g}' for s in ov['singular_values'][:5])}",
+        ]
+        copying = w.get("copying")
+        if copying is not None:
+            lines.append(f"copying score {copying['eigen_copying']:+.3f} over {len(copying['tokens'])} tokens")
+        else:
+            lines.append(f"copying score skipped: {w.get('copying_skipped')}")
+        return lines
+
+    def activation_lines(self) -> list[str]:
+        """The activation level as lines: the flag, the top keys, the check against the model's scores."""
+        act = self.activation_level
+        if act is None:
+            return ["no input: the weight level only"]
+        lines = [act["flag"], f"answer position {act['position']} ({act['position_scheme']}); keys: {act['keys']}"]
+        for k in act["top_keys"]:
+            lines.append(
+                f"  key {k['key']} {k['token']!r} ({k['role']}): weight {k['weight']:.3f}, score {k['score']:+.3f}"
+            )
+        agreement = act["agreement"]
+        lines.append(
+            f"against {agreement['against']}: max |score diff| {agreement['max_abs_score_difference']:.2e}, "
+            f"max |pattern diff| {agreement['max_abs_pattern_difference']:.2e}"
+        )
+        return lines
+
     def summary(self) -> str:
         w = self.weight_level
         parts = [

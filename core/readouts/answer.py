@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from core.precision import accumulating
 from core.readout import Target
 from core.readouts.base import ReadoutMethod, distribution
@@ -30,10 +32,23 @@ def target_of(adapter, logits, answer_id: int, foil_id: int | None, position: in
     )
 
 
-def target_section(target: Target, top: list[list]) -> dict:
-    """analyze's ``target`` dict: the position first, the Target's numbers, then ``top``."""
-    d = target.to_dict()
-    return {"position": d.pop("position"), **d, "top": top}
+@dataclass(frozen=True)
+class AnswerSection:
+    """analyze's ``target``: the answer position's :class:`core.readout.Target` and the
+    model's alternatives there, ``top`` ``[(token, probability), ...]`` (the first is
+    the predicted token)."""
+
+    target: Target
+    top: list[tuple[str, float]]
+
+    def to_dict(self) -> dict:
+        """The position first, the Target's numbers, then ``top`` as ``[[token, p], ...]``."""
+        d = self.target.to_dict()
+        return {"position": d.pop("position"), **d, "top": [[t, p] for t, p in self.top]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AnswerSection:
+        return cls(Target.from_dict(d), [(t, p) for t, p in d.get("top", [])])
 
 
 class AnswerReadout(ReadoutMethod):
@@ -48,18 +63,19 @@ class AnswerReadout(ReadoutMethod):
 
         target = target_of(ctx.adapter, ctx.logits, ctx.answer_id, ctx.foil_id, ctx.position)
         # the model's answer and alternatives at this position: what core.answer gives, from this forward
-        top = [[t, p] for t, p in answer_from_logits(ctx.adapter, ctx.logits, ctx.options.answer_top_k).top]
-        return target_section(target, top), None
+        top = list(answer_from_logits(ctx.adapter, ctx.logits, ctx.options.answer_top_k).top)
+        return AnswerSection(target, top), None
 
-    def audit_section(self, s, ctx):
+    def audit_section(self, section: AnswerSection, ctx):
+        target = section.target
         return {
-            "predicted_prob": s["top"][0][1],  # the top token's probability is the predicted token's
-            "answer_id": s["answer_id"],
-            "foil_id": s["foil_id"],
-            "answer_logit": s["logit"],
-            "answer_prob": s["prob"],
-            "logit_diff": s["logit_diff"],
-            "top": s["top"],
+            "predicted_prob": section.top[0][1],  # the top token's probability is the predicted token's
+            "answer_id": target.answer_id,
+            "foil_id": target.foil_id,
+            "answer_logit": target.logit,
+            "answer_prob": target.prob,
+            "logit_diff": target.logit_diff,
+            "top": [[t, p] for t, p in section.top],
         }
 
     def csv_columns(self):

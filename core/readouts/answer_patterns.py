@@ -19,4 +19,4 @@ class AnswerPatternsReadout(ReadoutMethod):
         from core.methods.answer_patterns import answer_patterns
 
         result = answer_patterns(ctx.adapter, ctx.trace, len(ctx.answer_prefix), ctx.token_strings, batch=ctx.batch)
-        return result.to_dict(), result.audit
+        return result, result.audit

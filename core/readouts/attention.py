@@ -1,9 +1,15 @@
 """The answer row's head patterns (analyze's ``attention``; the audit's
-``attention`` section with each head's mass on the target region, ``heads.csv``)."""
+``attention`` section with each head's mass on the target region, ``heads.csv``). Its
+section is one :class:`core.methods.patterns.HeadSummary` per (block, head)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from core.readouts.base import ReadoutMethod, distribution, patch_mass
+
+if TYPE_CHECKING:
+    from core.methods.patterns import HeadSummary
 
 
 def has_visual_keys(trace, block: int) -> bool:
@@ -37,27 +43,27 @@ class AttentionReadout(ReadoutMethod):
         from core.methods.patterns import summarize_heads
 
         summary = summarize_heads(ctx.adapter, ctx.trace, ctx.tokens, query_index=ctx.query_index, batch=ctx.batch)
-        return [h.to_dict() for h in summary.heads], summary.audit
+        return list(summary.heads), summary.audit
 
-    def audit_section(self, section, ctx):
+    def audit_section(self, section: list[HeadSummary], ctx):
         heads = []
         for h in section:
-            visual = has_visual_keys(ctx.trace, h["layer"])
+            visual = has_visual_keys(ctx.trace, h.layer)
             region_mass = region_hit = None
             if visual and ctx.cover is not None:  # mass weighted by each token's share inside the target mask
-                m = patch_mass(ctx.tokens, h["visual_patch_mass"], h["visual_patch_mass_by_image"], ctx.cover)
+                m = patch_mass(ctx.tokens, h.visual_patch_mass, h.visual_patch_mass_by_image, ctx.cover)
                 region_mass = m.region
                 region_hit = m.argmax in set(ctx.region or ()) if m.argmax is not None else None
             heads.append(
                 {
-                    "block": h["layer"],
-                    "head": h["head"],
-                    "name": f"{h['block']}.H{h['head']}",
-                    "visual_mass": h["visual_mass"],
-                    "sink_mass": h["bos_mass"],
-                    "other_mass": h["other_mass"],
-                    "entropy": h["entropy"],
-                    "argmax_source": h["argmax_source"],
+                    "block": h.layer,
+                    "head": h.head,
+                    "name": h.name,
+                    "visual_mass": h.visual_mass,
+                    "sink_mass": h.bos_mass,
+                    "other_mass": h.other_mass,
+                    "entropy": h.entropy,
+                    "argmax_source": h.argmax_source,
                     "has_visual_keys": visual,
                     "region_mass": region_mass,
                     "region_hit": region_hit,

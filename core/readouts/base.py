@@ -5,9 +5,11 @@ dataset audit derives its flat numbers with.
 A read-out is computed once per sample, from a :class:`SampleContext`
 (the capture, the sample's row in its batch, the visual tokens, the target
 answer and foil ids, the options), by ``run(context) -> (section,
-audit_record)``. ``section`` is the read-out's piece of the analyze JSON
-(docs/ARCHITECTURE.md, "The analyze JSON"); :func:`core.analyze.analyze`
-places it under :attr:`ReadoutMethod.analyze_key`. The dataset audit keeps
+audit_record)``. ``section`` is the read-out's piece of the analyze result, a
+typed value whose ``to_dict()`` is that piece of the analyze JSON
+(docs/ARCHITECTURE.md, "The analyze JSON"; a list of such values for the
+per-layer and per-head read-outs); :func:`core.analyze.analyze` places it under
+:attr:`ReadoutMethod.analyze_key` of the :class:`core.analyze.AnalyzeResult`. The dataset audit keeps
 :meth:`ReadoutMethod.audit_section` of it per sample (a compact form: flat
 numbers, region masses), from which its CSV columns, long tables and
 summaries are derived, so that for one sample the audit's numbers are
@@ -158,7 +160,7 @@ class ReadoutMethod:
         return None
 
     def run(self, ctx: SampleContext) -> tuple[Any, AuditRecord | None]:
-        """The sample's section (JSON-ready) and the read-out's own audit row."""
+        """The sample's section (typed: see the module docstring) and the read-out's own audit row."""
         raise NotImplementedError
 
     def run_batch(self, contexts: list[SampleContext]) -> list[tuple[Any, AuditRecord | None]]:

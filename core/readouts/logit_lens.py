@@ -1,9 +1,15 @@
 """The logit-lens read-out at the answer position (analyze's ``logit_lens``;
-the audit's ``lens`` section, ``lens.csv``)."""
+the audit's ``lens`` section, ``lens.csv``). Its section is the lens's rows,
+:class:`core.methods.logit_lens.LensRow` s, the answer position's at every layer."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from core.readouts.base import ReadoutMethod, distribution
+
+if TYPE_CHECKING:
+    from core.methods.logit_lens import LensRow
 
 
 class LensReadout(ReadoutMethod):
@@ -19,17 +25,17 @@ class LensReadout(ReadoutMethod):
         lens = logit_lens(
             ctx.adapter, ctx.trace, ctx.answer_id, ctx.foil_id, top_k=ctx.options.lens_top_k, batch=ctx.batch
         )
-        return [r.to_dict() for r in lens.rows], lens.audit
+        return list(lens.rows), lens.audit
 
-    def audit_section(self, section, ctx):
+    def audit_section(self, section: list[LensRow], ctx):
         rows = [
             {
-                "layer": r["layer"],
-                "answer_rank": r["answer_rank"],
-                "answer_logit": r["answer_logit"],
-                "logit_diff": r["logit_diff"],
-                "kl_to_final": r["kl_to_final"],
-                "top1": r["top"][0][0],
+                "layer": r.layer,
+                "answer_rank": r.answer_rank,
+                "answer_logit": r.answer_logit,
+                "logit_diff": r.logit_diff,
+                "kl_to_final": r.kl_to_final,
+                "top1": r.top[0][0],
             }
             for r in section
         ]

@@ -3,29 +3,85 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from core.readout import from_dict_fields
 from core.readouts.base import ReadoutMethod, distribution
+
+if TYPE_CHECKING:
+    from core.methods.residual import Component
 
 # The reconstruction verdict (core.methods.residual.ResidualDecomposition): the error relative
 # to |x_L|, the bound the model dtype's rounding allows, whether the error is within it.
 RECONSTRUCTION_KEYS = ("reconstruction_rel_err", "reconstruction_bound", "reconstruction_ok")
 
 
-def reconstruction_verdict(res) -> dict:
-    """``{key: value}`` of :data:`RECONSTRUCTION_KEYS` of a decomposition."""
-    return {k: getattr(res, k) for k in RECONSTRUCTION_KEYS}
+@dataclass(frozen=True)
+class ResidualSection:
+    """analyze's ``residual_decomposition``: the components of x_L at the answer
+    position (:class:`core.methods.residual.Component`, every convention) and how
+    well they sum to it. The verdict (``reconstruction_rel_err``, ``_bound``,
+    ``_ok``) is None only in a JSON written before it existed, whose document has
+    no such keys."""
 
+    reconstruction_max_abs_err: float
+    target_logit: float
+    frozen_sum_expected: float
+    components: list[Component]
+    reconstruction_rel_err: float | None = None
+    reconstruction_bound: float | None = None
+    reconstruction_ok: bool | None = None
 
-def reconstruction_line(section: dict, dtype: str | None) -> str:
-    """``reconstruction error 1.2e-03 of |x_L| (bound 3.1e-02 for bfloat16): ok``
-    from an analyze ``residual_decomposition`` section (the summary line, the DLA
-    tab); a JSON written before the verdict existed gives its max abs error alone."""
-    if "reconstruction_rel_err" not in section:
-        return f"reconstruction error {section['reconstruction_max_abs_err']:.2e}"
-    verdict = "ok" if section["reconstruction_ok"] else "NOT EXACT"
-    return (
-        f"reconstruction error {section['reconstruction_rel_err']:.2e} of |x_L| "
-        f"(bound {section['reconstruction_bound']:.2e} for {dtype or 'the model dtype'}): {verdict}"
-    )
+    @classmethod
+    def of(cls, res) -> ResidualSection:
+        """The section of a :class:`core.methods.residual.ResidualDecomposition`."""
+        return cls(
+            res.reconstruction_max_abs_err,
+            res.target_logit,
+            res.frozen_sum_expected,
+            list(res.components),
+            **{k: getattr(res, k) for k in RECONSTRUCTION_KEYS},
+        )
+
+    def to_dict(self) -> dict:
+        verdict = {k: getattr(self, k) for k in RECONSTRUCTION_KEYS} if self.reconstruction_ok is not None else {}
+        return {
+            "reconstruction_max_abs_err": self.reconstruction_max_abs_err,
+            **verdict,
+            "target_logit": self.target_logit,
+            "frozen_sum_expected": self.frozen_sum_expected,
+            "components": [c.to_dict() for c in self.components],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ResidualSection:
+        # function-local: see core.readouts
+        from core.methods.residual import Component
+
+        return cls(
+            d["reconstruction_max_abs_err"],
+            d["target_logit"],
+            d["frozen_sum_expected"],
+            [from_dict_fields(Component, c) for c in d["components"]],
+            **{k: d.get(k) for k in RECONSTRUCTION_KEYS},
+        )
+
+    def component_values(self, field: str) -> dict[str, float]:
+        """``{component name: its value under convention field}`` (``dla_frozen``, ``norm``...)."""
+        return {c.name: getattr(c, field) for c in self.components}
+
+    def reconstruction_line(self, dtype: str | None) -> str:
+        """``reconstruction error 1.2e-03 of |x_L| (bound 3.1e-02 for bfloat16): ok`` (the
+        summary line, the DLA tab); a JSON written before the verdict existed gives its max
+        abs error alone."""
+        if self.reconstruction_ok is None:
+            return f"reconstruction error {self.reconstruction_max_abs_err:.2e}"
+        verdict = "ok" if self.reconstruction_ok else "NOT EXACT"
+        return (
+            f"reconstruction error {self.reconstruction_rel_err:.2e} of |x_L| "
+            f"(bound {self.reconstruction_bound:.2e} for {dtype or 'the model dtype'}): {verdict}"
+        )
 
 
 class DlaReadout(ReadoutMethod):
@@ -40,26 +96,19 @@ class DlaReadout(ReadoutMethod):
         from core.methods.residual import decompose
 
         res = decompose(ctx.adapter, ctx.trace, ctx.answer_id, ctx.foil_id, batch=ctx.batch)
-        section = {
-            "reconstruction_max_abs_err": res.reconstruction_max_abs_err,
-            **reconstruction_verdict(res),
-            "target_logit": res.target_logit,
-            "frozen_sum_expected": res.frozen_sum_expected,
-            "components": [c.to_dict() for c in res.components],
-        }
-        return section, res.audit
+        return ResidualSection.of(res), res.audit
 
-    def audit_section(self, section, ctx):
-        comps = section["components"]
-        order = sorted(range(len(comps)), key=lambda i: (-abs(comps[i]["dla_frozen"]), i))
+    def audit_section(self, section: ResidualSection, ctx):
+        comps = section.components
+        order = sorted(range(len(comps)), key=lambda i: (-abs(comps[i].dla_frozen), i))
         return {
             "position": ctx.position,
-            "reconstruction_max_abs_err": section["reconstruction_max_abs_err"],
-            **{k: section[k] for k in RECONSTRUCTION_KEYS},
-            "target_logit": section["target_logit"],
-            "frozen_sum_expected": section["frozen_sum_expected"],
-            "top": [comps[i] for i in order[: ctx.options.dla_top_k]],
-            "dla_frozen": {c["name"]: c["dla_frozen"] for c in comps},
+            "reconstruction_max_abs_err": section.reconstruction_max_abs_err,
+            **{k: getattr(section, k) for k in RECONSTRUCTION_KEYS},
+            "target_logit": section.target_logit,
+            "frozen_sum_expected": section.frozen_sum_expected,
+            "top": [comps[i].to_dict() for i in order[: ctx.options.dla_top_k]],
+            "dla_frozen": section.component_values("dla_frozen"),
         }
 
     def csv_columns(self):

@@ -4,7 +4,33 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from core.readouts.base import ReadoutMethod, distribution, patch_mass
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """analyze's ``rollout``: the answer row's rollout mass on the visual tokens at
+    weight ``alpha``, laid out on the patch grid of image ``primary_image``
+    (``visual_patch_mass``; None: the visual tokens cover no patch), and every
+    image's grid (``visual_patch_mass_by_image``, ``[{"image", "grid"}]``) when the
+    model sees several (else None, and no such key in the JSON)."""
+
+    alpha: float
+    visual_patch_mass: list[list[float]] | None
+    primary_image: int | None
+    visual_patch_mass_by_image: list[dict] | None = None
+
+    def to_dict(self) -> dict:
+        d = {"alpha": self.alpha, "visual_patch_mass": self.visual_patch_mass, "primary_image": self.primary_image}
+        if self.visual_patch_mass_by_image is not None:
+            d["visual_patch_mass_by_image"] = self.visual_patch_mass_by_image
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RolloutSection:
+        return cls(d["alpha"], d["visual_patch_mass"], d.get("primary_image"), d.get("visual_patch_mass_by_image"))
 
 
 class RolloutReadout(ReadoutMethod):
@@ -14,8 +40,7 @@ class RolloutReadout(ReadoutMethod):
     patterns = "rollout"
 
     def run(self, ctx):
-        """``({alpha, visual_patch_mass, primary_image[, visual_patch_mass_by_image]}, audit)``,
-        or ``(None, None)`` when the capture fed no rollout stream (a long prompt)."""
+        """``(RolloutSection, audit)``, or ``(None, None)`` when the capture fed no rollout stream (a long prompt)."""
         # function-local: see core.readouts
         from core.methods.patterns import primary_image, rollout_audit, rollout_visual_mass
 
@@ -25,12 +50,10 @@ class RolloutReadout(ReadoutMethod):
         grids = rollout_visual_mass(ctx.trace, ctx.tokens, alpha, batch=ctx.batch, stream=ctx.rollout)
         primary = primary_image(ctx.tokens)
         patch_map = dict(grids)[primary].tolist() if primary is not None else None  # latents cover no patch: no map
-        section = {"alpha": alpha, "visual_patch_mass": patch_map, "primary_image": primary}
-        if len(grids) > 1:
-            section["visual_patch_mass_by_image"] = [{"image": im, "grid": g.tolist()} for im, g in grids]
-        return section, rollout_audit(alpha, "mean")
+        by_image = [{"image": im, "grid": g.tolist()} for im, g in grids] if len(grids) > 1 else None
+        return RolloutSection(alpha, patch_map, primary, by_image), rollout_audit(alpha, "mean")
 
-    def audit_section(self, section, ctx):
+    def audit_section(self, section: RolloutSection | None, ctx):
         """The mass on the patch tokens (the grid's cells, float64), on the target
         region (each token weighted by its share inside the mask) and the argmax patch."""
         # function-local: see core.readouts
@@ -39,9 +62,9 @@ class RolloutReadout(ReadoutMethod):
         alpha = ctx.options.rollout_alpha
         if section is None:
             return {"alpha": alpha, "skipped": f"prompt longer than {FULL_PATTERN_LIMIT} tokens"}
-        if section["visual_patch_mass"] is None:
+        if section.visual_patch_mass is None:
             return {"alpha": alpha, "skipped": "the visual tokens cover no patch (a resampler's latents): no patch map"}
-        m = patch_mass(ctx.tokens, section["visual_patch_mass"], section.get("visual_patch_mass_by_image"), ctx.cover)
+        m = patch_mass(ctx.tokens, section.visual_patch_mass, section.visual_patch_mass_by_image, ctx.cover)
         return {
             "alpha": alpha,
             "skipped": None,

@@ -15,7 +15,7 @@ class TextPatternsReadout(ReadoutMethod):
     patterns = "text"
 
     def run(self, ctx):
-        """:meth:`core.methods.patterns.TextPatterns.to_dict` of at most
+        """The :class:`core.methods.patterns.TextPatterns` of at most
         :data:`TEXT_PATTERN_LIMIT` text positions (those nearest the answer)
         among the rows the capture kept."""
         # function-local: see core.readouts
@@ -30,4 +30,4 @@ class TextPatternsReadout(ReadoutMethod):
             batch=ctx.batch,
             max_tokens=min(TEXT_PATTERN_LIMIT, n_text_rows),
         )
-        return text.to_dict(), text.audit
+        return text, text.audit

@@ -4,7 +4,33 @@ its baselines at the answer position, beside the logit lens. Analyze only
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from core.readouts.base import ReadoutMethod
+
+if TYPE_CHECKING:
+    from core.methods.logit_lens import LensRow
+
+
+@dataclass(frozen=True)
+class TunedLensSection:
+    """analyze's ``tuned_lens``: each reader's rows at the answer position by its
+    name ("tuned lens", "tuned lens: mean baseline", "tuned lens: random baseline";
+    :func:`core.methods.tuned_lens.tuned_lens_readers`), each row a
+    :class:`core.methods.logit_lens.LensRow` naming its ``reader``."""
+
+    readers: dict[str, list[LensRow]]
+
+    def to_dict(self) -> dict:
+        return {name: [r.to_dict() for r in rows] for name, rows in self.readers.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TunedLensSection:
+        # function-local: see core.readouts
+        from core.methods.logit_lens import LensRow
+
+        return cls({name: [LensRow.from_dict(r) for r in rows] for name, rows in d.items()})
 
 
 class TunedLensReadout(ReadoutMethod):
@@ -23,5 +49,5 @@ class TunedLensReadout(ReadoutMethod):
             return None, None
         tuned.check_model(ctx.loaded)
         tuned.to(ctx.adapter.device)  # a lens read from disk is on the CPU; the model may not be
-        section = tuned_lens_readers(tuned, ctx.adapter, ctx.trace, ctx.answer_id, ctx.foil_id, batch=ctx.batch)
-        return section, lens_audit(tuned, positions="answer")
+        readers = tuned_lens_readers(tuned, ctx.adapter, ctx.trace, ctx.answer_id, ctx.foil_id, batch=ctx.batch)
+        return TunedLensSection(readers), lens_audit(tuned, positions="answer")

@@ -10,13 +10,15 @@ audit panel shows and :mod:`core.export` writes.
 
     s = Session.open_or_create("work.vlmr")
     run_id = s.record(result, image=img)     # a Readout; one transaction: autosave
-    s.runs(); s.run(run_id).result; s.audit_table(); s.save_as("copy.vlmr"); s.close()
+    s.runs(); s.run(run_id).readout; s.audit_table(); s.save_as("copy.vlmr"); s.close()
 
 :meth:`Session.record` stores what the result says about itself
 (:class:`core.readout.Readout`: its kind, ``to_dict()``, ``summary()``,
 ``parameters()`` and ``audit_records()``); the session never guesses them
 from a result's keys. A document without a result class of its own is
-recorded as a :class:`core.readout.RecordedResult`.
+recorded as a :class:`core.readout.RecordedResult`. A run read back gives its
+result both as stored (``Run.result``, the JSON) and as its kind's class
+(``Run.readout``, :func:`core.readout.restore_result`).
 
 Durability:
 

@@ -14,12 +14,13 @@ import re
 import sqlite3
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from core.errors import ImageLoadError, ReadoutError
 from core.pairs import pairs_file
-from core.readout import jsonable
+from core.readout import Readout, ResultDocumentError, jsonable, restore_result
 
 KINDS = (
     "analyze",
@@ -119,6 +120,9 @@ class Run:
         image: the run's image (hash, path as given, size and the PNG when the
             session keeps pixels: :meth:`ImageInfo.pixels`), or None.
         mask_png: the painted mask as stored (:meth:`mask` decodes it), or None.
+        session_path: the session file it was read from (a damaged result names it).
+
+    :attr:`readout` is the result as its kind's class (the JSON ``result`` restored).
     """
 
     id: int
@@ -133,6 +137,31 @@ class Run:
     mask_id: int | None
     image: ImageInfo | None = None
     mask_png: bytes | None = field(default=None, repr=False)
+    session_path: str | Path | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def readout(self) -> Readout:
+        """The run's result as its kind's class (:func:`core.readout.restore_result`, restored
+        once): a :class:`core.analyze.AnalyzeResult`, a ``RegionCounterfactual``...
+
+        Raises:
+            DamagedRunError: the stored result does not fit its kind's class (another shape
+                or version): damaged as a run whose values the session never writes is.
+        """
+        try:
+            return restore_result(self.kind, self.result)
+        except ResultDocumentError as e:
+            raise DamagedRunError(self.session_path, self.id, str(e)) from None
+
+    @property
+    def model_spec(self) -> str | None:
+        """The spec of the model the run used (None: recorded without a model)."""
+        return self.model["spec"] if self.model else None
+
+    @property
+    def model_fingerprint(self) -> str | None:
+        """The fingerprint of the model the run used (None: not recorded)."""
+        return self.model.get("fingerprint") if self.model else None
 
     @property
     def image_path(self) -> str | None:

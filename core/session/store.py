@@ -752,7 +752,9 @@ class Session:
 
     def run(self, run_id: int) -> Run:
         """One run with its result, parameters, audit rows and model, every value
-        checked as it is read (:mod:`core.session.stored`).
+        checked as it is read (:mod:`core.session.stored`). Its result as its kind's
+        class is :attr:`Run.readout` (restored when first read: a result that does not
+        fit its class is a :class:`DamagedRunError` there).
 
         Raises:
             DamagedRunError: a value of the run is not what the session writes
@@ -807,7 +809,9 @@ class Session:
                     mask_png = stored.blob(found[0], f"the stored mask {mask_id}'s png") if found else None
             except StoredValueError as e:
                 raise DamagedRunError(self.path, rid, str(e)) from None
-            return Run(rid, kind, created, summary, params, result, audits, model, sha, mask_id, image, mask_png)
+            return Run(
+                rid, kind, created, summary, params, result, audits, model, sha, mask_id, image, mask_png, self.path
+            )
 
     def _image_row(self, sha256: str) -> ImageInfo | None:
         """The image row ``sha256``, checked; :class:`StoredValueError` names what is wrong."""

@@ -12,6 +12,16 @@ import pytest  # noqa: E402
 from PySide6.QtCore import QThreadPool  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def fresh_settings():
+    """Each test starts with no remembered models (QSettings): what one test loaded does not
+    change the dtype or device another test's picker opens with."""
+    from PySide6.QtCore import QSettings
+
+    QSettings("VLM Readout", "vlm-readout").clear()
+    yield
+
+
 @pytest.fixture(scope="session")
 def model_cache() -> dict:
     """``{ModelChoice: LoadedModel}`` shared by every window, so each model loads once per run."""

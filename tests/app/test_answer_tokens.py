@@ -116,8 +116,8 @@ def test_clicking_the_third_token_makes_every_panel_read_that_token(at_third_tok
     probs = logits.softmax(-1)
     position = inputs.input_ids.shape[1] - 1  # the last answer token given: the answer position
     analysis = window.analysis
-    assert analysis["target"]["position"] == position and analysis["target"]["answer_id"] == token_id
-    assert analysis["input"]["answer_token_ids"][:CHOSEN] == generation.token_ids[:CHOSEN]
+    assert analysis.target.position == position and analysis.target.answer_id == token_id
+    assert list(analysis.answer_text.token_ids[:CHOSEN]) == generation.token_ids[:CHOSEN]
 
     # Answer: the token's probability and the alternatives at that position
     label = window.answer_label.text()
@@ -135,10 +135,10 @@ def test_clicking_the_third_token_makes_every_panel_read_that_token(at_third_tok
     dla = window.dla_panel
     assert f"at position {position}," in dla.target_label.text() and f"answer {token!r}" in dla.target_label.text()
     assert abs(shown_number(dla.target_label.text(), "model logit") - float(logits[token_id])) <= SHOWN
-    rd = analysis["residual_decomposition"]
+    rd = analysis.residual_decomposition
     trace = core.capture(window.loaded_model(), None, "", inputs=inputs)
     tol = frozen_sum_tol(adapter, trace, position, token_id, None)  # the decomposition's own bound
-    assert abs(sum(dla.values().values()) - rd["frozen_sum_expected"]) <= tol
+    assert abs(sum(dla.values().values()) - rd.frozen_sum_expected) <= tol
 
     # Lens: the final row is the model's output at that position (rank 0: greedy chose it)
     lens = window.lens_panel
@@ -155,7 +155,7 @@ def test_clicking_the_third_token_makes_every_panel_read_that_token(at_third_tok
     n_keys = inputs.input_ids.shape[1]
     for (layer, head), cell in list(cells.items())[:: max(1, len(cells) // 4)]:
         row = trace.patterns[layer][0][head, 0].double()  # (keys,) of the one query kept: the answer row
-        assert abs(cell["visual_mass"] - float(row[visual].sum())) <= sum_tol(1.0, n_keys, torch.float32)
+        assert abs(cell.visual_mass - float(row[visual].sum())) <= sum_tol(1.0, n_keys, torch.float32)
     assert f"answer position {position} " in window.attention_panel.title.text()
 
     # Part 4: one row per answer token 0..2, the chosen one (the last) highlighted; its image mass is
@@ -165,7 +165,7 @@ def test_clicking_the_third_token_makes_every_panel_read_that_token(at_third_tok
     assert patterns.chosen_row() == CHOSEN
     assert patterns.table.item(CHOSEN, 0).font().bold() and not patterns.table.item(0, 0).font().bold()
     image_mass = float(patterns.table.item(CHOSEN, 3).text())
-    mean_visual = np.mean([c["visual_mass"] for c in cells.values()])
+    mean_visual = np.mean([c.visual_mass for c in cells.values()])
     assert abs(image_mass - mean_visual) <= SHOWN
     # a row's parts are all its weight: a float32 softmax row sums to 1 within its rounding
     assert abs(sum(patterns.values()[CHOSEN]) - 1.0) <= sum_tol(1.0, n_keys, torch.float32)
@@ -263,16 +263,16 @@ def test_a_typed_word_of_several_tokens_says_which_sub_token_is_read(qtbot, wind
 
     # Read out as typed: the first sub-token is the target, at the first answer token
     run_until_idle(qtbot, window, window.run_readout)
-    target = window.analysis["target"]
-    assert target["answer"] == first and target["answer_id"] == typed_token(adapter, word).token_ids[0]
+    target = window.analysis.target
+    assert target.answer == first and target.answer_id == typed_token(adapter, word).token_ids[0]
     assert window.target_edit.text() == word  # nothing lost
 
     # the offer: read where the word starts in the answer
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
         qtbot.mouseClick(note.button, Qt.LeftButton)
     assert window.error_label.text() == ""
-    assert window.analysis["input"]["answer_token_index"] == start
-    assert window.analysis["target"]["answer_id"] == generation.token_ids[start]
+    assert window.analysis.answer_text.index == start
+    assert window.analysis.target.answer_id == generation.token_ids[start]
     assert window.answer_panel.chosen() == start and not note.button.isVisibleTo(window)
     assert window.run_frames["attention"].header_text().endswith(f"answer token {start} {first!r}")
 

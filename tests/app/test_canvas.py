@@ -15,6 +15,7 @@ from app.panels.counterfactual_panel import CounterfactualPanel
 from app.samples import bundled_samples
 from core.geometry import VisualToken, resize_crop_boxes
 from core.methods.counterfactual import mask_from_box, occlusion_sweep, region_counterfactual
+from core.readout import restore_result
 
 SAMPLE = bundled_samples()[0]
 
@@ -583,7 +584,7 @@ def test_set_result_shows_the_numbers(panel, llava, sample_image):
 
     # the CLI JSON (a plain dict, no routing, no edited image)
     canned = {**d, "routing": None}
-    panel.set_result(canned)
+    panel.set_result(restore_result("counterfactual", canned))
     assert panel.heads_table.rowCount() == 0 and panel.rollout_value.text() == "—"
     assert "not computed" in panel.heads_title.text() and panel.edited_view.image is None
     assert table.item(1, 0).text() == f"{o['prob']:.4f}"

@@ -105,12 +105,12 @@ def test_each_view_of_a_llava_next_run_is_drawn_from_the_adapters_geometry(qtbot
     painter = window.counterfactual_panel.canvas.view_selector  # the Counterfactual tab's canvas names them too
     assert [painter.itemText(i) for i in range(painter.count())][:2] == ["base: 4x4", "high-res (2x2 tiles): 4x8"]
     # the default is the read-outs' primary (whole-image) view
-    assert canvas.view_choice() == window.analysis["rollout"]["primary_image"] == 0
+    assert canvas.view_choice() == window.analysis.rollout.primary_image == 0
     assert_drawn(canvas, tokens, [0], IMAGE_SIZE)
 
-    row = next(r for r in window.analysis["attention"] if r["visual_patch_mass_by_image"])
-    grids = {g["image"]: np.asarray(g["grid"], dtype=float) for g in row["visual_patch_mass_by_image"]}
-    assert window.attention_panel.select_head(row["layer"], row["head"])  # its map goes on the canvas
+    row = next(r for r in window.analysis.attention if r.visual_patch_mass_by_image)
+    grids = {g["image"]: np.asarray(g["grid"], dtype=float) for g in row.visual_patch_mass_by_image}
+    assert window.attention_panel.select_head(row.layer, row.head)  # its map goes on the canvas
     for choice in (1, 0):
         pick(canvas, choice)
         assert canvas.shown_image == choice
@@ -255,7 +255,7 @@ def test_a_new_familys_folder_opens_in_the_window_with_each_view_selectable(qtbo
     views = [c for c in canvas.view_selector.choices() if c != ALL_VIEWS]
     if not any(t.col >= 0 for t in tokens):  # latents: no patch, no view to draw
         assert views == [] and canvas.cells == []
-        assert window.analysis["rollout"]["visual_patch_mass"] is None
+        assert window.analysis.rollout.visual_patch_mass is None
         return
     assert views == sorted({t.image for t in tokens if t.col >= 0})
     for choice in views:

@@ -50,7 +50,7 @@ def test_open_read_out_paint_counterfactual_export_reopen(qtbot, window, tmp_pat
         assert window.run_readout()
     elapsed = time.perf_counter() - started
     assert window.last_answer is not None and window.last_answer.answer == row["answer"]
-    assert window.analysis is not None and window.analysis["target"]["answer"] == row["answer"]
+    assert window.analysis is not None and window.analysis.target.answer == row["answer"]
     assert len(window.canvas.cells) == 64  # the 8 x 8 patch grid is drawn
     assert len(window.attention_panel.cells) == 16
     assert window.session.runs("analyze")
@@ -62,7 +62,7 @@ def test_open_read_out_paint_counterfactual_export_reopen(qtbot, window, tmp_pat
     head = window.attention_panel.head_row(3, 1)
     shown = window.canvas.values[~np.isnan(window.canvas.values)]
     # the head's own weights, drawn in float32: one rounding, relative to each weight
-    want = np.sort(np.asarray(head["visual_patch_mass"]).ravel())
+    want = np.sort(np.asarray(head.visual_patch_mass).ravel())
     assert np.allclose(np.sort(shown), want, rtol=unit_roundoff(torch.float32), atol=0)
 
     # paint over the target object with the brush (one stroke per mask row band) and run the counterfactual
@@ -100,7 +100,7 @@ def test_open_read_out_paint_counterfactual_export_reopen(qtbot, window, tmp_pat
     qtbot.addWidget(other)
     try:
         assert other.open_session(session_file, mode="append")
-        assert other.analysis is not None and other.analysis["target"]["answer"] == row["answer"]
+        assert other.analysis is not None and other.analysis.target.answer == row["answer"]
         assert len(other.audit_panel.rows()) == len(rows)
     finally:
         other.close()
@@ -123,7 +123,7 @@ def test_tiled_model_readout_says_its_tokens_are_not_one_grid(qtbot, window):
         assert window.run_readout()
     assert window.analysis is not None, window.error_label.text()
     assert "views of the image" in window.canvas.note_label.text()
-    primary = window.analysis["rollout"]["primary_image"]
+    primary = window.analysis.rollout.primary_image
     assert all(c.image == primary for c in window.canvas.cells) and window.canvas.cells
 
 
@@ -154,9 +154,7 @@ def test_head_ablation_and_region_patching_from_the_counterfactual_tab(qtbot, wi
         assert window.patch_region(source.image)
     patch = window.last_intervention
     forward = patch.rows[0].forward
-    assert (
-        forward.effect["logit_change"] < 0
-    )  # the original shape lost support once its tokens came from the other scene
+    assert forward.effect.logit_change < 0  # the original shape lost support once its tokens came from the other scene
     assert {r.kind for r in window.session.runs()} >= {"analyze", "intervention"}
 
 
@@ -172,10 +170,10 @@ def test_the_lens_tab_overlays_the_committed_tuned_lens(qtbot, window):
     assert window.load_sample(bundled_samples()[0])
     with qtbot.waitSignal(window.idle, timeout=60_000):
         assert window.run_readout()
-    readers = window.analysis["tuned_lens"]
+    readers = window.analysis.tuned_lens.readers
     assert readers and any(name.startswith("tuned lens") for name in readers)
     assert set(readers) <= set(window.lens_panel.all_readers())
-    assert any(a["method"] == "tuned lens" for a in window.analysis["audit"])
+    assert any(a.method == "tuned lens" for a in window.analysis.audit)
 
 
 def test_readout_makes_one_forward_and_its_answer_is_the_models(qtbot, window, monkeypatch):

@@ -16,11 +16,11 @@ import pytest
 import core
 from app.components import RunInput, ShownRun, Workspace
 from app.components.selection import Selection, head_component, lens_component
-from app.jobs import patch_sites
 from app.samples import bundled_samples
 from core.capture import capture
 from core.methods.component_ablation import ablation_edits, parse_component
 from core.methods.interventions import patch_visual_features, run_interventions
+from core.requests.patching import patch_sites
 from tests.app.test_window import run_until_idle
 
 BLOCKS = ["L0", "L1", "L2", "L3"]  # shapes-llava's blocks, as the trace names them
@@ -142,7 +142,7 @@ def test_the_component_selected_last_is_the_one_ablated(qtbot, read_out):
     assert (row.original, row.edited, row.effect) == (want.original, want.edited, want.effect)
     assert [(e["site"], e["block"], e["head"], e["positions"]) for e in row.edits] == [("z", 0, 2, [result.position])]
     (cells,) = window.intervention_panel.results.texts()
-    assert_row_shown(cells, row.label, want.original, want.edited, want.effect["flipped"])
+    assert_row_shown(cells, row.label, want.original, want.edited, want.effect.flipped)
     recorded = window.session.run(window.session.runs("intervention")[-1].id).parameters
     assert (recorded["component"], recorded["selected_in"], recorded["ablation"]) == ("L0.H2", "dla", "zero")
     assert recorded["answer_prefix_ids"] == [] and recorded["question"] == window.question_edit.text()
@@ -173,7 +173,7 @@ def test_each_ablation_kind_is_the_engines(qtbot, read_out, kind, select, name):
     assert row.edited.logit != row.original.logit  # the edit changed something
     assert result.ablation == kind
     (cells,) = panel.results.texts()
-    assert_row_shown(cells, row.label, want.original, want.edited, want.effect["flipped"])
+    assert_row_shown(cells, row.label, want.original, want.edited, want.effect.flipped)
     parameters = result.parameters()
     if kind == "mean":
         assert parameters["n_references"] == 8 and parameters["reference_set"] == "bundled sample"

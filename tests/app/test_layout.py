@@ -7,7 +7,7 @@ these tests hold what the screenshots showed. Own file: they wait on worker
 signals (see tests/app/conftest.py).
 """
 
-import copy
+from dataclasses import replace
 
 import pytest
 from PySide6.QtCore import QPoint, QRect, Qt
@@ -135,9 +135,12 @@ def test_a_growing_header_does_not_move_the_splitter(qtbot, read_out):
     splitter = window.tabs.parentWidget()
     while not isinstance(splitter, QSplitter):
         splitter = splitter.parentWidget()
-    long = copy.deepcopy(window.analysis)
-    long["model"]["spec"] = "/home/someone/models/" + "a-very-long-model-folder-name/" * 8
-    long["target"]["answer"] = "an answer token that is long " * 4
+    shown = window.analysis
+    long = replace(
+        shown,
+        model=replace(shown.model, spec="/home/someone/models/" + "a-very-long-model-folder-name/" * 8),
+        target=replace(shown.target, answer="an answer token that is long " * 4),
+    )
     for panel in (window.attention_panel, window.dla_panel, window.lens_panel):
         show_tab(window, panel)
         before = splitter.sizes()

@@ -84,7 +84,7 @@ def test_a_bfloat16_readout_is_recorded_and_named_bfloat16(qtbot, model_cache, t
         loaded = win.model_cache[BF16]
         assert win.loaded_model() is loaded
         assert loaded.adapter.dtype_and_device() == {"dtype": "bfloat16", "device": "cpu"}
-        assert win.analysis["input"]["dtype"] == win.analysis["model"]["dtype"] == "bfloat16"
+        assert win.analysis.input.dtype == win.analysis.model.dtype == "bfloat16"
         (info,) = win.session.runs()
         run = win.session.run(info.id)
         assert run.parameters["dtype"] == "bfloat16" and run.parameters["device"] == "cpu"

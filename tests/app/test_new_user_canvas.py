@@ -18,6 +18,10 @@ from app.components.run_view import NOTHING_SHOWN
 from app.components.workspace import answer_token_label
 from app.run_frame import STALE_STYLE
 from app.samples import bundled_samples
+from core.analyze import AnalyzedModel, AnalyzeInput, AnalyzeResult
+from core.methods.patterns import HeadSummary
+from core.readout import Target
+from core.readouts.residual import ResidualSection
 from tests.app.test_canvas_views import llava_next_folder  # noqa: F401 (a fixture)
 from tests.app.test_window import run_until_idle
 
@@ -66,10 +70,11 @@ def drawn_tick_texts(axis) -> list[tuple[float, float, str]]:
 
 
 def readout(qtbot, window, spec: str) -> dict:
+    """Read out with ``spec``; the shown analysis as its JSON."""
     window.model_picker.setCurrentText(spec)
     run_until_idle(qtbot, window, window.run_readout)
     assert window.analysis is not None, window.error_label.text()
-    return window.analysis
+    return window.analysis.to_dict()
 
 
 # ----- 1. nothing on the canvas belongs to another run ------------------------------------------
@@ -217,10 +222,10 @@ def test_the_token_read_stays_visible_in_the_canvas_header_and_heatmap_label(qtb
     assert token in visible(canvas.heatmap_title), canvas.heatmap_title.shown_text()
     assert token in canvas.colorbar_label(), canvas.colorbar_label()
     # a head's map put on the canvas names the token too
-    row = window.analysis["attention"][5]
-    assert window.attention_panel.select_head(row["layer"], row["head"])
+    row = window.analysis.attention[5]
+    assert window.attention_panel.select_head(row.layer, row.head)
     settle(window)
-    assert f"{row['block']}.H{row['head']}" in canvas.heatmap_title.text()
+    assert f"{row.block}.H{row.head}" in canvas.heatmap_title.text()
     assert token in visible(canvas.heatmap_title) and token in canvas.colorbar_label()
 
     # stale: the header says so first, and still which token each input reads
@@ -252,11 +257,19 @@ def test_many_heads_are_labelled_at_a_regular_step(qtbot, window):
     """Heads that cannot all be labelled are labelled at one regular step, none overlapping."""
     panel = window.attention_panel
     show_tab(window, "Attention")
-    result = {
-        "model": {"spec": "many heads"},
-        "target": {"position": 3, "answer": "x"},
-        "attention": [{"layer": 0, "head": h, "block": "L0", "visual_mass": 0.5, "bos_mass": 0.1} for h in range(40)],
-    }
+    result = AnalyzeResult(
+        model=AnalyzedModel.from_dict({"spec": "many heads"}),
+        input=AnalyzeInput("", "", False, [], [], "", (0, 0), []),
+        target=Target("x", 0, None, None, 0.0, None, 0.0, "x", 0, position=3),
+        top=[],
+        residual_decomposition=ResidualSection(0.0, 0.0, 0.0, []),
+        logit_lens=[],
+        tuned_lens=None,
+        attention=[HeadSummary(0, h, "L0", 0.5, 0.1, 0.0, 0, []) for h in range(40)],
+        rollout=None,
+        text_patterns=None,
+        audit=[],
+    )
     panel.set_result(result)
     settle(window)
     drawn = drawn_tick_texts(panel.visual_grid.plot_item.getAxis("bottom"))

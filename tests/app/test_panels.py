@@ -1,6 +1,7 @@
 """The attention, DLA, lens and audit panels on real analyze results of both default models."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -33,7 +34,7 @@ def results(loaded):
 
 
 def blocks(result) -> list[tuple[int, str]]:
-    return sorted({(a["layer"], a["block"]) for a in result["attention"]})
+    return sorted({(a.layer, a.block) for a in result.attention})
 
 
 # ---- attention ------------------------------------------------------------
@@ -46,14 +47,14 @@ def test_attention_grids_show_visual_and_sink_mass_apart(qtbot, results, spec):
     qtbot.addWidget(panel)
     panel.set_result(result)
     names = [name for _, name in blocks(result)]
-    n_heads = result["model"]["n_heads"]
+    n_heads = result.model.n_heads
     assert panel.visual_grid.values.shape == panel.sink_grid.values.shape == (len(names), n_heads)
     assert panel.visual_grid.row_labels == names
     assert panel.visual_grid.col_labels == [f"H{h}" for h in range(n_heads)]
-    for a in result["attention"]:
-        r, c = names.index(a["block"]), a["head"]
-        assert panel.visual_grid.values[r, c] == pytest.approx(a["visual_mass"])
-        assert panel.sink_grid.values[r, c] == pytest.approx(a["bos_mass"])
+    for a in result.attention:
+        r, c = names.index(a.block), a.head
+        assert panel.visual_grid.values[r, c] == pytest.approx(a.visual_mass)
+        assert panel.sink_grid.values[r, c] == pytest.approx(a.bos_mass)
     assert spec in panel.title.text()
 
 
@@ -73,11 +74,11 @@ def test_clicking_a_cell_selects_that_head(qtbot, results, spec, row, col):
         )
     assert blocker.args == [layer, col]
     head = panel.head_row(layer, col)
-    assert head["block"] == block and head["head"] == col
+    assert head.block == block and head.head == col
     text = panel.details.text()
     assert f"{block}.H{col}" in text
-    assert f"{head['entropy']:.3f} nats" in text and "argmax" in text
-    assert np.allclose(panel.patch_map.values, np.asarray(head["visual_patch_mass"]), equal_nan=True)
+    assert f"{head.entropy:.3f} nats" in text and "argmax" in text
+    assert np.allclose(panel.patch_map.values, np.asarray(head.visual_patch_mass), equal_nan=True)
     # the sink grid selects the same way
     with qtbot.waitSignal(panel.head_selected, timeout=2000) as blocker:
         qtbot.mouseClick(panel.sink_grid.viewport(), Qt.MouseButton.LeftButton, pos=panel.sink_grid.cell_center(0, 0))
@@ -111,7 +112,7 @@ def test_attention_distribution_view(qtbot, loaded, results):
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_dla_frozen_bars_sum_to_the_expected_logit(qtbot, loaded, results, spec):
-    rd = results[spec]["residual_decomposition"]
+    rd = results[spec].to_dict()["residual_decomposition"]
     panel = DLAPanel()
     qtbot.addWidget(panel)
     panel.set_result(results[spec])
@@ -120,10 +121,10 @@ def test_dla_frozen_bars_sum_to_the_expected_logit(qtbot, loaded, results, spec)
     shown = panel.shown_values()
     assert len(shown) == len(rd["components"])
     # the decomposition's own bound (a capture of the same input gives its terms' sizes)
-    t = results[spec]["target"]
+    t = results[spec].target
     sample = bundled_samples()[0]
     trace = core.capture(loaded[spec], sample.image_path, sample.question)
-    tol = frozen_sum_tol(loaded[spec].adapter, trace, t["position"], t["answer_id"], t["foil_id"])
+    tol = frozen_sum_tol(loaded[spec].adapter, trace, t.position, t.answer_id, t.foil_id)
     assert sum(v for _, v in shown) == pytest.approx(rd["frozen_sum_expected"], abs=tol)
     assert f"{rd['frozen_sum_expected']:+.4f}" in panel.sum_label.text()
     assert f"{rd['reconstruction_max_abs_err']:.2e}" in panel.error_label.text()
@@ -140,7 +141,7 @@ def test_dla_frozen_bars_sum_to_the_expected_logit(qtbot, loaded, results, spec)
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_dla_convention_switch_reads_the_right_field(qtbot, results, spec):
-    comps = {c["name"]: c for c in results[spec]["residual_decomposition"]["components"]}
+    comps = {c.name: c.to_dict() for c in results[spec].residual_decomposition.components}
     panel = DLAPanel()
     qtbot.addWidget(panel)
     panel.set_result(results[spec])
@@ -183,14 +184,14 @@ def test_dla_head_sources_round_trip(qtbot, loaded, results):
     sample = bundled_samples()[0]
     lm = loaded["shapes-llava"]
     trace = core.capture(lm, core.load_image(sample.image_path), sample.question)
-    sc = source_contributions(lm.adapter, trace, result["target"]["answer_id"])
+    sc = source_contributions(lm.adapter, trace, result.target.answer_id)
     values = visual_token_values(result, 3, sc.dla_frozen[3][1].numpy())
-    assert values.shape == (len(result["input"]["visual_tokens"]),)
+    assert values.shape == (len(result.input.visual_tokens),)
     with qtbot.waitSignal(panel.sources_shown, timeout=2000) as blocker:
         panel.set_sources(3, 1, values)
     assert blocker.args[:2] == [3, 1]
     assert panel.source_grid.values.shape == (8, 8)
-    assert np.allclose(panel.source_grid.values, token_grid(values, result["input"]["visual_tokens"]))
+    assert np.allclose(panel.source_grid.values, token_grid(values, result.input.visual_tokens))
     assert "L3.H1" in panel.source_label.text()
 
 
@@ -203,7 +204,7 @@ def test_dla_rerun_rows(qtbot, loaded, results):
     image = core.load_image(sample.image_path)
     inputs = lm.adapter.prepare([image], [sample.question])
     trace = core.capture(lm, image, sample.question, inputs=inputs)
-    rows = compare_with_rerun(lm, trace, result["target"]["answer_id"], top=3, inputs=inputs).to_dict()["rows"]
+    rows = compare_with_rerun(lm, trace, result.target.answer_id, top=3, inputs=inputs).rows
     panel = DLAPanel()
     qtbot.addWidget(panel)
     panel.set_result(result)
@@ -213,10 +214,10 @@ def test_dla_rerun_rows(qtbot, loaded, results):
     panel.set_rerun(rows)
     assert combo_items.item(rerun_index).isEnabled()
     panel.set_convention("re-run (total removal)")
-    assert dict(panel.shown_values()) == pytest.approx({r["name"]: r["total_removal"] for r in rows})
+    assert dict(panel.shown_values()) == pytest.approx({r.name: r.total_removal for r in rows})
     assert len(panel.ghost_bars.opts["x0"]) == len(rows)  # frozen-scale outlines next to the re-run bars
     panel.set_convention("re-run (direct removal)")
-    assert dict(panel.shown_values()) == pytest.approx({r["name"]: r["direct_removal"] for r in rows})
+    assert dict(panel.shown_values()) == pytest.approx({r.name: r.direct_removal for r in rows})
     panel.set_rerun(None)
     assert panel.convention() == "frozen scale"
 
@@ -228,7 +229,7 @@ def test_dla_rerun_rows(qtbot, loaded, results):
 def test_lens_curves_have_a_point_per_layer_plus_final(qtbot, results, spec):
     result = results[spec]
     n_points = len(blocks(result)) + 1  # residual entering each block, then the final residual
-    assert len(result["logit_lens"]) == n_points
+    assert len(result.logit_lens) == n_points
     panel = LensPanel()
     qtbot.addWidget(panel)
     panel.set_result(result)
@@ -236,10 +237,10 @@ def test_lens_curves_have_a_point_per_layer_plus_final(qtbot, results, spec):
         xs, ys = panel.curves[key][LOGIT_LENS].getData()
         assert len(xs) == n_points
     _, ys = panel.curves["logit"][LOGIT_LENS].getData()
-    assert list(ys) == pytest.approx([r["answer_logit"] for r in result["logit_lens"]])  # no foil: the answer logit
+    assert list(ys) == pytest.approx([r.answer_logit for r in result.logit_lens])  # no foil: the answer logit
     assert "no foil" in panel.plots["logit"].titleLabel.text
     ranks = panel.curves["rank"][LOGIT_LENS].yData  # the data, not its log-mapped view
-    assert list(ranks) == [r["answer_rank"] + 1 for r in result["logit_lens"]]  # drawn on a log axis
+    assert list(ranks) == [r.answer_rank + 1 for r in result.logit_lens]  # drawn on a log axis
     assert panel.layer_labels(n_points)[-1] == "final"
     # axis ticks: one per point, cross-attention blocks shortened so they do not overlap
     ticks = [text for _, text in panel.plots["kl"].getAxis("bottom")._tickLevels[0]]
@@ -247,7 +248,7 @@ def test_lens_curves_have_a_point_per_layer_plus_final(qtbot, results, spec):
     cross = any(".xattn" in name for name in panel.layer_labels(n_points))
     assert ("cross-attention block of layer n" in panel.note.text()) == cross
     assert panel.table.rowCount() == n_points
-    top = result["logit_lens"][-1]["top"][0][0]
+    top = result.logit_lens[-1].top[0][0]
     assert panel.table.item(n_points - 1, 4).text().startswith(top)
 
 
@@ -258,9 +259,9 @@ def test_lens_overlays_more_readers_and_foil(qtbot, loaded, results):
     qtbot.addWidget(panel)
     panel.set_result(result)
     _, ys = panel.curves["logit"][LOGIT_LENS].getData()
-    assert list(ys) == pytest.approx([r["logit_diff"] for r in result["logit_lens"]])
-    tuned = [dict(r, kl_to_final=r["kl_to_final"] / 2) for r in result["logit_lens"]]
-    baseline = [{"layer": r["layer"], "answer_rank_mean": 3.0, "kl_bits": 1.0} for r in result["logit_lens"]]
+    assert list(ys) == pytest.approx([r.logit_diff for r in result.logit_lens])
+    tuned = [replace(r, kl_to_final=r.kl_to_final / 2) for r in result.logit_lens]
+    baseline = [{"layer": r.layer, "answer_rank_mean": 3.0, "kl_bits": 1.0} for r in result.logit_lens]
     panel.set_readers({"tuned": tuned, "mean baseline": baseline})
     assert set(panel.curves["kl"]) == {LOGIT_LENS, "tuned", "mean baseline"}
     legend = panel.legend.text()  # above the plots, in drawing order and colour
@@ -274,7 +275,7 @@ def test_lens_overlays_more_readers_and_foil(qtbot, loaded, results):
         "mean baseline",
     ]
     panel.reader_combo.setCurrentText("tuned")
-    assert panel.table.item(0, 3).text() == f"{tuned[0]['kl_to_final']:.3f}"
+    assert panel.table.item(0, 3).text() == f"{tuned[0].kl_to_final:.3f}"
     panel.set_readers(None)
     assert set(panel.curves["kl"]) == {LOGIT_LENS}
     assert "tuned" not in panel.legend.text()
@@ -291,8 +292,9 @@ def test_lens_overlays_more_readers_and_foil(qtbot, loaded, results):
 def audit_rows(results) -> list[dict]:
     rows = []
     for run, spec in enumerate(SPECS, start=1):
-        t = results[spec]["target"]
-        for a in results[spec]["audit"]:
+        doc = results[spec].to_dict()
+        t = doc["target"]
+        for a in doc["audit"]:
             rows.append(dict(a, run=run, kind=f"analyze {spec}", summary=f"answer {t['answer']!r} p={t['prob']:.3f}"))
     return rows
 
@@ -505,11 +507,11 @@ def test_lens_layer_labels_do_not_overlap(qtbot, results):
     assert panel.table.horizontalHeaderItem(4).toolTip()  # the short "top tokens (p)" explained
 
 
-def copy_with_layers(result: dict, n_points: int) -> dict:
+def copy_with_layers(result, n_points: int):
     """``result`` with its logit-lens rows repeated to ``n_points`` layers (a deep model's axis)."""
-    rows = result["logit_lens"]
-    lens = [dict(rows[i % len(rows)], layer=i) for i in range(n_points)]
-    return dict(result, logit_lens=lens, attention=[])
+    rows = result.logit_lens
+    lens = [replace(rows[i % len(rows)], layer=i) for i in range(n_points)]
+    return replace(result, logit_lens=lens, attention=[])
 
 
 def test_emptied_maps_lose_their_head_titles(qtbot, results):
@@ -529,7 +531,7 @@ def test_emptied_maps_lose_their_head_titles(qtbot, results):
     dla = DLAPanel()
     qtbot.addWidget(dla)
     dla.set_result(result)
-    dla.set_sources(1, 1, np.ones(len(result["input"]["visual_tokens"])))
+    dla.set_sources(1, 1, np.ones(len(result.input.visual_tokens)))
     assert "L1.H1" in full_title(dla.source_grid.plot_item)
     dla.set_result(result)  # a new result: its sources are not computed yet
     assert dla.source_grid.values.shape == (0, 0)
@@ -569,7 +571,8 @@ def test_dla_legend_sits_outside_the_bars(qtbot, results):
 
 def test_panel_info_lines_never_set_the_panel_width(qtbot, results):
     """Titles that carry numbers wrap; a long model spec no longer sets a panel's minimum width."""
-    long = dict(results["shapes-llava"], model={"spec": "/models/" + "a-long-folder-name/" * 12})
+    shapes = results["shapes-llava"]
+    long = replace(shapes, model=replace(shapes.model, spec="/models/" + "a-long-folder-name/" * 12))
     for panel, label in (
         (AttentionPanel(), "title"),
         (DLAPanel(), "target_label"),
@@ -578,7 +581,7 @@ def test_panel_info_lines_never_set_the_panel_width(qtbot, results):
         qtbot.addWidget(panel)
         narrow = panel.minimumSizeHint().width()
         panel.set_result(long)
-        assert getattr(panel, label).wordWrap() and long["model"]["spec"] in getattr(panel, label).text()
+        assert getattr(panel, label).wordWrap() and long.model.spec in getattr(panel, label).text()
         assert panel.minimumSizeHint().width() == narrow
 
 

@@ -66,7 +66,7 @@ def _seen(win: MainWindow) -> dict:
         "target": (win.target_edit.text(), win.foil_edit.text()),
         "answer": win.answer_label.text(),
         "answer_table": _table_texts(win.top_table),
-        "attention": {k: a["visual_mass"] for k, a in win.attention_panel.cells.items()},
+        "attention": {k: a.visual_mass for k, a in win.attention_panel.cells.items()},
         "attention_grid": np.array(win.attention_panel.visual_grid.values, copy=True),
         "dla": win.dla_panel.values(),
         "lens": _table_texts(win.lens_panel.table),
@@ -92,7 +92,7 @@ def _assert_analysis_shown(win: MainWindow, analysis: dict, head: tuple[int, int
     assert win.answer_label.text() == f"answer: {top[0][0]}  (p = {top[0][1]:.3f})"
     assert [row[0] for row in _table_texts(win.top_table)] == [t for t, _ in top]
     stored_mass = {(a["layer"], a["head"]): a["visual_mass"] for a in analysis["attention"]}
-    assert {k: a["visual_mass"] for k, a in win.attention_panel.cells.items()} == stored_mass
+    assert {k: a.visual_mass for k, a in win.attention_panel.cells.items()} == stored_mass
     field = CONVENTIONS[win.dla_panel.convention()][0]
     components = analysis["residual_decomposition"]["components"]
     assert win.dla_panel.values() == {c["name"]: float(c[field]) for c in components if c.get(field) is not None}
@@ -201,7 +201,7 @@ def test_three_runs_on_three_images_reopen_as_they_were_seen(qtbot, model_cache,
                 assert table[0][:2] == [o["predicted"], e["predicted"]]
                 assert table[1][:2] == [f"{o['prob']:.4f}", f"{e['prob']:.4f}"]
                 assert table[2][:2] == [f"{o['logit']:.4f}", f"{e['logit']:.4f}"]
-                assert second.counterfactual_panel.result["effect"] == result["effect"]
+                assert second.counterfactual_panel.result.effect.to_dict() == result["effect"]
                 mask = second.session.mask(run.mask_id)
                 assert np.array_equal(second.counterfactual_panel.mask(), mask)
             else:

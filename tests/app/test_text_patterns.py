@@ -1,6 +1,8 @@
 """The Attention panel's text-side pattern: after a read-out, clicking a head
 shows its question-token x question-token heatmap, equal to the core function's."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -52,13 +54,13 @@ def test_clicking_a_head_after_a_readout_shows_its_text_pattern(qtbot, window):
     # the same forward's weights, drawn in float32: one rounding, relative to each weight
     np.testing.assert_allclose(shown[allowed], weights[allowed], rtol=unit_roundoff(torch.float32), atol=0)
     assert np.isnan(shown[~allowed]).all()  # keys a query may not attend are left blank
-    assert f"{panel.head_row(layer, col)['block']}.H{col}" in panel.text_grid.plot_item.titleLabel.text
+    assert f"{panel.head_row(layer, col).block}.H{col}" in panel.text_grid.plot_item.titleLabel.text
     hidden = sum(expected.other_mass[layer].values())[col].numpy()  # (queries,)
     note = panel.text_note.text()
     assert "not shown" in note and "BOS" in note and "image" in note
     assert f"{labels[-1]}\u00a0{hidden[-1]:.2f}" in note  # the answer row's hidden mass
     # float32 weights: the softmax's row sum over every key, the drawn cells' and the hidden mass's sums
-    n_keys = len(window.analysis["input"]["input_ids"])
+    n_keys = len(window.analysis.input.input_ids)
     np.testing.assert_allclose(
         np.nansum(shown, 1) + hidden, 1.0, rtol=0, atol=sum_tol(1.0, 2 * n_keys + 8, torch.float32)
     )
@@ -86,17 +88,17 @@ def test_cross_attention_heads_have_no_text_pattern(qtbot, coca_result):
     panel = AttentionPanel()
     qtbot.addWidget(panel)
     panel.set_result(coca_result)
-    cross = next(a for a in coca_result["attention"] if a["block"].endswith(".xattn"))
-    panel.select_head(cross["layer"], 1)
+    cross = next(a for a in coca_result.attention if a.block.endswith(".xattn"))
+    panel.select_head(cross.layer, 1)
     assert panel.text_grid.values.size == 0
     assert "cross-attention" in panel.text_note.text()
-    text_block = coca_result["text_patterns"]["blocks"][-1]
+    text_block = coca_result.text_patterns.blocks[-1]
     panel.select_head(text_block, 1)
-    assert panel.text_grid.values.shape == (len(coca_result["text_patterns"]["tokens"]),) * 2
+    assert panel.text_grid.values.shape == (len(coca_result.text_patterns.tokens),) * 2
 
 
 def test_a_result_recorded_before_text_patterns_says_so(qtbot, coca_result):
-    old = {k: v for k, v in coca_result.items() if k != "text_patterns"}
+    old = replace(coca_result, text_patterns=None)
     panel = AttentionPanel()
     qtbot.addWidget(panel)
     panel.set_result(old)

@@ -100,4 +100,4 @@ def test_a_damaged_tuned_lens_beside_the_model_is_a_warning_not_silence(qtbot, w
     status = window.status_label.text()
     assert "warning: the tuned lens is not shown: " in status and "lens.json" in status, status
     assert window.error_label.text() == "" and window.analysis is not None
-    assert window.analysis.get("tuned_lens") is None
+    assert window.analysis.tuned_lens is None

@@ -26,7 +26,9 @@ def test_answer_rows_split_the_models_own_weights(tiny):
     loaded, image, question = tiny
     adapter = loaded.adapter
     at = AnswerText.of_text(adapter, ANSWER, 2)
-    d = analyze(loaded, image, question, answer_text=at, attention="eager")  # the weights are the eager forward's
+    d = analyze(
+        loaded, image, question, answer_text=at, attention="eager"
+    ).to_dict()  # the weights are the eager forward's
     assert d["input"]["attention"] == "eager"
     ap = d["answer_patterns"]
     inputs = adapter.prepare([image], [question], answer_prefix=at.prefix_ids)
@@ -64,7 +66,7 @@ def test_answer_rows_split_the_models_own_weights(tiny):
 
 def test_first_token_read_out_has_one_row(tiny):
     loaded, image, question = tiny
-    d = analyze(loaded, image, question)
+    d = analyze(loaded, image, question).to_dict()
     assert len(d["answer_patterns"]["rows"]) == 1
     assert d["answer_patterns"]["positions"] == [d["target"]["position"]]
 
@@ -74,7 +76,8 @@ def test_cross_attention_blocks_are_named_as_left_out():
 
     loaded = tiny_coca_float64()
     s = scenes.make_sample("heldout", 3)
-    d = analyze(loaded, Image.fromarray(s.image), s.question, answer_text=AnswerText.of_text(loaded.adapter, ANSWER, 1))
+    at = AnswerText.of_text(loaded.adapter, ANSWER, 1)
+    d = analyze(loaded, Image.fromarray(s.image), s.question, answer_text=at).to_dict()
     ap = d["answer_patterns"]
     assert ap["skipped_blocks"] and set(ap["skipped_blocks"]).isdisjoint(ap["blocks"])
     assert all(r["image_mass"] == 0.0 for r in ap["rows"])  # the image is read only through cross-attention

@@ -102,7 +102,7 @@ def assert_every_answer_token_reads_the_plain_forward(loaded, image, question: s
     foil = "yes"  # a word of every vocabulary here: the logit difference and the frozen split are checked
     for k in range(len(full.token_ids)):
         at = full.at(k)
-        d = analyze(loaded, image, question, answer_text=at, foil=foil)
+        d = analyze(loaded, image, question, answer_text=at, foil=foil).to_dict()
         assert d["target"]["position"] == n_prompt - 1 + k  # the sequence position read out
         assert d["input"]["answer_tokens"] == list(full.tokens)
         assert d["input"]["answer_token_index"] == k
@@ -130,8 +130,8 @@ def assert_every_answer_token_reads_the_plain_forward(loaded, image, question: s
 def test_the_first_token_keeps_todays_numbers(model_and_sample):
     loaded, image, question = model_and_sample
     at = AnswerText.of_text(loaded.adapter, ANSWER).at(0)
-    bare = analyze(loaded, image, question, answer=at.token)
-    forced = analyze(loaded, image, question, answer_text=at)
+    bare = analyze(loaded, image, question, answer=at.token).to_dict()
+    forced = analyze(loaded, image, question, answer_text=at).to_dict()
     forced_input = {k: v for k, v in forced["input"].items() if not k.startswith("answer_")}
     assert forced_input == bare["input"]
     assert json.dumps({k: v for k, v in forced.items() if k != "input"}) == json.dumps(
@@ -221,7 +221,7 @@ def test_audit_reads_the_answer_token_analyze_reads(tmp_path, llava_sample):
         at = None
         if "answer_text" in row:
             at = AnswerText.of_text(loaded.adapter, row["answer_text"], row["answer_token_index"])
-        ref = analyze(loaded, ds / row["image"], row["question"], foil=row["foil"], answer_text=at)
+        ref = analyze(loaded, ds / row["image"], row["question"], foil=row["foil"], answer_text=at).to_dict()
         assert rec["answer_text"] == row.get("answer_text")
         assert rec["readouts"]["answer"]["answer_logit"] == ref["target"]["logit"]  # one sample alone: the same run
         assert rec["readouts"]["answer"]["logit_diff"] == ref["target"]["logit_diff"]
@@ -232,7 +232,7 @@ def test_audit_reads_the_answer_token_analyze_reads(tmp_path, llava_sample):
     records = [json.loads(line) for line in (out2 / "samples.jsonl").read_text().splitlines()]
     at = AnswerText.of_text(loaded.adapter, ANSWER, 2)
     for row, rec in zip(rows, records):
-        ref = analyze(loaded, ds / row["image"], row["question"], foil=row["foil"], answer_text=at)
+        ref = analyze(loaded, ds / row["image"], row["question"], foil=row["foil"], answer_text=at).to_dict()
         assert rec["answer_token_index"] == 2
         # the answer method alone runs the plain forward, analyze the capture's eager one: other reduction orders
         logit = ref["target"]["logit"]
@@ -309,7 +309,7 @@ def test_a_session_records_the_answer_token(tmp_path, llava_sample):
     run_id = session.record(result, image=image, model=loaded)
     session.close()
     run = Session.open(path, read_only=True).run(run_id)
-    assert run.target["answer_token_index"] == 2 and run.target["position"] == result["target"]["position"]
+    assert run.target["answer_token_index"] == 2 and run.target["position"] == result.target.position
     assert run.parameters["answer_text"] == ANSWER
     restored = AnalyzeResult.from_dict(run.result)
     assert restored.answer_text == at and restored.summary() == result.summary()

@@ -199,12 +199,13 @@ def test_analyze_asks_for_the_rows_its_readouts_read(llava, sample, monkeypatch)
         return trace
 
     monkeypatch.setattr(pipeline, "capture", spy)
-    d = analyze(llava, sample[0], sample[1])
+    d = analyze(llava, sample[0], sample[1]).to_dict()
     inputs = llava.adapter.prepare([sample[0]], [sample[1]])
     assert seen["rows"] == pattern_rows(llava.adapter, inputs)
     assert len(seen["streams"]) == 1 and d["rollout"] is not None
     assert "attention" not in d["input"]  # the default (sdpa) is not recorded as a parameter
     eager = analyze(llava, sample[0], sample[1], attention="eager")
-    assert eager["input"]["attention"] == "eager" and eager.parameters()["attention"] == "eager"
+    assert eager.input.attention == "eager" and eager.parameters()["attention"] == "eager"
+    assert eager.to_dict()["input"]["attention"] == "eager"
     monkeypatch.setattr(pipeline, "FULL_PATTERN_LIMIT", 3)
-    assert analyze(llava, sample[0], sample[1])["rollout"] is None
+    assert analyze(llava, sample[0], sample[1]).rollout is None

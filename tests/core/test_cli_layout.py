@@ -25,6 +25,8 @@ COMMAND_NAMES = [
     "evaluate-zoo",
     "audit",
     "counterfactual",
+    "ablate",
+    "patch",
     "export",
     "train-lens",
     "eval-lens",
@@ -40,7 +42,7 @@ def _fresh(probe: str) -> subprocess.CompletedProcess:
     return r
 
 
-@pytest.mark.parametrize("command", ["export", "analyze", "answer", "evaluate-zoo"])
+@pytest.mark.parametrize("command", ["export", "analyze", "answer", "evaluate-zoo", "ablate", "patch"])
 def test_help_imports_no_torch_transformers_or_numpy(command):
     """``vlm-readout COMMAND --help`` in a fresh process (the real ``core``
     package, as the console script runs it) imports none of the heavy libraries."""
@@ -90,7 +92,7 @@ def test_every_model_command_takes_dtype_and_device():
 
     sub = build_parser()._subparsers._group_actions[0]
     model_commands = [name for name in COMMAND_NAMES if name != "export"]
-    assert len(model_commands) == 11
+    assert len(model_commands) == 13
     for name in model_commands:
         options = sub.choices[name]._option_string_actions
         assert "--device" in options, name

@@ -253,7 +253,7 @@ def test_routing_equals_manual_computation(tiny, sample):
         expected_mass += list(pat @ w)
         dla += float(sc.dla_frozen[b][:, keys].double().sum(0).numpy() @ w)
     # the same capture's numbers, weighted and summed here in another order (float64)
-    got = [x["mass"] for x in r.routing.attention_mass]
+    got = [x.mass for x in r.routing.attention_mass]
     np.testing.assert_allclose(got, expected_mass, atol=sum_tol(1.0, len(tokens), torch.float64))
     dla_terms = sum(float(d.abs().double().sum(0)[k].numpy() @ w) for d, k in zip(sc.dla_frozen, dla_keys) if len(k))
     assert r.routing.dla_through_region == pytest.approx(dla, abs=sum_tol(dla_terms, dla_count, torch.float64))

@@ -195,7 +195,7 @@ def test_per_sample_readouts_equal_analyze(coca, dataset):
     methods = parse_methods("answer,lens,attention,dla,rollout")
     one = run_shard(coca, items, methods, batch_size=1).records
     for item, rec in zip(items[:3], one):
-        ref = analyze(coca, item.image_path, item.question, answer=item.answer, foil=item.foil)
+        ref = analyze(coca, item.image_path, item.question, answer=item.answer, foil=item.foil).to_dict()
         ro = rec["readouts"]
         t = ref["target"]
         assert ro["answer"]["answer_logit"] == t["logit"]

@@ -59,7 +59,7 @@ def case(request):
 
 def test_analyze_json_is_complete_strict_and_exact(case):
     name, m, image, question = case
-    result = analyze(m, image, question)
+    result = analyze(m, image, question).to_dict()
     text = json.dumps(result, allow_nan=False)  # strict JSON: no NaN anywhere
     assert json.loads(text)["schema_version"] == 1
     for key in ("model", "input", "target", "residual_decomposition", "logit_lens", "attention", "rollout", "audit"):

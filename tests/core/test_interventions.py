@@ -135,7 +135,7 @@ def test_patch_and_reverse_symmetry(llava, pair):
         assert getattr(row.forward.edited, key) == getattr(full.source, key)
         assert getattr(row.reverse.edited, key) == getattr(full.original, key)
     for key in ("logit_change", "logit_diff_change", "prob_change"):
-        assert row.forward.effect[key] == -row.reverse.effect[key]
+        assert getattr(row.forward.effect, key) == -getattr(row.reverse.effect, key)
     assert row.forward_matches_source and row.reverse_matches_original
     tokens = region_tokens(a.visual_tokens((128, 128)), s.objects[s.target].mask, 1e-6)
     at_proj = iv.patch_visual_features(m, s.image, s.question, cf.image, site="projector_out", token_sets=[tokens])

@@ -63,16 +63,17 @@ def test_half_precision_analyze_is_finite_and_its_reconstruction_ok(half_model, 
         result = analyze(
             half_model, f"{SAMPLES}/{sample['image']}", sample["question"], answer=sample["answer"], foil=sample["foil"]
         )
-        assert _finite_numbers(dict(result)) == []
-        rd = result["residual_decomposition"]
+        doc = result.to_dict()
+        assert _finite_numbers(doc) == []
+        rd = doc["residual_decomposition"]
         # a correct half-precision run: its error is the model's rounding, within the bound
         assert rd["reconstruction_ok"] and rd["reconstruction_rel_err"] <= rd["reconstruction_bound"]
-        assert rd["reconstruction_bound"] < 30 * result.model["n_layers"] * unit_roundoff(dtype)
+        assert rd["reconstruction_bound"] < 30 * result.model.n_layers * unit_roundoff(dtype)
         assert f"for {dtype_name(dtype)}): ok" in result.summary()
         # text-side pattern rows: the float32 softmax sums to 1 to float32 rounding over its keys
         # (a half-precision softmax would miss by about 2^-9)
-        tp = result["text_patterns"]
-        n_keys = len(result["input"]["input_ids"])
+        tp = doc["text_patterns"]
+        n_keys = len(result.input.input_ids)
         for block, others in zip(tp["patterns"], tp["other_mass"], strict=True):
             for h, head in enumerate(block):
                 for q, row in enumerate(head):

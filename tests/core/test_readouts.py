@@ -53,7 +53,7 @@ def test_one_sample_through_both_drivers_gives_the_same_numbers(spec, dataset):
     items = read_dataset(dataset)
     records = run_shard(loaded, items, parse_methods(BOTH), batch_size=1).records
     for item, rec in zip(items, records, strict=True):
-        ref = analyze(loaded, item.image_path, item.question, answer=item.answer, foil=item.foil)
+        ref = analyze(loaded, item.image_path, item.question, answer=item.answer, foil=item.foil).to_dict()
         ro, t = rec["readouts"], ref["target"]
         assert rec["status"] == "ok" and rec["predicted"] == t["predicted"]
         # answer
@@ -155,11 +155,11 @@ def test_analyze_result_is_a_readout_and_reads_as_the_json(dataset):
     item = read_dataset(dataset, limit=1)[0]
     result = analyze(loaded, item.image_path, item.question, answer=item.answer, foil=item.foil, rollout_alpha=0.25)
     assert isinstance(result, Readout) and result.kind == "analyze"
-    assert isinstance(result.target, Target) and result.target.position == result["target"]["position"]
     doc = result.to_dict()
+    assert isinstance(result.target, Target) and result.target.position == doc["target"]["position"]
     text = json.dumps(doc, allow_nan=False)  # strict JSON
-    assert json.dumps(result) == text and dict(result) == doc and result == doc  # it reads as the document
-    assert result["target"]["prob"] == result.target.prob and result["target"]["top"] == result.top
+    assert not isinstance(result, dict)  # typed: the document is to_dict's, not the result itself
+    assert doc["target"]["prob"] == result.target.prob and doc["target"]["top"] == [list(t) for t in result.top]
     back = AnalyzeResult.from_dict(json.loads(text))
     assert back.to_dict() == doc and back.target == result.target and back.parameters() == result.parameters()
     assert result.parameters() == {
@@ -174,6 +174,37 @@ def test_analyze_result_is_a_readout_and_reads_as_the_json(dataset):
     assert "\n" not in line and line.startswith(f"answer {item.answer!r} p=")
     assert f"logit diff vs {item.foil!r}" in line and "most visual head L" in line
     assert "largest frozen-scale DLA" in line and "reconstruction error" in line
+
+
+def test_the_read_outs_give_typed_sections_and_a_restored_result_reads_alike(dataset):
+    """Each section is its read-out's class, not a dict; the result a stored JSON restores
+    (``from_dict``) holds the same typed values as the live one, which the app draws alike."""
+    from core.methods.answer_patterns import AnswerPatterns
+    from core.methods.logit_lens import LensRow
+    from core.methods.patterns import HeadSummary, TextPatterns
+    from core.readouts.residual import ResidualSection
+    from core.readouts.rollout import RolloutSection
+
+    loaded = load_model("shapes-coca")
+    item = read_dataset(dataset, limit=1)[0]
+    result = analyze(loaded, item.image_path, item.question, answer=item.answer, foil=item.foil)
+    assert isinstance(result.residual_decomposition, ResidualSection)
+    assert result.logit_lens and all(isinstance(r, LensRow) and r.reader is None for r in result.logit_lens)
+    assert result.attention and all(isinstance(h, HeadSummary) for h in result.attention)
+    assert isinstance(result.rollout, RolloutSection) and isinstance(result.text_patterns, TextPatterns)
+    assert isinstance(result.answer_patterns, AnswerPatterns) and result.tuned_lens is None
+    back = AnalyzeResult.from_dict(json.loads(json.dumps(result.to_dict())))
+    assert back.model == result.model and back.input == result.input and back.target == result.target
+    assert back.attention == result.attention and back.logit_lens == result.logit_lens
+    assert back.residual_decomposition == result.residual_decomposition and back.rollout == result.rollout
+    assert back.block_names == result.block_names == {h.layer: h.block for h in result.attention}
+    head = result.attention[-1]
+    assert result.head(head.layer, head.head) is head and result.head(99, 0) is None
+    # a section's mistakes are named: a stored document without a part it needs does not restore
+    doc = result.to_dict()
+    del doc["residual_decomposition"]
+    with pytest.raises(KeyError, match="residual_decomposition"):
+        AnalyzeResult.from_dict(doc)
 
 
 def test_one_escaping_for_every_audit_table():

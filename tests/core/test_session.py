@@ -90,10 +90,10 @@ def test_analyze_result_round_trips_identically(tmp_path, llava, analyzed):
         assert s.check() == "ok"
         (info,) = s.runs()
         assert info.id == rid and info.kind == "analyze" and info.model == "shapes-llava"
-        assert info.n_audits == len(analyzed["audit"])
+        assert info.n_audits == len(analyzed.audit)
         run = s.run(rid)
-        assert json.dumps(run.result) == json.dumps(analyzed)  # same JSON, same key order
-        assert run.audits == analyzed["audit"]
+        assert json.dumps(run.result) == json.dumps(analyzed.to_dict())  # same JSON, same key order
+        assert run.audits == analyzed.to_dict()["audit"]
         assert run.parameters == {
             "question": QUESTION,
             "answer": "square",
@@ -106,7 +106,7 @@ def test_analyze_result_round_trips_identically(tmp_path, llava, analyzed):
         assert run.model["spec"] == "shapes-llava" and run.model["fingerprint"] == llava.fingerprint
         assert run.model["family"] == "llava" and len(s.models()) == 1  # the create-time spec took the fingerprint
         img = s.image(run.image_sha256)
-        assert run.image_sha256 == analyzed["input"]["image_sha256"]
+        assert run.image_sha256 == analyzed.input.image_sha256
         assert img.path == str(IMAGE) and img.size == (128, 128)
         assert np.array_equal(np.asarray(img.pixels()), np.asarray(load_image(IMAGE)))
 
@@ -123,8 +123,8 @@ def test_audit_table_columns_and_rows(session, analyzed):
     c = session.record(RecordedResult("note", {"text": "looked at L1.H1"}, parameters={"who": "me"}))
     table = session.audit_table()
     assert tuple(table[0]) == AUDIT_COLUMNS and set(CHAPTER_COLUMNS) == set(METHOD_COLUMNS)
-    assert [r["run_id"] for r in table] == [a] * len(analyzed["audit"]) + [b, c]
-    assert [r["method"] for r in table[: len(analyzed["audit"])]] == [x["method"] for x in analyzed["audit"]]
+    assert [r["run_id"] for r in table] == [a] * len(analyzed.audit) + [b, c]
+    assert [r["method"] for r in table[: len(analyzed.audit)]] == [x.method for x in analyzed.audit]
     row = table[-2]
     assert row["kind"] == "counterfactual" and row["method"] == "region counterfactual"
     assert row["controls"] == ["matched-area control"] and row["parameters"] == {"fill": "mean"}
@@ -197,7 +197,9 @@ def test_every_export_format(tmp_path, session, analyzed, llava):
 
     doc = audit_json(session)
     assert doc["schema_version"] == 1 and doc["columns"] == list(AUDIT_COLUMNS)
-    assert doc["runs"][0]["result"] == json.loads(json.dumps(analyzed)) and len(doc["audit_table"]) == len(rows)
+    assert doc["runs"][0]["result"] == json.loads(json.dumps(analyzed.to_dict())) and len(doc["audit_table"]) == len(
+        rows
+    )
     assert doc["session"]["models"][0]["fingerprint"] == llava.fingerprint
 
     names = [f.name for f in run_figures(session, 1)]
@@ -219,7 +221,7 @@ def test_text_pattern_figure_draws_the_heads_own_matrix(analyzed):
     cells are grey, and the tokens label the rows (the answer position last)."""
     from core.export import _MISSING, _VIRIDIS, _lerp, _matrix_origin, _text_pattern, token_matrix_png
 
-    text = analyzed["text_patterns"]
+    text = analyzed.to_dict()["text_patterns"]
     block, head = text["blocks"][-1], 1
     found = _text_pattern(text, {"block": text["block_names"][-1], "layer": block, "head": head})
     assert found is not None
@@ -228,7 +230,7 @@ def test_text_pattern_figure_draws_the_heads_own_matrix(analyzed):
     outside = [sum(v[head][q] for v in text["other_mass"][-1].values()) for q in range(len(matrix))]
     sums = np.asarray(matrix).sum(1) + np.asarray(outside)
     # float32 weights: the softmax's row sum over every key, then the sums here
-    one = sum_tol(1.0, 2 * len(analyzed["input"]["input_ids"]) + 8, torch.float32)
+    one = sum_tol(1.0, 2 * len(analyzed.input.input_ids) + 8, torch.float32)
     assert np.allclose(sums, 1.0, rtol=0, atol=one) and 0 <= other <= 1 + one
 
     cell = 18
@@ -401,13 +403,13 @@ def test_cli_session_runs_land_in_one_exported_table(tmp_path, llava, monkeypatc
 def test_a_run_records_the_dtype_and_device_it_ran_in(session, llava, analyzed):
     """The analyze result states them in its input and model blocks; the run's parameters hold
     them (from the loaded model), and so every audit row's specification and run_parameters."""
-    assert analyzed["input"]["dtype"] == analyzed["model"]["dtype"] == "float32"
-    assert analyzed["input"]["device"] == analyzed["model"]["device"] == "cpu"
+    assert analyzed.input.dtype == analyzed.model.dtype == "float32"
+    assert analyzed.input.device == analyzed.model.device == "cpu"
     rid = session.record(analyzed, image=IMAGE, model=llava)
     run = session.run(rid)
     assert run.parameters["dtype"] == "float32" and run.parameters["device"] == "cpu"
     rows = [r for r in session.audit_table() if r["run_id"] == rid]
-    assert len(rows) == len(analyzed["audit"]) > 0
+    assert len(rows) == len(analyzed.audit) > 0
     for row in rows:
         assert "dtype=float32" in row["specification"].split("; ")
         assert "device=cpu" in row["specification"].split("; ")

@@ -126,9 +126,9 @@ def test_analyze_of_a_long_prompt_keeps_the_text_rows(monkeypatch):
     text patterns and the answer row's summary are the same as with every row."""
     llava = load_model("shapes-llava")
     s = scenes.make_sample("heldout", 7)
-    full = analyze_module.analyze(llava, s.image, s.question)
+    full = analyze_module.analyze(llava, s.image, s.question).to_dict()
     monkeypatch.setattr(pipeline, "FULL_PATTERN_LIMIT", 0)
-    long = analyze_module.analyze(llava, s.image, s.question)
+    long = analyze_module.analyze(llava, s.image, s.question).to_dict()
     assert long["rollout"] is None and full["rollout"] is not None
     a, b = full["text_patterns"], long["text_patterns"]
     assert a["positions"] == b["positions"] and a["tokens"] == b["tokens"]

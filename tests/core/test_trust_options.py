@@ -322,7 +322,7 @@ def test_an_answer_of_several_tokens_reads_its_first_as_the_app_does(capsys, cac
     """One rule for a typed answer (core.answer_text.typed_token), the command
     line's and the app's Target field's: several tokens read the first, said in
     one warning line (was: refused here, read there)."""
-    from app.jobs import engine_tokens
+    from core.requests import AskedRequest  # the app's fields go through the same request
 
     argv = _analyze(tmp_path, "--answer", "blue square")
     if command == "counterfactual":
@@ -334,7 +334,8 @@ def test_an_answer_of_several_tokens_reads_its_first_as_the_app_does(capsys, cac
     doc = json.loads((tmp_path / "out.json").read_text())
     adapter = load_model("shapes-llava").adapter
     read = doc["target"]["answer_id"] if command == "analyze" else doc["original"]["answer_id"]
-    assert read == engine_tokens(adapter, "blue square", "")["answer"] == adapter.token_id("blue")
+    typed = AskedRequest(image=None, question="", answer="blue square").tokens(adapter)["answer"]
+    assert read == typed == adapter.token_id("blue")
 
 
 def test_a_token_index_outside_the_answer_names_both_options(capsys, cached_load, tmp_path):

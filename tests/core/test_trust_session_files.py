@@ -24,7 +24,7 @@ import core.cli
 from core.cli import main
 from core.readout import RecordedResult
 from core.session import Session, SessionError, check_session_file, record_into
-from tests.core.test_trust_sessions import IMAGE, SWEEP
+from tests.core.test_trust_sessions import IMAGE, PAINTED, SWEEP
 
 FORMATS = ("csv", "md", "json", "html", "png")
 NOTE_AUDIT = {
@@ -46,7 +46,7 @@ def _session(path: Path) -> Path:
     mask[10:40, 20:60] = True
     with Session.create(path, "shapes-llava") as s:
         s.record(RecordedResult("sweep", SWEEP, "a 2x2 sweep"), image=IMAGE)
-        s.record(RecordedResult("counterfactual", {"fill": "mean"}, "painted"), image=IMAGE, mask=mask)
+        s.record(RecordedResult("counterfactual", PAINTED, "painted"), image=IMAGE, mask=mask)
         s.record(RecordedResult("note", {"text": "hi"}, "a note", {"question": "q?"}, [NOTE_AUDIT]))
     return path
 

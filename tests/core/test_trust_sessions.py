@@ -15,23 +15,32 @@ import pytest
 
 import core.cli
 from core.cli import main
+from core.methods.counterfactual import Fill, OcclusionMap, RegionCounterfactual
 from core.models.loading import resources_dir
-from core.readout import RecordedResult
+from core.readout import AnswerEffect, RecordedResult, Target
 from core.session import Session, SessionError, check_session_file
 from tests.core.test_session import _v1_session
 from tests.core.test_trust_cli import BITS_DENY
 
 IMAGE = resources_dir() / "samples" / "sample_00.png"  # 128 x 128
-SWEEP = {
-    "sweep": {
-        "k": 1,
-        "fill": "mean",
-        "logit_change": [[0.1, -0.5], [0.2, 0.0]],
-        "logit_diff_change": None,
-        "flipped": [[False, True], [False, False]],
-        "grid_shape": [2, 2],
-    }
-}
+# Stored results of a sweep and a counterfactual, made without a model (a sweep's JSON as
+# OcclusionMap writes it, a counterfactual's as RegionCounterfactual does: Run.readout restores them)
+_BEFORE = Target("square", 5, None, None, 2.0, None, 0.9, "square", 5)
+_AFTER = Target("square", 5, None, None, 1.5, None, 0.6, "circle", 6)
+SWEEP = OcclusionMap(
+    1,
+    Fill("mean"),
+    (128, 128),
+    _BEFORE,
+    None,
+    np.array([[0.1, -0.5], [0.2, 0.0]]),
+    np.zeros((2, 2)),
+    np.array([[False, True], [False, False]]),
+    [],
+).to_dict()
+PAINTED = RegionCounterfactual(
+    Fill("mean"), 1200, _BEFORE, _AFTER, AnswerEffect.between(_BEFORE, _AFTER), None
+).to_dict()
 
 
 def _session_with_pictures(path: Path) -> Path:
@@ -41,7 +50,7 @@ def _session_with_pictures(path: Path) -> Path:
     mask[10:40, 20:60] = True
     with Session.create(path, "shapes-llava") as s:
         s.record(RecordedResult("sweep", SWEEP, "a 2x2 sweep"), image=IMAGE)
-        s.record(RecordedResult("counterfactual", {"fill": "mean"}, "painted"), image=IMAGE, mask=mask)
+        s.record(RecordedResult("counterfactual", PAINTED, "painted"), image=IMAGE, mask=mask)
     return path
 
 

@@ -350,7 +350,7 @@ def test_analyze_overlays_the_tuned_lens_in_its_own_capture(committed):
     from core.analyze import analyze
 
     s = scenes.make_sample("heldout", 7)
-    result = analyze(loaded, s.image, s.question, foil=s.foil, tuned=lens)
+    result = analyze(loaded, s.image, s.question, foil=s.foil, tuned=lens).to_dict()
     t = result["target"]
     rows = result["tuned_lens"]["tuned lens"]
     assert [r["layer"] for r in rows] == [r["layer"] for r in result["logit_lens"]]
@@ -372,6 +372,10 @@ def test_analyze_overlays_the_tuned_lens_in_its_own_capture(committed):
     assert rows[1]["answer_logit"] != pytest.approx(result["logit_lens"][1]["answer_logit"], abs=1e-3)  # it moved
     assert len(result["tuned_lens"]["tuned lens: random baseline"]) == len(rows) - 1
     assert any(a["method"] == "tuned lens" for a in result["audit"])
+    from core.analyze import AnalyzeResult
+
+    back = AnalyzeResult.from_dict(result)  # the typed readers hold every row, their reader named
+    assert back.to_dict() == result and {r.reader for r in back.tuned_lens.readers["tuned lens"]} == {"trained"}
 
 
 def test_the_lens_reads_through_a_post_ln_head(tmp_path):

@@ -45,6 +45,7 @@ from core.methods.counterfactual.effect import (
     TOKEN_WEIGHT,
     AnswerEffect,
     Cancel,
+    HeadMass,
     Progress,
     RegionAgreement,
     RegionCounterfactual,
@@ -63,6 +64,7 @@ from core.methods.counterfactual.effect import (
 )
 from core.methods.counterfactual.fills import (
     FILLS,
+    IN_MEMORY_SOURCE,
     Fill,
     as_fill,
     fill_region,
@@ -107,6 +109,7 @@ __all__ = [
     "gaussian_blur",
     "harmonic_inpaint",
     "Fill",
+    "IN_MEMORY_SOURCE",
     "mean_color",
     "as_fill",
     "fill_region",
@@ -118,6 +121,7 @@ __all__ = [
     "overlap_weights",
     "TokenRouting",
     "RegionRouting",
+    "HeadMass",
     "token_routing",
     "counterfactual_audit",
     "RegionCounterfactual",

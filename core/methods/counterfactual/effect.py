@@ -1,6 +1,6 @@
 """The counterfactual and its read-outs: the answer numbers of an image
 (a :class:`core.readout.Target`) and the effect of an edit on them
-(:class:`AnswerEffect`), the routing read-outs of a region from one capture
+(:class:`core.readout.AnswerEffect`), the routing read-outs of a region from one capture
 of the original (:class:`TokenRouting`, :class:`RegionRouting`), one region
 filled (:func:`region_counterfactual`), and many regions set against their
 routing (:func:`region_agreement`, with :func:`core.stats.pearson` and
@@ -25,7 +25,7 @@ from core.methods.contributions import source_contributions
 from core.methods.counterfactual.fills import Fill, as_fill
 from core.methods.counterfactual.regions import RegionError, check_mask
 from core.methods.patterns import FULL_PATTERN_LIMIT, RolloutStream, rollout_audit
-from core.readout import Target, change_line
+from core.readout import AnswerEffect, Target, change_line, from_dict_fields
 from core.stats import pearson, ranks, spearman
 
 SCHEMA_VERSION = 1
@@ -37,28 +37,16 @@ DLA_CONVENTION = (
 
 Progress = Callable[[int, int, str], None] | None
 Cancel = Callable[[], bool] | None
+# What the command line writes after a fill run's JSON (the model; the image, mask and paste files)
+HEADER = ("model", "input")
+
+
+def header_of(result) -> dict:
+    """The :data:`HEADER` fields ``result`` holds (a result read back from the command's JSON)."""
+    return {k: getattr(result, k) for k in HEADER if getattr(result, k) is not None}
 
 
 # ---------------------------------------------------------------- answer numbers
-
-
-@dataclass
-class AnswerEffect:
-    """Edited minus original. ``flipped``: the argmax token changed."""
-
-    logit_change: float
-    logit_diff_change: float | None
-    prob_change: float
-    flipped: bool
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-    @property
-    def drop(self) -> float:
-        """The decrease of the target score (logit difference with a foil, else the
-        answer logit): positive when the edit hurt the answer."""
-        return -(self.logit_diff_change if self.logit_diff_change is not None else self.logit_change)
 
 
 def answer_numbers(adapter, logits: torch.Tensor, answer_id: int, foil_id: int | None) -> Target:
@@ -67,12 +55,8 @@ def answer_numbers(adapter, logits: torch.Tensor, answer_id: int, foil_id: int |
 
 
 def answer_effect(original: Target, edited: Target) -> AnswerEffect:
-    return AnswerEffect(
-        edited.logit - original.logit,
-        edited.logit_diff - original.logit_diff if original.logit_diff is not None else None,
-        edited.prob - original.prob,
-        edited.predicted_id != original.predicted_id,
-    )
+    """``edited`` minus ``original`` (:meth:`core.readout.AnswerEffect.between`)."""
+    return AnswerEffect.between(original, edited)
 
 
 def resolve_tokens(adapter, answer: str | int | None, foil: str | int | None, logits: torch.Tensor):
@@ -175,7 +159,7 @@ class TokenRouting:
         w = overlap_weights(self.tokens, mask)
         mass = self.attention @ w
         return RegionRouting(
-            [{"layer": b, "block": name, "head": h, "mass": float(v)} for (b, name, h), v in zip(self.heads, mass)],
+            [HeadMass(b, name, h, float(v)) for (b, name, h), v in zip(self.heads, mass)],
             float(self.rollout @ w) if self.rollout is not None else None,
             float(self.dla.sum(0) @ w),
             [{"block": b, "dla": float(v)} for b, v in enumerate(self.dla @ w) if self.dla[b].any()],
@@ -184,13 +168,35 @@ class TokenRouting:
         )
 
 
+@dataclass(frozen=True)
+class HeadMass:
+    """One head's attention mass on a region: ``sum_t A[answer, t] * weight_t`` over
+    the visual tokens (``layer``: the block's index, ``block`` its name)."""
+
+    layer: int
+    block: str
+    head: int
+    mass: float
+
+    @property
+    def name(self) -> str:
+        """``L1.H2``: the head as the tables name it."""
+        return f"L{self.layer}.H{self.head}"
+
+    def to_dict(self) -> dict:
+        return {"layer": self.layer, "block": self.block, "head": self.head, "mass": self.mass}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HeadMass:
+        return from_dict_fields(cls, d)
+
+
 @dataclass
 class RegionRouting:
     """Routing read-outs for one region (what attention shows; not the effect).
 
     Attributes:
-        attention_mass: per head with visual keys, ``{"layer", "block", "head", "mass"}``:
-            ``sum_t A[answer, t] * weight_t`` over the visual tokens.
+        attention_mass: per head with visual keys, its :class:`HeadMass`.
         rollout_mass: ``sum_t R[answer, t] * weight_t`` (None: no full patterns).
         dla_through_region: frozen-scale DLA through the region's tokens
             (:data:`DLA_CONVENTION`).
@@ -198,7 +204,7 @@ class RegionRouting:
         token_weights: ``{"index", "weight"}`` of every token the region touches.
     """
 
-    attention_mass: list[dict]
+    attention_mass: list[HeadMass]
     rollout_mass: float | None
     dla_through_region: float
     dla_by_block: list[dict]
@@ -208,11 +214,15 @@ class RegionRouting:
     @property
     def mean_attention_mass(self) -> float:
         """The region's attention mass averaged over every head with visual keys."""
-        return float(np.mean([r["mass"] for r in self.attention_mass])) if self.attention_mass else float("nan")
+        return float(np.mean([r.mass for r in self.attention_mass])) if self.attention_mass else float("nan")
+
+    def top_heads(self, k: int) -> list[HeadMass]:
+        """The ``k`` heads with the most mass on the region, most first."""
+        return sorted(self.attention_mass, key=lambda h: -h.mass)[:k]
 
     def to_dict(self) -> dict:
         return {
-            "attention_mass": self.attention_mass,
+            "attention_mass": [h.to_dict() for h in self.attention_mass],
             "rollout_mass": self.rollout_mass,
             "rollout_alpha": self.rollout_alpha,
             "dla_through_region": self.dla_through_region,
@@ -221,6 +231,18 @@ class RegionRouting:
             "token_weight": TOKEN_WEIGHT,
             "token_weights": self.token_weights,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RegionRouting:
+        """The inverse of :meth:`to_dict` (its convention texts are this version's)."""
+        return cls(
+            [HeadMass.from_dict(h) for h in d["attention_mass"]],
+            d["rollout_mass"],
+            d["dla_through_region"],
+            list(d["dla_by_block"]),
+            list(d["token_weights"]),
+            d["rollout_alpha"],
+        )
 
 
 @torch.no_grad()
@@ -337,7 +359,11 @@ def fill_run_parameters(original: Target, fill: Fill, answer_prefix: Sequence[in
 
 @dataclass
 class RegionCounterfactual:
-    """One region, one fill: the answer effect with the routing read-outs beside it."""
+    """One region, one fill: the answer effect with the routing read-outs beside it.
+
+    ``model`` and ``input``: the header ``vlm-readout counterfactual`` writes after the
+    result (the model, the image and mask files), kept when a stored JSON has it (:data:`HEADER`).
+    """
 
     fill: Fill
     mask_area_px: int
@@ -348,6 +374,8 @@ class RegionCounterfactual:
     audit: list[AuditRecord] = field(default_factory=list, repr=False)
     edited_image: np.ndarray | None = field(default=None, repr=False)
     answer_prefix: tuple[int, ...] = ()
+    model: dict | None = None
+    input: dict | None = None
 
     kind = "counterfactual"  # the session's run kind (core.readout.Readout)
 
@@ -383,7 +411,26 @@ class RegionCounterfactual:
             "effect": self.effect.to_dict(),
             "routing": self.routing.to_dict() if self.routing is not None else None,
             "audit": [a.to_dict() for a in self.audit],
+            **header_of(self),
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RegionCounterfactual:
+        """The result a ``counterfactual`` JSON (:meth:`to_dict`, a stored run's) describes;
+        the edited image is not in it (None)."""
+        return cls(
+            Fill.recorded(d["fill"], d["fill_parameters"]),
+            int(d["mask_area_px"]),
+            Target.from_dict(d["original"]),
+            Target.from_dict(d["edited"]),
+            AnswerEffect.from_dict(d["effect"]),
+            RegionRouting.from_dict(d["routing"]) if d.get("routing") is not None else None,
+            [AuditRecord.from_dict(a) for a in d.get("audit") or []],
+            None,
+            tuple(int(t) for t in d.get("answer_prefix_ids") or ()),
+            d.get("model"),
+            d.get("input"),
+        )
 
 
 @torch.no_grad()
@@ -563,7 +610,7 @@ def region_agreement(
                     name,
                     int(m.sum()),
                     r.mean_attention_mass,
-                    max((x["mass"] for x in r.attention_mass), default=float("nan")),
+                    max((x.mass for x in r.attention_mass), default=float("nan")),
                     r.rollout_mass,
                     r.dla_through_region,
                     eff,

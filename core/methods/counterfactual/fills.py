@@ -19,6 +19,7 @@ from core.images import image_sha256, load_image
 from core.methods.counterfactual.regions import RegionError, check_mask
 
 FILLS = ("mean", "constant", "blur", "noise", "inpaint", "paste")
+IN_MEMORY_SOURCE = "in-memory image"  # what a paste fill records of a source that was no file
 
 
 def _as_array(image) -> np.ndarray:
@@ -160,11 +161,45 @@ class Fill:
         if self.kind == "paste":
             src = self.paste_from
             return {
-                "source": str(src) if isinstance(src, (str, Path)) else "in-memory image",
+                "source": str(src) if isinstance(src, (str, Path)) else IN_MEMORY_SOURCE,
                 "source_sha256": self.source_sha256,
                 "resize": "bilinear",
             }
         return {"color": "the image's mean colour (per channel, rounded)"}
+
+    @classmethod
+    def recorded(cls, kind: str, parameters: dict) -> Fill:
+        """The fill a recorded run names by its ``fill`` and ``fill_parameters``
+        (:meth:`parameters`): the colour, the sigma, the seed, a paste's source as
+        recorded (a path, or :data:`IN_MEMORY_SOURCE`) with its recorded hash (the
+        source is not read again: :attr:`has_source_file` says whether it can be)."""
+        if kind == "constant":
+            fill = cls(kind, color=tuple(int(v) for v in parameters["color"]))
+        elif kind == "blur":
+            fill = cls(kind, radius=float(parameters["sigma_px"]))
+        elif kind == "noise":
+            fill = cls(kind, seed=int(parameters["seed"]))
+        elif kind == "paste":
+            fill = cls(kind, paste_from=str(parameters["source"]))
+            fill.__dict__["source_sha256"] = parameters.get("source_sha256")  # as recorded: cached_property's slot
+        else:
+            fill = cls(kind)
+        return fill
+
+    def describe(self) -> str:
+        """``blur (sigma 2 px)``: the fill and the option that makes it this one."""
+        option = {
+            "constant": f"colour {', '.join(str(int(v)) for v in self.color)}",
+            "blur": f"sigma {self.radius:g} px",
+            "noise": f"seed {self.seed}",
+            "paste": f"from {self.paste_from}" if isinstance(self.paste_from, (str, Path)) else "from pixels",
+        }.get(self.kind)
+        return f"{self.kind} ({option})" if option else self.kind
+
+    @property
+    def has_source_file(self) -> bool:
+        """A paste fill whose source is a file (not pixels that had none)."""
+        return self.kind == "paste" and self.paste_from != IN_MEMORY_SOURCE
 
     @cached_property
     def source_sha256(self) -> str | None:

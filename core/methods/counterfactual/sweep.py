@@ -16,6 +16,7 @@ from PIL import Image
 
 from core.audit import AuditRecord
 from core.errors import InterventionError, oom_guard
+from core.geometry import VisualToken
 from core.images import load_image
 from core.methods.counterfactual.effect import (
     SCHEMA_VERSION,
@@ -24,6 +25,7 @@ from core.methods.counterfactual.effect import (
     answer_numbers,
     counterfactual_audit,
     fill_run_parameters,
+    header_of,
     resolve_tokens,
 )
 from core.methods.counterfactual.fills import Fill, as_fill
@@ -103,7 +105,7 @@ class OcclusionMap:
 
     k: int
     fill: Fill
-    image_size: tuple[int, int]
+    image_size: tuple[int, int] | None  # None: restored from a JSON that does not state it
     original: Target
     logit_diff_change: np.ndarray | None
     logit_change: np.ndarray
@@ -113,6 +115,9 @@ class OcclusionMap:
     complete: bool = True
     audit: list[AuditRecord] = field(default_factory=list, repr=False)
     answer_prefix: tuple[int, ...] = ()
+    model: dict | None = None  # the command's header (core.methods.counterfactual.effect.HEADER)
+    input: dict | None = None
+    interpolated_map: dict | None = None  # an interpolated map a stored JSON holds (the command's --interpolated)
 
     kind = "sweep"  # the session's run kind (core.readout.Readout)
 
@@ -143,9 +148,27 @@ class OcclusionMap:
         """The map a user reads first: logit-difference change with a foil, else logit change."""
         return self.logit_diff_change if self.logit_diff_change is not None else self.logit_change
 
+    def cell_boxes(self) -> list | None:
+        """Each cell's box (original-image pixels) in row-major grid order; None unless every
+        cell of the grid has one."""
+        rows, cols = self.logit_change.shape
+        if len(self.cells) != rows * cols:
+            return None
+        by_place = {(c["row"], c["col"]): c.get("box") for c in self.cells}
+        boxes = [by_place.get((i, j)) for i in range(rows) for j in range(cols)]
+        return boxes if all(b is not None for b in boxes) else None
+
+    def cell_tokens(self) -> list[VisualToken]:
+        """The cells as the tokens of one grid (row, col, box; no sequence position), to draw
+        the map on: a cell without a box is left out."""
+        cells = [c for c in self.cells if c.get("box") is not None]
+        return [VisualToken(i, None, 0, c["row"], c["col"], c["box"]) for i, c in enumerate(cells)]
+
     def interpolated(self, image_size: tuple[int, int] | None = None) -> InterpolatedHeatmap:
         """The effect map upsampled (bilinear) to ``image_size`` (default: the
         image's). Only for display; it carries :data:`INTERPOLATED_FLAG`."""
+        if image_size is None and self.image_size is None:
+            raise ValueError("this map was restored from a JSON, which does not state the image size: pass image_size")
         w, h = image_size or self.image_size
         grid = np.asarray(self.effect, dtype=np.float32)
         up = Image.fromarray(grid, mode="F").resize((int(w), int(h)), Image.BILINEAR)
@@ -174,11 +197,47 @@ class OcclusionMap:
         }
         if interpolated:
             d["interpolated_map"] = self.interpolated().to_dict()
-        return d
+        elif self.interpolated_map is not None:
+            d["interpolated_map"] = self.interpolated_map
+        return {**d, **header_of(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> OcclusionMap:
+        """The map a sweep JSON (:meth:`to_dict`, a stored run's) describes: cells not run
+        (null) are NaN; ``image_size`` is the command's ``input.image_size``, else None."""
+        s = d["sweep"]
+        size = (d.get("input") or {}).get("image_size")
+        return cls(
+            k=int(s["k"]),
+            fill=Fill.recorded(s["fill"], s["fill_parameters"]),
+            image_size=tuple(int(v) for v in size) if size is not None else None,
+            original=Target.from_dict(d["original"]),
+            logit_diff_change=_array(s["logit_diff_change"]),
+            logit_change=_array(s["logit_change"]),
+            prob_change=_array(s["prob_change"]),
+            flipped=np.array(s["flipped"], dtype=bool),
+            cells=list(s["cells"]),
+            complete=bool(s["complete"]),
+            audit=[AuditRecord.from_dict(a) for a in d.get("audit") or []],
+            answer_prefix=tuple(int(t) for t in d.get("answer_prefix_ids") or ()),
+            model=d.get("model"),
+            input=d.get("input"),
+            interpolated_map=d.get("interpolated_map"),
+        )
 
 
 def _grid(a: np.ndarray | None):
     return None if a is None else np.where(np.isfinite(a), a, None).tolist()
+
+
+def _array(grid) -> np.ndarray | None:
+    """A stored grid back as a float array, its nulls (cells not run) NaN (the inverse of :func:`_grid`)."""
+    if grid is None:
+        return None
+    values = np.array([[np.nan if v is None else v for v in row] for row in grid], dtype=np.float64)
+    if values.ndim != 2:
+        raise ValueError(f"a sweep grid is (rows, cols), got {values.ndim} dimensions")
+    return values
 
 
 @torch.no_grad()

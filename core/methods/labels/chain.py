@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from core.audit import AuditRecord
 from core.errors import ReadoutError
-from core.readout import jsonable
+from core.readout import from_dict_fields, jsonable
 
 SCHEMA_VERSION = 2  # 2: step statuses "passed" / "failed" / "not tested" (1 wrote "pass" / "fail" / "not-run")
 CHAIN_STATUSES = ("not a candidate", "mechanism candidate", "candidate with intervention", "supported")
@@ -249,6 +249,41 @@ class Baseline:
         return cls(d["kind"], list(d["subjects"]), d["value"], int(d["n"]), dict(d.get("detail", {})))
 
 
+@dataclass(frozen=True)
+class PerSample:
+    """A step's numbers per held-out input, in the order of ``sample`` (arrays in a run, lists
+    read back from a session): step 1's ``hit`` and ``target_mass``, step 5's ``drop_mean`` and
+    ``drop_zero``; what a step does not measure is None."""
+
+    sample: list | None = None
+    hit: list | None = None
+    target_mass: list | None = None
+    chance: list | None = None
+    drop_mean: list | None = None
+    drop_zero: list | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PerSample:
+        return from_dict_fields(cls, d)
+
+
+@dataclass(frozen=True)
+class SwapPair:
+    """One swap pair of step 4: the head's mass on the target and on its partner location before
+    and after the swap, and whether the pattern followed the swap."""
+
+    sample: object
+    mass_target_before: float | None
+    mass_target_after: float | None
+    mass_partner_before: float | None
+    mass_partner_after: float | None
+    follows: bool
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SwapPair:
+        return from_dict_fields(cls, d)
+
+
 @dataclass
 class ChainStep:
     """One step of the chain with its evidence.
@@ -289,6 +324,18 @@ class ChainStep:
     @property
     def title(self) -> str:
         return STEP_TITLES[self.number]
+
+    @property
+    def per_sample(self) -> PerSample | None:
+        """The step's numbers per held-out input (steps 1 and 5), None where it kept none (a
+        step not tested, a chain recorded before they were kept)."""
+        per = self.numbers.get("per_sample")
+        return PerSample.from_dict(per) if per else None
+
+    @property
+    def swap_pairs(self) -> list[SwapPair]:
+        """Step 4's swap pairs (empty for the other steps, or a chain recorded before they were kept)."""
+        return [SwapPair.from_dict(p) for p in self.numbers.get("pairs") or []]
 
     def summary(self) -> str:
         if self.status == "not tested":

@@ -84,9 +84,9 @@ def nonunique_of_input(
     ``image`` (a PIL image) and ``question``: the source set is what ``mask``
     (``(H, W)`` bool) covers by ``cover``, else the :data:`TOP_TOKENS_RULE` set
     holding ``share`` (:func:`region_keys`); every other keyword is
-    :func:`core.methods.nonunique.solve`'s. ``doc`` is the result's JSON with the
-    header the command writes (``component``, ``region``, ``model``, ``input``;
-    ``mask_name`` and ``image_path`` say where the mask and the image came from).
+    :func:`core.methods.nonunique.solve`'s. The result carries the header the
+    command writes (``component``, ``region``, ``model``, ``input``; ``mask_name`` and
+    ``image_path`` say where the mask and the image came from); ``doc`` is its JSON.
     ``answer_text`` (:class:`core.answer_text.AnswerText`): read at one token of an
     answer, teacher forcing."""
     from core.capture import capture
@@ -126,18 +126,16 @@ def nonunique_of_input(
         "visual_tokens": ordinals,
         "keys": keys,
     }
-    header = {
-        "component": head_name,
-        "region": region,
-        "model": {"spec": loaded.spec, "fingerprint": getattr(loaded, "fingerprint", None), **adapter.describe()},
-        "input": {
-            "question": question,
-            "image": None if image_path is None else str(image_path),
-            "image_sha256": image_sha256(image),
-            "image_size": list(image.size),
-            "raw_prompt": bool(raw_prompt),
-            **(answer_text.to_dict() if answer_text is not None else {}),
-            **adapter.dtype_and_device(),
-        },
+    result.component = head_name
+    result.region = region
+    result.model = {"spec": loaded.spec, "fingerprint": getattr(loaded, "fingerprint", None), **adapter.describe()}
+    result.input = {
+        "question": question,
+        "image": None if image_path is None else str(image_path),
+        "image_sha256": image_sha256(image),
+        "image_size": list(image.size),
+        "raw_prompt": bool(raw_prompt),
+        **(answer_text.to_dict() if answer_text is not None else {}),
+        **adapter.dtype_and_device(),
     }
-    return result, {**result.to_dict(), **header}
+    return result, result.to_dict()

@@ -14,6 +14,7 @@ from core.methods.nonunique.problem import HeadProblem
 from core.readout import from_dict_fields, jsonable
 
 SCHEMA_VERSION = 1  # of the ``nonunique`` JSON (NonuniqueResult.to_dict)
+HEADER = ("component", "region", "model", "input")  # a search on one input: what it was of (last in the JSON)
 
 LEVEL_NAMES = {
     "a": "simplex and mask only",
@@ -126,6 +127,10 @@ class NonuniqueResult:
         levels: one :class:`LevelResult` per level (and per score bound).
         verdict: what the result says about a routing claim (a sentence).
         does_not_say: what it does not.
+        component, region, model, input: the header of a search on one input
+            (:func:`core.methods.nonunique.nonunique_of_input`; None otherwise): the
+            head's name, the source set (``rule``, ``mask``, ``cover``, ``share``,
+            ``visual_tokens``, ``keys``), the model and the input. The JSON puts them last.
     """
 
     block: int | None
@@ -149,6 +154,15 @@ class NonuniqueResult:
     does_not_say: str
     cancelled: bool = False
     audit: AuditRecord = field(repr=False, default=None)
+    component: str | None = None
+    region: dict | None = None
+    model: dict | None = None
+    input: dict | None = None
+
+    @property
+    def region_rule(self) -> str | None:
+        """How the source set was chosen (the header's ``region.rule``), None without a header."""
+        return self.region["rule"] if self.region is not None else None
 
     def level(self, name: str) -> LevelResult:
         """The first level result called ``name`` ("a", "b", "c-query", "c-residual")."""
@@ -162,9 +176,10 @@ class NonuniqueResult:
     def to_dict(self, tensors: bool = True) -> dict:
         """The ``nonunique`` JSON (schema version 1): this result's fields, each level's, the audit row."""
         out = {"schema_version": SCHEMA_VERSION, "kind": self.kind}
-        out.update(jsonable({k: v for k, v in self.__dict__.items() if k not in ("levels", "audit")}))
+        out.update(jsonable({k: v for k, v in self.__dict__.items() if k not in ("levels", "audit", *HEADER)}))
         out["levels"] = [lv.to_dict(tensors) for lv in self.levels]
         out["audit"] = self.audit.to_dict() if self.audit is not None else None
+        out.update(jsonable({k: getattr(self, k) for k in HEADER if getattr(self, k) is not None}))
         return out
 
     @classmethod
@@ -192,7 +207,10 @@ class NonuniqueResult:
         )
 
     def parameters(self) -> dict:
-        return {"block_name": self.block_name, **(self.audit.parameters if self.audit is not None else {})}
+        """The head's block name, the audit row's parameters and, for a search on one input, how its
+        source set was chosen (``region_rule``)."""
+        rule = {} if self.region is None else {"region_rule": self.region_rule}
+        return {"block_name": self.block_name, **(self.audit.parameters if self.audit is not None else {}), **rule}
 
     def audit_records(self) -> list[AuditRecord]:
         return [self.audit] if self.audit is not None else []

@@ -57,6 +57,10 @@ class ReaderMetrics:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> ReaderMetrics:
+        return cls(d["kl_bits"], d["cross_entropy"], d["top1_agreement"], d["answer_rank_mean"], int(d["n_tokens"]))
+
 
 class _Acc:
     def __init__(self):
@@ -155,6 +159,31 @@ class LensEvaluation:
             ],
             "audit": [self.audit.to_dict()] if self.audit else [],
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LensEvaluation:
+        """The evaluation a ``lens`` JSON (:meth:`to_dict`, a stored run's) describes."""
+
+        def readers(by_reader: dict) -> dict[str, ReaderMetrics]:
+            return {name: ReaderMetrics.from_dict(m) for name, m in by_reader.items()}
+
+        layers = [
+            {
+                "layer": row["layer"],
+                "block": row["block"],
+                "readers": readers(row["readers"]),
+                "by_positions": {group: readers(rs) for group, rs in row["by_positions"].items()},
+            }
+            for row in d["layers"]
+        ]
+        audits = d.get("audit") or []
+        return cls(
+            dict(d["lens"]),
+            dict(d["data"]),
+            str(d["positions"]),
+            layers,
+            AuditRecord.from_dict(audits[0]) if audits else None,
+        )
 
     def markdown(self, group: str | None = None) -> str:
         """The per-layer KL table (bits), one column per reader."""

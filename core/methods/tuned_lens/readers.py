@@ -19,10 +19,12 @@ Baselines, each evaluated on the same tokens as the trained lens:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from core.audit import AuditRecord
-from core.methods.logit_lens import lens_logits, lens_row
+from core.methods.logit_lens import LensRow, lens_logits, lens_row
 from core.methods.tuned_lens.lens import LensError, LensMismatchError, TunedLens
 from core.precision import accumulating
 
@@ -100,7 +102,7 @@ def lens_audit(lens: TunedLens, data: dict | None = None, positions: str | None 
 
 
 @torch.no_grad()
-def tuned_lens_rows(
+def reader_rows(
     lens: TunedLens,
     adapter,
     trace,
@@ -112,11 +114,10 @@ def tuned_lens_rows(
     top_k: int = 5,
     batch: int = 0,
     readers: dict | None = None,
-) -> list[dict]:
-    """Rows like :class:`core.methods.logit_lens.LensRow` dicts for one position
-    (default the answer position), one per block plus x_L:
-    ``{"layer", "answer_rank", "answer_logit", "logit_diff", "kl_to_final" (nats), "top"}``,
-    so the app's ``LensPanel.set_readers({"tuned": rows})`` overlays them on the logit lens.
+) -> list[LensRow]:
+    """:class:`core.methods.logit_lens.LensRow` s (naming their ``reader``) for one position
+    (default the answer position), one per block plus x_L, like the logit lens's rows, so
+    the app's ``LensPanel.set_readers({"tuned": rows})`` overlays them on the logit lens.
 
     Args:
         reader: "trained" (default), "identity", "mean" or "random"; the
@@ -140,19 +141,24 @@ def tuned_lens_rows(
         if layer == lens.n_blocks and reader in ("random", "orthogonal"):
             continue
         lg = _reader_logits(adapter, lens, reader, readers[reader], layer, x).float()
-        rows.append({**lens_row(adapter, layer, lg, final, answer_id, foil_id, top_k).to_dict(), "reader": reader})
+        rows.append(replace(lens_row(adapter, layer, lg, final, answer_id, foil_id, top_k), reader=reader))
     return rows
+
+
+def tuned_lens_rows(lens: TunedLens, adapter, trace, answer_id: int, foil_id: int | None = None, **kw) -> list[dict]:
+    """:func:`reader_rows` as dicts (``LensRow.to_dict``, with ``reader``)."""
+    return [r.to_dict() for r in reader_rows(lens, adapter, trace, answer_id, foil_id, **kw)]
 
 
 def tuned_lens_readers(
     lens: TunedLens, adapter, trace, answer_id: int, foil_id: int | None = None, **kw
-) -> dict[str, list[dict]]:
+) -> dict[str, list[LensRow]]:
     """``{"tuned lens": rows, "tuned lens: mean baseline": rows, "tuned lens:
-    random baseline": rows}`` (:func:`tuned_lens_rows` for each reader): what
+    random baseline": rows}`` (:func:`reader_rows` for each reader): what
     ``LensPanel.set_readers`` overlays beside the logit lens of the same analysis."""
     readers = _readers(lens, extra=False)  # built once for the three
     return {
-        name: tuned_lens_rows(lens, adapter, trace, answer_id, foil_id, reader=reader, readers=readers, **kw)
+        name: reader_rows(lens, adapter, trace, answer_id, foil_id, reader=reader, readers=readers, **kw)
         for name, reader in (
             ("tuned lens", "trained"),
             ("tuned lens: mean baseline", "mean"),
