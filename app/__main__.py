@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         window.set_question(args.question)
     window.show()
 
-    started = image_ok and window.run_readout()
+    started = image_ok and window.actions.run_readout()
     if args.screenshot:
         return exit_now_if_jobs_were_let_go(_run_until_screenshot(app, window, args.screenshot, started))
     status = app.exec()

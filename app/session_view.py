@@ -1,21 +1,30 @@
 """The window's session: which file it records into, the audit table and the
-run history that follow the session's events, restoring a recorded run into
-every view, opening (to continue, or read-only), saving a copy, exporting.
+run history that follow the session's events, restoring a recorded run,
+opening (to continue, or read-only), saving a copy, exporting; all held by
+:class:`SessionController`, a component of the window (not a mixin).
 
 The session is the model and the audit and history panels are views of it:
 every :meth:`core.session.Session.record` fires
 :meth:`~core.session.Session.on_recorded` (in the recording thread),
 :class:`SessionWatch` brings that to the GUI thread as a Qt signal, and the
-window refreshes both tables there. Nothing refreshes them by hand after a record.
+controller refreshes both tables there. Nothing refreshes them by hand after a record.
 
-A run is restored from what the session stored (:meth:`SessionMixin.restore_run`):
-the image (its file when that still holds the same pixels, else the stored
-pixels), the question, the model (in the dtype and on the device it ran in), the
-answer token read out (the answer's tokens, the chosen one highlighted), the target fields (as typed) and the
-panels, drawn from the stored result restored as its class (``Run.readout``: the one conversion of stored JSON,
-:func:`core.readout.restore_result`) exactly as they were drawn when the run was made; and the controls its
-request was made from (fill, painted region, sweep k, the Interventions box's choices, the token budget, a
-claim's fields), so pressing its button again runs the run shown. What the run did not store is said in red.
+Recording: the window's one run path (:class:`app.runner.Runner`) records each
+request's result through :meth:`SessionController.record_request`, as the CLI
+records the same request (its parameters, its document, its image and mask).
+
+A run is restored from what the session stored (:meth:`SessionController.restore_run`),
+read before anything on screen changes: the image (its file when that still holds the
+same pixels, else the stored pixels), the question, the model (in the dtype and on the
+device it ran in), the answer token read out, the target fields (as typed), the result
+restored as its class (``Run.readout``: the one conversion of stored JSON,
+:func:`core.readout.restore_result`) and what its request was asked, typed
+(:class:`core.requests.RecordedParameters`: the one reader of stored parameters). The
+inputs are set, then ``workspace.show_run`` shows the run and every view draws itself
+from it (:class:`app.run_frame.RunFrame`), as it drew the run when it was made; then the
+controls its request was made from (fill, painted region, sweep k, the Interventions
+box's choices and the component selected, the token budget, a claim's fields) are set,
+so pressing its button again runs the run shown. What the run did not store is said in red.
 """
 
 from __future__ import annotations
@@ -34,13 +43,14 @@ from PySide6.QtWidgets import QFileDialog, QMessageBox
 import core
 from app.components import ModelChoice
 from app.components.workspace import AnswerTokens, RunInput, ShownRun, answer_token_label
-from app.jobs import answer_of, model_load_job
-from app.panels.history_panel import THUMBNAIL_PX, HistoryPanel, HistoryRow
+from app.jobs import answer_of, as_run, model_load_job
+from app.panels.history_panel import THUMBNAIL_PX, HistoryRow
+from app.widgets import ElidedLabel
 from core.answer_text import AnswerText
 from core.images import image_sha256
 from core.precision import DTYPE_CHOICES
 from core.readout import Readout, Target
-from core.requests.base import TYPED_FOIL, TYPED_TARGET  # the fields as typed (AskedRequest.asked_parameters)
+from core.requests import RecordedParameters
 from core.session import DamagedRunError, Run, RunInfo, Session, SessionError
 
 if TYPE_CHECKING:
@@ -49,12 +59,15 @@ if TYPE_CHECKING:
 SESSION_FILTER = "VLM Readout sessions (*.vlmr *.sqlite *.db);;All files (*)"
 OPEN_MODES = ("append", "read_only")  # continue the file; or read it and record into a temporary copy
 READ_ONLY_NOTE = "read-only; new runs are not saved into it"
-# the Attention tab's actions on the selected head (app.claims)
+# the Attention tab's actions on the selected head
 HEAD_METHOD_KINDS = ("nonunique", "qk-ov")
-# the run kinds whose panels a restore draws (other kinds restore their input only)
+# the follow-up kinds shown beside the read-out of their input (other kinds restore their input only)
 PANEL_KINDS = ("analyze", "counterfactual", "sweep", "intervention", *HEAD_METHOD_KINDS)
 EDITED_KINDS = ("counterfactual", "sweep", "intervention")  # an original run and an edited one
-CLAIM_KINDS = ("validate",)  # checked on a model and a dataset, not on the shown input: the Claims tab restores them
+CLAIM_KINDS = ("validate",)  # checked on a model and a dataset, not on the shown input: the Claims tab shows them
+SELECTING_VIEWS = ("attention", "dla", "lens")  # the views an ablated component can have been selected in
+# what restoring a run's result into the views and controls can raise on a stored value it cannot use
+DRAW_ERRORS = (KeyError, TypeError, ValueError, IndexError)
 
 
 def default_session_path() -> Path:
@@ -126,6 +139,11 @@ def readout_of(run: Run) -> Readout | None:
         return None
 
 
+def recorded_of(run: Run) -> RecordedParameters:
+    """What the run's request was asked, typed (:class:`core.requests.RecordedParameters`)."""
+    return RecordedParameters.from_parameters(run.parameters)
+
+
 def unedited_target(kind: str, readout: Readout | None) -> Target | None:
     """The :class:`core.readout.Target` of the run before any edit: analyze's ``target``, a
     counterfactual's, sweep's or intervention's ``original``; None for other kinds (or no result)."""
@@ -159,11 +177,11 @@ def history_answer(kind: str, readout: Readout | None) -> str:
 
 def question_of(run: Run) -> str:
     """The run's question: the parameters the app and the CLI record, else the analyze input's."""
-    question = (run.parameters or {}).get("question")
+    question = recorded_of(run).question
     if question is None and run.kind == "analyze":
         analysis = readout_of(run)
         question = analysis.input.question if analysis is not None else None
-    return str(question or "")
+    return question or ""
 
 
 def answer_text_of(run: Run) -> AnswerText | None:
@@ -173,18 +191,18 @@ def answer_text_of(run: Run) -> AnswerText | None:
     if run.kind == "analyze":
         analysis = readout_of(run)
         return analysis.answer_text if analysis is not None else None
-    return AnswerText.from_dict(run.parameters or {})
+    return recorded_of(run).answer_text
 
 
 def uses_painted_region(run: Run) -> bool:
     """Whether the run's request read the painted region: a counterfactual, an ablation at the
     painted region, a patch of the region's tokens, any run recorded with a mask."""
-    parameters = run.parameters or {}
+    recorded = recorded_of(run)
     return (
         run.mask_id is not None
         or run.kind == "counterfactual"
-        or (run.kind == "intervention" and parameters.get("positions") == "region")
-        or "painted region" in (parameters.get("token_sets") or {})
+        or (run.kind == "intervention" and recorded.positions == "region")
+        or "painted region" in recorded.token_sets
     )
 
 
@@ -194,20 +212,19 @@ def restore_claim_choices(panel, run: Run, validation) -> str | None:
     older session: its chains' subjects and its search set's size): subjects, claim, data, n, the
     painted-region box. The painted region itself is not stored with the run: returns a line saying
     so when the run used one (None otherwise)."""
-    parameters = run.parameters or {}
-    panel.subject_edit.setText(parameters.get("typed_subjects") or ", ".join(c.subject for c in validation.chains))
+    recorded = recorded_of(run)
+    panel.subject_edit.setText(recorded.typed_subjects or ", ".join(c.subject for c in validation.chains))
     panel.claim_edit.setText(validation.claim.text)
-    source = parameters.get("dataset")  # a file source's path; the generated scenes record none
+    source = recorded.dataset  # a file source's path; the generated scenes record none
     if source is None:
         panel.set_dataset("scenes")
     elif panel.bundled is not None and Path(source) == Path(panel.bundled):
         panel.set_dataset("bundled")
     else:
         panel.set_folder(source)
-    panel.n_spin.setValue(int(parameters.get("n") or validation.search.n_samples))
-    used_region = bool(parameters.get("painted_region"))
-    panel.region_check.setChecked(used_region)
-    if used_region:
+    panel.n_spin.setValue(recorded.n or validation.search.n_samples)
+    panel.region_check.setChecked(recorded.painted_region)
+    if recorded.painted_region:
         return (
             f"run #{run.id} used a painted region that is not stored with it: the region painted now is not the run's"
         )
@@ -227,10 +244,11 @@ def target_fields(run: Run, answer_text: AnswerText | None = None) -> tuple[str,
     """What the Target and foil fields held for the run: as typed, where the app recorded them
     (:meth:`core.requests.base.AskedRequest.asked_parameters`); else (a run of an older session or
     an older command line) the answer token when it was not the one an empty field asks for (the
-    answer token read, ``answer_text``, else the model's own top token), the foil when there was one. Either way a re-run reads the same numbers."""
-    parameters = run.parameters or {}
-    if isinstance(parameters.get(TYPED_TARGET), str) and isinstance(parameters.get(TYPED_FOIL), str):
-        return parameters[TYPED_TARGET], parameters[TYPED_FOIL]
+    answer token read, ``answer_text``, else the model's own top token), the foil when there was one.
+    Either way a re-run reads the same numbers."""
+    typed = recorded_of(run).typed_fields
+    if typed is not None:
+        return typed
     target = unedited_target(run.kind, readout_of(run))
     if target is None:
         return "", ""
@@ -240,7 +258,7 @@ def target_fields(run: Run, answer_text: AnswerText | None = None) -> tuple[str,
 
 @dataclasses.dataclass
 class RestoredRun:
-    """Everything a restore draws, read from the session before any widget changes."""
+    """Everything a restore shows, read from the session before any widget changes."""
 
     run: Run
     image: object  # PIL image
@@ -264,6 +282,10 @@ class RestoredRun:
     def model(self) -> ModelChoice:
         return ModelChoice(self.spec, self.dtype, self.device)
 
+    @property
+    def recorded(self) -> RecordedParameters:
+        return recorded_of(self.run)
+
     def input(self, sha: str) -> RunInput:
         return RunInput(
             image_sha256=sha,
@@ -281,73 +303,128 @@ class RestoredRun:
         )
 
 
-class SessionMixin:
-    """The session half of :class:`app.main_window.MainWindow` (a QMainWindow
-    with ``session``, ``session_watch``, ``workspace``, ``tabs``, ``audit_panel``,
-    ``session_label``, ``image``, ``model_cache``, ``model_picker``,
-    ``question_edit``, ``target_edit``, ``foil_edit``, ``counterfactual_panel``,
-    ``intervention_panel``, ``model_spec()``, ``set_image``, ``show_error``,
-    ``is_busy()``, ``_start``, ``_caption``, ``_show_answer``, ``_show_analysis``,
-    ``_restore_selection`` and ``statusBar()``)."""
+class SessionController(QObject):
+    """The window's session (see the module docstring): the session recorded into, its
+    :class:`SessionWatch`, the audit table and the history that follow it, recording, restoring a
+    run, opening, saving as, exporting, the read-only copy and closing.
 
-    read_only_source: Path | None = None  # the file opened read-only, when the session is its copy
-    _scratch_folder: Path | None = None  # where that copy lives (removed with it)
+    It uses these of its ``window`` (the host), and nothing else:
+
+    - ``workspace`` (the input set and the run shown), ``runner`` (``is_busy()``; ``start(...)``
+      to load a restored run's model), ``model_cache`` and ``loaded_model()``;
+    - ``inputs`` (:class:`app.input_bar.InputBar`: ``model_picker``, ``question_edit``,
+      ``target_edit``, ``foil_edit``, ``set_model_choice``, ``model_choice``, ``model_spec``,
+      ``show_error``), ``set_image(source, name) -> bool`` (which sets the workspace's image) and
+      ``statusBar()``;
+    - ``history_panel`` and ``audit_panel`` (the session's views: it fills them and follows their
+      signals), and for a restored run's controls ``counterfactual_panel``,
+      ``intervention_panel``, ``answer_panel``, ``claims_panel``, ``attention_panel``,
+      ``dla_panel`` and ``selection``;
+    - the window itself as the parent of its dialogs.
+
+    Args:
+        window: the host.
+        session_path: the session file to record into (:func:`open_start_session`).
+
+    Attributes:
+        session: the :class:`core.session.Session` recorded into.
+        watch: the :class:`SessionWatch` following it.
+        label: the session line (which file the runs are saved in; red when it is not the one
+            asked for); the window places it.
+        problem: why the session is not the one asked for, or None (:func:`open_start_session`).
+        read_only_source: the file opened read-only, when the session is its temporary copy.
+    """
+
+    def __init__(self, window, session_path: str | Path | None = None):
+        super().__init__(window)
+        self.window = window
+        self.read_only_source: Path | None = None
+        self._scratch_folder: Path | None = None  # where a read-only copy lives (removed with it)
+        self._history_rows: dict[int, HistoryRow] = {}
+        self._thumbnails: dict[str, np.ndarray | None] = {}
+        self.label = ElidedLabel(selectable=True)
+        self.watch = SessionWatch(self)
+        self.watch.recorded.connect(self._on_run_recorded)
+        window.history_panel.run_selected.connect(self.restore_run)
+        window.audit_panel.export_requested.connect(self.export_audit)
+        self.session, self.problem = open_start_session(session_path)
+        self._use_session(self.session)
+        self._show_session(self.problem)
 
     # ------------------------------------------------------------ the session in use
+
+    def show_error(self, message: str) -> None:
+        """The window's error line (while a job runs, an empty one leaves the status line as it is)."""
+        self.window.inputs.show_error(message, busy=self.window.runner.is_busy())
 
     def _use_session(self, session: Session) -> None:
         """Record into ``session`` from now on; its audit table and history follow its events."""
         self.session = session
-        self._history_rows: dict[int, HistoryRow] = {}
-        self._thumbnails: dict[str, np.ndarray | None] = {}
-        self.session_watch.watch(session)
+        self._history_rows = {}
+        self._thumbnails = {}
+        self.watch.watch(session)
         self._refresh_audit()
         self._refresh_history()
 
-    def _record(self, readout, *, mask=None, parameters: dict | None = None, with_image: bool = True) -> int | None:
-        """Record a run in the session (autosaved): the readout, the shown image with its path as
-        given (``with_image`` False: a run of no image, a claim checked on a dataset), the model.
-        Returns the run's id (None, with the reason in the error line, when it could not be saved).
-        The audit table and history refresh from the session's event."""
+    def record(self, readout, *, image=None, image_path=None, mask=None, parameters=None, model=None) -> int | None:
+        """Record a run in the session (autosaved): the readout, its image (None: a run of no image,
+        a claim checked on a dataset) with its path as given, the painted region, ``parameters``
+        beside the readout's own, the model (default: the picked one, loaded: its dtype and device
+        are recorded). Returns the run's id (None, with the reason in the error line, when it could
+        not be saved). The audit table and history refresh from the session's event."""
         try:
             return self.session.record(
                 readout,
-                image=self.image if with_image else None,
-                image_path=self.workspace.input.image_path if with_image else None,
+                image=image,
+                image_path=image_path,
                 mask=mask,
                 parameters=parameters,
-                model=self.loaded_model() or self.model_spec(),  # loaded: its dtype and device are recorded
+                model=model or self.window.loaded_model() or self.window.inputs.model_spec(),
             )
         except core.ReadoutError as e:
             self.show_error(f"not saved in the session: {e}")
             return None
 
+    def record_request(self, result: Readout, request, loaded) -> int | None:
+        """Record ``result`` of ``request`` run on ``loaded`` as the CLI records the same request
+        (:func:`core.cli.outputs.finish`): the request as it ran (:func:`app.jobs.as_run`), its
+        document of the result, its parameters, its image and painted region
+        (:meth:`core.requests.base.Request.recorded_inputs`). The runner's record callback."""
+        ran = as_run(request, loaded)
+        inputs = ran.recorded_inputs()
+        return self.record(
+            ran.recorded(result, loaded),
+            image=inputs.get("image"),
+            image_path=inputs.get("image_path"),
+            mask=inputs.get("mask"),
+            parameters=ran.parameters(),
+            model=loaded,
+        )
+
     def _on_run_recorded(self, info: RunInfo) -> None:
         self._refresh_audit()
         self._refresh_history()
-        self.history_panel.show_current(info.id)  # the app records a run as it shows it
+        self.window.history_panel.show_current(info.id)  # the app records a run as it shows it
 
     def _refresh_audit(self) -> None:
-        self.audit_panel.set_rows([{**row, "run": row["run_id"]} for row in self.session.audit_table()])
+        self.window.audit_panel.set_rows([{**row, "run": row["run_id"]} for row in self.session.audit_table()])
 
     def _show_session(self, problem: str | None = None) -> None:
         """The session line: the file the runs are saved in (or the file opened read-only), or (red)
         why it is not the one asked for."""
         if problem:
-            self.session_label.setStyleSheet("color: #c00000;")
-            self.session_label.setText(" ".join(problem.split()))
+            self.label.setStyleSheet("color: #c00000;")
+            self.label.setText(" ".join(problem.split()))
         elif self.read_only_source is not None:
-            self.session_label.setStyleSheet("color: #8a5a00;")
-            self.session_label.setText(f"session: {self.read_only_source} ({READ_ONLY_NOTE})")
+            self.label.setStyleSheet("color: #8a5a00;")
+            self.label.setText(f"session: {self.read_only_source} ({READ_ONLY_NOTE})")
         else:
-            self.session_label.setStyleSheet("color: #555555;")
-            self.session_label.setText(f"session: {self.session.path}")
+            self.label.setStyleSheet("color: #555555;")
+            self.label.setText(f"session: {self.session.path}")
 
     def _switch_session(self, session: Session, read_only_source: Path | None = None) -> None:
         """Close the current session (and a read-only copy's folder) and continue in ``session``."""
-        self.session_watch.stop()
-        self.session.close()
-        self._remove_scratch()
+        self.close()
         self.read_only_source = read_only_source
         self._use_session(session)
         self._show_session()
@@ -357,19 +434,14 @@ class SessionMixin:
             shutil.rmtree(self._scratch_folder, ignore_errors=True)
             self._scratch_folder = None
 
-    def _close_session(self) -> None:
-        """Stop following the session and close it (the window is going)."""
-        self.session_watch.stop()
+    def close(self) -> None:
+        """Stop following the session and close it (and remove a read-only copy): the window is
+        going, or another session takes its place."""
+        self.watch.stop()
         self.session.close()
         self._remove_scratch()
 
     # ------------------------------------------------------------ history
-
-    def _build_history_tab(self) -> None:
-        """The History tab: every run of the session; selecting one restores it."""
-        self.history_panel = HistoryPanel()
-        self.history_panel.run_selected.connect(self.restore_run)
-        self.tabs.addTab(self.history_panel, "History")
 
     def _refresh_history(self) -> None:
         """The history table and the workspace's run list from the session (each run read once)."""
@@ -379,8 +451,8 @@ class SessionMixin:
         except core.ReadoutError as e:
             self.show_error(f"cannot list the session's runs: {e}")
             return
-        self.history_panel.set_runs(rows)
-        self.workspace.set_runs(infos)
+        self.window.history_panel.set_runs(rows)
+        self.window.workspace.set_runs(infos)
 
     def _history_row(self, info: RunInfo) -> HistoryRow:
         row = self._history_rows.get(info.id)
@@ -396,7 +468,7 @@ class SessionMixin:
                 info.created,
                 image=Path(stored.path).name if stored and stored.path else (info.image_sha256 or "")[:12],
                 thumbnail=self._thumbnail(info.image_sha256),
-                question=question_of(run) or str((run.parameters or {}).get("claim", "")),
+                question=question_of(run) or recorded_of(run).claim or "",
                 answer=self._history_answer(run, info),
                 model=info.model or "",
             )
@@ -434,59 +506,73 @@ class SessionMixin:
 
     def restore_run(self, run_id: int) -> bool:
         """Show run ``run_id`` of the session as it was seen: its image, question, model (loaded in a
-        worker when it is not), target fields and panels; for a counterfactual, sweep or intervention
-        also the latest analyze run of the same input. False, with the reason in the error line,
-        when it cannot be shown."""
-        if self.is_busy():
+        worker when it is not), target fields, its result and, for a counterfactual, sweep,
+        intervention or head method, the latest analyze run of the same input (the views draw them
+        from the workspace), then the controls it was made from. False, with the reason in the
+        error line, when it cannot be shown."""
+        window = self.window
+        if window.runner.is_busy():
             self.show_error("a job is running: wait for it or cancel it before showing another run")
             return self._keep_history_selection()
         try:
             run = self.session.run(int(run_id))
             if run.kind in CLAIM_KINDS:
-                return self._restore_claim(run)  # app.claims
+                return self._restore_claim(run)
             restored = self._read_run(run)
         except core.ReadoutError as e:
             self.show_error(f"cannot show run #{run_id}: {e}")
             return self._keep_history_selection()
-        run = restored.run
-        if not self.set_image(restored.image, name=restored.image_name):
+        if not window.set_image(restored.image, name=restored.image_name):
             return self._keep_history_selection()
-        self.model_picker.setCurrentText(restored.spec)
-        restored.notes += self.set_model_choice(restored.dtype, restored.device)
-        self.question_edit.setText(restored.question)
-        self.target_edit.setText(restored.answer)
-        self.foil_edit.setText(restored.foil)
-        sha = image_sha256(restored.image)
-        self.workspace.set_input(**restored.input(sha).fields())
-        # what the pickers hold (a device this machine lacks is not picked: the run shows stale)
-        picked = self.model_choice()
-        self.workspace.set_input(model_dtype=picked.dtype, model_device=picked.device)
-        results = {}
+        sha = self._set_inputs(restored)
+        results: dict[str, object] = {}
         try:
-            results[run.kind] = run.readout  # DamagedRunError: a stored result of another shape or version
-            self._draw_run(restored)
-            self._restore_controls(restored)
-        except (DamagedRunError, KeyError, TypeError, ValueError, IndexError) as e:
-            self._show_analysis(None)
-            restored.analysis, results = None, {}  # no view claims content it could not draw
-            why = e.why if isinstance(e, DamagedRunError) else f"{type(e).__name__}: {e}"
-            restored.notes.append(f"run #{run.id} cannot be drawn ({why})")
+            results[run.kind] = run.readout
+        except DamagedRunError as e:  # a stored result of another shape or version
+            restored.analysis = None  # no view claims content it could not draw
+            restored.notes.append(f"run #{run.id} cannot be drawn ({e.why})")
         run_ids = {}
         if restored.analysis is not None:  # the Answer tab and the read-out views show this analyze run
             results["analyze"] = restored.analysis
             results["answer"] = answer_of(restored.analysis)
             run_ids["analyze"] = run_ids["answer"] = restored.analysis_id
-        self.workspace.show_run(ShownRun(run.id, run.kind, restored.input(sha), results, run_ids))
-        self.history_panel.show_current(run.id)
+        mask = restored.mask
+        if mask is not None and mask.shape == (restored.image.height, restored.image.width):
+            window.counterfactual_panel.canvas.set_mask(mask, undoable=False)  # an input, as the run's image
+        try:
+            window.workspace.show_run(ShownRun(run.id, run.kind, restored.input(sha), results, run_ids))  # views draw
+            if run.kind in results:
+                self._restore_controls(restored)
+        except DRAW_ERRORS as e:
+            window.workspace.clear_shown()  # no view claims content it could not draw
+            window.workspace.show_run(ShownRun(run.id, run.kind, restored.input(sha)))
+            restored.notes.append(f"run #{run.id} cannot be drawn ({type(e).__name__}: {e})")
+        window.history_panel.show_current(run.id)
         self._load_run_model(restored)
         self.show_error("; ".join(restored.notes))
-        self.statusBar().showMessage(f"run #{run.id} ({run.kind}) of {run.created} shown")
+        window.statusBar().showMessage(f"run #{run.id} ({run.kind}) of {run.created} shown")
         return True
+
+    def _set_inputs(self, restored: RestoredRun) -> str:
+        """The run's model, question and target fields into the input bar and the workspace (the
+        image was set before: its SHA-256 is returned)."""
+        workspace, inputs = self.window.workspace, self.window.inputs
+        sha = workspace.input.image_sha256
+        inputs.model_picker.setCurrentText(restored.spec)
+        restored.notes += inputs.set_model_choice(restored.dtype, restored.device)
+        inputs.question_edit.setText(restored.question)
+        inputs.target_edit.setText(restored.answer)
+        inputs.foil_edit.setText(restored.foil)
+        workspace.set_input(**restored.input(sha).fields())
+        # what the pickers hold (a device this machine lacks is not picked: the run shows stale)
+        picked = inputs.model_choice()
+        workspace.set_input(model_dtype=picked.dtype, model_device=picked.device)
+        return sha
 
     def _keep_history_selection(self) -> bool:
         """A run that was not shown: the history selects the run that is (returns False)."""
-        shown = self.workspace.shown
-        self.history_panel.show_current(shown.run_id if shown is not None else None)
+        shown = self.window.workspace.shown
+        self.window.history_panel.show_current(shown.run_id if shown is not None else None)
         return False
 
     def _read_run(self, run: Run) -> RestoredRun:
@@ -495,7 +581,7 @@ class SessionMixin:
         answer_text = answer_text_of(run)
         answer, foil = target_fields(run, answer_text)
         ran_in = run.dtype_and_device
-        spec = run.model_spec or self.model_spec()
+        spec = run.model_spec or self.window.inputs.model_spec()
         restored = RestoredRun(
             run,
             image,
@@ -511,7 +597,7 @@ class SessionMixin:
             answer_text,
         )
         if run.kind == "analyze":
-            restored.analysis, restored.analysis_id = readout_of(run), run.id  # None: said when drawn
+            restored.analysis, restored.analysis_id = readout_of(run), run.id  # None: said when shown
         elif run.kind in PANEL_KINDS:
             restored.analysis_id, restored.analysis = self._analysis_of_input(
                 run, restored.question, answer_text, (answer, foil)
@@ -524,9 +610,10 @@ class SessionMixin:
         """What the pickers take to show a run of ``spec`` that ran in ``ran_in``: the choice of a
         loaded model of ``spec`` that runs in that dtype on that device (the one picked first; an
         "auto" that resolved to it is that model), else :func:`picked_dtype_and_device`."""
-        shown = self.model_choice()
-        loaded = [(shown, self.model_cache.get(shown))] if shown.spec == spec else []
-        loaded += [(c, m) for c, m in self.model_cache.items() if isinstance(c, ModelChoice) and c.spec == spec]
+        cache = self.window.model_cache
+        shown = self.window.inputs.model_choice()
+        loaded = [(shown, cache.get(shown))] if shown.spec == spec else []
+        loaded += [(c, m) for c, m in cache.items() if isinstance(c, ModelChoice) and c.spec == spec]
         for choice, model in loaded:
             if ran_in and isinstance(model, core.LoadedModel):
                 if all(model.adapter.dtype_and_device().get(k) == v for k, v in ran_in.items()):
@@ -583,7 +670,7 @@ class SessionMixin:
                 return info.id, analysis
         return None, None
 
-    def _answer_tokens_of(self, input: RunInput, answer_text: AnswerText) -> AnswerTokens:
+    def answer_tokens_of(self, input: RunInput, answer_text: AnswerText) -> AnswerTokens:
         """The answer a run read out at ``answer_text`` as tokens, with each token's probability and
         the stop reason when the session holds the generation of that answer (same image, question,
         model and tokens)."""
@@ -599,77 +686,85 @@ class SessionMixin:
                 return AnswerTokens.of_generation(generation, input)
         return AnswerTokens.of_answer_text(answer_text, input)
 
-    def _draw_run(self, restored: RestoredRun) -> None:
-        """Fill the Answer tab, the read-out panels, the canvas and the run's own panel."""
-        run, analysis = restored.run, restored.analysis
-        self.analysis_inputs = (restored.model, restored.image, restored.question) if analysis else None
-        self._show_analysis(analysis)
-        if analysis is not None:
-            self._show_answer(answer_of(analysis), self._caption(restored.question))
-        if restored.mask is not None and restored.mask.shape == (restored.image.height, restored.image.width):
-            self.counterfactual_panel.canvas.set_mask(restored.mask, undoable=False)
-        readout = run.readout  # restored by restore_run
-        if run.kind == "generate":  # the answer's clickable tokens, as generated
-            tokens = AnswerTokens.of_generation(readout, self.workspace.input)
-            self._set_answer_tokens(tokens)
-            self.answer_panel.show_generated(tokens, self._caption(restored.question))
-        elif run.kind == "counterfactual":
-            self.counterfactual_panel.set_result(readout)
-        elif run.kind == "sweep":
-            self.counterfactual_panel.set_sweep(readout)
-        elif run.kind == "intervention":
-            head = readout.ablated_head()
-            if head is not None and analysis is not None:
-                self.attention_panel.select_head(*head)  # its map goes onto the canvas, as when it was ablated
-            self._show_intervention_result(readout)
-            self._restore_selection(run.parameters or {})  # the component ablated, in the view it was selected in
-        elif run.kind in HEAD_METHOD_KINDS:
-            self._draw_head_method(readout)  # app.claims
-
     def _restore_controls(self, restored: RestoredRun) -> None:
         """Set the controls the run's request was made from, beyond the image, question, model,
-        Target and foil that :meth:`restore_run` sets and the component :meth:`_draw_run` selects:
-        the fill (and the painted region) of a counterfactual, a sweep's k and fill, the
-        Interventions box's choices, a generation's token budget; so pressing the run's button
-        again runs the run shown. What cannot be set again is marked where it shows and said in
-        the error line (``restored.notes``)."""
-        run = restored.run
-        parameters, readout = run.parameters or {}, run.readout
+        Target and foil that :meth:`restore_run` sets: the head and the component selected of an
+        ablation or a head method, the fill (and the painted region) of a counterfactual, a sweep's
+        k and fill, the Interventions box's choices, a generation's token budget; so pressing the
+        run's button again runs the run shown. What cannot be set again is marked where it shows and
+        said in the error line (``restored.notes``)."""
+        window, run, recorded = self.window, restored.run, restored.recorded
+        readout = run.readout
         notes: list[str | None] = []
-        paste_file = parameters.get("paste_from")  # the file a paste fill's pixels were read from
         if run.kind == "counterfactual":
-            notes.append(self.counterfactual_panel.restore_fill(readout.fill, run.id, paste_file))
+            notes.append(window.counterfactual_panel.restore_fill(readout.fill, run.id, recorded.paste_from))
         elif run.kind == "sweep":
-            notes.append(self.counterfactual_panel.restore_sweep(readout, run.id, paste_file))
+            notes.append(window.counterfactual_panel.restore_sweep(readout, run.id, recorded.paste_from))
         elif run.kind == "intervention":
-            notes += self.intervention_panel.restore_choices(parameters, readout, run.id)
-        elif run.kind == "generate" and parameters.get("max_new_tokens"):
-            self.answer_panel.set_generate_budget(int(parameters["max_new_tokens"]))
-        if uses_painted_region(run) and not np.array_equal(self.counterfactual_panel.mask(), restored.mask):
+            # selected first: a selection clears the Interventions box's message, which says what the
+            # choices below could not set again
+            head = window.intervention_panel.shown_head()  # drawn from the workspace already
+            if head is not None and restored.analysis is not None:
+                window.attention_panel.select_head(*head)  # its map goes onto the canvas, as when it was ablated
+            self._restore_selection(recorded, restored.analysis)
+            notes += window.intervention_panel.restore_choices(recorded, readout, run.id)
+        elif run.kind in HEAD_METHOD_KINDS:
+            head = window.head_methods.shown_head()
+            if head is not None:
+                window.attention_panel.select_head(*head)
+        elif run.kind == "generate" and recorded.max_new_tokens:
+            window.answer_panel.set_generate_budget(recorded.max_new_tokens)
+        panel = window.counterfactual_panel
+        if uses_painted_region(run) and not np.array_equal(panel.mask(), restored.mask):
             missing = f"the painted region of run #{run.id} is not stored with it: the region shown is not the run's"
-            self.counterfactual_panel.show_message(missing, error=True)
+            panel.show_message(missing, error=True)
             notes.append(missing)
         restored.notes += [note for note in notes if note]
 
-    def _show_intervention_result(self, result) -> None:
-        """The Interventions table of an intervention result (an ablation's ``InterventionResult`` or
-        a visual patch's ``VisualPatchResult``), made now or restored."""
-        self.intervention_panel.show_result(result)
-        self.counterfactual_panel.show_results(self.intervention_panel.results)
+    def _restore_selection(self, recorded: RecordedParameters, analysis) -> None:
+        """A restored ablation's component, selected in the view it was selected in when it ran."""
+        name, view = recorded.component, recorded.selected_in
+        if name is not None and view in SELECTING_VIEWS:
+            if view == "dla":
+                self.window.dla_panel.select_component(name)
+            self.window.selection.select(name, view, analysis)
+
+    def _restore_claim(self, run: Run) -> bool:
+        """Show a recorded ``validate`` run in the Claims tab, its model picked (it has no image): the
+        panel shows it as a claim made now (on a model, not on the shown input: not the workspace's
+        shown run), its choices go back into the panel."""
+        window, inputs = self.window, self.window.inputs
+        validation = run.readout  # a core.validate.Validation
+        spec = run.model_spec or validation.model
+        inputs.model_picker.setCurrentText(spec)
+        dtype, device = self._dtype_and_device_for(spec, run.dtype_and_device)  # as restore_run picks them
+        missing = inputs.set_model_choice(dtype, device)
+        if missing:  # a device this machine lacks
+            self.show_error("; ".join(missing))
+        not_restored = restore_claim_choices(window.claims_panel, run, validation)
+        # the input it is shown for: the one now, with the model it was checked on
+        made_for = dataclasses.replace(window.workspace.input, model_fingerprint=validation.fingerprint or None)
+        window.claims_panel.show_restored(run, made_for, not_restored)
+        if not_restored:
+            self.show_error("; ".join([*missing, not_restored]))
+        window.history_panel.show_current(run.id)
+        window.statusBar().showMessage(f"run #{run.id} ({run.kind}) of {run.created} shown in the Claims tab")
+        return True
 
     def _load_run_model(self, restored: RestoredRun) -> None:
         """Load the run's model in a worker when it is not loaded (follow-ups need it); say so when
         the loaded weights are not the ones the run used."""
         if restored.run.model is None:  # recorded without a model: the shown one stays
             return
-        loaded = self.model_cache.get(restored.model)
+        window = self.window
+        loaded = window.model_cache.get(restored.model)
         if loaded is None:
-            self._start(
+            window.runner.start(
                 lambda model: self._check_run_model(model, restored),
                 model_load_job,
-                self.model_cache,
+                window.model_cache,
                 restored.model,
-                clear=False,
+                status="loading model…",
             )
         else:
             self._check_run_model(loaded, restored)
@@ -694,7 +789,7 @@ class SessionMixin:
         except core.ReadoutError as e:
             self.show_error(str(e))
             return False
-        self.statusBar().showMessage(f"exported {', '.join(str(p) for p in written)}")
+        self.window.statusBar().showMessage(f"exported {', '.join(str(p) for p in written)}")
         if notes:  # exported; some pictures could not be drawn as recorded
             more = f" (and {len(notes) - 1} more)" if len(notes) > 1 else ""
             self.show_error(f"exported, but {notes[0]}{more}")
@@ -710,7 +805,7 @@ class SessionMixin:
         A file that cannot be opened or read leaves the current session as it was, with the reason
         in the error line.
         """
-        if self.is_busy():
+        if self.window.runner.is_busy():
             self.show_error("a job is running: wait for it or cancel it before opening a session")
             return False
         mode = mode or self._ask_open_mode(Path(path))
@@ -751,12 +846,12 @@ class SessionMixin:
         if shown:
             self.restore_run(shown[-1].id)
         else:
-            self.workspace.clear_shown()  # what is shown belongs to the other session
+            self.window.workspace.clear_shown()  # what is shown belongs to the other session
         if damaged:  # after the restore, which clears the error line when it has nothing to say
             rid, why = min(damaged.items())
             more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
             self.show_error(f"{Path(path).name}: run {rid} cannot be read ({why}){more}; the other runs are shown")
-        self.statusBar().showMessage(f"session {Path(path).name}: {len(runs)} runs")
+        self.window.statusBar().showMessage(f"session {Path(path).name}: {len(runs)} runs")
         return True
 
     def _read_only_copy(self, path: Path) -> tuple[Session, Path]:
@@ -775,7 +870,7 @@ class SessionMixin:
 
     def _ask_open_mode(self, path: Path) -> str | None:
         """Ask whether to continue the session or open it read-only (None: cancelled)."""
-        box = QMessageBox(self)
+        box = QMessageBox(self.window)
         box.setWindowTitle("Open session")
         box.setText(f"Open {path.name}")
         box.setInformativeText(
@@ -790,14 +885,14 @@ class SessionMixin:
         return {cont: "append", read_only: "read_only"}.get(box.clickedButton())
 
     def open_session_dialog(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Open session", "", SESSION_FILTER)
+        path, _ = QFileDialog.getOpenFileName(self.window, "Open session", "", SESSION_FILTER)
         if path:
             self.open_session(path)
 
     def save_session_as(self, path: str | Path) -> bool:
         """Write the session to ``path`` as one self-contained file (SQLite online backup) and
         continue recording into it. False, with the reason in the error line, when it cannot."""
-        if self.is_busy():
+        if self.window.runner.is_busy():
             self.show_error("a job is running: wait for it or cancel it before saving the session")
             return False
         try:
@@ -806,14 +901,14 @@ class SessionMixin:
         except (core.ReadoutError, OSError) as e:
             self.show_error(f"cannot save the session as {path}: {e}")
             return False
-        shown = self.workspace.shown
+        shown = self.window.workspace.shown
         self._switch_session(session)
-        self.history_panel.show_current(shown.run_id if shown is not None else None)
+        self.window.history_panel.show_current(shown.run_id if shown is not None else None)
         self.show_error("")
-        self.statusBar().showMessage(f"session saved as {written}; new runs are saved there")
+        self.window.statusBar().showMessage(f"session saved as {written}; new runs are saved there")
         return True
 
     def save_session_as_dialog(self) -> None:
-        path, _ = QFileDialog.getSaveFileName(self, "Save session as", "", SESSION_FILTER)
+        path, _ = QFileDialog.getSaveFileName(self.window, "Save session as", "", SESSION_FILTER)
         if path:
             self.save_session_as(path if Path(path).suffix else f"{path}.vlmr")

@@ -302,6 +302,7 @@ RESULT_TYPES: dict[str, str] = {
     "label": "core.methods.labels.chain:ValidationChain",
     "validate": "core.validate:Validation",
     "lens": "core.methods.tuned_lens.evaluate:LensEvaluation",
+    "statistics": "core.methods.patterns:PatternStatistics",
     "note": "core.readout:Note",
 }
 VISUAL_PATCH_TYPE = "core.methods.interventions:VisualPatchResult"
@@ -309,7 +310,7 @@ VISUAL_PATCH_TYPE = "core.methods.interventions:VisualPatchResult"
 
 def result_type(kind: str, doc: Any) -> str | None:
     """``"module:Class"`` of a ``kind`` run's result ``doc``; None for a kind without a
-    class of its own (a notebook's own kind, the app's attention ``statistics``).
+    class of its own (a notebook's own kind).
 
     The one rule for the ``intervention`` kind, which the app and the CLI record for
     both ablations (and activation patching, knockout) and visual-feature patching:

@@ -16,6 +16,7 @@ ORIGINAL image, its overlay item, and one undo step per stroke.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pyqtgraph as pg
@@ -177,6 +178,17 @@ class MaskEditCommand(QUndoCommand):
         self._painter._write(self._box, self._before)
 
 
+@dataclass
+class _Stroke:
+    """A stroke being painted: its last point, whether it erases, the mask before it, and the
+    ``(y0, y1, x0, x1)`` box it has changed so far (None: nothing yet); one undo step when it ends."""
+
+    last: tuple[float, float]
+    erase: bool
+    before: np.ndarray
+    box: tuple[int, int, int, int] | None = None
+
+
 class MaskPainter(QObject):
     """The painted region and its edits.
 
@@ -196,7 +208,7 @@ class MaskPainter(QObject):
         self.undo_stack = QUndoStack(self)
         self.mask = np.zeros((0, 0), dtype=bool)
         self.size = 24.0
-        self._stroke: dict | None = None
+        self._stroke: _Stroke | None = None
 
     # ----- state ----------------------------------------------------------
 
@@ -249,7 +261,7 @@ class MaskPainter(QObject):
         """Start a stroke at image pixel ``(x, y)`` and paint the first dab."""
         if self._stroke is not None:
             self.end()
-        self._stroke = {"last": (float(x), float(y)), "erase": erase, "before": self.mask.copy(), "box": None}
+        self._stroke = _Stroke(last=(float(x), float(y)), erase=erase, before=self.mask.copy())
         self._paint_segment((float(x), float(y)), (float(x), float(y)))
 
     def move_to(self, x: float, y: float) -> None:
@@ -257,30 +269,30 @@ class MaskPainter(QObject):
         if self._stroke is None:
             return
         p = (float(x), float(y))
-        self._paint_segment(self._stroke["last"], p)
-        self._stroke["last"] = p
+        self._paint_segment(self._stroke.last, p)
+        self._stroke.last = p
 
     def end(self) -> None:
         """Finish the stroke: one undo step (none when nothing changed)."""
         stroke, self._stroke = self._stroke, None
-        if stroke is None or stroke["box"] is None:
+        if stroke is None or stroke.box is None:
             return
-        y0, y1, x0, x1 = stroke["box"]
-        before = stroke["before"][y0:y1, x0:x1].copy()
+        y0, y1, x0, x1 = stroke.box
+        before = stroke.before[y0:y1, x0:x1].copy()
         after = self.mask[y0:y1, x0:x1].copy()
         if not np.array_equal(before, after):
-            text = "erase" if stroke["erase"] else "brush stroke"
-            self.undo_stack.push(MaskEditCommand(self, stroke["box"], before, after, text))
+            text = "erase" if stroke.erase else "brush stroke"
+            self.undo_stack.push(MaskEditCommand(self, stroke.box, before, after, text))
             self.mask_changed.emit(self.mask.copy())
 
     def _paint_segment(self, p0: tuple[float, float], p1: tuple[float, float]) -> None:
-        value = not self._stroke["erase"]
+        value = not self._stroke.erase
         for box, hit in stroke_footprint(p0, p1, self.size, self.mask.shape):
             y0, y1, x0, x1 = box
             self.mask[y0:y1, x0:x1][hit] = value
             self.overlay.refresh(self.mask, box)
-            old = self._stroke["box"]
-            self._stroke["box"] = (
+            old = self._stroke.box
+            self._stroke.box = (
                 box if old is None else (min(old[0], y0), max(old[1], y1), min(old[2], x0), max(old[3], x1))
             )
 

@@ -15,6 +15,13 @@ A tiled or multi-view model sees the image several times (:mod:`core.views`):
 the view selector draws one view's grid and heatmap, or all views laid out on
 the image (the finest on top), and a dashed outline marks the region of the
 image each shown view covers (LLaVA-1.5's centre crop leaves the sides out).
+
+The canvas draws itself from the run it is shown for (:meth:`ImageCanvas.draw`,
+the protocol of :class:`app.run_frame.RunFrame`): the analyze result's visual
+tokens, their layout note and its rollout map; a head's answer-row map
+(:meth:`ImageCanvas.show_head_map`) and a head's per-source map
+(:meth:`ImageCanvas.show_sources_map`) are of the same run. The image is the
+input, set apart (:meth:`ImageCanvas.set_image`).
 """
 
 from __future__ import annotations
@@ -44,13 +51,17 @@ from app.canvas.brush import MaskPainter
 from app.canvas.items import GridItem, PatchHeatmapItem, box_rect, cosmetic_pen, layer_clips
 from app.canvas.views import ALL_VIEWS, ViewSelector, default_choice, shown_views
 from app.components.workspace import answer_token_label
+from app.panels import analysis_of
 from app.widgets import KeepingLabel, elide_keeping, plain_label
 from core.methods.counterfactual import INTERPOLATED_FLAG
 from core.methods.patterns import primary_image as _primary_image
-from core.views import ImageView, image_views
+from core.views import ImageView, image_views, patch_values
 
 if TYPE_CHECKING:
+    from app.components import ShownRun
     from core.analyze import AnalyzeResult
+    from core.methods.patterns import HeadSummary
+    from core.readouts.rollout import RolloutSection
 
 INTERPOLATED_TEXT = f"interpolated: {INTERPOLATED_FLAG}"
 MODES = ("view", "brush", "eraser", "box")
@@ -179,7 +190,8 @@ class _CanvasViewBox(pg.ViewBox):
 class ImageCanvas(QWidget):
     """An image with its visual-token grid, a patch heatmap and a paintable mask.
 
-    Data in: :meth:`set_image`, :meth:`set_tokens`, :meth:`set_heatmap`,
+    Drawn with :meth:`draw` (a run's tokens and rollout map; :meth:`show_head_map`,
+    :meth:`show_sources_map` of the same run). Data in: :meth:`set_image`, :meth:`set_tokens`, :meth:`set_heatmap`,
     :meth:`set_token_note`, :meth:`set_mask`; :meth:`set_view` picks the view
     of a tiled or multi-view model (the selector above the image). Tools: :meth:`set_mode`
     (``"view"`` pans and zooms; ``"brush"``, ``"eraser"``, ``"box"`` edit the
@@ -202,6 +214,7 @@ class ImageCanvas(QWidget):
 
     def __init__(self, parent: QWidget | None = None, *, paint: bool = False):
         super().__init__(parent)
+        self.run: ShownRun | None = None  # the run drawn (draw): the head and source maps are its
         self.image: np.ndarray | None = None
         self.tokens: list[CanvasToken] = []
         self.cells: list[CanvasToken] = []  # the tokens drawn as grid cells (col >= 0, shown views), token order
@@ -427,6 +440,57 @@ class ImageCanvas(QWidget):
             choice = int(image)
         self.clear_heatmap()  # and the hover read-outs
         self._show_view(choice)
+
+    # ----- a run drawn ----------------------------------------------------
+
+    def draw(self, run: ShownRun | None, kind: str | None = None) -> None:
+        """Draw ``run``'s analyze result (live or restored alike): its tokens (:meth:`draw_tokens`)
+        and its rollout map; None clears the tokens, their note and the heatmap (the image stays:
+        it is the input)."""
+        self.run = run
+        analysis = analysis_of(run)
+        self.draw_tokens(analysis)
+        rollout = analysis.rollout if analysis is not None else None
+        if rollout is not None:
+            self.set_heatmap(
+                self._patch_values(rollout),
+                label=f"rollout (alpha {rollout.alpha}): structural-flow approximation, not a cause",
+            )
+
+    def draw_tokens(self, analysis: AnalyzeResult | None) -> None:
+        """The patch grid of ``analysis``'s visual tokens (the views named as its family names
+        them), the token it read named in every heatmap title, and the note on the tokens'
+        layout (:func:`describe_token_layout`); None clears them (and the heatmap, drawn on them)."""
+        if analysis is None:
+            self.set_tokens(None)
+            return
+        tokens = analysis.input.visual_tokens
+        self.set_tokens(tokens, view_names=analysis.input.view_names, token_read=read_token(analysis))
+        self.set_token_note(describe_token_layout(tokens, analysis.model.family))
+
+    def show_head_map(self, layer: int, head: int) -> bool:
+        """The drawn run's head ``head`` of block ``layer``: its answer-row attention over the
+        patches, as the heatmap (patch-granular); False when the run has no such head."""
+        analysis = analysis_of(self.run)
+        row = analysis.head(layer, head) if analysis is not None else None
+        if row is None:
+            return False
+        self.set_heatmap(self._patch_values(row), label=f"{row.name}: answer-row attention (routing only)")
+        return True
+
+    def show_sources_map(self, layer: int, head: int, values) -> bool:
+        """A head's per-source frozen-scale DLA of the drawn run (``values``: one per visual token,
+        :func:`app.panels.dla_panel.visual_token_values`) as the heatmap; False without a run."""
+        analysis = analysis_of(self.run)
+        if analysis is None:
+            return False
+        block = analysis.block_names.get(int(layer), f"block {layer}")
+        self.set_heatmap(np.asarray(values), label=f"{block}.H{head}: frozen-scale DLA per source token")
+        return True
+
+    def _patch_values(self, section: HeadSummary | RolloutSection) -> np.ndarray:
+        """One value per drawn token from a read-out section's patch grids (every view's, where it has them)."""
+        return patch_values(self.tokens, section.visual_patch_mass, section.visual_patch_mass_by_image)
 
     # ----- views ---------------------------------------------------------
 

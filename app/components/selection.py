@@ -40,6 +40,12 @@ def is_head(name: str) -> bool:
     return bool(HEAD_NAME.search(name))
 
 
+def block_order(readout) -> list[str]:
+    """An analyze result's block names in block order (``[]`` for None)."""
+    names = readout.block_names if readout is not None else {}
+    return [names[i] for i in sorted(names)]
+
+
 def head_component(block_names: Sequence[str], block: int, head: int) -> str:
     """``L2.H3``: head ``head`` of block ``block`` (an index into ``block_names``)."""
     return f"{block_names[block]}.H{int(head)}"
@@ -94,16 +100,25 @@ class Selection:
         self.workspace = workspace
         self.current: SelectedComponent | None = None
         self.changed = Event("changed")
-        self._readout: dict | None = None  # the analyze result it was selected in (compared by identity)
+        self._readout = None  # the analyze result it was selected in (compared by identity)
         self._disconnect = workspace.events.run_shown.connect(self._on_run_shown)
 
-    def select(self, name: str, view: str, readout: dict | None, note: str = "") -> SelectedComponent:
+    def select(self, name: str, view: str, readout, note: str = "") -> SelectedComponent:
         """``name`` was selected in ``view`` while ``readout`` (the analyze result drawn there) was shown."""
         if view not in VIEW_TITLES:
             raise ValueError(f"view {view!r}: expected one of {', '.join(VIEW_TITLES)}")
         self._readout = readout
         self._set(SelectedComponent(str(name), view, self._run_id(self.workspace.shown), note))
         return self.current
+
+    def select_head(self, readout, block: int, head: int) -> SelectedComponent:
+        """Head ``head`` of block ``block`` (an index into ``readout``'s blocks), clicked in Attention."""
+        return self.select(head_component(block_order(readout), block, head), "attention", readout)
+
+    def select_lens_row(self, readout, layer: int) -> SelectedComponent:
+        """Lens row ``layer`` of ``readout``: the writes of the block before the residual it reads."""
+        name, note = lens_component(block_order(readout), layer)
+        return self.select(name, "lens", readout, note)
 
     def clear(self) -> None:
         """Nothing is selected."""

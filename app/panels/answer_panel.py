@@ -4,16 +4,24 @@ model's generated answer as clickable tokens; and, beside the chosen token's
 patch map, the answer tokens' attention to the question, to earlier answer
 tokens and to the image (:class:`app.panels.answer_patterns_panel.AnswerPatternsPanel`).
 
+The panel draws itself from the run it is shown for (:meth:`AnswerPanel.draw`,
+the protocol of :class:`app.run_frame.RunFrame`): an answer, a generation or a
+read-out's answer (at the answer token it read), and the read-out's answer
+patterns. The caption names the run's model, image and question
+(:attr:`AnswerPanel.caption_of`, which the window may replace to add a sample's
+expected answer).
+
 "Generate" emits :attr:`AnswerPanel.generate_requested` (the token budget); the
-window runs the generation in a worker and hands the tokens back with
-:meth:`AnswerPanel.show_tokens`. Clicking token ``k`` emits
-:attr:`AnswerPanel.token_chosen` (``k``): the window makes it the target of
-every panel. The panel never runs the model.
+window runs the generation in a worker; the answer's clickable tokens are the
+window's answer-tokens component's, drawn with :meth:`AnswerPanel.show_tokens`,
+:meth:`AnswerPanel.set_chosen` and :meth:`AnswerPanel.set_usable`. Clicking token
+``k`` emits :attr:`AnswerPanel.token_chosen` (``k``): the window makes it the
+target of every panel. The panel never runs the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QPoint, QRect, QSize, Qt, Signal
@@ -34,12 +42,15 @@ from PySide6.QtWidgets import (
 
 import core
 from app.components.workspace import AnswerTokens, answer_token_label
-from app.panels import READ_OUT
+from app.jobs import answer_of
+from app.panels import READ_OUT, analysis_of
 from app.panels.answer_patterns_panel import AnswerPatternsPanel
 from app.widgets import ElidedLabel, box, plain_label, set_columns
 from core.answer_text import AnswerText
 
 if TYPE_CHECKING:
+    from app.components import ShownRun
+    from core.generate import Generation
     from core.readout import Target
 
 NO_ANSWER = "no answer yet"
@@ -52,6 +63,15 @@ CHOSEN_STYLE = "QToolButton:checked { background: #1f5fb4; color: white; font-we
 MAX_GENERATE_TOKENS = 256
 TOKEN_ROWS = 3  # rows of token buttons shown before the area scrolls
 TABLE_ROWS = 5  # rows of the answer table shown before it scrolls (the top alternatives)
+ANSWER_KINDS = ("analyze", "generate", "answer")  # the results the tab draws, the first a run has by default
+
+
+def run_caption(run: ShownRun, expected: str | None = None) -> str:
+    """The Answer tab's caption of ``run``: ``model · image · question``, and ``expected`` (a
+    bundled sample's ground truth, which no result holds) on a second line when given."""
+    asked = run.input
+    caption = f"{asked.model_spec} · {asked.image_name()} · {asked.question}"
+    return caption + (f"\nexpected (sample ground truth): {expected}" if expected is not None else "")
 
 
 class FlowLayout(QLayout):
@@ -113,13 +133,22 @@ class FlowLayout(QLayout):
 
 class AnswerPanel(QWidget):
     """``label`` (the answer), ``caption``, ``table_title`` and ``table``; the generated
-    answer's tokens (``token_buttons``) and ``patterns``; it never runs the model."""
+    answer's tokens (``token_buttons``) and ``patterns``; it never runs the model.
+
+    Attributes:
+        run: the run drawn (:meth:`draw`), or None.
+        caption_of: ``caption_of(run) -> str``, the caption of a run drawn (default
+            :func:`run_caption`; the window sets one that adds a sample's expected answer).
+    """
 
     generate_requested = Signal(int)  # the most tokens to generate
     token_chosen = Signal(int)  # the answer token clicked (0 = the first)
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
+        self.run: ShownRun | None = None
+        self.caption_of: Callable[[ShownRun], str] = run_caption
+        self.pair_answers: list = []  # the pairs' answers shown (not a run: nothing recorded)
         self.answer_tokens: AnswerTokens | None = None
         self.token_buttons: list[QToolButton] = []
         self.generate_button = QPushButton("Generate")
@@ -174,6 +203,7 @@ class AnswerPanel(QWidget):
         layout.addWidget(self.table_title)
         layout.addWidget(self.table, stretch=1)
         layout.addWidget(self.patterns, stretch=1)
+        self.clear()  # as after draw(None, None): how to get an answer
 
     def set_generate_budget(self, tokens: int) -> None:
         self.max_tokens.setValue(int(tokens))
@@ -271,6 +301,32 @@ class AnswerPanel(QWidget):
 
     # ----- the answer read out
 
+    def draw(self, run: ShownRun | None, kind: str | None = None) -> None:
+        """Draw ``run`` (live or restored alike): the result of ``kind`` (default the first of
+        :data:`ANSWER_KINDS` it has): an answer with its alternatives, a generation's tokens, or a
+        read-out's answer (at the answer token it read, when it read at one); and the read-out's
+        answer patterns when the run has one. None clears the answer and the patterns (the
+        tokens are the answer-tokens component's)."""
+        self.run = run
+        if run is None:
+            self.clear()
+            return
+        analysis = analysis_of(run)
+        self.patterns.set_result(analysis)
+        if kind not in run.results:
+            kind = next((k for k in ANSWER_KINDS if k in run.results), None)
+        result, caption = run.results.get(kind), self.caption_of(run)
+        if kind == "answer":
+            self.show_answer(result, caption)
+        elif kind == "generate":
+            self.show_generated(result, caption)
+        elif kind == "analyze" and analysis.answer_text is not None:
+            self.show_answer_token(analysis.target, analysis.top, analysis.answer_text, caption)
+        elif kind == "analyze":
+            self.show_answer(answer_of(analysis), caption)  # its own forward's answer, not a second one
+        else:
+            self.clear()
+
     def clear(self) -> None:
         """The answer and the patterns go; the generated tokens stay (the window clears them when they answer nothing)."""
         self.label.setText(NO_ANSWER)
@@ -278,6 +334,7 @@ class AnswerPanel(QWidget):
         self.table_title.setText("")
         self.fill_table(["token", "probability"], [])
         self.patterns.set_result(None)
+        self.pair_answers = []
 
     def show_answer(self, result: core.Answer, caption: str) -> None:
         """One answer: ``answer: square  (p = 0.912)`` and its top alternatives."""
@@ -286,8 +343,9 @@ class AnswerPanel(QWidget):
         self.table_title.setText("top alternatives")
         self.fill_table(["token", "probability"], [(token, f"{prob:.3f}") for token, prob in result.top])
 
-    def show_generated(self, tokens: AnswerTokens, caption: str) -> None:
-        """A generated answer: ``answer: square yes zero`` and each token's probability when generated."""
+    def show_generated(self, tokens: Generation | AnswerTokens, caption: str) -> None:
+        """A generated answer (a :class:`core.generate.Generation`, or its :class:`AnswerTokens`):
+        ``answer: square yes zero`` and each token's probability when generated."""
         self.label.setText(f"answer: {tokens.text}" if tokens.token_ids else "answer: (no token)")
         self.caption.setText(caption)
         self.table_title.setText("generated tokens (click one above to read every panel at it)")
@@ -320,6 +378,7 @@ class AnswerPanel(QWidget):
         self, questions: Sequence[str], answers: Sequence[core.Answer], expected: Sequence[str | None] | None
     ) -> None:
         """Many pairs' answers, and how many match the expected answers where they are known."""
+        self.pair_answers = list(answers)  # not a run (nothing recorded): kept here, where they are shown
         expected = list(expected) if expected is not None else [None] * len(answers)
         known = [(a.answer, e) for a, e in zip(answers, expected, strict=True) if e is not None]
         self.label.setText(f"{len(answers)} pairs answered")

@@ -5,12 +5,14 @@ visual tokens and, separately, the mass on BOS / the sink (never folded into
 the visual mass). Clicking a cell selects that head: :attr:`AttentionPanel.head_selected`
 fires with ``(layer, head)`` (``layer`` is the block index of the analyze JSON)
 and the panel shows the head's entropy, argmax source, other mass and its
-patch map (patch-granular, not interpolated). Under the grids, the selected
+patch map (patch-granular, not interpolated). The panel draws itself from the run it is
+shown for (:meth:`AttentionPanel.draw`, the protocol of :class:`app.run_frame.RunFrame`).
+Under the grids, the selected
 head's text-side pattern: question token x question token (queries as rows,
 keys as columns, from the analyze JSON's ``text_patterns``), with the mass each
 row put on image / BOS / special keys stated beside it, since those keys are not
 drawn. A second tab shows per-head distributions over a dataset run
-(:func:`core.methods.patterns.pattern_statistics`) as box plots.
+(:class:`core.methods.patterns.PatternStatistics`, the ``statistics`` run kind) as box plots.
 
 :class:`HeatGrid` and :func:`token_grid` are shared with the other panels; the
 plain widgets (:func:`~app.widgets.plain_label`, :func:`~app.widgets.stacked`,
@@ -38,7 +40,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.panels import NO_ANALYSIS, READ_OUT
+from app.panels import NO_ANALYSIS, READ_OUT, analysis_of
 from app.widgets import (
     FOREGROUND,
     axis_font,
@@ -53,9 +55,10 @@ from app.widgets import (
 from core.methods.patterns import display_token
 
 if TYPE_CHECKING:
+    from app.components import ShownRun
     from core.analyze import AnalyzeResult
     from core.geometry import VisualToken
-    from core.methods.patterns import HeadSummary
+    from core.methods.patterns import HeadStatistics, HeadSummary, PatternStatistics
 
 MASS_MAP = "viridis"
 SINK_MAP = "CET-L12"  # light to dark blue: the sink grid never looks like the visual grid
@@ -437,6 +440,7 @@ class BoxPlot(pg.PlotWidget):
         axis.setTicks([[(i, self.labels[i]) for i in range(0, len(self.labels), step)]])
 
 
+# the metric shown -> (the HeadStatistics attribute it reads, the axis label)
 STAT_METRICS = {
     "visual mass": ("visual_mass", "mass on visual tokens"),
     "BOS / sink mass": ("sink_mass", "mass on BOS / sink"),
@@ -449,8 +453,8 @@ STAT_METRICS = {
 class AttentionPanel(QWidget):
     """Layer x head attention of the answer position.
 
-    Feed it with :meth:`set_result` (a :class:`core.analyze.AnalyzeResult`) and,
-    for a dataset run, :meth:`set_statistics`. Select a head with a click or
+    Drawn with :meth:`draw` (the run's analyze result; :meth:`set_result` draws one
+    result) and, for a dataset run, :meth:`set_statistics`. Select a head with a click or
     :meth:`select_head`.
 
     Signals:
@@ -461,8 +465,9 @@ class AttentionPanel(QWidget):
 
     def __init__(self, parent=None):
         super().__init__(parent)
+        self.run: ShownRun | None = None  # the run drawn (draw)
         self.result: AnalyzeResult | None = None
-        self.statistics: list[dict] = []
+        self.statistics: list[HeadStatistics] = []  # by block, then head
         self.n_samples: int | None = None
         self.layers: list[int] = []  # grid row -> block index
         self.heads: list[int] = []  # grid col -> head index
@@ -519,6 +524,13 @@ class AttentionPanel(QWidget):
 
     # ---- data in ----------------------------------------------------------
 
+    def draw(self, run: ShownRun | None, kind: str | None = None) -> None:
+        """Draw ``run``'s analyze result (live or restored alike); None clears. A new run is new
+        content, yet the head selected before stays selected where the new result has it (the
+        same head read at another token, or restored), without :attr:`head_selected`."""
+        self.run = run
+        self.set_result(analysis_of(run))
+
     def set_result(self, result: AnalyzeResult | None) -> None:
         """Show an analyze result (None clears). Keeps the selected head if it still exists."""
         self.result = result
@@ -556,24 +568,12 @@ class AttentionPanel(QWidget):
             self.patch_map.clear_grid()  # no "L1.H1: per patch" over an empty map
             self._show_text_pattern(None)
 
-    def set_statistics(self, statistics) -> None:
-        """Per-head distributions over a dataset run.
-
-        Args:
-            statistics: a :class:`core.methods.patterns.PatternStatistics`, a
-                dict ``{"n_samples", "heads": [HeadStatistics.to_dict(), ...]}``
-                or the list of head dicts; None clears.
-        """
-        if statistics is None:
-            heads, n = [], None
-        elif hasattr(statistics, "heads"):
-            heads, n = [h.to_dict() for h in statistics.heads], getattr(statistics, "n_samples", None)
-        elif isinstance(statistics, dict):
-            heads, n = list(statistics.get("heads", [])), statistics.get("n_samples")
-        else:
-            heads, n = list(statistics), None
-        self.statistics = sorted(heads, key=lambda h: (int(h["block"]), int(h["head"])))
-        self.n_samples = n
+    def set_statistics(self, statistics: PatternStatistics | None) -> None:
+        """Per-head distributions over a dataset run (a :class:`core.methods.patterns.PatternStatistics`,
+        computed now or a ``statistics`` run restored); None clears."""
+        heads = statistics.heads if statistics is not None else []
+        self.statistics = sorted(heads, key=lambda h: (h.block, h.head))
+        self.n_samples = statistics.n_samples if statistics is not None else None
         self.tabs.setTabEnabled(1, bool(self.statistics))
         self._draw_statistics()
 
@@ -691,13 +691,14 @@ class AttentionPanel(QWidget):
             self.stats_note.setText(NO_STATISTICS)
             return
         key, y_label = STAT_METRICS[self.metric_combo.currentText()]
-        labels = [h.get("name", f"{h['block']}.H{h['head']}") for h in self.statistics]
+        labels = [h.name for h in self.statistics]
         if key == "hit_rate":
-            chance = next((h["chance_hit_rate"] for h in self.statistics if h.get("chance_hit_rate") is not None), None)
-            self.box_plot.set_bars(labels, [h.get("hit_rate") for h in self.statistics], chance=chance, y_label=y_label)
+            chance = next((h.chance_hit_rate for h in self.statistics if h.chance_hit_rate is not None), None)
+            self.box_plot.set_bars(labels, [h.hit_rate for h in self.statistics], chance=chance, y_label=y_label)
             extra = f"dashed line: chance hit rate of a uniform head ({chance:.3f})" if chance is not None else ""
         else:
-            quantiles = [(h.get(key) or {}).get("quantiles") for h in self.statistics]
+            distributions = [getattr(h, key) for h in self.statistics]  # region_mass None: no target region
+            quantiles = [d.quantiles if d is not None else None for d in distributions]
             self.box_plot.set_boxes(labels, quantiles, y_label=y_label)
             extra = "box: 25-75 %, whiskers: 5-95 %, red line: median"
         n = f"{self.n_samples} samples" if self.n_samples is not None else "dataset run"

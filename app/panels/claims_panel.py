@@ -2,11 +2,20 @@
 validation chain (docs/METHODS.md §4.11), and read the verdict with its evidence.
 
 The panel never runs the model: Run emits :attr:`ClaimsPanel.run_requested` and
-the window reads the choices (:meth:`~ClaimsPanel.subjects`,
-:meth:`~ClaimsPanel.claim`, :meth:`~ClaimsPanel.dataset`, :meth:`~ClaimsPanel.n`,
-:meth:`~ClaimsPanel.uses_region`), runs :func:`core.validate.validate` in a
-worker and hands the :class:`core.validate.Validation` back with
-:meth:`~ClaimsPanel.show_validation`.
+the window asks the panel for the request its fields state
+(:meth:`~ClaimsPanel.validate_request`: a :class:`core.requests.ValidateRequest`, or
+a :class:`app.panels.run_requests.Refusal`), runs it in a worker and hands the
+:class:`core.validate.Validation` back with :meth:`~ClaimsPanel.show_claim` (a run
+restored from the History: :meth:`~ClaimsPanel.show_restored`).
+
+A claim is checked on a model, not on an input, so it does not join the
+workspace's shown run (a run of one image and question): there it would become
+the shown run whenever the input had moved on since the read-out, turning the
+selected component stale and parting the follow-ups from their read-out, and a
+new image would clear it. The panel keeps the claim it shows with the model it
+was checked on (:attr:`ClaimsPanel.claim_run`) and follows the workspace's input
+itself: another model, dtype, device or other weights clear it, saying so; a new
+image or question leaves it.
 
 * subject: a head (``L1.H1``; CoCa ``L1.xattn.H2``) or a route of one block
   (``L1.H0+L1.H1``), several separated by commas; a head selected in Attention
@@ -23,7 +32,9 @@ worker and hands the :class:`core.validate.Validation` back with
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyqtgraph as pg
@@ -46,9 +57,16 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.components import RunInput, ShownRun
 from app.components.selection import SelectedComponent, Selection, is_head
+from app.panels.run_requests import Refusal, RunningLine
 from app.widgets import ElidedLabel, boxed, plain_label, set_columns, set_title, split, stacked, style_plot, text_scroll
 from core.methods.labels.chain import SwapPair
+from core.requests import ValidateRequest
+
+if TYPE_CHECKING:
+    from app.components import Workspace
+    from core.session import Run
 
 COLUMNS = ("step", "title", "status", "key number", "n", "baselines (95% interval)")
 STATUS_COLUMN = COLUMNS.index("status")
@@ -57,28 +75,30 @@ DATASETS = {"bundled": "bundled samples", "scenes": "generated shape scenes", "f
 NO_RESULT = "no claim checked yet: name a head or route, state the claim, pick the data and Run"
 SUBJECT_HINT = "head or route: L1.H1, L1.H0+L1.H1 (several: comma-separated); a head selected in Attention or DLA"
 CLAIM_HINT = "the claim with its condition, e.g. 'L1.H1 reads the colour of the shape asked about, at the answer'"
+CLAIM_KINDS = ("validate",)  # the result kinds the panel draws
+# the RunInput fields that name the model a claim was checked on (the others name an input)
+MODEL_FIELDS = ("model_spec", "model_dtype", "model_device", "model_fingerprint")
 
 
 def _number(value) -> str:
     return "—" if value is None else f"{value:.3g}"
 
 
-def interval(stats: dict | None) -> str:
-    """`` [0.494, 1.01]``: a 95% interval (empty when the stats have none)."""
-    ci = (stats or {}).get("ci95") or [None, None]
-    return "" if None in ci else f" [{ci[0]:.3g}, {ci[1]:.3g}]"
+def interval(baseline) -> str:
+    """`` [0.494, 1.01]``: a baseline's 95% interval (empty when it has none)."""
+    ci = baseline.interval
+    return "" if ci is None else f" [{ci[0]:.3g}, {ci[1]:.3g}]"
 
 
 def baseline_line(step, baseline) -> str:
     """One baseline of a step: its value and 95% interval; step 6's are paired
     comparisons (the baseline against the candidate on one step's metric)."""
     if step.number == 6:
-        d = baseline.detail
         return (
-            f"step {d.get('step')} {baseline.kind}: {_number(baseline.value)} vs {_number(d.get('candidate'))}, "
-            f"difference{interval(d.get('paired_difference'))}"
+            f"step {baseline.compared_step} {baseline.kind}: {_number(baseline.value)} vs "
+            f"{_number(baseline.candidate_value)}, difference{interval(baseline)}"
         )
-    return f"{baseline.kind}: {_number(baseline.value)}{interval(baseline.detail.get('stats'))}"
+    return f"{baseline.kind}: {_number(baseline.value)}{interval(baseline)}"
 
 
 def baselines_cell(step) -> str:
@@ -129,13 +149,27 @@ class ClaimsPanel(QWidget):
 
     Signals:
         run_requested(): check the claim as the fields state it.
+        choices_changed(): a field changed (the subject, the claim, the data, the region box):
+            a refusal may be met.
+
+    Args:
+        selection: a head selected in Attention or DLA names the subject.
+        workspace: whose model the claim shown follows (default: the selection's).
+
+    Attributes:
+        validation: the :class:`core.validate.Validation` shown, or None.
+        claim_run: the run shown (:class:`app.components.ShownRun` of kind ``validate``, its
+            ``input`` the model it was checked on), or None.
     """
 
     run_requested = Signal()
+    choices_changed = Signal()
 
-    def __init__(self, selection: Selection, parent: QWidget | None = None):
+    def __init__(self, selection: Selection, workspace: Workspace | None = None, parent: QWidget | None = None):
         super().__init__(parent)
+        self.workspace = workspace if workspace is not None else selection.workspace
         self.validation = None  # the core.validate.Validation shown
+        self.claim_run: ShownRun | None = None
         self.folder: Path | None = None
         self.bundled: Path | None = None  # the bundled samples' folder (set by the window)
 
@@ -231,8 +265,19 @@ class ClaimsPanel(QWidget):
         layout.addWidget(self.condition_label)
         layout.addWidget(body, 1)
 
-        disconnect = selection.changed.connect(self._on_selection)
-        self.destroyed.connect(lambda *_: disconnect())  # the selection may outlive this widget
+        disconnects = [
+            selection.changed.connect(self._on_selection),
+            self.workspace.events.input_changed.connect(self._follow_model),
+        ]
+        self.destroyed.connect(lambda *_: [disconnect() for disconnect in disconnects])  # they may outlive it
+        for changed in (
+            self.subject_edit.textChanged,
+            self.claim_edit.textChanged,
+            self.dataset_combo.currentIndexChanged,
+            self.region_check.toggled,
+        ):
+            changed.connect(lambda *_: self.choices_changed.emit())
+        self.running = RunningLine(self.show_message, self.message_label)
         self.clear_result()
 
     # ----- choices -------------------------------------------------------
@@ -280,6 +325,90 @@ class ClaimsPanel(QWidget):
     def set_busy(self, busy: bool) -> None:
         self.run_button.setEnabled(not busy)
 
+    def run_buttons(self) -> tuple[QPushButton, ...]:
+        """The buttons that start a job (disabled while one runs)."""
+        return (self.run_button,)
+
+    # ----- the request -------------------------------------------------------
+
+    def validate_request(self, painted: Callable[[], np.ndarray]) -> ValidateRequest | Refusal:
+        """The claim as the fields state it, checked on its subjects and data (``painted()``: the
+        region painted in the Counterfactual tab, the target of the lines without a mask when the
+        box is ticked); or why it cannot run as stated (until the field is filled)."""
+        subjects, claim, dataset = self.subjects(), self.claim(), self.dataset()
+        if not subjects:
+            return Refusal(
+                "name a head or route (L1.H1, L1.H0+L1.H1), or select a head in Attention or DLA",
+                lambda: bool(self.subjects()),
+            )
+        if not claim:
+            return Refusal(
+                "state the claim: what the head or route is said to do, and on which inputs", lambda: bool(self.claim())
+            )
+        if dataset is None:
+            return Refusal(
+                "choose the dataset folder (holding a pairs JSONL), or another dataset",
+                lambda: self.dataset() is not None,
+            )
+        region = painted() if self.uses_region() else None
+        if region is not None and not region.any():
+            return Refusal(
+                "painted region: paint one in the Counterfactual tab, or untick its box",
+                lambda: not self.uses_region() or painted().any(),
+            )
+        n = self.n()
+        return ValidateRequest(
+            subjects=tuple(subjects), claim=claim, dataset=dataset, n=n, n_side=max(1, n // 3), region=region
+        )
+
+    def show_running(self, request: ValidateRequest) -> None:
+        """The "running: …" line of ``request``, until the job ends or its result is drawn."""
+        self.running.show(f"running: the seven-step chain on {', '.join(request.subjects)}…")
+
+    def end_running(self) -> None:
+        """The job ended: its "running: …" line goes (a message shown since stays)."""
+        self.running.end()
+
+    # ----- a claim drawn -----------------------------------------------------
+
+    def draw(self, run: ShownRun | None, kind: str | None = None) -> None:
+        """Draw ``run``'s ``validate`` result (a live run and a restored one alike; ``run.input``: the
+        model it was checked on); None, or a run without one, clears the panel."""
+        validation = run.results.get("validate") if run is not None else None
+        if validation is None:
+            self.clear_result()
+            return
+        self.claim_run = run
+        self.show_validation(validation)
+        self.running.end()  # its result is drawn
+
+    def show_claim(self, validation, run_id: int | None, made_for: RunInput) -> None:
+        """Show a claim just checked: ``validation`` (recorded as run ``run_id``) on the model of
+        ``made_for`` (the input the job was started with, its model as loaded)."""
+        self.draw(ShownRun(run_id, "validate", made_for, {"validate": validation}))
+
+    def show_restored(self, run: Run, made_for: RunInput, not_restored: str | None = None) -> None:
+        """Show a recorded ``validate`` run (``run.readout``) restored from the History, checked on
+        the model of ``made_for``; the message line says it was restored, or (red) what of its
+        choices could not be (``not_restored``)."""
+        self.draw(ShownRun(run.id, "validate", made_for, {"validate": run.readout}))
+        self.show_message(
+            not_restored or f"run #{run.id} of {run.created}, restored from the History", error=bool(not_restored)
+        )
+
+    def _follow_model(self, fields: tuple) -> None:
+        """Another model picked (or other weights loaded): the claim checked on the previous one goes."""
+        made_for = self.claim_run.input if self.claim_run is not None else None
+        if made_for is None or not set(MODEL_FIELDS).intersection(fields):
+            return
+        now = self.workspace.input
+        other_weights = made_for.model_fingerprint and now.model_fingerprint not in (None, made_for.model_fingerprint)
+        if made_for.model_choice() != now.model_choice() or other_weights:
+            self.clear_result(
+                f"the claim shown was checked on {made_for.model_label()}; the model is now "
+                f"{now.model_label() if now.model_spec else 'none'}: run it again, or restore it from the History"
+            )
+
     def show_message(self, message: str, *, error: bool = False) -> None:
         """One line under the fields (red for an error); empty clears it."""
         self.message_label.setStyleSheet("color: #c00000;" if error else "color: #333;")
@@ -305,7 +434,7 @@ class ClaimsPanel(QWidget):
 
     def clear_result(self, note: str = "") -> None:
         """Nothing shown (``note``: why, in place of the verdict)."""
-        self.validation = None
+        self.validation = self.claim_run = None
         self.chain_combo.clear()
         self.chain_combo.setEnabled(False)
         self.verdict_label.setText(note or NO_RESULT)

@@ -2,19 +2,25 @@
 read the result beside the edited image.
 
 The panel never runs the model. "Run" emits ``run_requested(mask, fill,
-fill_options)`` and "Occlusion sweep" emits ``sweep_requested(k)``; whoever
-owns the model runs :func:`core.methods.counterfactual.region_counterfactual`
-(or ``occlusion_sweep``) in a worker and hands the result back with
-:meth:`CounterfactualPanel.set_result` / :meth:`CounterfactualPanel.set_sweep`.
-The result layout is the ``counterfactual`` JSON of docs/ARCHITECTURE.md
-(``RegionCounterfactual.to_dict()``); the sweep is ``OcclusionMap.to_dict()``.
+fill_options)`` and "Occlusion sweep" emits ``sweep_requested(k)``; the window
+builds the request from the panel's controls (:meth:`CounterfactualPanel.counterfactual_request`,
+:meth:`~CounterfactualPanel.sweep_request`: a :class:`core.requests.CounterfactualRequest` /
+:class:`core.requests.SweepRequest`, or a :class:`app.panels.run_requests.Refusal`) and runs it.
+
+The panel draws itself from the run its view shows (:meth:`CounterfactualPanel.draw`, the
+protocol of :class:`app.run_frame.RunFrame`; kinds :data:`DRAWN_KINDS`): the region
+counterfactual (:class:`core.methods.counterfactual.RegionCounterfactual`), the occlusion map
+(:class:`core.methods.counterfactual.OcclusionMap`), the interventions table it hosts
+(:meth:`CounterfactualPanel.host_interventions`) and the visual-token grid of the run's
+read-out, a live run and a restored one alike. The painted region and the image are the
+run's inputs, not its results: a draw leaves them as they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyqtgraph as pg
@@ -46,13 +52,24 @@ from PySide6.QtWidgets import (
 )
 
 from app.canvas import ImageCanvas
+from app.panels import analysis_of
+from app.panels.run_requests import Refusal, RunningLine, read_source
 from app.widgets import ElidedLabel, box, boxed, plain_label, split, stacked
 from core.methods.counterfactual import FILLS, Fill, OcclusionMap, RegionCounterfactual
+from core.requests import CounterfactualRequest, SweepRequest
+
+if TYPE_CHECKING:
+    from app.components import ShownRun
+    from app.panels.intervention_panel import InterventionPanel
+    from core.analyze import AnalyzeResult
 
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp);;All files (*)"
 TOOLS = (("brush", "Brush", "B"), ("eraser", "Eraser", "E"), ("box", "Box", "R"), ("view", "Pan", "H"))
 NO_PASTE_SOURCE = "no image chosen"
 PAINT_FIRST = "paint a region first (brush or box), then Run"  # Run's refusal, until a region is painted
+NO_PASTE = "the paste fill needs another image: choose one with Image…"
+# the result kinds the panel draws (its view's, app.run_frame): the painter's grid is the read-out's tokens
+DRAWN_KINDS = ("counterfactual", "sweep", "intervention", "analyze")
 
 
 def recorded_fill(fill: Fill) -> tuple[str, dict]:
@@ -120,9 +137,9 @@ class CounterfactualPanel(QWidget):
     """Paint a region on the image, choose a fill, and read the answer change
     and the region's routing read-outs side by side.
 
-    Data in: :meth:`set_image`, :meth:`set_tokens` (grid on the canvases),
-    :meth:`set_token_note`, :meth:`set_result`, :meth:`set_sweep`,
-    :meth:`set_busy`, :meth:`show_message`.
+    Data in: :meth:`set_image` (the input), :meth:`draw` (a run's results: the answer change,
+    the occlusion map, the interventions table, the read-out's token grid), :meth:`set_busy`,
+    :meth:`show_message`; the requests out: :meth:`counterfactual_request`, :meth:`sweep_request`.
 
     Signals:
         run_requested(mask, fill, fill_options): ``mask`` ``(H, W)`` bool on
@@ -146,8 +163,10 @@ class CounterfactualPanel(QWidget):
         self.result: RegionCounterfactual | None = None
         self.sweep: OcclusionMap | np.ndarray | None = None
         self.paste_source: str | None = None
+        self.interventions: InterventionPanel | None = None  # the hosted Interventions box (host_interventions)
         self._color = (128, 128, 128)
         self._build()
+        self.running = RunningLine(self.show_message, self.message_label)
         self.set_busy(False)
         self._update_region_label(self.canvas.mask())
 
@@ -384,9 +403,20 @@ class CounterfactualPanel(QWidget):
         change; :meth:`show_results` brings it up."""
         self.numbers_tabs.addTab(widget, title)
 
+    def host_interventions(self, panel: InterventionPanel) -> None:
+        """The Interventions box: its controls in the controls column beside the painter (on screen
+        with it), its results table in a tab beside the answer change; :meth:`draw` draws it too."""
+        self.add_controls(panel)
+        self.add_results(panel.results, "Interventions")
+        self.interventions = panel
+
     def show_results(self, widget: QWidget | None = None) -> None:
         """Bring up the results tab of ``widget`` (None: the answer change)."""
         self.numbers_tabs.setCurrentIndex(0 if widget is None else self.numbers_tabs.indexOf(widget))
+
+    def run_buttons(self) -> tuple[QPushButton, ...]:
+        """The buttons that start a job (disabled while one runs)."""
+        return self.run_button, self.sweep_button
 
     def sizeHint(self) -> QSize:  # noqa: N802 (Qt's name)
         """Preferred height = minimum height: the panel fills the height it is given, and a
@@ -527,32 +557,90 @@ class CounterfactualPanel(QWidget):
     # ----- actions -------------------------------------------------------
 
     def request_run(self) -> bool:
-        """Emit ``run_requested(mask, fill, options)``; False (and a message) when
+        """Emit ``run_requested(mask, fill, options)``; False (and the reason in the panel) when
         there is no image, no painted pixel, or a paste fill without a source."""
-        if self.image is None:
-            self.show_message("no image to edit", error=True)
-            return False
         mask = self.canvas.mask()
-        if not mask.any():
-            self.show_message(PAINT_FIRST, error=True)
-            return False
         kind, options = self.fill_choice()
-        if kind == "paste" and not options.get("paste_from"):
-            self.show_message("the paste fill needs another image: choose one with Image…", error=True)
+        refusal = self._fill_refusal(kind, options, mask)
+        if refusal is not None:
+            self.show_message(refusal.message, error=True)
             return False
-        self.show_message(f"running: {kind} fill over {int(mask.sum())} px…")
         self.run_requested.emit(mask, kind, options)
         return True
 
     def request_sweep(self) -> bool:
-        """Emit ``sweep_requested(k)``; False without an image."""
-        if self.image is None:
-            self.show_message("no image to sweep", error=True)
+        """Emit ``sweep_requested(k)``; False (and the reason in the panel) without an image, or
+        with a paste fill without a source."""
+        kind, options = self.fill_choice()
+        refusal = self._fill_refusal(kind, options)
+        if refusal is not None:
+            self.show_message(refusal.message, error=True)
             return False
-        k = int(self.sweep_k.value())
-        self.show_message(f"running the occlusion sweep ({k}x{k} patches per cell, {self.fill_combo.currentText()})…")
-        self.sweep_requested.emit(k)
+        self.sweep_requested.emit(int(self.sweep_k.value()))
         return True
+
+    def counterfactual_request(
+        self, asked: Mapping, mask: np.ndarray | None = None, fill: str | None = None, options: dict | None = None
+    ) -> CounterfactualRequest | Refusal:
+        """The region counterfactual of the asked input (``asked``: the
+        :class:`core.requests.base.AskedRequest` fields the window gives), filling ``mask`` with
+        ``fill`` and its ``options`` (None: the painted region, the chosen fill: what
+        :attr:`run_requested` carries); or why it cannot run."""
+        mask = self.canvas.mask() if mask is None else mask
+        if fill is None:
+            fill, options = self.fill_choice()
+        fields = self._fill_fields(fill, options or {}, mask)
+        if isinstance(fields, Refusal):
+            return fields
+        return CounterfactualRequest(**asked, mask=mask, fill=fill, **fields)
+
+    def sweep_request(self, asked: Mapping, k: int | None = None) -> SweepRequest | Refusal:
+        """The occlusion sweep of the asked input with ``k`` x ``k`` cells (None: the panel's k) and
+        the chosen fill; or why it cannot run."""
+        k = int(self.sweep_k.value()) if k is None else int(k)
+        fill, options = self.fill_choice()
+        fields = self._fill_fields(fill, options)
+        if isinstance(fields, Refusal):
+            return fields
+        return SweepRequest(**asked, k=k, fill=fill, **fields)
+
+    def show_running(self, request: CounterfactualRequest | SweepRequest) -> None:
+        """The "running: …" line of ``request`` (the panel's), until the job ends or its result is drawn."""
+        if request.name == "sweep":
+            k = request.k
+            self.running.show(f"running the occlusion sweep ({k}x{k} patches per cell, {request.fill})…")
+        else:
+            self.running.show(f"running: {request.fill} fill over {int(np.count_nonzero(request.mask))} px…")
+
+    def end_running(self) -> None:
+        """The job ended: its "running: …" line goes (a message shown since stays)."""
+        self.running.end()
+
+    def _fill_refusal(self, fill: str, options: dict, mask: np.ndarray | None = None) -> Refusal | None:
+        """Why a fill of ``mask`` (None: a sweep, which fills every cell) cannot run: no image, no
+        painted pixel (until one is painted), a paste fill without a source; None when it can."""
+        if self.image is None:
+            return Refusal("no image to edit" if mask is not None else "no image to sweep")
+        if mask is not None and not mask.any():
+            return Refusal(PAINT_FIRST, lambda: self.canvas.mask().any())
+        if fill == "paste" and not options.get("paste_from"):
+            return Refusal(NO_PASTE)
+        return None
+
+    def _fill_fields(self, fill: str, options: dict, mask: np.ndarray | None = None) -> dict | Refusal:
+        """A fill request's fields of the fill options (a paste source read into pixels, with the
+        file it was read from), or why it cannot run."""
+        refusal = self._fill_refusal(fill, options, mask)
+        if refusal is not None:
+            return refusal
+        fields = dict(options)
+        source = fields.pop("paste_from", None)
+        if source is not None:
+            pixels = read_source(source)
+            if isinstance(pixels, Refusal):
+                return pixels
+            fields.update(paste_from=pixels, paste_from_path=str(source))
+        return fields
 
     def _on_mask_changed(self, mask: np.ndarray) -> None:
         self._update_region_label(mask)
@@ -586,6 +674,39 @@ class CounterfactualPanel(QWidget):
         self.region_label.setText(f"region: {area} px, touches {touched} of {len(self.canvas.cells)} patch tokens")
 
     # ----- results -------------------------------------------------------
+
+    def draw(self, run: ShownRun | None, kind: str | None = None) -> None:
+        """Draw ``run``'s results of :data:`DRAWN_KINDS` (a live run and a restored one alike): the
+        answer change, the occlusion map, the interventions table and the visual-token grid of its
+        read-out, each emptied when the run has none; the tab of ``kind`` (the result just shown)
+        comes up. None clears them all; the painted region and the image stay (they are inputs)."""
+        results = run.results if run is not None else {}
+        self.draw_tokens(analysis_of(run))
+        counterfactual, sweep = results.get("counterfactual"), results.get("sweep")
+        if counterfactual is not None:
+            self.set_result(counterfactual)
+        else:
+            self.clear_result()
+        if sweep is not None:
+            self.set_sweep(sweep)
+        else:
+            self.clear_sweep()
+        if self.interventions is not None:
+            self.interventions.draw(run, kind)
+        tabs = {"counterfactual": None, "sweep": self.sweep_box}
+        if self.interventions is not None:
+            tabs["intervention"] = self.interventions.results
+        if kind in tabs and kind in results:  # the result just made (or restored) is what to see
+            self.show_results(tabs[kind])
+        self.running.end()  # its result is drawn
+
+    def draw_tokens(self, analysis: AnalyzeResult | None) -> None:
+        """The patch grid of ``analysis``'s visual tokens and the note on their layout, on the
+        painter (as the main canvas draws them: :meth:`app.canvas.ImageCanvas.draw_tokens`); None
+        clears them."""
+        self.tokens = list(analysis.input.visual_tokens) if analysis is not None else []
+        self.canvas.draw_tokens(analysis)
+        self._update_region_label(self.canvas.mask())
 
     def set_result(self, result: RegionCounterfactual, edited_image=None) -> None:
         """Show a region counterfactual (made now, or restored from a session). ``edited_image``
@@ -623,8 +744,6 @@ class CounterfactualPanel(QWidget):
         else:
             self.edited_view.set_image(None, "edited image: not in the result")
         self._show_routing()
-        self.show_message("")
-        self.show_results()
 
     def _show_routing(self) -> None:
         routing = self.result.routing if self.result is not None else None
@@ -700,8 +819,6 @@ class CounterfactualPanel(QWidget):
             parts.append(f"{int((~finite).sum())} cells not run")
         parts.append("patch-granular: each cell filled on its own")
         self.sweep_summary.setText("; ".join(parts))
-        self.show_message("")
-        self.numbers_tabs.setCurrentWidget(self.sweep_box)  # the map just made (or restored) is what to see
 
     def clear_sweep(self) -> None:
         self.sweep = None

@@ -12,9 +12,11 @@ sorted by magnitude, the top k shown. The convention combo picks the field:
   :func:`core.methods.residual.compare_with_rerun`, given with :meth:`DLAPanel.set_rerun`.
 
 The reconstruction error and the convention's caveat are always shown.
-Selecting a head's bar enables "sources of ...", which emits
-:attr:`DLAPanel.sources_requested`; the lead computes the head's per-source
-contributions and hands them back with :meth:`DLAPanel.set_sources`.
+The panel draws itself from the run it is shown for (:meth:`DLAPanel.draw`, the
+protocol of :class:`app.run_frame.RunFrame`). Selecting a head's bar enables
+"sources of ...", which emits :attr:`DLAPanel.sources_requested`; the window
+computes the head's per-source contributions for the drawn run (:attr:`DLAPanel.run`)
+and hands them back with :meth:`DLAPanel.set_sources`.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.panels import NO_ANALYSIS
+from app.panels import NO_ANALYSIS, analysis_of
 from app.panels.attention_panel import SIGNED_MAP, HeatGrid, block_names, is_cross_block, token_grid
 from app.widgets import FOREGROUND, plain_label, set_title, split, stacked, style_plot
 
 if TYPE_CHECKING:
+    from app.components import ShownRun
     from core.analyze import AnalyzeResult
     from core.methods.residual import Component, RerunRow
 
@@ -114,7 +117,7 @@ def component_kind(name: str) -> str:
         return "bias"
     m = HEAD_NAME.match(name)
     if m:
-        return "cross-attention head" if is_cross_block(m["block"]) else "attention head"
+        return "cross-attention head" if is_cross_block(m.group("block")) else "attention head"
     if name.endswith(".mlp"):
         return "MLP"
     return "other"
@@ -139,7 +142,8 @@ def _number(value: float | None) -> float:
 class DLAPanel(QWidget):
     """Per-component direct logit attribution under a chosen convention.
 
-    Setters: :meth:`set_result` (an AnalyzeResult), :meth:`set_rerun` (re-run rows),
+    Drawn with :meth:`draw` (the run's analyze result; :meth:`set_result` draws one
+    result). Setters: :meth:`set_rerun` (re-run rows),
     :meth:`set_convention`, :meth:`set_top_k`, :meth:`select_component` /
     :meth:`select_head`, :meth:`set_sources` (a head's per-visual-token values).
 
@@ -157,6 +161,7 @@ class DLAPanel(QWidget):
 
     def __init__(self, parent=None):
         super().__init__(parent)
+        self.run: ShownRun | None = None  # the run drawn (draw): a head's sources are computed for it
         self.result: AnalyzeResult | None = None
         self.rerun_rows: list[RerunRow] = []
         self.rank_correlation: dict | None = None
@@ -237,8 +242,15 @@ class DLAPanel(QWidget):
         layout.addWidget(self.sum_label)
         layout.addWidget(self.caveat_label)
         layout.addWidget(splitter, 1)
+        self.set_result(None)  # as after draw(None, None): the convention's caveat, no components
 
     # ---- data in ----------------------------------------------------------
+
+    def draw(self, run: ShownRun | None, kind: str | None = None) -> None:
+        """Draw ``run``'s analyze result (live or restored alike); None clears. The component
+        selected before stays selected where the new result has it."""
+        self.run = run
+        self.set_result(analysis_of(run))
 
     def set_result(self, result: AnalyzeResult | None) -> None:
         """Show an analyze result (None clears); re-run rows and sources of an older result are dropped."""
@@ -369,9 +381,10 @@ class DLAPanel(QWidget):
         if not m:
             return None
         index = {v: k for k, v in block_names(self.result).items()}
-        if m["block"] not in index:
+        block, head = m.group("block", "head")
+        if block not in index:
             return None
-        return index[m["block"]], int(m["head"])
+        return index[block], int(head)
 
     def _redraw(self, *_args) -> None:
         conv = self.convention()

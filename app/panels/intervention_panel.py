@@ -2,12 +2,16 @@
 
 The controls (:class:`InterventionPanel`) sit in the Counterfactual tab's
 controls column; the table (:class:`InterventionResults`, ``panel.results``)
-beside the answer change. The panel never runs the model: Ablate and Patch
-emit :attr:`InterventionPanel.ablate_requested` /
-:attr:`InterventionPanel.patch_requested` and the window reads the choices
-(:meth:`~InterventionPanel.kind`, :meth:`~InterventionPanel.positions`,
-:meth:`~InterventionPanel.source`, :meth:`~InterventionPanel.site_choice`),
-runs the job and hands the result back with :meth:`InterventionPanel.show_result`.
+beside the answer change
+(:meth:`app.panels.counterfactual_panel.CounterfactualPanel.host_interventions`).
+The panel never runs the model: Ablate and Patch emit
+:attr:`InterventionPanel.ablate_requested` / :attr:`InterventionPanel.patch_requested`;
+the window asks the panel for the request its choices make
+(:meth:`~InterventionPanel.ablation_request`, :meth:`~InterventionPanel.patch_request`:
+a :class:`core.requests.AblationRequest` / :class:`core.requests.PatchingRequest`, or
+a :class:`app.panels.run_requests.Refusal`) and runs it. The table draws the
+intervention result of the run the Counterfactual tab shows
+(:meth:`InterventionPanel.draw`, a live run and a restored one alike).
 
 * component: the one selected last in Attention, DLA or Lens
   (:class:`app.components.selection.Selection`), named with its view;
@@ -30,9 +34,11 @@ the choices it was made with (:meth:`InterventionPanel.restore_choices`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -47,10 +53,19 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+import core
 from app.components.selection import SelectedComponent, Selection
+from app.panels import analysis_of
+from app.panels.run_requests import Refusal, RunningLine, read_source, selected_other_than
 from app.widgets import ElidedLabel, plain_label, set_columns
 from core.methods.interventions import InterventionResult, VisualPatchResult
+from core.requests import AblationRequest, PatchingRequest
 from core.requests.patching import ALL_VISUAL_TOKENS
+from core.requests.recorded import RecordedParameters
+
+if TYPE_CHECKING:
+    from app.components import ShownRun
+    from core.analyze import AnalyzeResult
 
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
 KINDS = {"zero": "zero", "mean": "mean", "resample": "resample"}  # engine kind -> combo text
@@ -185,16 +200,23 @@ class InterventionPanel(QWidget):
     Signals:
         ablate_requested(): ablate the selected component with the chosen kind and positions.
         patch_requested(): patch the chosen site from the chosen source image.
+        choices_changed(): the positions or the source image chosen changed (a refusal may be met).
+
+    Attributes:
+        analysis: the read-out of the run drawn (:meth:`draw`): an ablation's component is named
+            in its blocks.
     """
 
     ablate_requested = Signal()
     patch_requested = Signal()
+    choices_changed = Signal()
 
     def __init__(self, selection: Selection, parent: QWidget | None = None):
         super().__init__(parent)
         self.selection = selection
         self.references: list[Path] = []
         self.reference_set = ""
+        self.analysis: AnalyzeResult | None = None
         self.results = InterventionResults()
 
         self.component_label = ElidedLabel(NO_SELECTION, lines=2, selectable=True)
@@ -249,6 +271,9 @@ class InterventionPanel(QWidget):
         layout.addWidget(group)
 
         self.kind_combo.currentIndexChanged.connect(lambda _i: self._show_reference())
+        self.positions_combo.currentIndexChanged.connect(lambda _i: self.choices_changed.emit())
+        self.source_combo.currentIndexChanged.connect(lambda _i: self.choices_changed.emit())
+        self.running = RunningLine(self.show_message, self.message_label)
         self.site_combo.currentIndexChanged.connect(lambda _i: self._fill_blocks())
         self._blocks: list[tuple[str, str]] = []
         self._pending_site: tuple[str, int | None] | None = None  # chosen before the model's sites were known
@@ -366,11 +391,11 @@ class InterventionPanel(QWidget):
         return site, layer
 
     def restore_choices(
-        self, parameters: Mapping, result: InterventionResult | VisualPatchResult, run_id: int
+        self, recorded: RecordedParameters, result: InterventionResult | VisualPatchResult, run_id: int
     ) -> list[str]:
         """Choose what intervention run ``run_id`` was made with, from its ``result`` (a patch's site,
-        block, token sets and source image; an ablation's kind) and the request's recorded
-        ``parameters`` (an ablation's positions, references and source image). What cannot be chosen
+        block, token sets and source image; an ablation's kind) and what its request recorded
+        (``recorded``: an ablation's positions, references and source image). What cannot be chosen
         again (a source image that was no file, another reference set, a run not made from these
         controls) is said in red in the box and returned."""
         notes = []
@@ -381,14 +406,14 @@ class InterventionPanel(QWidget):
                 notes.append(f"run #{run_id} patched at a site not offered here ({e})")
             self.set_positions("all" if any(r.name == ALL_VISUAL_TOKENS for r in result.rows) else "region")
             notes += self._restore_source(result.source_image_path, run_id)
-        elif result.ablation in KINDS and parameters.get("positions") in POSITIONS:
+        elif result.ablation in KINDS and recorded.positions in POSITIONS:
             kind = result.ablation
             self.set_kind(kind)
-            self.set_positions(parameters["positions"])
+            self.set_positions(recorded.positions)
             if kind == "resample":
-                notes += self._restore_source(parameters.get("source_image"), run_id)
-            recorded = [Path(p) for p in parameters.get("reference_images") or ()]
-            if kind == "mean" and recorded != self.references:
+                notes += self._restore_source(recorded.source_image, run_id)
+            references = [Path(p) for p in recorded.reference_images]
+            if kind == "mean" and references != self.references:
                 notes.append(
                     f"run #{run_id} took its mean over other reference images than the {self.reference_set} ones"
                 )
@@ -422,14 +447,118 @@ class InterventionPanel(QWidget):
         self.message_label.setStyleSheet("color: #c00000;" if error else "color: #333;")
         self.message_label.setText(" ".join(text.split()))
 
-    def show_result(self, result: InterventionResult | VisualPatchResult) -> None:
-        """Show an intervention result in the table."""
-        self.results.show_result(result)
-        self.show_message("")
+    def run_buttons(self) -> tuple[QPushButton, ...]:
+        """The buttons that start a job (disabled while one runs)."""
+        return self.ablate_button, self.patch_button
 
-    def clear_result(self) -> None:
-        self.results.clear()
-        self.show_message("")
+    # ----- a run drawn ---------------------------------------------------
+
+    def draw(self, run: ShownRun | None, kind: str | None = None) -> None:
+        """Draw ``run``'s intervention result in the table (a live run and a restored one alike;
+        none: empty) and keep its read-out, whose blocks an ablation names its component in.
+        None clears the table."""
+        self.analysis = analysis_of(run)
+        result = run.results.get("intervention") if run is not None else None
+        if result is None:
+            self.results.clear()
+        else:
+            self.results.show_result(result)
+            self.running.end()  # its result is drawn
+
+    def shown_head(self) -> tuple[int, int] | None:
+        """``(block, head)`` of the head the shown ablation edits (None: a patch, another
+        component, nothing shown): a restored ablation selects it in Attention."""
+        result = self.results.result
+        return result.ablated_head() if result is not None else None
+
+    # ----- the requests ----------------------------------------------------
+
+    def ablation_request(self, asked: Mapping, painted: Callable[[], np.ndarray]) -> AblationRequest | Refusal:
+        """Ablate the component selected last in Attention, DLA or Lens with the chosen kind (zero,
+        mean over the references, resample from the source image) and positions, on the asked input
+        (``asked``: the :class:`core.requests.base.AskedRequest` fields; ``painted()``: the painted
+        region now); or why it cannot run as chosen."""
+        selected = self.selection.current
+        selected_again = selected_other_than(self.selection, selected)
+        if selected is None:
+            return Refusal(
+                "select a component first: Read out, then click a head (Attention), a bar (DLA) or a lens row (Lens)",
+                selected_again,
+            )
+        if selected.stale:
+            return Refusal(
+                f"{selected.name} was selected in another read-out than the one shown: select it again", selected_again
+            )
+        from core.methods.component_ablation import parse_component  # loaded with the read-out it was selected in
+
+        blocks = self.analysis.block_names if self.analysis is not None else {}
+        try:
+            parse_component(selected.name, [blocks[i] for i in sorted(blocks)])  # embed, a bias: no write to ablate
+        except core.ReadoutError as e:
+            return Refusal(str(e), selected_again)
+        kind, positions = self.kind(), self.positions()
+        mask = painted() if positions == "region" else None
+        if mask is not None and not mask.any():
+            return Refusal(
+                "positions 'painted region': paint a region in the Counterfactual tab",
+                lambda: self.positions() != "region" or painted().any(),
+            )
+        chosen = {}  # the mean's references, the resample's source image
+        if kind == "mean":
+            if not self.references:
+                return Refusal("mean ablation: no reference images (the bundled samples are missing)")
+            chosen = {"references": tuple(str(r) for r in self.references), "reference_set": self.reference_set}
+        elif kind == "resample":
+            source = self.source()
+            if source is None:
+                return Refusal(
+                    "resample ablation: choose a source image (a sample or File…)", lambda: self.source() is not None
+                )
+            source_image = read_source(source)
+            if isinstance(source_image, Refusal):
+                return source_image
+            chosen = {"source_image": source_image, "source_image_path": str(source)}
+        return AblationRequest(
+            **asked, component=selected.name, selected_in=selected.view, ablation=kind, positions=positions,
+            mask=mask, **chosen,
+        )  # fmt: skip
+
+    def patch_request(
+        self, asked: Mapping, painted: Callable[[], np.ndarray], source=None
+    ) -> PatchingRequest | Refusal:
+        """Patch visual-token features from ``source`` (an image: a path, pixels; None: the chosen
+        source image) into the asked input and back, at the chosen site: the painted region's
+        tokens (``painted()``), or every visual token with "all positions"; or why it cannot run."""
+        source = self.source() if source is None else source
+        if source is None:
+            return Refusal("patching: choose a source image (a sample or File…)", lambda: self.source() is not None)
+        mask = None if self.positions() == "all" else painted()
+        if mask is not None and not mask.any():
+            return Refusal(
+                "patching: paint a region in the Counterfactual tab (or choose all positions: every visual token)",
+                lambda: self.positions() == "all" or painted().any(),
+            )
+        source_image = read_source(source)
+        if isinstance(source_image, Refusal):
+            return source_image
+        # the source image as given (None for pixels): the result records it with its hash, so the
+        # audit row names what was patched in
+        source_path = str(source) if isinstance(source, (str, Path)) else None
+        site, layer = self.site_choice()
+        return PatchingRequest(
+            **asked, source_image=source_image, source_image_path=source_path, mask=mask, site=site, layer=layer
+        )
+
+    def show_running(self, request: AblationRequest | PatchingRequest) -> None:
+        """The "running: …" line of ``request`` (the panel's), until the job ends or its result is drawn."""
+        if request.name == "ablation":
+            self.running.show(f"running: {request.component} {request.ablation} ablation…")
+        else:
+            self.running.show(f"running: patching at {request.site or 'the earliest visual site'}…")
+
+    def end_running(self) -> None:
+        """The job ended: its "running: …" line goes (a message shown since stays)."""
+        self.running.end()
 
     # ----- drawing -------------------------------------------------------
 

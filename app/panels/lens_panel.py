@@ -3,9 +3,11 @@
 Three stacked curves over layers (x = the residual stream entering block l;
 the last point, "final", is after the last block): the answer's rank, the
 logit difference (or the answer logit when there is no foil) and the KL of
-the final distribution to the layer's read-out. The logit lens comes from the
-analyze dict; more readers (a tuned lens, its identity / mean / random
-baselines) are overlaid with :meth:`LensPanel.set_readers`. A table lists the
+the final distribution to the layer's read-out. The panel draws itself from the
+run it is shown for (:meth:`LensPanel.draw`, the protocol of
+:class:`app.run_frame.RunFrame`): the analyze result's logit lens, and the
+readers of its ``tuned_lens`` section (a tuned lens, its mean / random
+baselines) overlaid; :meth:`LensPanel.set_readers` overlays others. A table lists the
 top tokens of one reader per layer; clicking a row selects that layer
 (:attr:`LensPanel.layer_selected`: the row reads the residual entering block l,
 so it names what the blocks before l wrote).
@@ -32,13 +34,15 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.panels import NO_ANALYSIS
+from app.panels import NO_ANALYSIS, analysis_of
 from app.panels.attention_panel import block_names
 from app.widgets import axis_font, box, plain_label, set_title, split, stacked, style_plot, tick_step
 from core.methods.logit_lens import LensRow
 
 if TYPE_CHECKING:
+    from app.components import ShownRun
     from core.analyze import AnalyzeResult
+    from core.methods.tuned_lens.evaluate import ReaderMetrics
 
 LOGIT_LENS = "logit lens"
 READER_COLORS = ["#1f5fb4", "#e0701b", "#2a9d3a", "#c0392b", "#8e44ad", "#7f7f7f", "#b8860b", "#17becf"]
@@ -46,20 +50,18 @@ NOTE = (
     "x: the residual stream entering each block; 'final' is after the last block (what the model outputs). "
     "Poor read-out at a layer can be a coordinate mismatch, not absence; good read-out does not prove use."
 )
-PLOTS = ("rank", "logit", "kl")
+PLOTS = (RANK, LOGIT, KL) = ("rank", "logit", "kl")  # the stacked plots, top first
 TOP_HEADER = "top tokens (p)"
 
 
-def lens_row(row: LensRow | Mapping) -> LensRow:
-    """A reader's row as drawn: a :class:`core.methods.logit_lens.LensRow` as it is; an
-    ``eval-lens`` row (``{layer, answer_rank_mean, kl_bits}``: a mean rank, a KL in bits)
-    as one, its KL in nats and its missing numbers None."""
-    if isinstance(row, LensRow):
-        return row
-    kl = row.get("kl_bits")
+def metrics_row(layer: int, metrics: ReaderMetrics) -> LensRow:
+    """An ``eval-lens`` reader at lens layer ``layer`` (its
+    :class:`core.methods.tuned_lens.evaluate.ReaderMetrics`: a mean rank, a KL in bits) as a
+    row the panel draws: its KL in nats, the numbers it has not (logits, top tokens) None."""
+    kl = metrics.kl_bits
     return LensRow(
-        layer=row["layer"],
-        answer_rank=row.get("answer_rank_mean"),
+        layer=int(layer),
+        answer_rank=metrics.answer_rank_mean,
         answer_logit=None,
         logit_diff=None,
         kl_to_final=None if kl is None else float(kl) * math.log(2),
@@ -87,10 +89,11 @@ def legend_html(names: Sequence[str]) -> str:
 class LensPanel(QWidget):
     """Per-layer answer rank, logit difference and KL to final, for one or more readers.
 
-    Setters: :meth:`set_result` (an AnalyzeResult: its ``logit_lens`` rows),
-    :meth:`set_readers` (``{name: rows}`` overlaid on the logit lens; rows are
-    :class:`core.methods.logit_lens.LensRow` s like ``logit_lens``, numbers that
-    are None skipped; ``eval-lens`` rows are accepted too, :func:`lens_row`).
+    Drawn with :meth:`draw` (the run's analyze result, its tuned-lens readers overlaid;
+    :meth:`set_result` draws one result). :meth:`set_readers` overlays others
+    (``{name: rows}``; rows are :class:`core.methods.logit_lens.LensRow` s like
+    ``logit_lens``, numbers that are None skipped; an ``eval-lens`` reader's through
+    :func:`metrics_row`).
 
     Signals:
         layer_selected(layer): a table row was clicked (``layer``: the lens row's, 0 .. n_blocks).
@@ -100,6 +103,7 @@ class LensPanel(QWidget):
 
     def __init__(self, parent=None):
         super().__init__(parent)
+        self.run: ShownRun | None = None  # the run drawn (draw)
         self.result: AnalyzeResult | None = None
         self.table_layers: list[int] = []  # table row -> lens layer
         self.readers: dict[str, list[LensRow]] = {}
@@ -124,14 +128,14 @@ class LensPanel(QWidget):
             plot.showGrid(x=True, y=True, alpha=0.25)
             plot.getAxis("left").setWidth(60)
             if i:
-                plot.setXLink(self.plots[PLOTS[0]])
+                plot.setXLink(self.plots[RANK])
             self.plots[key] = plot
         self.tick_labels: list[str] = []  # the layer axis labels, thinned to what fits by _fit_ticks
-        self.plots["kl"].getViewBox().sigResized.connect(self._fit_ticks)
-        set_title(self.plots["rank"], "answer rank (0 = top, log scale)")
-        self.plots["rank"].setLogMode(y=True)
-        self.plots["rank"].getViewBox().invertY(True)
-        set_title(self.plots["kl"], "KL(final || layer read-out), nats")
+        self.plots[KL].getViewBox().sigResized.connect(self._fit_ticks)
+        set_title(self.plots[RANK], "answer rank (0 = top, log scale)")
+        self.plots[RANK].setLogMode(y=True)
+        self.plots[RANK].getViewBox().invertY(True)
+        set_title(self.plots[KL], "KL(final || layer read-out), nats")
 
         self.reader_combo = QComboBox()
         self.reader_combo.currentTextChanged.connect(self._fill_table)
@@ -159,7 +163,15 @@ class LensPanel(QWidget):
 
     # ---- data in ----------------------------------------------------------
 
-    def set_result(self, result: AnalyzeResult | None, readers: Mapping[str, Sequence] | None = None) -> None:
+    def draw(self, run: ShownRun | None, kind: str | None = None) -> None:
+        """Draw ``run``'s analyze result (live or restored alike): its logit lens and the readers
+        of its ``tuned_lens`` section (none without one: earlier readers go); None clears."""
+        self.run = run
+        analysis = analysis_of(run)
+        tuned = analysis.tuned_lens if analysis is not None else None
+        self.set_result(analysis, readers=tuned.readers if tuned is not None else {})
+
+    def set_result(self, result: AnalyzeResult | None, readers: Mapping[str, Sequence[LensRow]] | None = None) -> None:
         """Show an analyze result's logit lens (None clears), with ``readers``
         overlaid as in :meth:`set_readers` if given (one redraw for both);
         without ``readers`` the earlier extra readers are kept."""
@@ -177,14 +189,14 @@ class LensPanel(QWidget):
             self.title.setText(NO_ANALYSIS)
         self._redraw()
 
-    def set_readers(self, readers: Mapping[str, Sequence] | None) -> None:
+    def set_readers(self, readers: Mapping[str, Sequence[LensRow]] | None) -> None:
         """Overlay more readers, ``{name: rows}`` (replaces earlier extra readers; the logit lens stays)."""
         self.readers = self._extra_readers(readers)
         self._redraw()
 
     @staticmethod
-    def _extra_readers(readers: Mapping[str, Sequence] | None) -> dict[str, list[LensRow]]:
-        return {k: [lens_row(r) for r in v] for k, v in (readers or {}).items() if k != LOGIT_LENS}
+    def _extra_readers(readers: Mapping[str, Sequence[LensRow]] | None) -> dict[str, list[LensRow]]:
+        return {k: list(v) for k, v in (readers or {}).items() if k != LOGIT_LENS}
 
     def all_readers(self) -> dict[str, list[LensRow]]:
         """``{name: rows}`` of every reader drawn, the logit lens first."""
@@ -209,7 +221,7 @@ class LensPanel(QWidget):
         readers = self.all_readers()
         use_diff = self._uses_diff()
         set_title(
-            self.plots["logit"],
+            self.plots[LOGIT],
             "logit difference (answer - foil)" if use_diff else "answer logit (no foil given)",
             size="10pt",
         )
@@ -218,9 +230,9 @@ class LensPanel(QWidget):
         for name, rows in readers.items():
             rows = sorted(rows, key=lambda r: r.layer)
             series = {
-                "rank": [(r.layer, _number(r.answer_rank)) for r in rows],
-                "logit": [(r.layer, r.logit_diff if use_diff else r.answer_logit) for r in rows],
-                "kl": [(r.layer, _number(r.kl_to_final)) for r in rows],
+                RANK: [(r.layer, _number(r.answer_rank)) for r in rows],
+                LOGIT: [(r.layer, r.logit_diff if use_diff else r.answer_logit) for r in rows],
+                KL: [(r.layer, _number(r.kl_to_final)) for r in rows],
             }
             for key, pts in series.items():
                 pts = [(x, y) for x, y in pts if y is not None]
@@ -228,7 +240,7 @@ class LensPanel(QWidget):
                     continue
                 xs = np.array([p[0] for p in pts], dtype=float)
                 ys = np.array([p[1] for p in pts], dtype=float)
-                drawn[key][name] = (xs, ys + 1.0 if key == "rank" else ys)  # log scale: rank 0 -> 1
+                drawn[key][name] = (xs, ys + 1.0 if key == RANK else ys)  # log scale: rank 0 -> 1
         if all(list(drawn[key]) == list(self.curves[key]) for key in PLOTS):
             # the same readers as before (a re-run): new data into the same curves, which is
             # several times faster than building them again
@@ -265,7 +277,7 @@ class LensPanel(QWidget):
         self._fit_ticks()
         for key in PLOTS:
             self.plots[key].enableAutoRange()
-        self.plots["kl"].setLabel("bottom", "residual stream entering block")
+        self.plots[KL].setLabel("bottom", "residual stream entering block")
         cross = " 'Lnx' on the axes: the cross-attention block of layer n." if any(".xattn" in n for n in names) else ""
         self.note.setText(NOTE + cross)
         self._rank_ticks(readers)
@@ -274,8 +286,8 @@ class LensPanel(QWidget):
     def _fit_ticks(self, *_args) -> None:
         """Every k-th layer label on the shared x axis, as many as fit without overlapping
         (every label until the panel is shown; refitted on resize)."""
-        axis = self.plots["kl"].getAxis("bottom")
-        room = self.plots["kl"].getViewBox().sceneBoundingRect().width() if self.isVisible() else 0.0
+        axis = self.plots[KL].getAxis("bottom")
+        room = self.plots[KL].getViewBox().sceneBoundingRect().width() if self.isVisible() else 0.0
         step = tick_step(self.tick_labels, room, axis_font(axis))
         ticks = [[(i, self.tick_labels[i]) for i in range(0, len(self.tick_labels), step)]]
         for key in PLOTS:
@@ -292,7 +304,7 @@ class LensPanel(QWidget):
             decade *= 10
         if top >= 2:
             minor.append((math.log10(2 + 1), ""))
-        self.plots["rank"].getAxis("left").setTicks([major, minor])
+        self.plots[RANK].getAxis("left").setTicks([major, minor])
 
     def _fill_readers_combo(self, names: list[str]) -> None:
         current = self.reader_combo.currentText()

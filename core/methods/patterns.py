@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -551,6 +552,10 @@ class Distribution:
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Distribution:
+        return from_dict_fields(cls, d)
+
 
 @dataclass
 class HeadStatistics:
@@ -574,18 +579,48 @@ class HeadStatistics:
     n_hit_samples: int
     chance_hit_rate: float | None
 
+    DISTRIBUTIONS: ClassVar[tuple[str, ...]] = ("visual_mass", "sink_mass", "region_mass", "entropy")
+
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
-        for k in ("visual_mass", "sink_mass", "region_mass", "entropy"):
+        for k in self.DISTRIBUTIONS:
             d[k] = d[k].to_dict() if d[k] is not None else None
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HeadStatistics:
+        given = {k: Distribution.from_dict(d[k]) if d[k] is not None else None for k in cls.DISTRIBUTIONS}
+        return from_dict_fields(cls, {**d, **given})
 
 
 @dataclass
 class PatternStatistics:
+    """The ``statistics`` run kind (a :class:`core.readout.Readout`): every head's answer-row
+    attention over ``n_samples`` samples (:func:`pattern_statistics`). Its JSON is
+    ``{"n_samples", "heads": [HeadStatistics.to_dict(), ...]}``; the audit row is recorded
+    beside it, so a restored result has none."""
+
     n_samples: int
     heads: list[HeadStatistics]
     audit: AuditRecord = field(repr=False, default=None)
+    kind: ClassVar[str] = "statistics"  # the session's run kind (core.readout.Readout)
+
+    def to_dict(self) -> dict:
+        return {"n_samples": self.n_samples, "heads": [h.to_dict() for h in self.heads]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PatternStatistics:
+        """The statistics a ``statistics`` JSON (:meth:`to_dict`, a stored run's) describes."""
+        return cls(int(d["n_samples"]), [HeadStatistics.from_dict(h) for h in d["heads"]])
+
+    def summary(self) -> str:
+        return f"answer-row attention of {len(self.heads)} heads over {self.n_samples} samples"
+
+    def parameters(self) -> dict:
+        return {"n_samples": self.n_samples}
+
+    def audit_records(self) -> list[AuditRecord]:
+        return [self.audit] if self.audit is not None else []
 
 
 def pattern_statistics(

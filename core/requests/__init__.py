@@ -12,7 +12,8 @@ app fill in and the executor of the run (:mod:`core.requests.base`).
     validate        ValidateRequest         core.validate.validate
     audit           AuditRequest            core.dataset_audit (in one process)
 
-:data:`REQUESTS` maps each name to its class. Importing this package imports no
+:data:`REQUESTS` maps each name to its class; :class:`RecordedParameters` reads a stored
+run's parameters back, typed (:mod:`core.requests.recorded`). Importing this package imports no
 torch, numpy or PIL: a request imports the engine inside ``run`` (and ``parameters``
 where it reads the engine's names), so that the parser and the window open light.
 """
@@ -38,6 +39,7 @@ from core.requests.generate import GenerateRequest
 from core.requests.nonunique import NonuniqueRequest
 from core.requests.patching import PatchingRequest
 from core.requests.qk_ov import QkOvRequest
+from core.requests.recorded import RecordedParameters
 from core.requests.validate import ValidateRequest
 
 # the request modules, one per run kind (imported above so that REQUESTS holds every kind)
@@ -60,6 +62,7 @@ __all__ = [
     "PatchingRequest",
     "Progress",
     "QkOvRequest",
+    "RecordedParameters",
     "Request",
     "SweepRequest",
     "ValidateRequest",

@@ -34,6 +34,7 @@ KINDS = (
     "label",
     "validate",
     "lens",
+    "statistics",
     "note",
 )
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_\-]{0,39}$")

@@ -39,7 +39,7 @@ def window(qtbot, model_cache, tmp_path):
     qtbot.waitExposed(win)
     yield win
     win.close()
-    assert win.workers.running() == [], "worker threads still alive after close"
+    assert win.runner.workers.running() == [], "worker threads still alive after close"
     assert QThreadPool.globalInstance().activeThreadCount() == 0
 
 

@@ -25,6 +25,7 @@ from app.jobs import GENERATE_TOKENS, typed_token
 from app.run_frame import STALE_STYLE
 from app.samples import bundled_samples
 from core.generate import generate
+from tests.app.shown import shown_result
 from tests.core.exactness import frozen_sum_tol
 from tests.tolerances import sum_tol
 
@@ -38,26 +39,26 @@ SHOWN = 0.5e-3  # a number shown with three decimals is within half a unit of th
 def run_until_idle(qtbot, window, start) -> None:
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
         assert start()
-    assert not window.is_busy() and window.error_label.text() == "", window.error_label.text()
+    assert not window.is_busy() and window.inputs.error_label.text() == "", window.inputs.error_label.text()
 
 
 def generate_in_window(qtbot, window):
     """Press Generate; the answer the model gives independently (the same greedy decoding)."""
     run_until_idle(qtbot, window, lambda: qtbot.mouseClick(window.answer_panel.generate_button, Qt.LeftButton) or 1)
     loaded = window.loaded_model()
-    return generate(loaded, window.image, window.question_edit.text(), max_new_tokens=GENERATE_TOKENS)
+    return generate(loaded, window.image, window.inputs.question_edit.text(), max_new_tokens=GENERATE_TOKENS)
 
 
 def click_token(qtbot, window, k: int) -> None:
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
         qtbot.mouseClick(window.answer_panel.token_buttons[k], Qt.LeftButton)
-    assert not window.is_busy() and window.error_label.text() == "", window.error_label.text()
+    assert not window.is_busy() and window.inputs.error_label.text() == "", window.inputs.error_label.text()
 
 
 def next_token(window, prefix) -> tuple[torch.Tensor, object]:
     """``(probabilities (vocab,) in float64, inputs)`` of the token after the prompt and ``prefix``."""
     adapter = window.loaded_model().adapter
-    inputs = adapter.prepare([window.image], [window.question_edit.text()], answer_prefix=list(prefix))
+    inputs = adapter.prepare([window.image], [window.inputs.question_edit.text()], answer_prefix=list(prefix))
     with torch.no_grad():
         logits = adapter.next_token_logits(inputs)[0].double()
     return logits, inputs
@@ -85,7 +86,7 @@ def test_generate_shows_the_answer_as_tokens_with_their_probabilities(qtbot, win
         f"{t}\n{p:.3f}" for t, p in zip(generation.tokens, generation.probs, strict=True)
     ]
     assert panel.stop_label.text() == f"{len(generation.tokens)} tokens; stopped: {generation.stop_reason}"
-    assert window.answer_label.text() == f"answer: {generation.text}"
+    assert window.answer_panel.label.text() == f"answer: {generation.text}"
     assert all(b.isEnabled() for b in panel.token_buttons) and panel.chosen() is None
     # each token shown with its probability in the next-token distribution after the tokens before it
     # (a re-run of the prefix, not the generation's key / value cache: the two differ by float32 rounding,
@@ -120,16 +121,16 @@ def test_clicking_the_third_token_makes_every_panel_read_that_token(at_third_tok
     assert list(analysis.answer_text.token_ids[:CHOSEN]) == generation.token_ids[:CHOSEN]
 
     # Answer: the token's probability and the alternatives at that position
-    label = window.answer_label.text()
+    label = window.answer_panel.label.text()
     assert label.startswith(f"answer token {CHOSEN} {token!r}")
     assert abs(shown_number(label, "p =") - float(probs[token_id])) <= SHOWN
-    top = probs.topk(window.top_table.rowCount())
+    top = probs.topk(window.answer_panel.table.rowCount())
     adapter = window.loaded_model().adapter
-    assert [window.top_table.item(r, 0).text() for r in range(window.top_table.rowCount())] == [
+    assert [window.answer_panel.table.item(r, 0).text() for r in range(window.answer_panel.table.rowCount())] == [
         adapter.token_str(i) for i in top.indices.tolist()
     ]
     for r, p in enumerate(top.values.tolist()):
-        assert abs(float(window.top_table.item(r, 1).text()) - p) <= SHOWN
+        assert abs(float(window.answer_panel.table.item(r, 1).text()) - p) <= SHOWN
 
     # DLA: the decomposed logit is this token's at this position; the frozen-scale parts add up to it
     dla = window.dla_panel
@@ -182,8 +183,8 @@ def test_the_counterfactual_reads_the_chosen_token_too(qtbot, at_third_token):
     mask = np.zeros((window.image.height, window.image.width), bool)
     mask[: mask.shape[0] // 2] = True
     window.counterfactual_panel.canvas.set_mask(mask)
-    run_until_idle(qtbot, window, lambda: window.run_counterfactual(mask, "mean", {}))
-    result = window.last_counterfactual
+    run_until_idle(qtbot, window, lambda: window.actions.run_counterfactual(mask, "mean", {}))
+    result = shown_result(window, "counterfactual")
     assert result.original.answer_id == generation.token_ids[CHOSEN]
     assert abs(result.original.prob - float(probs[generation.token_ids[CHOSEN]])) <= 1e-9
     header = window.run_frames["counterfactual"].header_text()
@@ -195,7 +196,7 @@ def test_the_counterfactual_reads_the_chosen_token_too(qtbot, at_third_token):
     # restored from History: the token, its read-out (the analyze run at that token) and the result
     seen = (header, window.dla_panel.values())
     assert window.load_sample(bundled_samples()[1])
-    assert window.restore_run(counterfactual_id) and window.error_label.text() == ""
+    assert window.sessions.restore_run(counterfactual_id) and window.inputs.error_label.text() == ""
     assert window.workspace.input.answer_text.index == CHOSEN and window.answer_panel.chosen() == CHOSEN
     assert window.run_frames["counterfactual"].header_text() == seen[0]
     assert window.dla_panel.values() == seen[1]
@@ -215,7 +216,7 @@ def test_changing_the_token_marks_every_view_stale_until_read(qtbot, at_third_to
     label = f"answer token {CHOSEN + 1} {generation.tokens[CHOSEN + 1]!r}"
     for view in READOUT_VIEWS:
         assert not window.run_frames[view].stale and window.run_frames[view].header_text().endswith(label)
-    assert window.answer_label.text().startswith(label)
+    assert window.answer_panel.label.text().startswith(label)
 
     window.set_question("how many circles are there?")  # another question: the tokens answer the old one
     assert window.workspace.input.answer_text is None
@@ -227,19 +228,19 @@ def test_changing_the_token_marks_every_view_stale_until_read(qtbot, at_third_to
 def test_history_brings_the_answer_tokens_and_the_chosen_one_back(qtbot, at_third_token):
     window, generation = at_third_token
     run_id = window.session.runs("analyze")[-1].id
-    seen = (window.answer_label.text(), window.run_frames["dla"].header_text(), window.dla_panel.values())
+    seen = (window.answer_panel.label.text(), window.run_frames["dla"].header_text(), window.dla_panel.values())
     assert window.load_sample(bundled_samples()[1])
     assert window.answer_panel.token_buttons == [] and window.workspace.input.answer_text is None
-    assert window.restore_run(run_id)
-    assert window.error_label.text() == ""
+    assert window.sessions.restore_run(run_id)
+    assert window.inputs.error_label.text() == ""
     panel = window.answer_panel
     assert [b.text() for b in panel.token_buttons] == [
         f"{t}\n{p:.3f}" for t, p in zip(generation.tokens, generation.probs, strict=True)
     ]  # with the probabilities: the session holds the generation
     assert panel.chosen() == CHOSEN and all(b.isEnabled() for b in panel.token_buttons)
     assert window.workspace.input.answer_text.index == CHOSEN
-    assert (window.answer_label.text(), window.run_frames["dla"].header_text(), window.dla_panel.values()) == seen
-    assert window.target_edit.text() == ""  # the target is the chosen token: nothing typed
+    assert (window.answer_panel.label.text(), window.run_frames["dla"].header_text(), window.dla_panel.values()) == seen
+    assert window.inputs.target_edit.text() == ""  # the target is the chosen token: nothing typed
     # a click on another token reads there, as in the live window
     click_token(qtbot, window, 0)
     assert window.run_frames["lens"].header_text().endswith(f"answer token 0 {generation.tokens[0]!r}")
@@ -252,8 +253,8 @@ def test_a_typed_word_of_several_tokens_says_which_sub_token_is_read(qtbot, wind
     start = next(k for k in range(1, len(generation.tokens) - 1) if generation.tokens[k] != generation.tokens[0])
     word = f"{generation.tokens[start]} {generation.tokens[start + 1]}"
     assert [t for _, t in core.answer_text.word_tokens(adapter, word)] == generation.tokens[start : start + 2]
-    window.target_edit.setText(word)
-    note = window.target_note
+    window.inputs.target_edit.setText(word)
+    note = window.inputs.target_note
     first = generation.tokens[start]
     assert note.isVisibleTo(window) and note.text() == (
         f"target: {word!r} is 2 tokens for this model: {first} | {generation.tokens[start + 1]}; "
@@ -262,35 +263,35 @@ def test_a_typed_word_of_several_tokens_says_which_sub_token_is_read(qtbot, wind
     assert note.button.isVisibleTo(window) and note.button.text() == f"read at answer token {start} {first!r} instead"
 
     # Read out as typed: the first sub-token is the target, at the first answer token
-    run_until_idle(qtbot, window, window.run_readout)
+    run_until_idle(qtbot, window, window.actions.run_readout)
     target = window.analysis.target
     assert target.answer == first and target.answer_id == typed_token(adapter, word).token_ids[0]
-    assert window.target_edit.text() == word  # nothing lost
+    assert window.inputs.target_edit.text() == word  # nothing lost
 
     # the offer: read where the word starts in the answer
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
         qtbot.mouseClick(note.button, Qt.LeftButton)
-    assert window.error_label.text() == ""
+    assert window.inputs.error_label.text() == ""
     assert window.analysis.answer_text.index == start
     assert window.analysis.target.answer_id == generation.token_ids[start]
     assert window.answer_panel.chosen() == start and not note.button.isVisibleTo(window)
     assert window.run_frames["attention"].header_text().endswith(f"answer token {start} {first!r}")
 
     # a foil of several tokens, and a word the model does not have: one line each, no traceback
-    window.foil_edit.setText(word)
+    window.inputs.foil_edit.setText(word)
     assert note.text().startswith("foil: ") and "reading its first sub-token" in note.text()
-    window.foil_edit.setText("")
-    window.target_edit.setText("xyzzy")
+    window.inputs.foil_edit.setText("")
+    window.inputs.target_edit.setText("xyzzy")
     assert note.text().startswith("target: 'xyzzy' is not in this model's vocabulary")
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
-        assert window.run_readout()
-    assert window.error_label.text().startswith("'xyzzy' is not in this model's vocabulary")
+        assert window.actions.run_readout()
+    assert window.inputs.error_label.text().startswith("'xyzzy' is not in this model's vocabulary")
     # several words, none the model has: the message names the target's text, not the question
-    window.target_edit.setText("xyzzy plugh")
+    window.inputs.target_edit.setText("xyzzy plugh")
     assert note.text() == "target: 'xyzzy plugh' uses words this model's vocabulary does not have: xyzzy, plugh"
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
-        assert window.run_readout()
-    assert window.error_label.text().startswith("'xyzzy plugh' uses words")
+        assert window.actions.run_readout()
+    assert window.inputs.error_label.text().startswith("'xyzzy plugh' uses words")
 
 
 def test_a_heads_sources_are_read_at_the_chosen_token(qtbot, at_third_token):
@@ -300,13 +301,13 @@ def test_a_heads_sources_are_read_at_the_chosen_token(qtbot, at_third_token):
 
     window, generation = at_third_token
     layer, head = 1, 0
-    run_until_idle(qtbot, window, lambda: window.request_head_sources(layer, head))
+    run_until_idle(qtbot, window, lambda: window.actions.request_head_sources(layer, head))
     loaded = window.loaded_model()
     token_id = generation.token_ids[CHOSEN]
     traces = {}
     for k in (CHOSEN, 0):
         inputs = loaded.adapter.prepare(
-            [window.image], [window.question_edit.text()], answer_prefix=list(generation.token_ids[:k])
+            [window.image], [window.inputs.question_edit.text()], answer_prefix=list(generation.token_ids[:k])
         )
         traces[k] = core.capture(loaded, None, "", inputs=inputs)
     visual = [int(p) for p in traces[CHOSEN].visual_positions[0]]
@@ -325,11 +326,11 @@ def test_answer_and_generate_again_keep_the_headers_true(qtbot, at_third_token):
     assert window.answer_panel.chosen() == CHOSEN and window.workspace.input.answer_text.index == CHOSEN
     assert not window.run_frames["dla"].stale
 
-    run_until_idle(qtbot, window, window.answer_question)
+    run_until_idle(qtbot, window, window.actions.answer_question)
     assert window.workspace.input.answer_text is None and window.answer_panel.chosen() is None
     answer_header = window.run_frames["answer"].header_text()
     assert answer_header.startswith("not recorded · answer · ") and "answer token" not in answer_header
-    assert window.answer_label.text().startswith(f"answer: {generation.tokens[0]}  (p = ")
+    assert window.answer_panel.label.text().startswith(f"answer: {generation.tokens[0]}  (p = ")
     assert "(answer token changed)" in window.run_frames["dla"].header_text()
 
 
@@ -339,6 +340,6 @@ def test_generate_can_be_cancelled(qtbot, window):
         assert window.answer_panel.request_generate()
         assert not window.answer_panel.generate_button.isEnabled()  # one job at a time
         window.cancel()
-    assert window.status_label.text().startswith("cancelled") and window.error_label.text() == ""
+    assert window.inputs.status_label.text().startswith("cancelled") and window.inputs.error_label.text() == ""
     assert window.answer_panel.token_buttons == [] and window.answer_panel.generate_button.isEnabled()
     assert window.session.runs("generate") == []

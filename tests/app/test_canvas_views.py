@@ -13,6 +13,7 @@ import core
 from app.canvas import ImageCanvas
 from app.canvas.views import ALL_VIEWS, ALL_VIEWS_TEXT
 from app.components import ModelChoice
+from app.panels import analysis_of
 from tests.app.test_window import run_until_idle
 
 
@@ -69,6 +70,11 @@ def assert_drawn(canvas: ImageCanvas, tokens, images, size) -> None:
         assert got == pytest.approx(region, abs=1e-9)
 
 
+def shown_analysis(window):
+    """The analyze result the window's workspace shows (the panels draw from it), or None."""
+    return analysis_of(window.workspace.shown)
+
+
 def pick(canvas: ImageCanvas, choice) -> None:
     """Select ``choice`` in the view combo box, as a user does."""
     index = canvas.view_selector.findData(choice)
@@ -84,11 +90,12 @@ def test_each_view_of_a_llava_next_run_is_drawn_from_the_adapters_geometry(qtbot
     from tests.core.exactness import noise_image
     from tests.core.test_llava_next import IMAGE_SIZE, QUESTION
 
-    window.model_picker.setCurrentText(llava_next_folder)  # the folder, as a user picks it
+    window.inputs.model_picker.setCurrentText(llava_next_folder)  # the folder, as a user picks it
     assert window.set_image(noise_image(IMAGE_SIZE), name="noise")
     window.set_question(QUESTION)
-    run_until_idle(qtbot, window, window.run_readout)
-    assert window.analysis is not None, window.error_label.text()
+    run_until_idle(qtbot, window, window.actions.run_readout)
+    analysis = shown_analysis(window)
+    assert analysis is not None, window.inputs.error_label.text()
     adapter = window.loaded_model().adapter  # what the window loaded from the folder
     assert adapter.family == "llava_next"
     canvas = window.canvas
@@ -105,10 +112,10 @@ def test_each_view_of_a_llava_next_run_is_drawn_from_the_adapters_geometry(qtbot
     painter = window.counterfactual_panel.canvas.view_selector  # the Counterfactual tab's canvas names them too
     assert [painter.itemText(i) for i in range(painter.count())][:2] == ["base: 4x4", "high-res (2x2 tiles): 4x8"]
     # the default is the read-outs' primary (whole-image) view
-    assert canvas.view_choice() == window.analysis.rollout.primary_image == 0
+    assert canvas.view_choice() == analysis.rollout.primary_image == 0
     assert_drawn(canvas, tokens, [0], IMAGE_SIZE)
 
-    row = next(r for r in window.analysis.attention if r.visual_patch_mass_by_image)
+    row = next(r for r in analysis.attention if r.visual_patch_mass_by_image)
     grids = {g["image"]: np.asarray(g["grid"], dtype=float) for g in row.visual_patch_mass_by_image}
     assert window.attention_panel.select_head(row.layer, row.head)  # its map goes on the canvas
     for choice in (1, 0):
@@ -141,8 +148,8 @@ def test_each_view_of_a_llava_next_run_is_drawn_from_the_adapters_geometry(qtbot
     size = (40, 100)
     assert window.set_image(noise_image(size), name="tall")
     assert canvas.cells == [] and not selector.isVisible()
-    run_until_idle(qtbot, window, window.run_readout)
-    assert window.analysis is not None, window.error_label.text()
+    run_until_idle(qtbot, window, window.actions.run_readout)
+    assert shown_analysis(window) is not None, window.inputs.error_label.text()
     tokens = adapter.visual_tokens(size)
     assert canvas.view_choice() == ALL_VIEWS
     assert_drawn(canvas, tokens, [0, 1], size)
@@ -151,7 +158,7 @@ def test_each_view_of_a_llava_next_run_is_drawn_from_the_adapters_geometry(qtbot
     pick(canvas, 1)
     assert_drawn(canvas, tokens, [1], size)
     assert window.set_image(noise_image(IMAGE_SIZE), name="wide")
-    run_until_idle(qtbot, window, window.run_readout)
+    run_until_idle(qtbot, window, window.actions.run_readout)
     assert canvas.view_choice() == 0
     assert_drawn(canvas, adapter.visual_tokens(IMAGE_SIZE), [0], IMAGE_SIZE)
 
@@ -243,11 +250,12 @@ def test_a_new_familys_folder_opens_in_the_window_with_each_view_selectable(qtbo
     tiny.model.save_pretrained(tmp_path / family, safe_serialization=True)
     tiny.processor.save_pretrained(tmp_path / family)
     size = module.IMAGE_SIZE
-    window.model_picker.setCurrentText(str(tmp_path / family))
+    window.inputs.model_picker.setCurrentText(str(tmp_path / family))
     assert window.set_image(noise_image(size), name="noise")
     window.set_question(getattr(module, "QUESTION", None) or module.PREFIX)
-    run_until_idle(qtbot, window, window.run_readout)
-    assert window.analysis is not None, window.error_label.text()
+    run_until_idle(qtbot, window, window.actions.run_readout)
+    analysis = shown_analysis(window)
+    assert analysis is not None, window.inputs.error_label.text()
     adapter = window.loaded_model().adapter
     assert adapter.family == family
     tokens = adapter.visual_tokens(size)
@@ -255,7 +263,7 @@ def test_a_new_familys_folder_opens_in_the_window_with_each_view_selectable(qtbo
     views = [c for c in canvas.view_selector.choices() if c != ALL_VIEWS]
     if not any(t.col >= 0 for t in tokens):  # latents: no patch, no view to draw
         assert views == [] and canvas.cells == []
-        assert window.analysis.rollout.visual_patch_mass is None
+        assert analysis.rollout.visual_patch_mass is None
         return
     assert views == sorted({t.image for t in tokens if t.col >= 0})
     for choice in views:

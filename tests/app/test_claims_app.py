@@ -15,6 +15,7 @@ import pytest
 from app.panels.claims_panel import COLUMNS
 from core.methods.nonunique import nonunique_of_input
 from core.methods.qk_ov import qk_ov
+from tests.app.shown import shown_result
 from tests.app.test_window import TIMEOUT_MS, run_until_idle
 
 SUBJECT = "L1.H1"
@@ -34,8 +35,8 @@ def state_claim(window, subject: str = SUBJECT, n: int = SMALL_N) -> None:
 def checked(qtbot, window):
     """The window after one small chain on shapes-llava's L1.H1."""
     state_claim(window)
-    run_until_idle(qtbot, window, window.run_claim)
-    assert window.error_label.text() == ""
+    run_until_idle(qtbot, window, window.actions.run_claim)
+    assert window.inputs.error_label.text() == ""
     return window
 
 
@@ -45,7 +46,7 @@ def statuses(validation, chain: int = 0) -> list[str]:
 
 def test_the_checklist_shows_the_runs_own_statuses_and_lands_in_the_session(checked):
     window, panel = checked, checked.claims_panel
-    result = window.last_validation
+    result = shown_result(window, "validate")
     assert [c.subject for c in result.chains] == [SUBJECT]
     assert panel.status_texts() == statuses(result)  # each row's status cell, from the run's result
     assert panel.table.rowCount() == 7
@@ -69,7 +70,7 @@ def test_the_checklist_shows_the_runs_own_statuses_and_lands_in_the_session(chec
 
 def test_a_step_clicked_shows_its_evidence(checked):
     panel = checked.claims_panel
-    chain = checked.last_validation.chains[0]
+    chain = shown_result(checked, "validate").chains[0]
     assert panel.select_step(1)
     step = chain.steps[1]
     assert step.criterion in panel.details.text() and f"status: {step.status}" in panel.details.text()
@@ -88,59 +89,59 @@ def test_a_step_clicked_shows_its_evidence(checked):
 
 def test_the_history_restores_the_claim(qtbot, checked):
     window, panel = checked, checked.claims_panel
-    want = statuses(window.last_validation)
+    want = statuses(shown_result(window, "validate"))
     verdict = panel.verdict_label.text()
     panel.clear_result()
     assert panel.status_texts() == []
     (info,) = window.session.runs("validate")
     assert window.history_panel.select_run(info.id)
     assert panel.status_texts() == want and panel.verdict_label.text() == verdict
-    assert not window.is_busy() and window.error_label.text() == ""
+    assert not window.is_busy() and window.inputs.error_label.text() == ""
 
 
 def test_another_model_clears_the_claim(qtbot, checked):
     window, panel = checked, checked.claims_panel
-    window.model_picker.setCurrentText("shapes-coca")
+    window.inputs.model_picker.setCurrentText("shapes-coca")
     assert panel.validation is None and panel.status_texts() == []
     said = panel.verdict_label.text()
     assert "checked on shapes-llava · float32 (auto) · cpu; the model is now shapes-coca · auto · cpu" in said
-    window.model_picker.setCurrentText("shapes-llava")  # back: the claim stays gone (run or restore it)
+    window.inputs.model_picker.setCurrentText("shapes-llava")  # back: the claim stays gone (run or restore it)
     assert panel.validation is None
 
 
 def test_cancel_mid_run_leaves_the_window_idle_and_usable(qtbot, window):
     state_claim(window, n=150)
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
-        assert window.run_claim()
-        window._job.progress.connect(lambda *_: window.cancel())  # at the first step reported
-    assert not window.is_busy() and window.status_label.text().startswith("cancelled")
+        assert window.actions.run_claim()
+        window.runner.job.progress.connect(lambda *_: window.cancel())  # at the first step reported
+    assert not window.is_busy() and window.inputs.status_label.text().startswith("cancelled")
     assert window.session.runs("validate") == [] and window.claims_panel.validation is None
     assert window.claims_panel.run_button.isEnabled()
-    run_until_idle(qtbot, window, window.answer_question)  # still usable
-    assert window.last_answer is not None
+    run_until_idle(qtbot, window, window.actions.answer_question)  # still usable
+    assert shown_result(window, "answer") is not None
 
 
 def test_a_bad_subject_is_a_message_and_records_nothing(qtbot, window):
     panel = window.claims_panel
     state_claim(window, subject="L9.H0")
-    run_until_idle(qtbot, window, window.run_claim)
-    message = window.error_label.text()
+    run_until_idle(qtbot, window, window.actions.run_claim)
+    message = window.inputs.error_label.text()
     assert "L9" in message and panel.message_label.text() == message
     assert window.session.runs("validate") == [] and panel.validation is None
     # refused before anything runs: no subject, no claim, a folder not chosen
     panel.subject_edit.setText("")
-    assert not window.run_claim() and "name a head or route" in panel.message_label.text()
+    assert not window.actions.run_claim() and "name a head or route" in panel.message_label.text()
     state_claim(window)
     panel.claim_edit.setText("")
-    assert not window.run_claim() and "state the claim" in window.error_label.text()
+    assert not window.actions.run_claim() and "state the claim" in window.inputs.error_label.text()
     state_claim(window)
     panel.set_dataset("folder")
-    assert not window.run_claim() and "folder" in panel.message_label.text()
+    assert not window.actions.run_claim() and "folder" in panel.message_label.text()
     assert window.session.runs("validate") == []
 
 
 def test_a_head_selected_in_attention_names_the_subject(qtbot, window):
-    run_until_idle(qtbot, window, window.run_readout)
+    run_until_idle(qtbot, window, window.actions.run_readout)
     window.attention_panel.select_head(1, 2)
     assert window.claims_panel.subject_edit.text() == "L1.H2"
     window.lens_panel.select_layer(2)  # a lens row selects a block's writes, not a head
@@ -152,24 +153,24 @@ def test_a_head_selected_in_attention_names_the_subject(qtbot, window):
 
 @pytest.fixture
 def read_out(qtbot, window):
-    run_until_idle(qtbot, window, window.run_readout)
-    assert window.analysis is not None, window.error_label.text()
+    run_until_idle(qtbot, window, window.actions.run_readout)
+    assert window.analysis is not None, window.inputs.error_label.text()
     return window
 
 
 def test_nonunique_on_the_selected_head_is_the_librarys_and_is_recorded(qtbot, read_out):
     window, panel = read_out, read_out.head_methods
     assert window.attention_panel.select_head(1, 2)
-    run_until_idle(qtbot, window, window.run_nonunique)
-    assert window.error_label.text() == ""
-    result = window.last_head_method
+    run_until_idle(qtbot, window, window.actions.run_nonunique)
+    assert window.inputs.error_label.text() == ""
+    result = shown_result(window, "nonunique", "qk-ov")
     loaded = window.loaded_model()
-    path = window.current_image_path()
-    _, want = nonunique_of_input(loaded, window.image, window.question_edit.text(), "L1.H2", image_path=path)
+    path = window.workspace.input.image_path
+    _, want = nonunique_of_input(loaded, window.image, window.inputs.question_edit.text(), "L1.H2", image_path=path)
     (info,) = window.session.runs("nonunique")
     stored = window.session.run(info.id)
     assert stored.result == json.loads(json.dumps(want, allow_nan=False))  # the command's JSON, to the last digit
-    assert stored.parameters["component"] == "L1.H2" and stored.parameters["question"] == window.question_edit.text()
+    assert stored.parameters["component"] == "L1.H2" and stored.parameters["question"] == window.inputs.question_edit.text()
     assert [row["run_id"] for row in window.session.audit_table()].count(info.id) == len(result.audit_records())
     shown = panel.text.text().split("\n")
     assert shown[0] == result.summary() and shown[1 : 1 + len(result.levels)] == [lv.statement for lv in result.levels]
@@ -178,7 +179,7 @@ def test_nonunique_on_the_selected_head_is_the_librarys_and_is_recorded(qtbot, r
     mask = np.zeros((window.image.height, window.image.width), bool)
     mask[:32, :32] = True
     window.counterfactual_panel.canvas.set_mask(mask)
-    run_until_idle(qtbot, window, window.run_nonunique)
+    run_until_idle(qtbot, window, window.actions.run_nonunique)
     doc = window.session.run(window.session.runs("nonunique")[-1].id).result
     assert doc["region"]["mask"] == "painted region" and doc["region"]["cover"] == 0.25
 
@@ -186,9 +187,9 @@ def test_nonunique_on_the_selected_head_is_the_librarys_and_is_recorded(qtbot, r
 def test_qk_ov_keeps_the_weight_and_activation_levels_apart_and_is_restored(qtbot, read_out):
     window, panel = read_out, read_out.head_methods
     assert window.attention_panel.select_head(0, 1)
-    run_until_idle(qtbot, window, window.run_qk_ov)
-    assert window.error_label.text() == ""
-    want = qk_ov(window.loaded_model(), "L0.H1", window.image, window.question_edit.text()).to_dict()
+    run_until_idle(qtbot, window, window.actions.run_qk_ov)
+    assert window.inputs.error_label.text() == ""
+    want = qk_ov(window.loaded_model(), "L0.H1", window.image, window.inputs.question_edit.text()).to_dict()
     (info,) = window.session.runs("qk-ov")
     stored = window.session.run(info.id).result
     # the factored SVD (float32 QR + SVD) differs by ~1e-7 between the worker's thread and this one
@@ -201,7 +202,7 @@ def test_qk_ov_keeps_the_weight_and_activation_levels_apart_and_is_restored(qtbo
     assert panel.weight_box.title().startswith("weight level") and panel.activation_box.title().startswith("activation")
     assert not panel.weight_box.isHidden() and not panel.activation_box.isHidden() and panel.text.isHidden()
     # restored from the History: the head selected again, its result shown
-    run_until_idle(qtbot, window, lambda: window.attention_panel.select_head(1, 0) and window.run_nonunique())
+    run_until_idle(qtbot, window, lambda: window.attention_panel.select_head(1, 0) and window.actions.run_nonunique())
     panel.clear_result()
     assert window.history_panel.select_run(info.id)
     assert panel.kind == "qk-ov" and panel.weight_text.text().startswith(want["weight_level"]["flag"])
@@ -211,11 +212,11 @@ def test_qk_ov_keeps_the_weight_and_activation_levels_apart_and_is_restored(qtbo
 
 def test_head_actions_refuse_what_is_no_selected_head(qtbot, read_out):
     window, panel = read_out, read_out.head_methods
-    assert not window.run_qk_ov() and "select a head first" in panel.message_label.text()
+    assert not window.actions.run_qk_ov() and "select a head first" in panel.message_label.text()
     window.lens_panel.select_layer(2)
-    assert not window.run_nonunique() and "L1 is not an attention head" in window.error_label.text()
+    assert not window.actions.run_nonunique() and "L1 is not an attention head" in window.inputs.error_label.text()
     window.attention_panel.select_head(1, 1)
-    run_until_idle(qtbot, window, window.run_readout)  # another read-out: the selection is stale
+    run_until_idle(qtbot, window, window.actions.run_readout)  # another read-out: the selection is stale
     assert window.selection.current.stale
-    assert not window.run_qk_ov() and "select it again" in panel.message_label.text()
+    assert not window.actions.run_qk_ov() and "select it again" in panel.message_label.text()
     assert window.session.runs("qk-ov") == [] and window.session.runs("nonunique") == []

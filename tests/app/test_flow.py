@@ -11,6 +11,7 @@ import torch
 
 import core
 from app.samples import bundled_samples
+from tests.app.shown import shown_result
 from tests.app.test_window import run_until_idle
 from tests.tolerances import unit_roundoff
 
@@ -44,12 +45,12 @@ def test_open_read_out_paint_counterfactual_export_reopen(qtbot, window, tmp_pat
     # read out: answer + every panel, recorded in the session (the model loads on the first run;
     # the second run is what a user waits for after pressing Run again)
     with qtbot.waitSignal(window.idle, timeout=60_000):
-        assert window.run_readout()
+        assert window.actions.run_readout()
     started = time.perf_counter()
     with qtbot.waitSignal(window.idle, timeout=60_000):
-        assert window.run_readout()
+        assert window.actions.run_readout()
     elapsed = time.perf_counter() - started
-    assert window.last_answer is not None and window.last_answer.answer == row["answer"]
+    assert shown_result(window, "answer") is not None and shown_result(window, "answer").answer == row["answer"]
     assert window.analysis is not None and window.analysis.target.answer == row["answer"]
     assert len(window.canvas.cells) == 64  # the 8 x 8 patch grid is drawn
     assert len(window.attention_panel.cells) == 16
@@ -79,7 +80,7 @@ def test_open_read_out_paint_counterfactual_export_reopen(qtbot, window, tmp_pat
     panel.set_fill("mean")
     with qtbot.waitSignal(window.idle, timeout=60_000):
         assert panel.request_run()
-    result = window.last_counterfactual
+    result = shown_result(window, "counterfactual")
     assert result is not None
     assert result.original.predicted == row["answer"]
     assert result.edited.logit < result.original.logit  # the answer lost support when its object went
@@ -87,7 +88,7 @@ def test_open_read_out_paint_counterfactual_export_reopen(qtbot, window, tmp_pat
 
     # export the audit table and reopen the session in a fresh window
     out = tmp_path / "audit.csv"
-    assert window.export_audit("csv", str(out))
+    assert window.sessions.export_audit("csv", str(out))
     rows = list(csv.DictReader(out.open()))
     kinds = {r["kind"] for r in rows}
     assert {"analyze", "counterfactual"} <= kinds
@@ -99,7 +100,7 @@ def test_open_read_out_paint_counterfactual_export_reopen(qtbot, window, tmp_pat
     other = MainWindow(model_cache=window.model_cache, session_path=tmp_path / "other.vlmr")
     qtbot.addWidget(other)
     try:
-        assert other.open_session(session_file, mode="append")
+        assert other.sessions.open_session(session_file, mode="append")
         assert other.analysis is not None and other.analysis.target.answer == row["answer"]
         assert len(other.audit_panel.rows()) == len(rows)
     finally:
@@ -115,13 +116,13 @@ def test_tiled_model_readout_says_its_tokens_are_not_one_grid(qtbot, window):
     from tests.core.test_llava_next import IMAGE_SIZE, QUESTION, tiny_llava_next_float64
 
     torch.manual_seed(0)
-    window.model_picker.setCurrentText("tiny-llava-next")
+    window.inputs.model_picker.setCurrentText("tiny-llava-next")
     window.model_cache[window.model_choice()] = tiny_llava_next_float64()  # served for the picker's choice
     assert window.set_image(noise_image(IMAGE_SIZE), name="noise")
     window.set_question(QUESTION)
     with qtbot.waitSignal(window.idle, timeout=60_000):
-        assert window.run_readout()
-    assert window.analysis is not None, window.error_label.text()
+        assert window.actions.run_readout()
+    assert window.analysis is not None, window.inputs.error_label.text()
     assert "views of the image" in window.canvas.note_label.text()
     primary = window.analysis.rollout.primary_image
     assert all(c.image == primary for c in window.canvas.cells) and window.canvas.cells
@@ -135,11 +136,11 @@ def test_head_ablation_and_region_patching_from_the_counterfactual_tab(qtbot, wi
     sample, row, target_mask = _sample_with_target()
     assert window.load_sample(sample)
     with qtbot.waitSignal(window.idle, timeout=60_000):
-        assert window.run_readout()
+        assert window.actions.run_readout()
     window.attention_panel.select_head(1, 1)
     with qtbot.waitSignal(window.idle, timeout=60_000):
-        assert window.ablate_selected()
-    ablation = window.last_intervention
+        assert window.actions.ablate_selected()
+    ablation = shown_result(window, "intervention")
     assert ablation.method == "ablation" and ablation.rows[0].label.startswith("L1.H1")
     assert window.intervention_panel.results.texts()[0][0].startswith("L1.H1")
 
@@ -151,8 +152,8 @@ def test_head_ablation_and_region_patching_from_the_counterfactual_tab(qtbot, wi
     new_shape = next(s for s in scenes.SHAPES if s != scene.objects[scene.target].shape)
     source = scenes.counterfactual_sample(scene, shape=new_shape)
     with qtbot.waitSignal(window.idle, timeout=60_000):
-        assert window.patch_region(source.image)
-    patch = window.last_intervention
+        assert window.actions.patch_region(source.image)
+    patch = shown_result(window, "intervention")
     forward = patch.rows[0].forward
     assert forward.effect.logit_change < 0  # the original shape lost support once its tokens came from the other scene
     assert {r.kind for r in window.session.runs()} >= {"analyze", "intervention"}
@@ -160,8 +161,8 @@ def test_head_ablation_and_region_patching_from_the_counterfactual_tab(qtbot, wi
 
 def test_attention_statistics_over_the_samples_fill_the_distribution_view(qtbot, window):
     with qtbot.waitSignal(window.idle, timeout=60_000):
-        assert window.attention_statistics_of_samples()
-    assert window.error_label.text() == ""
+        assert window.actions.attention_statistics_of_samples()
+    assert window.inputs.error_label.text() == ""
     assert len(window.attention_panel.statistics) == 16 and window.attention_panel.n_samples == 8
     assert window.session.runs("statistics")
 
@@ -169,7 +170,7 @@ def test_attention_statistics_over_the_samples_fill_the_distribution_view(qtbot,
 def test_the_lens_tab_overlays_the_committed_tuned_lens(qtbot, window):
     assert window.load_sample(bundled_samples()[0])
     with qtbot.waitSignal(window.idle, timeout=60_000):
-        assert window.run_readout()
+        assert window.actions.run_readout()
     readers = window.analysis.tuned_lens.readers
     assert readers and any(name.startswith("tuned lens") for name in readers)
     assert set(readers) <= set(window.lens_panel.all_readers())
@@ -183,14 +184,14 @@ def test_readout_makes_one_forward_and_its_answer_is_the_models(qtbot, window, m
 
     loaded = window.loaded_model() or core.load_model("shapes-llava", **window.model_choice().load_options())
     window.model_cache[window.model_choice()] = loaded
-    expected = core.answer(loaded, window.image, window.question_edit.text())
+    expected = core.answer(loaded, window.image, window.inputs.question_edit.text())
     calls = []
     original = loaded.adapter.forward_logits
     monkeypatch.setattr(loaded.adapter, "forward_logits", lambda inputs: calls.append(1) or original(inputs))
     monkeypatch.setattr(answer_module, "answer_batch", lambda *a, **k: pytest.fail("a second forward for the answer"))
-    run_until_idle(qtbot, window, window.run_readout)
-    assert window.error_label.text() == "" and len(calls) == 1
-    shown = window.last_answer
+    run_until_idle(qtbot, window, window.actions.run_readout)
+    assert window.inputs.error_label.text() == "" and len(calls) == 1
+    shown = shown_result(window, "answer")
     assert shown.answer == expected.answer and shown.answer_id == expected.answer_id
     assert shown.prob == pytest.approx(expected.prob, abs=1e-5)  # eager capture vs the plain forward's attention
     assert [t for t, _ in shown.top] == [t for t, _ in expected.top]

@@ -92,19 +92,19 @@ def test_window_history_follows_the_session_and_shows_thumbnails(qtbot, window, 
     assert panel.has_thumbnail(1)
 
     seen_on: list[bool] = []
-    window.session_watch.recorded.connect(
+    window.sessions.watch.recorded.connect(
         lambda _i: seen_on.append(threading.current_thread() is threading.main_thread())
     )
     job = Worker(lambda *, progress, cancel: window.session.record(RecordedResult("note", {}, "from a thread")))
     with qtbot.waitSignal(job.finished, timeout=TIMEOUT_MS):
-        window.workers.start(job)
+        window.runner.workers.start(job)
     qtbot.waitUntil(lambda: panel.run_ids() == [1, 2], timeout=TIMEOUT_MS)
     assert seen_on == [True] and not panel.has_thumbnail(2)
     assert [info.id for info in window.workspace.runs] == [1, 2]
 
     other = tmp_path / "other.vlmr"
     Session.create(other).close()
-    assert window.open_session(other, mode="append")
+    assert window.sessions.open_session(other, mode="append")
     assert panel.run_ids() == [] and window.workspace.runs == []
 
 
@@ -123,11 +123,11 @@ def test_restoring_a_run_shows_its_image_and_question(qtbot, window, tmp_path):
     with qtbot.waitSignal(window.history_panel.run_selected, timeout=TIMEOUT_MS):
         window.history_panel.select_run(run_id)
     assert np.array_equal(np.asarray(window.image), np.asarray(Image.open(sample.image_path).convert("RGB")))
-    assert window.image_name == "copied.png" and window.question_edit.text() == "is it a copy?"
-    assert window.workspace.shown.run_id == run_id and window.error_label.text() == ""
+    assert window.image_name == "copied.png" and window.inputs.question_edit.text() == "is it a copy?"
+    assert window.workspace.shown.run_id == run_id and window.inputs.error_label.text() == ""
     image_before = window.image
     assert window.history_panel.select_run(no_image)  # a click on it
-    assert window.error_label.text() == f"cannot show run #{no_image}: the session has no image for it"
+    assert window.inputs.error_label.text() == f"cannot show run #{no_image}: the session has no image for it"
     assert window.image is image_before and window.workspace.shown.run_id == run_id
     assert window.history_panel.current_run() == run_id  # the history selects the run still shown
 
@@ -157,12 +157,12 @@ def test_open_session_asks_continue_or_read_only(qtbot, window, tmp_path, monkey
     current = window.session
 
     asked = _answer_dialog(monkeypatch, None)
-    assert window.open_session(shared) is False and asked == ["Open shared.vlmr"]
+    assert window.sessions.open_session(shared) is False and asked == ["Open shared.vlmr"]
     assert window.session is current and not current.closed
 
     _answer_dialog(monkeypatch, "Open read-only")
-    assert window.open_session(shared) is True
-    assert window.session_label.text() == f"session: {shared} (read-only; new runs are not saved into it)"
+    assert window.sessions.open_session(shared) is True
+    assert window.sessions.label.text() == f"session: {shared} (read-only; new runs are not saved into it)"
     assert window.history_panel.run_ids() == [1]
     window.session.record(RecordedResult("note", {}, "mine"))
     assert window.history_panel.run_ids() == [1, 2]
@@ -170,8 +170,8 @@ def test_open_session_asks_continue_or_read_only(qtbot, window, tmp_path, monkey
         assert [r.summary for r in s.runs()] == ["shared work"]
 
     _answer_dialog(monkeypatch, "Continue this session")
-    assert window.open_session(shared) is True
-    assert window.session.path == shared and window.session_label.text() == f"session: {shared}"
+    assert window.sessions.open_session(shared) is True
+    assert window.session.path == shared and window.sessions.label.text() == f"session: {shared}"
     window.session.record(RecordedResult("note", {}, "appended"))
     with Session.open(shared, read_only=True) as s:
         assert [r.summary for r in s.runs()] == ["shared work", "appended"]
@@ -186,12 +186,12 @@ def test_a_result_of_another_shape_is_not_drawn_and_says_so(qtbot, window):
         image=str(sample.image_path),
         parameters={"question": sample.question},
     )
-    assert window.restore_run(run_id)
-    assert window.question_edit.text() == sample.question and window.image_name == sample.image_path.name
+    assert window.sessions.restore_run(run_id)
+    assert window.inputs.question_edit.text() == sample.question and window.image_name == sample.image_path.name
     # its stored JSON does not restore as an analyze result: one line naming the kind and what is missing
-    assert window.error_label.text().startswith(
+    assert window.inputs.error_label.text().startswith(
         f"run #{run_id} cannot be drawn (the stored analyze result does not fit"
     )
-    assert window.attention_panel.cells == {} and window.answer_label.text() == "no answer yet"
+    assert window.attention_panel.cells == {} and window.answer_panel.label.text() == "no answer yet"
     assert window.workspace.shown.run_id == run_id and window.workspace.shown.results == {}
     assert window.run_frames["attention"].header_text() == NOTHING_SHOWN

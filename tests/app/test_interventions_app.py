@@ -21,6 +21,7 @@ from core.capture import capture
 from core.methods.component_ablation import ablation_edits, parse_component
 from core.methods.interventions import patch_visual_features, run_interventions
 from core.requests.patching import patch_sites
+from tests.app.shown import shown_result
 from tests.app.test_window import run_until_idle
 
 BLOCKS = ["L0", "L1", "L2", "L3"]  # shapes-llava's blocks, as the trace names them
@@ -76,8 +77,8 @@ def test_patch_sites_are_the_familys_visual_sites():
 @pytest.fixture
 def read_out(qtbot, window):
     """The window with the first sample read out."""
-    run_until_idle(qtbot, window, window.run_readout)
-    assert window.analysis is not None, window.error_label.text()
+    run_until_idle(qtbot, window, window.actions.run_readout)
+    assert window.analysis is not None, window.inputs.error_label.text()
     return window
 
 
@@ -89,7 +90,7 @@ def engine_ablation(window, name: str, kind: str = "zero", positions: str = "tar
     """The engine's own ablation of ``name`` on the window's image and question: the
     references of a mean are the bundled samples asked the same question."""
     loaded = loaded_model(window)
-    adapter, question = loaded.adapter, window.question_edit.text().strip()
+    adapter, question = loaded.adapter, window.inputs.question_edit.text().strip()
 
     def capture_of(image):
         return capture(loaded, None, "", pattern_layers=[], inputs=adapter.prepare([image], [question]))
@@ -122,9 +123,9 @@ def assert_row_shown(cells: list[str], label: str, before, after, flipped: bool)
 
 
 def ablate(qtbot, window):
-    run_until_idle(qtbot, window, window.ablate_selected)
-    assert window.error_label.text() == ""
-    return window.last_intervention
+    run_until_idle(qtbot, window, window.actions.ablate_selected)
+    assert window.inputs.error_label.text() == ""
+    return shown_result(window, "intervention")
 
 
 def test_the_component_selected_last_is_the_one_ablated(qtbot, read_out):
@@ -145,7 +146,7 @@ def test_the_component_selected_last_is_the_one_ablated(qtbot, read_out):
     assert_row_shown(cells, row.label, want.original, want.edited, want.effect.flipped)
     recorded = window.session.run(window.session.runs("intervention")[-1].id).parameters
     assert (recorded["component"], recorded["selected_in"], recorded["ablation"]) == ("L0.H2", "dla", "zero")
-    assert recorded["answer_prefix_ids"] == [] and recorded["question"] == window.question_edit.text()
+    assert recorded["answer_prefix_ids"] == [] and recorded["question"] == window.inputs.question_edit.text()
 
 
 @pytest.mark.parametrize(
@@ -193,7 +194,7 @@ def test_the_painted_region_positions_are_its_visual_tokens(qtbot, read_out):
     adapter = loaded_model(window).adapter
     region = [t.index for t in adapter.visual_tokens(window.image.size) if t.row < 2 and 0 <= t.col < 2]
     assert len(region) == 4
-    positions = adapter.visual_positions(adapter.prepare([window.image], [window.question_edit.text()]))[0]
+    positions = adapter.visual_positions(adapter.prepare([window.image], [window.inputs.question_edit.text()]))[0]
     (row,) = result.rows
     assert row.edits[0]["positions"] == [int(positions[t]) for t in region]  # the sequence positions of those tokens
     assert row.label == "L1.H0 zeroed at the painted region (4 visual tokens)"
@@ -215,9 +216,9 @@ def test_patching_at_the_chosen_site_is_patch_visual_features(qtbot, read_out, s
     panel.set_source(source)
     panel.set_site(site, layer)
     assert panel.site_choice() == (site, layer)
-    run_until_idle(qtbot, window, window.patch_region)
-    assert window.error_label.text() == ""
-    result = window.last_intervention
+    run_until_idle(qtbot, window, window.actions.patch_region)
+    assert window.inputs.error_label.text() == ""
+    result = shown_result(window, "intervention")
     loaded = loaded_model(window)
     tokens = loaded.adapter.visual_tokens(window.image.size)
     region = [
@@ -226,7 +227,7 @@ def test_patching_at_the_chosen_site_is_patch_visual_features(qtbot, read_out, s
     want = patch_visual_features(
         loaded,
         window.image,
-        window.question_edit.text(),
+        window.inputs.question_edit.text(),
         source,
         site=site,
         layer=layer,
@@ -257,23 +258,23 @@ def test_choices_that_map_to_nothing_are_a_message(qtbot, read_out):
     def refused(start, words: str) -> None:
         assert not start()
         assert not window.is_busy()
-        assert words in window.error_label.text() and words in panel.message_label.text()
-        assert "Traceback" not in window.error_label.text()
+        assert words in window.inputs.error_label.text() and words in panel.message_label.text()
+        assert "Traceback" not in window.inputs.error_label.text()
 
-    refused(window.ablate_selected, "select a component first")
+    refused(window.actions.ablate_selected, "select a component first")
     assert window.lens_panel.select_layer(0)
     assert window.selection.current.name == "embed"
-    refused(window.ablate_selected, "embed: not an activation a forward can ablate")
+    refused(window.actions.ablate_selected, "embed: not an activation a forward can ablate")
     window.attention_panel.select_head(0, 0)
     panel.set_positions("region")
-    refused(window.ablate_selected, "paint a region in the Counterfactual tab")
-    refused(window.patch_region, "choose a source image")
+    refused(window.actions.ablate_selected, "paint a region in the Counterfactual tab")
+    refused(window.actions.patch_region, "choose a source image")
     panel.set_source(bundled_samples()[1].image_path)
-    refused(window.patch_region, "paint a region in the Counterfactual tab")
+    refused(window.actions.patch_region, "paint a region in the Counterfactual tab")
     panel.set_positions("target")
     panel.set_kind("resample")
     panel.source_combo.setCurrentIndex(0)  # the placeholder: no source
-    refused(window.ablate_selected, "resample ablation: choose a source image")
+    refused(window.actions.ablate_selected, "resample ablation: choose a source image")
     assert window.session.runs("intervention") == []
 
 
@@ -282,11 +283,11 @@ def test_a_new_readout_stales_the_selection_and_a_new_image_clears_it(qtbot, rea
     window.dla_panel.select_component("L2.mlp", emit=True)
     assert not window.selection.current.stale
     window.set_question("what shape is the red object?")
-    run_until_idle(qtbot, window, window.run_readout)
+    run_until_idle(qtbot, window, window.actions.run_readout)
     assert window.selection.current.stale and window.selection.current.name == "L2.mlp"
     assert "stale" in window.intervention_panel.component_label.text()
-    assert not window.ablate_selected()
-    assert "select it again" in window.error_label.text()
+    assert not window.actions.ablate_selected()
+    assert "select it again" in window.inputs.error_label.text()
     window.dla_panel.select_component("L2.mlp", emit=True)  # selected again in the read-out shown
     assert not window.selection.current.stale
     assert window.load_sample(bundled_samples()[1])
@@ -301,7 +302,7 @@ def test_a_restored_ablation_fills_the_same_table_and_selection(qtbot, read_out)
     live = window.intervention_panel.results.texts()
     assert window.load_sample(bundled_samples()[5])
     assert window.intervention_panel.results.texts() == []  # a new image empties every view
-    assert window.restore_run(ablation_id)
+    assert window.sessions.restore_run(ablation_id)
     assert window.intervention_panel.results.texts() == live
     assert window.counterfactual_panel.numbers_tabs.currentWidget() is window.intervention_panel.results
     selected = window.selection.current

@@ -50,8 +50,8 @@ def fully_visible(widget: QWidget) -> bool:
 @pytest.fixture
 def read_out(qtbot, window):
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
-        assert window.run_readout()
-    assert window.analysis is not None, window.error_label.text()
+        assert window.actions.run_readout()
+    assert window.analysis is not None, window.inputs.error_label.text()
     return window
 
 

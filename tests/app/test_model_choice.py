@@ -31,21 +31,21 @@ def settings(tmp_path, monkeypatch):
 def test_the_picker_offers_dtype_and_device(qtbot, model_cache, tmp_path, settings):
     win = _window(qtbot, model_cache, tmp_path / "s.vlmr")
     try:
-        dtypes = [win.dtype_picker.itemText(i) for i in range(win.dtype_picker.count())]
-        devices = [win.device_picker.itemText(i) for i in range(win.device_picker.count())]
-        assert tuple(dtypes) == DTYPE_CHOICES and win.dtype_picker.currentText() == "auto"
-        assert tuple(devices) == device_choices() and win.device_picker.currentText() == "cpu"
+        dtypes = [win.inputs.dtype_picker.itemText(i) for i in range(win.inputs.dtype_picker.count())]
+        devices = [win.inputs.device_picker.itemText(i) for i in range(win.inputs.device_picker.count())]
+        assert tuple(dtypes) == DTYPE_CHOICES and win.inputs.dtype_picker.currentText() == "auto"
+        assert tuple(devices) == device_choices() and win.inputs.device_picker.currentText() == "cpu"
         # without CUDA the device picker shows the CPU only, disabled (with CUDA: cuda, cuda:N, auto too)
-        assert win.device_picker.isEnabled() == (len(devices) > 1)
-        assert "float32 on the CPU" in win.dtype_picker.toolTip()
+        assert win.inputs.device_picker.isEnabled() == (len(devices) > 1)
+        assert "float32 on the CPU" in win.inputs.dtype_picker.toolTip()
         assert win.model_choice() == ModelChoice("shapes-llava", "auto", "cpu")
-        win.dtype_picker.setCurrentText("float16")
+        win.inputs.dtype_picker.setCurrentText("float16")
         assert win.model_choice() == ModelChoice("shapes-llava", "float16", "cpu")
         assert win.workspace.input.model_dtype == "float16"
-        assert win.set_model_choice("bfloat16", "cuda:7") == (
+        assert win.inputs.set_model_choice("bfloat16", "cuda:7") == (
             [] if "cuda:7" in devices else ["device cuda:7 is not offered here (now cpu)"]
         )
-        assert win.dtype_picker.currentText() == "bfloat16"
+        assert win.inputs.dtype_picker.currentText() == "bfloat16"
     finally:
         _close(win)
 
@@ -78,9 +78,9 @@ def test_the_model_cache_is_keyed_by_spec_dtype_and_device(monkeypatch):
 def test_a_bfloat16_readout_is_recorded_and_named_bfloat16(qtbot, model_cache, tmp_path, settings):
     win = _window(qtbot, model_cache, tmp_path / "s.vlmr")
     try:
-        win.dtype_picker.setCurrentText("bfloat16")
-        run_until_idle(qtbot, win, win.run_readout)
-        assert win.error_label.text() == ""
+        win.inputs.dtype_picker.setCurrentText("bfloat16")
+        run_until_idle(qtbot, win, win.actions.run_readout)
+        assert win.inputs.error_label.text() == ""
         loaded = win.model_cache[BF16]
         assert win.loaded_model() is loaded
         assert loaded.adapter.dtype_and_device() == {"dtype": "bfloat16", "device": "cpu"}
@@ -98,14 +98,14 @@ def test_a_bfloat16_readout_is_recorded_and_named_bfloat16(qtbot, model_cache, t
 
         # another dtype picked: the views were drawn for bfloat16 (stale, saying so); nothing of
         # the bfloat16 model is served for float32
-        win.dtype_picker.setCurrentText("float32")
+        win.inputs.dtype_picker.setCurrentText("float32")
         assert win.loaded_model() is None or win.loaded_model() is not loaded
         shown = [win.run_frames[name] for name in ("attention", "dla", "lens", "answer", "canvas")]
         for frame in shown:
             header = frame.header_text()
             assert frame.stale and header.startswith("stale (dtype changed): drawn for "), header
             assert "shapes-llava · bfloat16 · cpu;" in header and header.endswith("shapes-llava · float32 · cpu")
-        win.dtype_picker.setCurrentText("bfloat16")
+        win.inputs.dtype_picker.setCurrentText("bfloat16")
         assert not any(frame.stale for frame in shown)
     finally:
         _close(win)
@@ -113,10 +113,10 @@ def test_a_bfloat16_readout_is_recorded_and_named_bfloat16(qtbot, model_cache, t
     # a new window on the same spec starts in the remembered dtype; a restored run picks the one it ran in
     again = _window(qtbot, model_cache, tmp_path / "s.vlmr")
     try:
-        assert again.dtype_picker.currentText() == "bfloat16" and again.device_picker.currentText() == "cpu"
-        again.dtype_picker.setCurrentText("auto")
-        assert again.restore_run(info.id), again.error_label.text()
-        assert again.dtype_picker.currentText() == "bfloat16" and again.device_picker.currentText() == "cpu"
+        assert again.inputs.dtype_picker.currentText() == "bfloat16" and again.inputs.device_picker.currentText() == "cpu"
+        again.inputs.dtype_picker.setCurrentText("auto")
+        assert again.sessions.restore_run(info.id), again.inputs.error_label.text()
+        assert again.inputs.dtype_picker.currentText() == "bfloat16" and again.inputs.device_picker.currentText() == "cpu"
         assert again.workspace.input.model_choice() == BF16
         frame = again.run_frames["attention"]
         assert not frame.stale and "shapes-llava · bfloat16 · cpu" in frame.header_text()
@@ -144,7 +144,7 @@ def test_a_model_too_large_for_the_memory_is_refused_in_the_window(qtbot, model_
 
     win = _window(qtbot, model_cache, tmp_path / "s.vlmr")
     try:
-        run_until_idle(qtbot, win, win.run_readout)  # the float32 run the views show
+        run_until_idle(qtbot, win, win.actions.run_readout)  # the float32 run the views show
         shown = win.workspace.shown
         runs = len(win.session.runs())
         monkeypatch.setenv("VLM_READOUT_MEMORY_AVAILABLE", "1MB")
@@ -153,9 +153,9 @@ def test_a_model_too_large_for_the_memory_is_refused_in_the_window(qtbot, model_
             raise AssertionError("the model was built although it does not fit")
 
         monkeypatch.setattr(transformers.AutoModelForImageTextToText, "from_pretrained", no_allocation)
-        win.dtype_picker.setCurrentText("float16")
-        run_until_idle(qtbot, win, win.run_readout)
-        message = win.error_label.text()
+        win.inputs.dtype_picker.setCurrentText("float16")
+        run_until_idle(qtbot, win, win.actions.run_readout)
+        message = win.inputs.error_label.text()
         assert "\n" not in message and "Traceback" not in message
         assert "float16 and 1.0 MB is available" in message, message
         assert ModelChoice("shapes-llava", "float16", "cpu") not in win.model_cache

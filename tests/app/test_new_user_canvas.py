@@ -41,7 +41,7 @@ def coca_window(qtbot, tmp_path):
     qtbot.waitExposed(win)
     yield win
     win.close()
-    assert win.workers.running() == []
+    assert win.runner.workers.running() == []
 
 
 def settle(window) -> None:
@@ -71,9 +71,9 @@ def drawn_tick_texts(axis) -> list[tuple[float, float, str]]:
 
 def readout(qtbot, window, spec: str) -> dict:
     """Read out with ``spec``; the shown analysis as its JSON."""
-    window.model_picker.setCurrentText(spec)
-    run_until_idle(qtbot, window, window.run_readout)
-    assert window.analysis is not None, window.error_label.text()
+    window.inputs.model_picker.setCurrentText(spec)
+    run_until_idle(qtbot, window, window.actions.run_readout)
+    assert window.analysis is not None, window.inputs.error_label.text()
     return window.analysis.to_dict()
 
 
@@ -102,10 +102,10 @@ def test_a_runs_canvas_note_and_heatmap_leave_with_the_run(qtbot, window, llava_
     from tests.core.exactness import noise_image
     from tests.core.test_llava_next import IMAGE_SIZE, QUESTION
 
-    window.model_picker.setCurrentText(llava_next_folder)
+    window.inputs.model_picker.setCurrentText(llava_next_folder)
     assert window.set_image(noise_image(IMAGE_SIZE), name="noise")
     window.set_question(QUESTION)
-    run_until_idle(qtbot, window, window.run_readout)
+    run_until_idle(qtbot, window, window.actions.run_readout)
     next_run = window.session.runs("analyze")[-1].id
     shown = canvas_run_content(window)
     assert "2 views of the image" in shown["note"] and "no patch" in shown["note"], shown
@@ -113,7 +113,7 @@ def test_a_runs_canvas_note_and_heatmap_leave_with_the_run(qtbot, window, llava_
     assert shown["painter note"] == shown["note"]
 
     # another model picked: every read-out view, the canvas among them, says its run is stale
-    window.model_picker.setCurrentText("shapes-llava")
+    window.inputs.model_picker.setCurrentText("shapes-llava")
     for view in READOUT_VIEWS:
         frame = window.run_frames[view]
         assert frame.stale and frame.header.styleSheet() == STALE_STYLE, view
@@ -131,16 +131,16 @@ def test_a_runs_canvas_note_and_heatmap_leave_with_the_run(qtbot, window, llava_
         "painter cells": 0,
     }
 
-    run_until_idle(qtbot, window, window.run_readout)  # shapes-llava: one plain patch grid, no note
+    run_until_idle(qtbot, window, window.actions.run_readout)  # shapes-llava: one plain patch grid, no note
     llava_run = window.session.runs("analyze")[-1].id
     plain = canvas_run_content(window)
     assert plain["note"] == plain["painter note"] == "" and plain["cells"] == 64
 
     # History: each run brings back its own note, and only its own
-    assert window.restore_run(next_run)
+    assert window.sessions.restore_run(next_run)
     qtbot.waitUntil(lambda: not window.is_busy(), timeout=TIMEOUT_MS)
     assert canvas_run_content(window)["note"] == shown["note"]
-    assert window.restore_run(llava_run)
+    assert window.sessions.restore_run(llava_run)
     qtbot.waitUntil(lambda: not window.is_busy(), timeout=TIMEOUT_MS)
     assert canvas_run_content(window)["note"] == ""
 
@@ -199,13 +199,13 @@ def test_the_token_read_stays_visible_in_the_canvas_header_and_heatmap_label(qtb
     at an answer token, every read-out header and the canvas's heatmap label (title and colour bar)
     show which token, eliding the other parts first."""
     window.resize(*SCREEN)
-    window.model_picker.setCurrentText("shapes-llava")
+    window.inputs.model_picker.setCurrentText("shapes-llava")
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
         qtbot.mouseClick(window.answer_panel.generate_button, Qt.MouseButton.LeftButton)
     k = len(window.answer_panel.token_buttons) - 1
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
         qtbot.mouseClick(window.answer_panel.token_buttons[k], Qt.MouseButton.LeftButton)
-    assert window.error_label.text() == "", window.error_label.text()
+    assert window.inputs.error_label.text() == "", window.inputs.error_label.text()
     token = answer_token_label(window.workspace.input.answer_text)  # "answer token 2 'zero'"
     show_tab(window, "Attention")
 
@@ -229,7 +229,7 @@ def test_the_token_read_stays_visible_in_the_canvas_header_and_heatmap_label(qtb
     assert token in visible(canvas.heatmap_title) and token in canvas.colorbar_label()
 
     # stale: the header says so first, and still which token each input reads
-    window.question_edit.setText(window.question_edit.text() + " and is it big?")
+    window.inputs.question_edit.setText(window.inputs.question_edit.text() + " and is it big?")
     settle(window)
     header = window.run_frames["canvas"].header
     shown = visible(header)
@@ -295,10 +295,10 @@ def test_the_canvas_note_wraps_inside_the_canvas_and_never_grows_the_window(
     from tests.core.test_llava_next import IMAGE_SIZE, QUESTION
 
     canvas = window.canvas
-    window.model_picker.setCurrentText(llava_next_folder)
+    window.inputs.model_picker.setCurrentText(llava_next_folder)
     assert window.set_image(noise_image(IMAGE_SIZE), name="noise")
     window.set_question(QUESTION)
-    run_until_idle(qtbot, window, window.run_readout)
+    run_until_idle(qtbot, window, window.actions.run_readout)
     note = canvas.note_label
     text = note.text()
     assert "views of the image" in text
@@ -329,7 +329,7 @@ def test_the_canvas_note_wraps_inside_the_canvas_and_never_grows_the_window(
 
 def test_empty_tabs_name_the_read_out_button(qtbot, window):
     """Empty tabs said "press Run" where the window's button is "Read out"."""
-    button = window.readout_button.text()
+    button = window.inputs.readout_button.text()
     assert button == "Read out"
     window.workspace.clear_shown()
     texts = {

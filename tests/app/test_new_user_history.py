@@ -28,8 +28,8 @@ def own_settings(tmp_path, monkeypatch):
 
 
 def read_out(qtbot, window):
-    run_until_idle(qtbot, window, window.run_readout)
-    assert window.analysis is not None, window.error_label.text()
+    run_until_idle(qtbot, window, window.actions.run_readout)
+    assert window.analysis is not None, window.inputs.error_label.text()
 
 
 def paint(window, rows=slice(20, 70), cols=slice(30, 90)) -> np.ndarray:
@@ -44,7 +44,7 @@ def click(qtbot, window, button) -> None:
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
         qtbot.mouseClick(button, Qt.MouseButton.LeftButton)
     assert not window.is_busy()
-    assert window.error_label.text() == ""
+    assert window.inputs.error_label.text() == ""
 
 
 def last_run(window, kind: str):
@@ -54,7 +54,7 @@ def last_run(window, kind: str):
 def restore(window, run_id: int) -> None:
     """Select run ``run_id``'s History row, as a click on it."""
     assert window.history_panel.select_run(run_id)
-    assert window.workspace.shown is not None and window.workspace.shown.run_id == run_id, window.error_label.text()
+    assert window.workspace.shown is not None and window.workspace.shown.run_id == run_id, window.inputs.error_label.text()
 
 
 def elsewhere(window) -> None:
@@ -71,8 +71,8 @@ def elsewhere(window) -> None:
     interventions.set_source(bundled_samples()[7].image_path)
     if interventions.sites():
         interventions.set_site("vision_out")
-    window.target_edit.setText("triangle")
-    window.foil_edit.setText("")
+    window.inputs.target_edit.setText("triangle")
+    window.inputs.foil_edit.setText("")
     window.answer_panel.set_generate_budget(24)
 
 
@@ -107,7 +107,7 @@ def test_a_restored_counterfactual_shows_its_fill_and_region(qtbot, window, fill
     if fill == "paste":
         assert panel.paste_label.text() == bundled_samples()[2].image_path.name
     assert np.array_equal(panel.mask(), mask)
-    assert window.error_label.text() == ""
+    assert window.inputs.error_label.text() == ""
 
 
 def test_a_restored_sweep_shows_its_k_and_fill(qtbot, window):
@@ -143,7 +143,7 @@ def test_a_restored_mean_ablation_shows_its_kind_and_positions(qtbot, window):
     assert interventions.positions_combo.currentText() == "painted region"
     assert not interventions.reference_label.isHidden()  # the mean's reference set is said
     assert interventions.reference_label.text().startswith("mean over the 8 bundled sample images")
-    assert window.error_label.text() == "" and interventions.message_label.text() == ""
+    assert window.inputs.error_label.text() == "" and interventions.message_label.text() == ""
     assert np.array_equal(window.counterfactual_panel.mask(), mask)
     assert interventions.component_label.text().startswith("L1.H0 (selected in Attention, run #")
 
@@ -193,7 +193,7 @@ def test_a_patch_restored_before_its_model_loads_keeps_its_site(qtbot, window, t
     qtbot.addWidget(other)
     try:
         with qtbot.waitSignal(other.idle, timeout=TIMEOUT_MS):  # the run's model loads in a worker
-            assert other.open_session(window.session.path, mode="read_only")
+            assert other.sessions.open_session(window.session.path, mode="read_only")
         assert other.intervention_panel.site_choice() == ("resid", 2)
         assert other.intervention_panel.block_combo.currentText() == "entering L2"
         assert other.intervention_panel.source() == str(bundled_samples()[2].image_path)
@@ -207,8 +207,8 @@ def test_a_patch_restored_before_its_model_loads_keeps_its_site(qtbot, window, t
 def test_a_target_of_several_words_is_restored_as_typed(qtbot, window):
     """After a run with Target "blue circle" the Target field showed "blue" (its first token): every
     kind restores the fields as they were typed."""
-    window.target_edit.setText("blue circle")
-    window.foil_edit.setText("red square")
+    window.inputs.target_edit.setText("blue circle")
+    window.inputs.foil_edit.setText("red square")
     read_out(qtbot, window)
     window.attention_panel.select_head(2, 1)
     paint(window)
@@ -224,7 +224,7 @@ def test_a_target_of_several_words_is_restored_as_typed(qtbot, window):
     for kind, run_id in ids.items():
         elsewhere(window)
         restore(window, run_id)
-        assert (window.target_edit.text(), window.foil_edit.text()) == ("blue circle", "red square"), kind
+        assert (window.inputs.target_edit.text(), window.inputs.foil_edit.text()) == ("blue circle", "red square"), kind
         stale = [name for name, frame in window.run_frames.items() if frame.stale]
         assert stale == [], (kind, stale)  # the fields are the shown run's: no view says "target changed"
 
@@ -233,21 +233,21 @@ def test_a_readout_of_another_target_is_not_shown_as_a_restored_runs(qtbot, wind
     """A counterfactual run after the Target was changed (the read-out views were stale beside it):
     restored, its read-out is not the one of the other Target drawn as current."""
     read_out(qtbot, window)
-    window.target_edit.setText("circle")
+    window.inputs.target_edit.setText("circle")
     assert window.run_frames["attention"].stale  # live: the read-out is of another Target
     paint(window)
     click(qtbot, window, window.counterfactual_panel.run_button)
     run = last_run(window, "counterfactual")
     elsewhere(window)
     restore(window, run.id)
-    assert window.target_edit.text() == "circle"
+    assert window.inputs.target_edit.text() == "circle"
     assert "analyze" not in window.workspace.shown.results and window.analysis is None
     assert window.run_frames["attention"].header_text() == "no run shown yet"
     assert window.run_frames["counterfactual"].header_text().startswith(f"run #{run.id} · counterfactual")
 
 
 def test_a_restored_generation_shows_its_token_budget(qtbot, window):
-    run_until_idle(qtbot, window, lambda: window.generate_answer(5))
+    run_until_idle(qtbot, window, lambda: window.actions.generate_answer(5))
     run = last_run(window, "generate")
     elsewhere(window)
     restore(window, run.id)
@@ -270,11 +270,11 @@ def test_what_a_run_did_not_store_is_marked_not_the_runs(qtbot, window):
     mask[10:40, 10:40] = True
     pixels = np.asarray(load_image(bundled_samples()[1].image_path))
     result = region_counterfactual(
-        window.loaded_model(), window.image, window.question_edit.text(), mask, "paste", paste_from=pixels
+        window.loaded_model(), window.image, window.inputs.question_edit.text(), mask, "paste", paste_from=pixels
     )
-    pasted = window.session.record(result, image=window.image, parameters={"question": window.question_edit.text()})
+    pasted = window.session.record(result, image=window.image, parameters={"question": window.inputs.question_edit.text()})
     interventions.set_positions("all")
-    run_until_idle(qtbot, window, lambda: window.patch_region(load_image(bundled_samples()[2].image_path)))
+    run_until_idle(qtbot, window, lambda: window.actions.patch_region(load_image(bundled_samples()[2].image_path)))
     patched = last_run(window, "intervention").id
     elsewhere(window)
     panel.set_paste_source(bundled_samples()[3].image_path)
@@ -285,7 +285,7 @@ def test_what_a_run_did_not_store_is_marked_not_the_runs(qtbot, window):
     assert "c00000" in panel.paste_label.styleSheet()
     region = f"the painted region of run #{pasted} is not stored with it: the region shown is not the run's"
     assert panel.message_label.text() == region and "c00000" in panel.message_label.styleSheet()
-    assert panel.paste_label.text() in window.error_label.text() and region in window.error_label.text()
+    assert panel.paste_label.text() in window.inputs.error_label.text() and region in window.inputs.error_label.text()
     n = len(window.session.runs())
     panel.canvas.set_mask(mask)
     qtbot.mouseClick(panel.run_button, Qt.MouseButton.LeftButton)
@@ -295,7 +295,7 @@ def test_what_a_run_did_not_store_is_marked_not_the_runs(qtbot, window):
     restore(window, patched)
     said = f"run #{patched}'s source image was no file: choose it again"
     assert interventions.source() is None and interventions.message_label.text() == said
-    assert "c00000" in interventions.message_label.styleSheet() and said in window.error_label.text()
+    assert "c00000" in interventions.message_label.styleSheet() and said in window.inputs.error_label.text()
     assert interventions.positions() == "all"
     qtbot.mouseClick(interventions.patch_button, Qt.MouseButton.LeftButton)
     assert not window.is_busy() and len(window.session.runs()) == n
@@ -330,7 +330,7 @@ def test_a_restored_claim_shows_its_subject_claim_data_and_n_and_runs_again_as_i
     assert (panel.dataset_combo.currentData(), panel.n(), panel.uses_region()) == ("scenes", 12, True)
     said = f"run #{run.id} used a painted region that is not stored with it: the region painted now is not the run's"
     assert panel.message_label.text() == said and "c00000" in panel.message_label.styleSheet()
-    assert window.error_label.text() == said
+    assert window.inputs.error_label.text() == said
     click(qtbot, window, panel.run_button)
     again = last_run(window, "validate")
     assert again.id > run.id and again.parameters == run.parameters
@@ -346,7 +346,7 @@ def without_time(parameters: dict) -> dict:
 def test_pressing_run_after_a_restore_runs_the_restored_experiment(qtbot, window):
     """Restored, then Run / Occlusion sweep / Ablate / Patch pressed again: each new run records the
     parameters and numbers of the run restored (it used to run the controls' other choices)."""
-    window.target_edit.setText("blue circle")
+    window.inputs.target_edit.setText("blue circle")
     read_out(qtbot, window)
     panel, interventions = window.counterfactual_panel, window.intervention_panel
     paint(window)

@@ -34,10 +34,10 @@ def fits_the_screen(window) -> None:
     settle()
     assert (window.width(), window.height()) == SCREEN
     bottom = {
-        "Target": window.target_edit,
-        "progress bar": window.progress_bar,
-        "Cancel": window.cancel_button,
-        "session line": window.session_label,
+        "Target": window.inputs.target_edit,
+        "progress bar": window.inputs.progress_bar,
+        "Cancel": window.inputs.cancel_button,
+        "session line": window.sessions.label,
     }
     off = [name for name, w in bottom.items() if on_screen(w).size() != w.size() or not w.isVisible()]
     assert not off, f"{off} are not whole on screen at 1280 x 800"
@@ -61,8 +61,8 @@ def places(widgets: dict) -> dict:
 @pytest.fixture
 def read_out(qtbot, window):
     window.resize(*SCREEN)
-    run_until_idle(qtbot, window, window.run_readout)
-    assert window.analysis is not None, window.error_label.text()
+    run_until_idle(qtbot, window, window.actions.run_readout)
+    assert window.analysis is not None, window.inputs.error_label.text()
     return window
 
 
@@ -70,8 +70,8 @@ def test_qk_ov_results_neither_grow_the_window_nor_get_squashed(qtbot, read_out)
     window, panel = read_out, read_out.head_methods
     show_tab(window, window.attention_panel)
     assert window.attention_panel.select_head(0, 1)
-    run_until_idle(qtbot, window, window.run_qk_ov)
-    assert panel.kind == "qk-ov", window.error_label.text()
+    run_until_idle(qtbot, window, window.actions.run_qk_ov)
+    assert panel.kind == "qk-ov", window.inputs.error_label.text()
     fits_the_screen(window)
     # the boxes keep their text: the weight and activation levels each get every line (scrolled to)
     for label in (panel.weight_text, panel.activation_text):
@@ -85,8 +85,8 @@ def test_a_claim_steps_evidence_never_grows_the_window(qtbot, read_out):
     panel.claim_edit.setText("L1.H1 reads the colour of the shape asked about, at the answer position")
     panel.set_dataset("scenes")
     panel.n_spin.setValue(12)
-    run_until_idle(qtbot, window, window.run_claim)
-    assert panel.validation is not None, window.error_label.text()
+    run_until_idle(qtbot, window, window.actions.run_claim)
+    assert panel.validation is not None, window.inputs.error_label.text()
     fits_the_screen(window)
     for step in range(1, 8):  # histograms, the swap pairs, the paired comparisons, plain text
         assert panel.select_step(step)
@@ -98,22 +98,22 @@ def test_long_messages_keep_the_window_and_its_controls_in_place(qtbot, read_out
     """An error of several lines, a long status, a long session problem: one line each."""
     window = read_out
     controls = {
-        "Answer": window.answer_button,
-        "Read out": window.readout_button,
-        "Cancel": window.cancel_button,
-        "Target": window.target_edit,
-        "foil": window.foil_edit,
-        "Question": window.question_edit,
-        "Model": window.model_picker,
+        "Answer": window.inputs.answer_button,
+        "Read out": window.inputs.readout_button,
+        "Cancel": window.inputs.cancel_button,
+        "Target": window.inputs.target_edit,
+        "foil": window.inputs.foil_edit,
+        "Question": window.inputs.question_edit,
+        "Model": window.inputs.model_picker,
     }
     before = places(controls)
     window.show_error(LONG)
-    window.status_label.setText(LONG)
-    window._show_session(LONG)
+    window.inputs.status_label.setText(LONG)
+    window.sessions._show_session(LONG)
     assert places(controls) == before
     fits_the_screen(window)
     # the error line: one elided line, the whole message in its text and tooltip
-    line = window.error_label
+    line = window.inputs.error_label
     assert line.text() == " ".join(LONG.split()) and line.toolTip() == line.text()
     assert "\n" not in line.shown_text() and line.fontMetrics().horizontalAdvance(line.shown_text()) <= line.width()
     window.show_error("")
@@ -186,7 +186,7 @@ def test_the_occlusion_map_is_big_enough_to_read(qtbot, read_out):
     show_tab(window, panel)
     panel.sweep_k.setValue(2)
     run_until_idle(qtbot, window, panel.request_sweep)
-    assert panel.sweep is not None, window.error_label.text()
+    assert panel.sweep is not None, window.inputs.error_label.text()
     settle()
     canvas = panel.sweep_canvas
     assert canvas.isVisible() and on_screen(canvas.view).size() == canvas.view.size()

@@ -45,7 +45,7 @@ def state_claim(window, n: int = 12) -> None:
 
 def cancel_and_wait(qtbot, window) -> None:
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
-        qtbot.mouseClick(window.cancel_button, Qt.MouseButton.LeftButton)
+        qtbot.mouseClick(window.inputs.cancel_button, Qt.MouseButton.LeftButton)
 
 
 # ----- 1. the status line describes the current state ------------------------------
@@ -53,40 +53,40 @@ def cancel_and_wait(qtbot, window) -> None:
 
 def test_a_job_says_what_it_does_as_it_starts(qtbot, window):
     """Seen: "cancelled" (or "ready") beside a busy bar for 12-15 s as a validation starts."""
-    run_until_idle(qtbot, window, window.answer_question)  # the model loaded: no "loading model" line comes
-    assert window.status_label.text() == "ready"
+    run_until_idle(qtbot, window, window.actions.answer_question)  # the model loaded: no "loading model" line comes
+    assert window.inputs.status_label.text() == "ready"
     state_claim(window, n=150)
     window.tabs.setCurrentIndex([window.tabs.tabText(i) for i in range(window.tabs.count())].index("Claims"))
     qtbot.mouseClick(window.claims_panel.run_button, Qt.MouseButton.LeftButton)
-    assert window.is_busy() and window.status_label.text() == "validating…"  # at once, before any progress
+    assert window.is_busy() and window.inputs.status_label.text() == "validating…"  # at once, before any progress
     cancel_and_wait(qtbot, window)
-    assert window.status_label.text() == "cancelled"
+    assert window.inputs.status_label.text() == "cancelled"
     qtbot.mouseClick(window.claims_panel.run_button, Qt.MouseButton.LeftButton)
-    assert window.is_busy() and window.status_label.text() == "validating…"  # not the last job's "cancelled"
+    assert window.is_busy() and window.inputs.status_label.text() == "validating…"  # not the last job's "cancelled"
     cancel_and_wait(qtbot, window)
     # every other job too: Read out and the answer each name theirs as they start
-    for start, doing in ((window.run_readout, "reading out…"), (window.answer_question, "answering…")):
+    for start, doing in ((window.actions.run_readout, "reading out…"), (window.actions.answer_question, "answering…")):
         with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
             assert start()
-            assert window.status_label.text() == doing
-        assert window.status_label.text() == "ready"
+            assert window.inputs.status_label.text() == doing
+        assert window.inputs.status_label.text() == "ready"
 
 
 def test_a_later_success_clears_an_older_failure(qtbot, window):
     """Seen: "failed" stayed beside the status after later images loaded fine."""
     window.set_question("what is a zebra?")  # a word the model's vocabulary lacks: the answer fails
-    run_until_idle(qtbot, window, window.answer_question)
-    assert window.status_label.text() == "failed" and "zebra" in window.error_label.text()
+    run_until_idle(qtbot, window, window.actions.answer_question)
+    assert window.inputs.status_label.text() == "failed" and "zebra" in window.inputs.error_label.text()
     assert window.load_sample(bundled_samples()[1])  # a new image, loaded fine
-    assert window.status_label.text() == "ready" and window.error_label.text() == ""
+    assert window.inputs.status_label.text() == "ready" and window.inputs.error_label.text() == ""
     # and a cancelled job is not the state once something new was done
     samples = bundled_samples() * 20
-    window.answer_pairs([s.image_path for s in samples], [s.question for s in samples], batch_size=1)
-    assert window.status_label.text() == "answering the pairs…"
+    window.actions.answer_pairs([s.image_path for s in samples], [s.question for s in samples], batch_size=1)
+    assert window.inputs.status_label.text() == "answering the pairs…"
     cancel_and_wait(qtbot, window)
-    assert window.status_label.text() == "cancelled"
+    assert window.inputs.status_label.text() == "cancelled"
     assert window.load_sample(bundled_samples()[2])
-    assert window.status_label.text() == "ready"
+    assert window.inputs.status_label.text() == "ready"
 
 
 def test_a_load_warning_shows_only_while_its_model_is_picked(qtbot, window, tmp_path):
@@ -104,15 +104,15 @@ def test_a_load_warning_shows_only_while_its_model_is_picked(qtbot, window, tmp_
     weights = load_file(str(folder / "model.safetensors"))
     weights["extra.probe.weight"] = weights[next(iter(weights))].clone()
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    window.model_picker.setCurrentText(str(folder))
-    run_until_idle(qtbot, window, window.answer_question)
-    assert window.status_label.text().startswith("ready; warning: ") and "extra.probe.weight" in (
-        window.status_label.text()
+    window.inputs.model_picker.setCurrentText(str(folder))
+    run_until_idle(qtbot, window, window.actions.answer_question)
+    assert window.inputs.status_label.text().startswith("ready; warning: ") and "extra.probe.weight" in (
+        window.inputs.status_label.text()
     )
-    window.model_picker.setCurrentText("shapes-llava")
-    assert window.status_label.text() == "ready"
-    window.model_picker.setCurrentText(str(folder))
-    assert "extra.probe.weight" in window.status_label.text()
+    window.inputs.model_picker.setCurrentText("shapes-llava")
+    assert window.inputs.status_label.text() == "ready"
+    window.inputs.model_picker.setCurrentText(str(folder))
+    assert "extra.probe.weight" in window.inputs.status_label.text()
 
 
 def paint(window) -> None:
@@ -127,26 +127,26 @@ def test_a_precondition_message_goes_when_it_is_met(qtbot, window):
     interventions = window.intervention_panel
     interventions.set_positions("region")
     interventions.source_combo.setCurrentIndex(1)  # a bundled sample as the source
-    assert not window.patch_region()
+    assert not window.actions.patch_region()
     said = interventions.message_label.text()
-    assert said.startswith("patching: paint a region") and window.error_label.text() == said
+    assert said.startswith("patching: paint a region") and window.inputs.error_label.text() == said
     paint(window)
-    assert interventions.message_label.text() == "" and window.error_label.text() == ""
+    assert interventions.message_label.text() == "" and window.inputs.error_label.text() == ""
 
     # the claim's region: refused without one, the refusal gone when one is painted
     window.counterfactual_panel.canvas.clear_mask()
     state_claim(window)
     window.claims_panel.region_check.setChecked(True)
-    assert not window.run_claim()
+    assert not window.actions.run_claim()
     said = window.claims_panel.message_label.text()
-    assert said.startswith("painted region: paint one") and window.error_label.text() == said
+    assert said.startswith("painted region: paint one") and window.inputs.error_label.text() == said
     paint(window)
-    assert window.claims_panel.message_label.text() == "" and window.error_label.text() == ""
+    assert window.claims_panel.message_label.text() == "" and window.inputs.error_label.text() == ""
     # a subject to name: the refusal goes once one is typed
     window.claims_panel.subject_edit.setText("")
-    assert not window.run_claim() and window.error_label.text().startswith("name a head or route")
+    assert not window.actions.run_claim() and window.inputs.error_label.text().startswith("name a head or route")
     QTest.keyClicks(window.claims_panel.subject_edit, "L1.H0")
-    assert window.claims_panel.message_label.text() == "" and window.error_label.text() == ""
+    assert window.claims_panel.message_label.text() == "" and window.inputs.error_label.text() == ""
 
     # the Counterfactual tab's own Run without a region
     window.counterfactual_panel.canvas.clear_mask()
@@ -156,13 +156,13 @@ def test_a_precondition_message_goes_when_it_is_met(qtbot, window):
     assert window.counterfactual_panel.message_label.text() == ""
 
     # a head to select: the head actions' refusal goes once a head is clicked in Attention
-    run_until_idle(qtbot, window, window.run_readout)
-    assert not window.run_qk_ov()
+    run_until_idle(qtbot, window, window.actions.run_readout)
+    assert not window.actions.run_qk_ov()
     assert window.head_methods.message_label.text().startswith("select a head first")
-    assert window.error_label.text() == window.head_methods.message_label.text()
+    assert window.inputs.error_label.text() == window.head_methods.message_label.text()
     window.attention_panel.select_head(1, 0)
     assert window.selection.current is not None and window.selection.current.name == "L1.H0"
-    assert window.head_methods.message_label.text() == "" and window.error_label.text() == ""
+    assert window.head_methods.message_label.text() == "" and window.inputs.error_label.text() == ""
 
 
 def test_an_unmet_precondition_keeps_its_message_and_another_message_is_left_alone(qtbot, window):
@@ -170,13 +170,13 @@ def test_an_unmet_precondition_keeps_its_message_and_another_message_is_left_alo
     interventions = window.intervention_panel
     interventions.set_positions("region")
     interventions.source_combo.setCurrentIndex(1)
-    assert not window.patch_region()
-    said = window.error_label.text()
+    assert not window.actions.patch_region()
+    said = window.inputs.error_label.text()
     window.counterfactual_panel.canvas.paint_box(0, 0, 0, 0, erase=True)  # an edit that paints nothing
-    assert window.error_label.text() == said and interventions.message_label.text() == said
+    assert window.inputs.error_label.text() == said and interventions.message_label.text() == said
     window.show_error("something else went wrong")
     paint(window)
-    assert window.error_label.text() == "something else went wrong"
+    assert window.inputs.error_label.text() == "something else went wrong"
     assert interventions.message_label.text() == ""
 
 
@@ -212,7 +212,7 @@ DRIVER = textwrap.dedent(
             panel.claim_edit.setText("L1.H1 reads the colour of the shape")
             panel.set_dataset("scenes")
             panel.n_spin.setValue(150)
-            assert window.run_claim()
+            assert window.actions.run_claim()
             close_when_in_forward()
 
         def close_when_in_forward():
@@ -281,12 +281,12 @@ def test_a_job_left_running_at_close_never_reaches_the_window(qtbot, window):
     shown = []
     worker = Worker(stubborn)
     worker.finished.connect(shown.append)
-    window.workers.start(worker)
+    window.runner.workers.start(worker)
     window.close_wait_ms = 200  # as app.__main__ sets it
     started = time.monotonic()
     window.close()
     assert time.monotonic() - started < 5.0  # the close does not wait for the forward
-    assert window.workers.running() == [] and window.session.closed
+    assert window.runner.workers.running() == [] and window.session.closed
     assert abandoned_workers() == [worker]
     release.set()
     qtbot.waitUntil(lambda: abandoned_workers() == [], timeout=5_000)
@@ -298,15 +298,15 @@ def test_a_job_left_running_at_close_never_reaches_the_window(qtbot, window):
 
 
 def test_a_model_that_failed_to_load_is_not_listed(qtbot, window, tmp_path):
-    picker = window.model_picker
+    picker = window.inputs.model_picker
     missing = str(tmp_path / "no-such-model")
     picker.setFocus()
     picker.lineEdit().selectAll()
     QTest.keyClicks(picker.lineEdit(), missing)
     QTest.keyClick(picker.lineEdit(), Qt.Key.Key_Return)  # as a user confirms a typed path
-    assert window.model_spec() == missing
-    run_until_idle(qtbot, window, window.answer_question)
-    assert window.status_label.text() == "failed" and missing in window.error_label.text()
+    assert window.inputs.model_spec() == missing
+    run_until_idle(qtbot, window, window.actions.answer_question)
+    assert window.inputs.status_label.text() == "failed" and missing in window.inputs.error_label.text()
     listed = [picker.itemText(i) for i in range(picker.count())]
     assert missing not in listed and missing not in recent_models()
 
@@ -316,10 +316,10 @@ def test_a_model_that_loaded_is_listed(qtbot, window):
     from core.models.loading import resources_dir
 
     folder = str(resources_dir() / "models" / "shapes-llava")  # a model folder, by its path
-    picker = window.model_picker
+    picker = window.inputs.model_picker
     picker.setCurrentText(folder)
     state_claim(window, n=150)
-    assert window.run_claim()  # not an answer: a validation loads the model too
+    assert window.actions.run_claim()  # not an answer: a validation loads the model too
     qtbot.waitUntil(lambda: window.loaded_model() is not None, timeout=TIMEOUT_MS)
     cancel_and_wait(qtbot, window)
     listed = [picker.itemText(i) for i in range(picker.count())]
@@ -356,7 +356,7 @@ def test_a_corrupt_session_is_one_line_in_the_window_and_the_cli(qtbot, model_ca
     corrupt_session(path)
     win = MainWindow(model_cache=model_cache, session_path=path)
     qtbot.addWidget(win)
-    said = win.session_label.text()
+    said = win.sessions.label.text()
     assert said.startswith(f"cannot use the session {path}: {path}: corrupt session file (SQLite integrity check: ")
     assert "problems, first: Page " in said and said.count("never used") == 1 and "***" not in said
     win.close()

@@ -11,9 +11,11 @@ import core
 from app.panels.attention_panel import AttentionPanel, token_grid
 from app.panels.audit_panel import COLUMNS, AuditPanel
 from app.panels.dla_panel import CONVENTIONS, DLAPanel, component_kind, visual_token_values
-from app.panels.lens_panel import LOGIT_LENS, PLOTS, LensPanel
+from app.panels.lens_panel import LOGIT_LENS, PLOTS, LensPanel, metrics_row
 from app.samples import bundled_samples
 from core.analyze import analyze
+from core.methods.tuned_lens.evaluate import ReaderMetrics
+from core.readout import jsonable, restore_result
 from tests.core.exactness import frozen_sum_tol
 
 SPECS = ("shapes-llava", "shapes-coca")
@@ -93,7 +95,8 @@ def test_attention_distribution_view(qtbot, loaded, results):
     panel = AttentionPanel()
     qtbot.addWidget(panel)
     assert not panel.tabs.isTabEnabled(1)
-    panel.set_statistics({"n_samples": stats.n_samples, "heads": [h.to_dict() for h in stats.heads]})
+    # a statistics run restored from its stored JSON (the session's), as the app records it
+    panel.set_statistics(restore_result("statistics", jsonable(stats.to_dict())))
     assert panel.tabs.isTabEnabled(1)
     n = len(stats.heads)
     assert len(panel.box_plot.boxes.opts["x"]) == n
@@ -261,7 +264,9 @@ def test_lens_overlays_more_readers_and_foil(qtbot, loaded, results):
     _, ys = panel.curves["logit"][LOGIT_LENS].getData()
     assert list(ys) == pytest.approx([r.logit_diff for r in result.logit_lens])
     tuned = [replace(r, kl_to_final=r.kl_to_final / 2) for r in result.logit_lens]
-    baseline = [{"layer": r.layer, "answer_rank_mean": 3.0, "kl_bits": 1.0} for r in result.logit_lens]
+    # an eval-lens reader: a mean rank and a KL in bits, no logits
+    metrics = ReaderMetrics(kl_bits=1.0, cross_entropy=None, top1_agreement=None, answer_rank_mean=3.0, n_tokens=4)
+    baseline = [metrics_row(r.layer, metrics) for r in result.logit_lens]
     panel.set_readers({"tuned": tuned, "mean baseline": baseline})
     assert set(panel.curves["kl"]) == {LOGIT_LENS, "tuned", "mean baseline"}
     legend = panel.legend.text()  # above the plots, in drawing order and colour

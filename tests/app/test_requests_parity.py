@@ -34,6 +34,7 @@ from core.requests import (
     ValidateRequest,
 )
 from core.session import Session
+from tests.app.shown import shown_result
 from tests.app.test_window import run_until_idle
 
 SAMPLE, OTHER = bundled_samples()[0], bundled_samples()[1]  # the window opens on the first
@@ -47,7 +48,7 @@ TIMINGS = ("seconds",)
 def app(window, model_cache, monkeypatch):
     """The window on the first sample, its model loaded once into the shared cache, which the
     command line's loader reads too; every request's ``run`` notes the request it ran."""
-    assert (window.workspace.input.image_path, window.question_edit.text()) == (IMAGE, QUESTION)
+    assert (window.workspace.input.image_path, window.inputs.question_edit.text()) == (IMAGE, QUESTION)
     loaded = _cached_model(model_cache, window.model_choice(), lambda *a: None)
     monkeypatch.setattr(core.cli, "_load", lambda args: loaded)
     window.ran = []
@@ -85,11 +86,12 @@ def through_the_cli(window, tmp_path, argv: list[str]):
 
 def through_the_app(qtbot, window, request):
     """``(request as it ran, result JSON, recorded run)`` of ``request`` on the window's one request path."""
-    shown = []
     window.ran.clear()
-    run_until_idle(qtbot, window, lambda: window._run_request(request, lambda *r: shown.append(r)) or True)
-    assert window.error_label.text() == ""
-    ((result, run_id),) = shown
+    runs_before = len(window.session.runs())
+    run_until_idle(qtbot, window, lambda: window.actions.run(request, status="running…"))
+    assert window.inputs.error_label.text() == ""
+    (info,) = window.session.runs()[runs_before:]
+    run_id, result = info.id, shown_result(window, info.kind)  # as the window shows it
     (ran,) = window.ran
     assert ran.parameters() == as_run(request, window.loaded_model()).parameters()
     document = ran.document(result, window.loaded_model())  # the result's JSON, as the window records it
@@ -128,9 +130,9 @@ def assert_same(cli, app):
 def asked(window, **fields) -> dict:
     """The shown input's request fields as the window fills them (its image, question, Target
     and foil fields, the answer token read out), with ``fields`` typed into them first."""
-    window.target_edit.setText(fields.pop("answer", ""))
-    window.foil_edit.setText(fields.pop("foil", ""))
-    return {**window._asked(), **fields}
+    window.inputs.target_edit.setText(fields.pop("answer", ""))
+    window.inputs.foil_edit.setText(fields.pop("foil", ""))
+    return {**window.actions.asked(), **fields}
 
 
 def the_mask(window) -> np.ndarray:

@@ -12,9 +12,10 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
 import core
-from app.main_window import TARGET_PLACEHOLDER
+from app.input_bar import TARGET_PLACEHOLDER
 from app.run_frame import STALE_STYLE
 from app.samples import bundled_samples
+from tests.app.shown import shown_result
 
 TIMEOUT_MS = 60_000
 READOUT_VIEWS = ("canvas", "attention", "dla", "lens")
@@ -23,7 +24,7 @@ READOUT_VIEWS = ("canvas", "attention", "dla", "lens")
 def run_until_idle(qtbot, window, start) -> None:
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
         assert start()
-    assert not window.is_busy() and window.error_label.text() == "", window.error_label.text()
+    assert not window.is_busy() and window.inputs.error_label.text() == "", window.inputs.error_label.text()
 
 
 def header(window, view: str) -> str:
@@ -47,7 +48,7 @@ def assert_stale(window, views, drawn_for: str) -> None:
 
 def read_out(qtbot, window) -> int:
     """Read out the shown pair; the id of the analyze run it recorded."""
-    run_until_idle(qtbot, window, window.run_readout)
+    run_until_idle(qtbot, window, window.actions.run_readout)
     return window.session.runs("analyze")[-1].id
 
 
@@ -63,18 +64,18 @@ def test_a_new_question_answered_marks_the_readout_views_stale(qtbot, window):
     assert_current(window, (*READOUT_VIEWS, "answer"), f"run #{run_id} · analyze · {described}")
 
     new_question = "how many triangles are there?"
-    window.question_edit.setFocus()
-    window.question_edit.selectAll()
-    qtbot.keyClicks(window.question_edit, new_question)
+    window.inputs.question_edit.setFocus()
+    window.inputs.question_edit.selectAll()
+    qtbot.keyClicks(window.inputs.question_edit, new_question)
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
-        qtbot.keyClick(window.question_edit, Qt.Key.Key_Return)
-    assert window.error_label.text() == ""
+        qtbot.keyClick(window.inputs.question_edit, Qt.Key.Key_Return)
+    assert window.inputs.error_label.text() == ""
 
     assert_stale(window, READOUT_VIEWS, f"'{sample.question}'")
     assert "(question changed)" in header(window, "attention")
     assert f"the input is now '{new_question}'" in header(window, "dla")
     expected = core.answer(window.loaded_model(), window.image, new_question)
-    assert window.answer_label.text() == f"answer: {expected.answer}  (p = {expected.prob:.3f})"
+    assert window.answer_panel.label.text() == f"answer: {expected.answer}  (p = {expected.prob:.3f})"
     assert_current(window, ["answer"], f"not recorded · answer · '{new_question}'")
 
     # read out again: every view shows the new run, current
@@ -84,17 +85,17 @@ def test_a_new_question_answered_marks_the_readout_views_stale(qtbot, window):
 
 def test_switching_models_clears_the_dataset_distribution(qtbot, window):
     """Bug 2: Attention > dataset distribution holds the heads of the model it was computed for."""
-    run_until_idle(qtbot, window, window.attention_statistics_of_samples)
+    run_until_idle(qtbot, window, window.actions.attention_statistics_of_samples)
     panel = window.attention_panel
     assert panel.statistics and panel.tabs.isTabEnabled(1)
-    window.model_picker.setCurrentText("shapes-coca")
+    window.inputs.model_picker.setCurrentText("shapes-coca")
     assert panel.statistics == [] and not panel.tabs.isTabEnabled(1)
 
 
 def test_choosing_another_model_marks_the_views_stale_at_once(qtbot, window):
     """Bug 4: the model box changing is visible at once: the views say their run was for the other model."""
     run_id = read_out(qtbot, window)
-    window.model_picker.setCurrentIndex(window.model_picker.findText("shapes-coca"))
+    window.inputs.model_picker.setCurrentIndex(window.inputs.model_picker.findText("shapes-coca"))
     # the dtype a header names: the one it runs in once loaded (an earlier test of the run may have loaded it)
     coca_dtype = "float32 (auto)" if window.loaded_model() is not None else "auto"
     assert_stale(window, (*READOUT_VIEWS, "answer"), "")
@@ -102,7 +103,7 @@ def test_choosing_another_model_marks_the_views_stale_at_once(qtbot, window):
         text = header(window, view)
         assert "(model changed)" in text and "shapes-llava · float32 (auto) · cpu; the input is now" in text
         assert text.endswith(f"shapes-coca · {coca_dtype} · cpu")
-    window.model_picker.setCurrentText("shapes-llava")  # back to the run's model: current again
+    window.inputs.model_picker.setCurrentText("shapes-llava")  # back to the run's model: current again
     assert_current(window, READOUT_VIEWS, f"run #{run_id} · analyze · ")
 
 
@@ -112,12 +113,12 @@ def test_a_new_sample_or_image_clears_every_view(qtbot, window):
     assert window.load_sample(bundled_samples()[1])
     for view in (*READOUT_VIEWS, "answer", "counterfactual"):
         assert header(window, view) == "no run shown yet" and not window.run_frames[view].stale
-    assert window.analysis is None and not window.attention_panel.cells and window.last_answer is None
-    assert window.answer_label.text() == "no answer yet"
+    assert window.analysis is None and not window.attention_panel.cells and shown_result(window, "answer") is None
+    assert window.answer_panel.label.text() == "no answer yet"
     assert window.workspace.input.image_path == str(bundled_samples()[1].image_path)
     pixels = np.zeros((32, 48, 3), np.uint8)
     assert window.set_image(Image.fromarray(pixels))  # pixels without a path (as pasted)
-    assert window.workspace.input.image_path is None and window.current_image_path() is None
+    assert window.workspace.input.image_path is None and window.workspace.input.image_path is None
     assert window.workspace.input.describe().split(" · ")[1].startswith("image ")  # a short hash, no file name
 
 
@@ -125,13 +126,13 @@ def test_the_target_placeholder_follows_the_input(qtbot, window):
     """Bug 5: "now: square" names the shown run's answer, and goes when the sample, image or question changes."""
     read_out(qtbot, window)
     answer = window.analysis.target.answer
-    assert window.target_edit.placeholderText() == f"answer token (now: {answer}, the model's top token)"
+    assert window.inputs.target_edit.placeholderText() == f"answer token (now: {answer}, the model's top token)"
     window.set_question("how many circles are there?")
-    assert window.target_edit.placeholderText() == TARGET_PLACEHOLDER
+    assert window.inputs.target_edit.placeholderText() == TARGET_PLACEHOLDER
     read_out(qtbot, window)
-    assert "now:" in window.target_edit.placeholderText()
+    assert "now:" in window.inputs.target_edit.placeholderText()
     assert window.load_sample(bundled_samples()[2])
-    assert window.target_edit.placeholderText() == TARGET_PLACEHOLDER
+    assert window.inputs.target_edit.placeholderText() == TARGET_PLACEHOLDER
 
 
 def test_the_counterfactual_tab_marks_another_models_result_stale(qtbot, window):
@@ -142,20 +143,20 @@ def test_the_counterfactual_tab_marks_another_models_result_stale(qtbot, window)
     mask = np.zeros((window.image.height, window.image.width), bool)
     mask[: mask.shape[0] // 2, : mask.shape[1] // 2] = True
     window.counterfactual_panel.canvas.set_mask(mask)
-    run_until_idle(qtbot, window, lambda: window.run_counterfactual(mask, "mean", {}))
+    run_until_idle(qtbot, window, lambda: window.actions.run_counterfactual(mask, "mean", {}))
     counterfactual_id = window.session.runs("counterfactual")[-1].id
     assert_current(window, ["counterfactual"], f"run #{counterfactual_id} · counterfactual · '{sample.question}'")
     assert window.workspace.shown.results.keys() >= {"analyze", "counterfactual"}
 
     source = bundled_samples()[1].image_path
-    run_until_idle(qtbot, window, lambda: window.patch_region(source))
+    run_until_idle(qtbot, window, lambda: window.actions.patch_region(source))
     patch_run = window.session.runs("intervention")[-1]
     assert_current(window, ["counterfactual"], f"run #{patch_run.id} · intervention · ")
     parameters = window.session.run(patch_run.id).parameters
     assert parameters["source_image"] == str(source)  # the result names its source (VisualPatchResult.parameters)
     assert parameters["source_image_sha256"] == core.images.image_sha256(core.load_image(source))
 
-    window.model_picker.setCurrentText("shapes-coca")
+    window.inputs.model_picker.setCurrentText("shapes-coca")
     assert_stale(window, ["counterfactual", *READOUT_VIEWS], f"'{sample.question}'")
     assert "shapes-llava · float32 (auto) · cpu; the input is now" in header(window, "counterfactual")
 
@@ -168,7 +169,7 @@ def test_cancel_clears_the_running_line(qtbot, window):
         assert panel.request_sweep()
         assert panel.message_label.text().startswith("running the occlusion sweep")
         window.cancel()
-    assert window.status_label.text().startswith("cancelled")
+    assert window.inputs.status_label.text().startswith("cancelled")
     assert panel.message_label.text() == ""
     assert header(window, "counterfactual") == "no run shown yet"
 
@@ -185,10 +186,10 @@ def test_after_an_ablation_the_focus_stays_off_the_question(qtbot, window):
     assert QApplication.focusWidget() is ablate_button
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
         qtbot.mouseClick(ablate_button, Qt.MouseButton.LeftButton)
-        assert QApplication.focusWidget() is not window.question_edit  # not while the job runs either
-    assert window.error_label.text() == ""
+        assert QApplication.focusWidget() is not window.inputs.question_edit  # not while the job runs either
+    assert window.inputs.error_label.text() == ""
     assert QApplication.focusWidget() is ablate_button
-    assert window.question_edit.selectedText() == ""
+    assert window.inputs.question_edit.selectedText() == ""
     assert header(window, "counterfactual").startswith(f"run #{window.session.runs('intervention')[-1].id} · ")
 
 

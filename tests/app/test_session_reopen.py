@@ -26,6 +26,7 @@ from app.panels.dla_panel import CONVENTIONS
 from app.samples import bundled_samples
 from core.images import image_sha256
 from core.session import Session
+from tests.app.shown import shown_result
 from tests.app.test_window import run_until_idle
 from tests.tolerances import unit_roundoff
 
@@ -42,7 +43,7 @@ def _window(qtbot, model_cache, session_path, **kwargs) -> MainWindow:
 
 def _close(win: MainWindow) -> None:
     win.close()
-    assert win.workers.running() == []
+    assert win.runner.workers.running() == []
 
 
 def _table_texts(table) -> list[list[str]]:
@@ -61,11 +62,11 @@ def _seen(win: MainWindow) -> dict:
     """What the window shows now, panel by panel."""
     return {
         "image": image_sha256(win.image),
-        "question": win.question_edit.text(),
-        "model": win.model_spec(),
-        "target": (win.target_edit.text(), win.foil_edit.text()),
-        "answer": win.answer_label.text(),
-        "answer_table": _table_texts(win.top_table),
+        "question": win.inputs.question_edit.text(),
+        "model": win.inputs.model_spec(),
+        "target": (win.inputs.target_edit.text(), win.inputs.foil_edit.text()),
+        "answer": win.answer_panel.label.text(),
+        "answer_table": _table_texts(win.answer_panel.table),
         "attention": {k: a.visual_mass for k, a in win.attention_panel.cells.items()},
         "attention_grid": np.array(win.attention_panel.visual_grid.values, copy=True),
         "dla": win.dla_panel.values(),
@@ -88,9 +89,9 @@ def _assert_analysis_shown(win: MainWindow, analysis: dict, head: tuple[int, int
     """The Answer tab, Attention, DLA, Lens and the canvas hold ``analysis``'s numbers (the canvas: its
     rollout, or with ``head`` (block, head) that head's answer-row attention)."""
     top = analysis["target"]["top"]
-    assert win.last_answer.answer == top[0][0] and win.last_answer.prob == top[0][1]
-    assert win.answer_label.text() == f"answer: {top[0][0]}  (p = {top[0][1]:.3f})"
-    assert [row[0] for row in _table_texts(win.top_table)] == [t for t, _ in top]
+    assert shown_result(win, "answer").answer == top[0][0] and shown_result(win, "answer").prob == top[0][1]
+    assert win.answer_panel.label.text() == f"answer: {top[0][0]}  (p = {top[0][1]:.3f})"
+    assert [row[0] for row in _table_texts(win.answer_panel.table)] == [t for t, _ in top]
     stored_mass = {(a["layer"], a["head"]): a["visual_mass"] for a in analysis["attention"]}
     assert {k: a.visual_mass for k, a in win.attention_panel.cells.items()} == stored_mass
     field = CONVENTIONS[win.dla_panel.convention()][0]
@@ -120,7 +121,7 @@ def _assert_headers(win: MainWindow, run) -> None:
 
 
 def _assert_nothing_read_out(win: MainWindow) -> None:
-    assert win.answer_label.text() == "no answer yet" and win.attention_panel.cells == {}
+    assert win.answer_panel.label.text() == "no answer yet" and win.attention_panel.cells == {}
 
 
 def _target_mask(sample) -> np.ndarray:
@@ -137,14 +138,14 @@ def test_three_runs_on_three_images_reopen_as_they_were_seen(qtbot, model_cache,
     try:
         # 1. read out the first image, with a foil typed
         assert first.load_sample(first_sample)
-        first.foil_edit.setText("triangle")
-        run_until_idle(qtbot, first, first.run_readout)
+        first.inputs.foil_edit.setText("triangle")
+        run_until_idle(qtbot, first, first.actions.run_readout)
         analyze_id = first.session.runs()[-1].id
         seen[analyze_id] = _seen(first)
 
         # 2. a counterfactual on the second image: its target object filled with the mean
         assert first.load_sample(cf_sample)
-        first.foil_edit.setText("")
+        first.inputs.foil_edit.setText("")
         panel = first.counterfactual_panel
         panel.canvas.set_mask(_target_mask(cf_sample))
         panel.set_fill("mean")
@@ -154,9 +155,9 @@ def test_three_runs_on_three_images_reopen_as_they_were_seen(qtbot, model_cache,
 
         # 3. read out the third image, select a head, ablate it
         assert first.load_sample(ablation_sample)
-        run_until_idle(qtbot, first, first.run_readout)
+        run_until_idle(qtbot, first, first.actions.run_readout)
         assert first.attention_panel.select_head(1, 0)
-        run_until_idle(qtbot, first, first.ablate_selected)
+        run_until_idle(qtbot, first, first.actions.ablate_selected)
         ablation_id = first.session.runs()[-1].id
         seen[ablation_id] = _seen(first)
         kinds = {r.id: r.kind for r in first.session.runs()}
@@ -171,8 +172,8 @@ def test_three_runs_on_three_images_reopen_as_they_were_seen(qtbot, model_cache,
 
     second = _window(qtbot, model_cache, tmp_path / "other.vlmr")
     try:
-        assert second.open_session(path, mode="append")
-        assert second.session_label.text() == f"session: {path}"
+        assert second.sessions.open_session(path, mode="append")
+        assert second.sessions.label.text() == f"session: {path}"
         assert second.history_panel.run_ids() == list(kinds)
         # opening restores the last run: its image, question and the read-out of its input
         assert second.workspace.shown.run_id == ablation_id and second.workspace.is_current()
@@ -249,14 +250,14 @@ def test_read_only_open_records_elsewhere_and_loads_the_model(qtbot, model_cache
     win = _window(qtbot, fresh_cache, tmp_path / "mine.vlmr")
     try:
         with qtbot.waitSignal(win.idle, timeout=60_000):
-            assert win.open_session(shared, mode="read_only")
+            assert win.sessions.open_session(shared, mode="read_only")
         # loaded in the dtype and on the device the run records (it was made with "auto": float32 on the CPU)
         assert list(fresh_cache) == [ModelChoice("shapes-llava", "float32", "cpu")] and not win.is_busy()
         assert win.loaded_model() is fresh_cache[win.model_choice()]
-        assert win.session_label.text() == f"session: {shared} (read-only; new runs are not saved into it)"
+        assert win.sessions.label.text() == f"session: {shared} (read-only; new runs are not saved into it)"
         assert image_sha256(win.image) == win.session.runs()[-1].image_sha256
-        assert win.question_edit.text() == sample.question and win.answer_label.text() != "no answer yet"
-        run_until_idle(qtbot, win, win.run_readout)
+        assert win.inputs.question_edit.text() == sample.question and win.answer_panel.label.text() != "no answer yet"
+        run_until_idle(qtbot, win, win.actions.run_readout)
         assert len(win.session.runs()) == 2 and win.history_panel.run_ids() == [1, 2]
     finally:
         _close(win)
@@ -272,15 +273,15 @@ def test_save_as_copies_every_run_and_continues_there(qtbot, model_cache, tmp_pa
     _record_analyze(start, model_cache, bundled_samples()[0])
     win = _window(qtbot, model_cache, tmp_path / "unused.vlmr")
     try:
-        assert win.open_session(start, mode="append")
-        assert not win.save_session_as(tmp_path / "no such folder" / "copy.vlmr")
-        assert win.error_label.text().startswith("cannot save the session as ") and win.session.path == start
+        assert win.sessions.open_session(start, mode="append")
+        assert not win.sessions.save_session_as(tmp_path / "no such folder" / "copy.vlmr")
+        assert win.inputs.error_label.text().startswith("cannot save the session as ") and win.session.path == start
         copy = tmp_path / "copy.vlmr"
-        assert win.save_session_as(copy)
-        assert win.session.path == copy and win.session_label.text() == f"session: {copy}"
-        assert win.error_label.text() == ""
+        assert win.sessions.save_session_as(copy)
+        assert win.session.path == copy and win.sessions.label.text() == f"session: {copy}"
+        assert win.inputs.error_label.text() == ""
         assert win.history_panel.run_ids() == [1, 2]
-        run_until_idle(qtbot, win, win.run_readout)
+        run_until_idle(qtbot, win, win.actions.run_readout)
         assert win.history_panel.run_ids() == [1, 2, 3]
     finally:
         _close(win)
@@ -300,9 +301,9 @@ def test_a_deleted_image_file_restores_from_the_stored_pixels(qtbot, model_cache
     moved.unlink()
     win = _window(qtbot, model_cache, tmp_path / "mine.vlmr")
     try:
-        assert win.open_session(session_path, mode="append")
+        assert win.sessions.open_session(session_path, mode="append")
         assert image_sha256(win.image) == sha and win.image_name == "picture.png"
-        assert win.error_label.text() == ""
+        assert win.inputs.error_label.text() == ""
         assert win.history_panel.has_thumbnail(1)
         assert win.history_panel.row_texts(1)["image"] == "picture.png"
         _assert_analysis_shown(win, win.session.run(1).result)
@@ -322,8 +323,8 @@ def test_a_run_whose_image_is_gone_says_so(qtbot, model_cache, tmp_path):
     win = _window(qtbot, model_cache, tmp_path / "mine.vlmr")
     try:
         before = image_sha256(win.image)
-        assert win.open_session(session_path, mode="append")
-        assert "cannot show run #1: its image" in win.error_label.text() and "not stored" in win.error_label.text()
+        assert win.sessions.open_session(session_path, mode="append")
+        assert "cannot show run #1: its image" in win.inputs.error_label.text() and "not stored" in win.inputs.error_label.text()
         assert image_sha256(win.image) == before
     finally:
         _close(win)
@@ -340,7 +341,7 @@ def test_copying_only_the_session_file_while_the_app_runs_gives_every_run(qtbot,
     try:
         for sample in bundled_samples()[:2]:
             assert win.load_sample(sample)
-            run_until_idle(qtbot, win, win.run_readout)
+            run_until_idle(qtbot, win, win.actions.run_readout)
         live = win.session.audit_table()
         copy = tmp_path / "copy.vlmr"
         shutil.copyfile(path, copy)  # the .vlmr only, while the window still holds the session

@@ -29,8 +29,10 @@ def core_text_patterns(loaded, image, question):
 
 def test_clicking_a_head_after_a_readout_shows_its_text_pattern(qtbot, window):
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
-        assert window.run_readout()
-    assert window.analysis is not None
+        assert window.actions.run_readout()
+    shown = window.workspace.shown  # the run the panels drew
+    analysis = shown.results.get("analyze")
+    assert analysis is not None and window.attention_panel.result is analysis
     panel = window.attention_panel
     tabs = window.tabs  # the panel sits inside its run frame: bring up the tab that holds it
     tabs.setCurrentIndex(next(i for i in range(tabs.count()) if tabs.widget(i).isAncestorOf(panel)))
@@ -41,8 +43,8 @@ def test_clicking_a_head_after_a_readout_shows_its_text_pattern(qtbot, window):
         qtbot.mouseClick(
             panel.visual_grid.viewport(), Qt.MouseButton.LeftButton, pos=panel.visual_grid.cell_center(row, col)
         )
-    model, image, question = window.analysis_inputs
-    expected = core_text_patterns(window.model_cache[model], image, question)
+    model, question = shown.input.model_choice(), shown.input.question
+    expected = core_text_patterns(window.model_cache[model], core.load_image(shown.input.image_path), question)
     labels = panel.text_grid.row_labels
     assert labels == panel.text_grid.col_labels == expected.tokens
     words = question.replace("?", " ?").split()
@@ -60,7 +62,7 @@ def test_clicking_a_head_after_a_readout_shows_its_text_pattern(qtbot, window):
     assert "not shown" in note and "BOS" in note and "image" in note
     assert f"{labels[-1]}\u00a0{hidden[-1]:.2f}" in note  # the answer row's hidden mass
     # float32 weights: the softmax's row sum over every key, the drawn cells' and the hidden mass's sums
-    n_keys = len(window.analysis.input.input_ids)
+    n_keys = len(analysis.input.input_ids)
     np.testing.assert_allclose(
         np.nansum(shown, 1) + hidden, 1.0, rtol=0, atol=sum_tol(1.0, 2 * n_keys + 8, torch.float32)
     )

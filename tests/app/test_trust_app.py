@@ -58,9 +58,9 @@ def test_unusable_session_at_start_opens_the_window_and_names_the_new_one(qtbot,
     before = bad.read_bytes() if bad.is_file() else None
     win = _open_window(qtbot, model_cache, bad)
     try:
-        line = win.session_label.text()
+        line = win.sessions.label.text()
         assert line.startswith(f"cannot use the session {bad}: ") and needle in line, line
-        assert "\n" not in line and "c00000" in win.session_label.styleSheet()  # red, and it stays
+        assert "\n" not in line and "c00000" in win.sessions.label.styleSheet()  # red, and it stays
         fallback = win.session.path
         assert fallback.parent == home / ".local" / "share" / "vlm-readout" / "sessions" and fallback.is_file()
         assert line.endswith(f"recording into a new session {fallback} instead")
@@ -77,7 +77,7 @@ def test_no_session_file_anywhere_records_in_memory_and_says_so(qtbot, model_cac
     monkeypatch.setenv("HOME", str(not_a_folder))  # the data folder cannot be made either
     win = _open_window(qtbot, model_cache, tmp_path / "missing" / "s.vlmr")
     try:
-        line = win.session_label.text()
+        line = win.sessions.label.text()
         assert "no such folder" in line and line.endswith("recording into a temporary session that is not saved")
         win.session.record(RecordedResult("note", {}, "in memory"))
         assert len(win.session.runs()) == 1
@@ -110,7 +110,7 @@ def test_main_starts_with_a_bad_session_and_shows_it(tmp_path, home):
 @pytest.mark.parametrize("mode", ["append", "read_only"])
 def test_open_session_with_a_bad_file_keeps_the_current_session(qtbot, window, tmp_path, mode):
     window.session.record(RecordedResult("note", {}, "current work"))
-    current, label = window.session, window.session_label.text()
+    current, label = window.session, window.sessions.label.text()
     broken = tmp_path / "broken.vlmr"
     with Session.create(broken) as s:
         s.record(RecordedResult("analyze", {}, "x"))
@@ -120,16 +120,16 @@ def test_open_session_with_a_bad_file_keeps_the_current_session(qtbot, window, t
     bad = _bad_sessions(tmp_path)
     bad["in a missing folder"] = (bad["in a missing folder"][0], "no such session file")  # opened, not created
     for path, needle in [*bad.values(), (broken, "stored JSON unreadable")]:
-        assert window.open_session(path, mode=mode) is False
-        assert window.error_label.text().startswith("cannot open the session: ") and needle in window.error_label.text()
-        assert window.session is current and not current.closed and window.session_label.text() == label
+        assert window.sessions.open_session(path, mode=mode) is False
+        assert window.inputs.error_label.text().startswith("cannot open the session: ") and needle in window.inputs.error_label.text()
+        assert window.session is current and not current.closed and window.sessions.label.text() == label
         assert [r.summary for r in current.runs()] == ["current work"]
     good = tmp_path / "good.vlmr"
     Session.create(good).close()
-    assert window.open_session(good, mode=mode) is True
+    assert window.sessions.open_session(good, mode=mode) is True
     assert current.closed
     if mode == "append":
-        assert window.session.path == good and window.session_label.text() == f"session: {good}"
+        assert window.session.path == good and window.sessions.label.text() == f"session: {good}"
     else:  # a copy records the later runs; the file is only read
         assert window.session.path != good
-        assert window.session_label.text() == f"session: {good} (read-only; new runs are not saved into it)"
+        assert window.sessions.label.text() == f"session: {good} (read-only; new runs are not saved into it)"

@@ -26,17 +26,17 @@ def test_hostile_image_shows_error_and_keeps_previous(qtbot, window, tmp_path, n
     shown_before, name_before = window.image, window.image_name
     assert shown_before is not None
     assert not window.set_image(path)
-    message = window.error_label.text()
+    message = window.inputs.error_label.text()
     assert message.startswith(f"{path}: ") and "\n" not in message
     assert window.image is shown_before and window.image_name == name_before
     assert not window.is_busy()
-    assert window.set_image(png_bytes(8, 6), name="fine") and window.error_label.text() == ""  # still works
+    assert window.set_image(png_bytes(8, 6), name="fine") and window.inputs.error_label.text() == ""  # still works
 
 
 def test_hostile_bytes_pasted_show_error(window):
     shown_before = window.image
     assert not window.set_image(dds_bytes(), name="pasted image")
-    assert window.error_label.text().startswith("image bytes: looks like DDS")
+    assert window.inputs.error_label.text().startswith("image bytes: looks like DDS")
     assert window.image is shown_before
 
 

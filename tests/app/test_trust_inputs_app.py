@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import core
+from tests.app.shown import shown_result
 from tests.app.test_window import run_until_idle
 
 BUILTIN = Path(__file__).resolve().parents[2] / "resources" / "models" / "shapes-llava"
@@ -18,15 +19,15 @@ BUILTIN = Path(__file__).resolve().parents[2] / "resources" / "models" / "shapes
 )  # (a lone surrogate cannot reach the engine from the window: Qt's text fields hold only valid UTF-16)
 @pytest.mark.parametrize("action", ["answer_question", "run_readout"])
 def test_question_that_breaks_the_prompt_is_one_line_in_the_window(qtbot, window, question, named, action):
-    good = window.question_edit.text()
+    good = window.inputs.question_edit.text()
     window.set_question(question)
-    run_until_idle(qtbot, window, getattr(window, action))
-    message = window.error_label.text()
+    run_until_idle(qtbot, window, getattr(window.actions, action))
+    message = window.inputs.error_label.text()
     assert named in message and "\n" not in message and "Traceback" not in message
-    assert window.status_label.text() == "failed"
+    assert window.inputs.status_label.text() == "failed"
     window.set_question(good)  # the window still answers
-    run_until_idle(qtbot, window, window.answer_question)
-    assert window.error_label.text() == "" and window.last_answer is not None
+    run_until_idle(qtbot, window, window.actions.answer_question)
+    assert window.inputs.error_label.text() == "" and shown_result(window, "answer") is not None
 
 
 def test_model_folder_with_missing_weights_is_refused_in_the_window(qtbot, window, tmp_path):
@@ -40,13 +41,13 @@ def test_model_folder_with_missing_weights_is_refused_in_the_window(qtbot, windo
     head = next(k for k in weights if "lm_head" in k)
     del weights[head]
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    window.model_picker.setCurrentText(str(folder))
-    run_until_idle(qtbot, window, window.answer_question)
-    message = window.error_label.text()
-    assert "lm_head" in message and "\n" not in message and window.status_label.text() == "failed"
-    window.model_picker.setCurrentText("shapes-llava")
-    run_until_idle(qtbot, window, window.answer_question)
-    assert window.error_label.text() == "" and window.last_answer is not None
+    window.inputs.model_picker.setCurrentText(str(folder))
+    run_until_idle(qtbot, window, window.actions.answer_question)
+    message = window.inputs.error_label.text()
+    assert "lm_head" in message and "\n" not in message and window.inputs.status_label.text() == "failed"
+    window.inputs.model_picker.setCurrentText("shapes-llava")
+    run_until_idle(qtbot, window, window.actions.answer_question)
+    assert window.inputs.error_label.text() == "" and shown_result(window, "answer") is not None
     assert isinstance(window.model_cache.get(window.model_choice()), core.LoadedModel)  # keyed by ModelChoice
 
 
@@ -60,13 +61,13 @@ def test_load_warning_stays_beside_the_status(qtbot, window, tmp_path):
     weights = load_file(str(folder / "model.safetensors"))
     weights["extra.probe.weight"] = weights[next(iter(weights))].clone()
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    window.model_picker.setCurrentText(str(folder))
-    run_until_idle(qtbot, window, window.answer_question)
-    status = window.status_label.text()
-    assert window.last_answer is not None and "warning: " in status and "extra.probe.weight" in status
-    window.model_picker.setCurrentText("shapes-llava")
-    run_until_idle(qtbot, window, window.answer_question)
-    assert "warning" not in window.status_label.text()
+    window.inputs.model_picker.setCurrentText(str(folder))
+    run_until_idle(qtbot, window, window.actions.answer_question)
+    status = window.inputs.status_label.text()
+    assert shown_result(window, "answer") is not None and "warning: " in status and "extra.probe.weight" in status
+    window.inputs.model_picker.setCurrentText("shapes-llava")
+    run_until_idle(qtbot, window, window.actions.answer_question)
+    assert "warning" not in window.inputs.status_label.text()
 
 
 def test_a_damaged_bundled_pairs_file_opens_the_window_and_says_so(qtbot, model_cache, tmp_path, monkeypatch):
@@ -81,10 +82,10 @@ def test_a_damaged_bundled_pairs_file_opens_the_window_and_says_so(qtbot, model_
     monkeypatch.setattr(app.samples, "bundled_pairs_file", lambda: pairs)
     win = MainWindow(model_cache=model_cache, session_path=tmp_path / "session.vlmr")
     qtbot.addWidget(win)
-    message = win.error_label.text()
+    message = win.inputs.error_label.text()
     assert message.startswith("the bundled samples are not available: ") and str(pairs) in message, message
-    assert win.samples == [] and not win.answer_all_samples() and not win.attention_statistics_of_samples()
-    assert win.error_label.text() == "no bundled samples to read out"
+    assert win.samples == [] and not win.actions.answer_all_samples() and not win.actions.attention_statistics_of_samples()
+    assert win.inputs.error_label.text() == "no bundled samples to read out"
     win.close()
 
 
@@ -95,9 +96,9 @@ def test_a_damaged_tuned_lens_beside_the_model_is_a_warning_not_silence(qtbot, w
     shutil.copytree(BUILTIN, folder)
     (folder / "MANIFEST.sha256").unlink(missing_ok=True)
     (folder / "tuned-lens" / "lens.json").write_text("[" * 5000)
-    window.model_picker.setCurrentText(str(folder))
-    run_until_idle(qtbot, window, window.run_readout)
-    status = window.status_label.text()
+    window.inputs.model_picker.setCurrentText(str(folder))
+    run_until_idle(qtbot, window, window.actions.run_readout)
+    status = window.inputs.status_label.text()
     assert "warning: the tuned lens is not shown: " in status and "lens.json" in status, status
-    assert window.error_label.text() == "" and window.analysis is not None
+    assert window.inputs.error_label.text() == "" and window.analysis is not None
     assert window.analysis.tuned_lens is None

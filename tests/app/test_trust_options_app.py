@@ -18,12 +18,12 @@ from tests.app.test_window import run_until_idle
     ],
 )
 def test_markup_in_the_target_or_foil_is_one_line_in_the_window(qtbot, window, field, text, named):
-    run_until_idle(qtbot, window, window.answer_question)  # the model loaded, an answer to read out at
-    getattr(window, field).setText(text)
-    run_until_idle(qtbot, window, window.run_readout)
-    message = window.error_label.text()
+    run_until_idle(qtbot, window, window.actions.answer_question)  # the model loaded, an answer to read out at
+    getattr(window.inputs, field).setText(text)
+    run_until_idle(qtbot, window, window.actions.run_readout)
+    message = window.inputs.error_label.text()
     assert message.startswith(named) and "\n" not in message and "Traceback" not in message, message
-    assert window.status_label.text() == "failed"
-    getattr(window, field).setText("")  # the window still reads out
-    run_until_idle(qtbot, window, window.run_readout)
-    assert window.error_label.text() == "" and window.analysis is not None
+    assert window.inputs.status_label.text() == "failed"
+    getattr(window.inputs, field).setText("")  # the window still reads out
+    run_until_idle(qtbot, window, window.actions.run_readout)
+    assert window.inputs.error_label.text() == "" and window.analysis is not None

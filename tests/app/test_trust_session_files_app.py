@@ -19,8 +19,8 @@ def _session(path):
 def test_a_damaged_run_is_named_and_the_others_are_shown(window, tmp_path):
     path = _session(tmp_path / "damaged.vlmr")
     _sql(path, "UPDATE runs SET parameters = 'null' WHERE id = 3", "UPDATE runs SET created = x'00' WHERE id = 1")
-    assert window.open_session(path, mode="append") is True
-    line = window.error_label.text()
+    assert window.sessions.open_session(path, mode="append") is True
+    line = window.inputs.error_label.text()
     assert line.startswith("damaged.vlmr: run 1 cannot be read (created holds a blob, expected text) (and 1 more)")
     assert line.endswith("the other runs are shown") and "\n" not in line
     assert [r.id for r in window.session.runs()] == [2, 3]  # run 3's listed values read; its parameters do not
@@ -39,8 +39,8 @@ def test_a_session_none_of_whose_runs_reads_is_refused_and_the_current_one_stays
     deep = "[" * 5000 + "]" * 5000
     _sql(path, "UPDATE runs SET parameters = 'null' WHERE id < 3", f"UPDATE runs SET result = '{deep}' WHERE id = 3")
     for mode in ("append", "read_only"):
-        assert window.open_session(path, mode=mode) is False
-        line = window.error_label.text()
+        assert window.sessions.open_session(path, mode=mode) is False
+        line = window.inputs.error_label.text()
         assert (
             line.startswith("cannot open the session: ") and "none of its runs can be read (run 1: parameters" in line
         )

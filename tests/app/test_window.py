@@ -13,6 +13,7 @@ import core
 from app.__main__ import main
 from app.samples import bundled_samples
 from app.workers import Worker, WorkerPool
+from tests.app.shown import shown_result
 
 TIMEOUT_MS = 60_000
 
@@ -27,43 +28,43 @@ def run_until_idle(qtbot, window, start) -> None:
 def test_opens_on_sample_and_answers_like_core(qtbot, window):
     sample = bundled_samples()[0]
     assert window.image_name == sample.image_path.name
-    assert window.question_edit.text() == sample.question
+    assert window.inputs.question_edit.text() == sample.question
     height, width = window.image.height, window.image.width
-    assert window.image_item.image.shape == (height, width, 3)  # row-major (H, W, 3): upright, not transposed
+    assert window.canvas.image_item.image.shape == (height, width, 3)  # row-major (H, W, 3): upright, not transposed
 
-    run_until_idle(qtbot, window, window.answer_question)
+    run_until_idle(qtbot, window, window.actions.answer_question)
 
-    assert window.error_label.text() == ""
+    assert window.inputs.error_label.text() == ""
     loaded = window.loaded_model()
     expected = core.answer(loaded, core.load_image(sample.image_path), sample.question)
-    shown = window.last_answer
+    shown = shown_result(window, "answer")
     assert shown.answer == expected.answer == loaded.adapter.token_str(shown.answer_id)
     assert 0.0 <= shown.prob <= 1.0
     assert shown.prob == expected.prob  # the same answer() on the same input
-    assert window.answer_label.text() == f"answer: {expected.answer}  (p = {expected.prob:.3f})"
-    assert window.table_title.text() == "top alternatives"
-    assert window.top_table.rowCount() == len(expected.top) == 5
-    assert [window.top_table.item(r, 0).text() for r in range(5)] == [t for t, _ in expected.top]
-    assert window.status_label.text() == "ready"
-    assert window.answer_button.isEnabled() and not window.cancel_button.isEnabled()
+    assert window.answer_panel.label.text() == f"answer: {expected.answer}  (p = {expected.prob:.3f})"
+    assert window.answer_panel.table_title.text() == "top alternatives"
+    assert window.answer_panel.table.rowCount() == len(expected.top) == 5
+    assert [window.answer_panel.table.item(r, 0).text() for r in range(5)] == [t for t, _ in expected.top]
+    assert window.inputs.status_label.text() == "ready"
+    assert window.inputs.answer_button.isEnabled() and not window.inputs.cancel_button.isEnabled()
 
 
 def test_image_is_upright_not_transposed(window):
     pixels = np.zeros((100, 240, 3), np.uint8)  # (H, W, 3): a wide image, red in the top-left corner
     pixels[:20, :40] = (255, 0, 0)
     assert window.set_image(Image.fromarray(pixels), name="wide")
-    assert window.image_item.width() == 240 and window.image_item.height() == 100
-    assert window.image_plot.getViewBox().yInverted()  # row 0 drawn at the top
-    assert (window.image_item.image[:20, :40] == (255, 0, 0)).all()
+    assert window.canvas.image_item.width() == 240 and window.canvas.image_item.height() == 100
+    assert window.canvas.plot.getViewBox().yInverted()  # row 0 drawn at the top
+    assert (window.canvas.image_item.image[:20, :40] == (255, 0, 0)).all()
 
 
 def test_second_answer_reuses_loaded_model(qtbot, window):
-    run_until_idle(qtbot, window, window.answer_question)
+    run_until_idle(qtbot, window, window.actions.answer_question)
     loaded = window.loaded_model()
     window.set_question("how many triangles are there?")
-    run_until_idle(qtbot, window, window.answer_question)
+    run_until_idle(qtbot, window, window.actions.answer_question)
     assert window.loaded_model() is loaded
-    assert window.last_answer is not None
+    assert shown_result(window, "answer") is not None
 
 
 def test_gui_stays_responsive_while_model_runs(qtbot, window):
@@ -71,19 +72,19 @@ def test_gui_stays_responsive_while_model_runs(qtbot, window):
     seen = []  # (busy, progress value, progress maximum) at each tick of a GUI-thread timer
     timer = QTimer()
     timer.timeout.connect(
-        lambda: seen.append((window.is_busy(), window.progress_bar.value(), window.progress_bar.maximum()))
+        lambda: seen.append((window.is_busy(), window.inputs.progress_bar.value(), window.inputs.progress_bar.maximum()))
     )
     timer.start(10)
     run_until_idle(
         qtbot,
         window,
-        lambda: window.answer_pairs([s.image_path for s in samples], [s.question for s in samples], batch_size=1),
+        lambda: window.actions.answer_pairs([s.image_path for s in samples], [s.question for s in samples], batch_size=1),
     )
     timer.stop()
     busy_ticks = [(value, maximum) for busy, value, maximum in seen if busy]
     assert len(busy_ticks) >= 5, "the GUI event loop did not run while the model worked"
     assert any(0 < value < maximum for value, maximum in busy_ticks), "no progress was shown mid-run"
-    assert len(window.last_answers) == len(samples)
+    assert len(window.answer_panel.pair_answers) == len(samples)
 
 
 def test_bad_image_shows_one_line_error(qtbot, window, tmp_path):
@@ -91,7 +92,7 @@ def test_bad_image_shows_one_line_error(qtbot, window, tmp_path):
     bad.write_bytes(b"this is text, not a PNG\n")
     shown_before = window.image
     assert not window.set_image(bad)
-    message = window.error_label.text()
+    message = window.inputs.error_label.text()
     assert "not_an_image.png" in message and "not an image" in message
     assert "\n" not in message
     assert window.image is shown_before and not window.is_busy()
@@ -103,31 +104,31 @@ def test_unknown_word_shows_question_error(qtbot, window):
     with pytest.raises(core.QuestionError) as expected:
         core.answer(loaded, window.image, "what is a zebra?")
     window.set_question("what is a zebra?")
-    run_until_idle(qtbot, window, window.answer_question)
-    assert window.error_label.text() == str(expected.value)
-    assert "zebra" in window.error_label.text()
-    assert window.last_answer is None and window.status_label.text() == "failed"
+    run_until_idle(qtbot, window, window.actions.answer_question)
+    assert window.inputs.error_label.text() == str(expected.value)
+    assert "zebra" in window.inputs.error_label.text()
+    assert shown_result(window, "answer") is None and window.inputs.status_label.text() == "failed"
 
 
 def test_cancel_returns_to_idle(qtbot, window):
     samples = bundled_samples() * 20
-    window.answer_pairs([s.image_path for s in samples], [s.question for s in samples], batch_size=1)
-    assert window.cancel_button.isEnabled() and not window.answer_button.isEnabled()
-    qtbot.waitUntil(lambda: window.progress_bar.value() >= 1, timeout=TIMEOUT_MS)
+    window.actions.answer_pairs([s.image_path for s in samples], [s.question for s in samples], batch_size=1)
+    assert window.inputs.cancel_button.isEnabled() and not window.inputs.answer_button.isEnabled()
+    qtbot.waitUntil(lambda: window.inputs.progress_bar.value() >= 1, timeout=TIMEOUT_MS)
     with qtbot.waitSignal(window.idle, timeout=TIMEOUT_MS):
-        qtbot.mouseClick(window.cancel_button, Qt.MouseButton.LeftButton)
-    assert window.status_label.text() == "cancelled"
-    assert window.error_label.text() == "" and window.last_answers == []
-    assert window.answer_button.isEnabled() and not window.cancel_button.isEnabled()
-    qtbot.waitUntil(lambda: window.workers.running() == [], timeout=5_000)
+        qtbot.mouseClick(window.inputs.cancel_button, Qt.MouseButton.LeftButton)
+    assert window.inputs.status_label.text() == "cancelled"
+    assert window.inputs.error_label.text() == "" and window.answer_panel.pair_answers == []
+    assert window.inputs.answer_button.isEnabled() and not window.inputs.cancel_button.isEnabled()
+    qtbot.waitUntil(lambda: window.runner.workers.running() == [], timeout=5_000)
 
 
 def test_close_while_running_joins_the_worker(qtbot, window):
     samples = bundled_samples() * 20
-    window.answer_pairs([s.image_path for s in samples], [s.question for s in samples], batch_size=1)
-    assert window.workers.running()
+    window.actions.answer_pairs([s.image_path for s in samples], [s.question for s in samples], batch_size=1)
+    assert window.runner.workers.running()
     window.close()  # cancels and joins; the fixture checks again after its own close
-    assert window.workers.running() == []
+    assert window.runner.workers.running() == []
 
 
 def test_the_audit_table_follows_the_sessions_events(qtbot, window, tmp_path):
@@ -139,19 +140,19 @@ def test_the_audit_table_follows_the_sessions_events(qtbot, window, tmp_path):
 
     before = len(window.audit_panel.rows())
     seen_on: list[bool] = []
-    watch = window.session_watch
+    watch = window.sessions.watch
     watch.recorded.connect(lambda _info: seen_on.append(threading.current_thread() is threading.main_thread()))
     note = RecordedResult("note", {}, "from a thread")
     job = Worker(lambda *, progress, cancel: window.session.record(note))  # as a job that records would
     with qtbot.waitSignal(job.finished, timeout=TIMEOUT_MS):
-        window.workers.start(job)
+        window.runner.workers.start(job)
     qtbot.waitUntil(lambda: len(window.audit_panel.rows()) == before + 1, timeout=5_000)
     assert window.audit_panel.rows()[-1]["summary"] == "from a thread" and seen_on == [True]  # on the GUI thread
 
     old = window.session
     other = tmp_path / "other.vlmr"
     Session.create(other).close()
-    assert window.open_session(other, mode="append") and old.closed and window.audit_panel.rows() == []
+    assert window.sessions.open_session(other, mode="append") and old.closed and window.audit_panel.rows() == []
     assert old._callbacks == []  # unsubscribed when replaced
     window.session.record(RecordedResult("note", {}, "in the new one"))  # on the GUI thread: shown at once
     assert [r["summary"] for r in window.audit_panel.rows()] == ["in the new one"]
@@ -168,7 +169,7 @@ def test_drop_and_paste_set_the_image(qtbot, window):
     assert window.image_name == sample.image_path.name
 
     QApplication.clipboard().setImage(QImage(str(bundled_samples()[2].image_path)))
-    window.paste_image()
+    window.actions.paste_image()
     assert window.image_name == "pasted image"
     assert window.image.size == core.load_image(bundled_samples()[2].image_path).size
 
@@ -254,12 +255,12 @@ def test_the_screenshot_run_leaves_the_process_able_to_run_windows(qtbot, tmp_pa
 
     argv = ["--model", "shapes-llava", "--screenshot", str(tmp_path / "a.png"), "--session", str(tmp_path / "s.vlmr")]
     assert main(argv) == 0
-    assert window.isVisible() and not window._closed
-    run_until_idle(qtbot, window, window.run_readout)  # a window opened before it
+    assert window.isVisible() and not window.runner.closed
+    run_until_idle(qtbot, window, window.actions.run_readout)  # a window opened before it
     later = MainWindow(model_cache=model_cache, session_path=tmp_path / "later.vlmr")
     qtbot.addWidget(later)
     later.show()
-    run_until_idle(qtbot, later, later.run_readout)  # and one opened after it
+    run_until_idle(qtbot, later, later.actions.run_readout)  # and one opened after it
     assert later.analysis is not None and window.analysis is not None
     later.close()
 

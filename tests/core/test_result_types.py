@@ -20,6 +20,7 @@ from core.images import load_mask
 from core.methods import interventions as iv
 from core.methods.counterfactual import Fill, occlusion_sweep, region_counterfactual
 from core.methods.nonunique import nonunique_of_input
+from core.methods.patterns import pattern_statistics
 from core.methods.qk_ov import qk_ov
 from core.methods.tuned_lens import evaluate_lens, load_lens
 from core.pairs import read_pairs
@@ -91,6 +92,7 @@ def results(llava, tmp_path_factory):
         "label": validation.chains,
         "validate": [validation],
         "lens": [evaluate_lens(llava, lens, SyntheticCorpus("heldout"), 2, batch_size=2)],
+        "statistics": [pattern_statistics(llava, [(IMAGE, QUESTION, mask), (OTHER, QUESTION, None)])],
         "note": [Note({"text": "L1.H1 reads colour", "seen": [1, 2]})],
     }
 
@@ -178,7 +180,7 @@ def test_a_document_that_does_not_fit_is_one_error_naming_the_kind(tmp_path):
         assert message.startswith(f"the stored {kind} result does not fit ") and "\n" not in message
         assert e.value.kind == kind and cause in e.value.cause
     # a kind without a class of its own (a notebook's) is kept as said
-    other = restore_result("statistics", {"n_samples": 3})
+    other = restore_result("notebook", {"n_samples": 3})
     assert isinstance(other, RecordedResult) and other.to_dict() == {"n_samples": 3}
 
     path = tmp_path / "odd.vlmr"

@@ -233,6 +233,24 @@ class Baseline:
             raise LabelError(f"unknown baseline kind {self.kind!r}; expected one of {BASELINE_KINDS}")
         self.value = _finite(self.value)
 
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """The 95% interval of the baseline's value (a step 6 comparison: of the paired difference,
+        candidate minus baseline); None when it has none."""
+        stats = self.detail.get("paired_difference", self.detail.get("stats")) or {}
+        ci = stats.get("ci95") or [None, None]
+        return None if None in ci else (float(ci[0]), float(ci[1]))
+
+    @property
+    def compared_step(self) -> int | None:
+        """A step 6 comparison's step (whose key metric it compares), else None."""
+        return self.detail.get("step")
+
+    @property
+    def candidate_value(self) -> float | None:
+        """A step 6 comparison's candidate value of that metric, else None."""
+        return self.detail.get("candidate")
+
     def to_dict(self) -> dict:
         return jsonable(
             {
