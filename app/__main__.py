@@ -8,7 +8,7 @@ import sys
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from core.arguments import Parser  # a refused command line is one line "error: ..." (exit 2), as on the CLI
+    from core.shell.arguments import Parser  # a refused command line is one line "error: ..." (exit 2), as on the CLI
 
     p = Parser(prog="vlm-readout-app", description=__doc__)
     p.add_argument(
@@ -64,7 +64,7 @@ def _qt_message(kind, context, message: str) -> None:
     or fatal one (no display, no platform plugin) is one ``error:`` line."""
     from PySide6.QtCore import QtMsgType
 
-    from core import terminal
+    from core.shell import terminal
 
     if kind in (QtMsgType.QtCriticalMsg, QtMsgType.QtFatalMsg):
         terminal.say(f"error: Qt: {' '.join(str(message).split())}")
@@ -76,7 +76,7 @@ CLOSE_GRACE_MS = 1500
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core import offline, terminal  # standard library only
+    from core.shell import offline, terminal  # standard library only
 
     # Before anything is imported: the app never downloads (it has no --allow-download), and its
     # terminal holds only `error:` / `warning:` lines, as the command line's (core.cli.main).

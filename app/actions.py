@@ -23,12 +23,12 @@ from app.components import ShownRun
 from app.jobs import answer_job, answer_of, answer_pairs_job, head_sources_job, model_load_job, statistics_job
 from app.panels.run_requests import Refusal
 from app.samples import bundled_pairs_file
-from core.images import load_mask
-from core.readout import RecordedResult
+from core.files.images import load_mask
 from core.requests import AnalyzeRequest, GenerateRequest
 from core.requests.patching import default_patch_site, patch_sites
+from core.results.readout import RecordedResult
 
-# the formats core.images accepts (ACCEPTED_FORMATS)
+# the formats core.files.images accepts (ACCEPTED_FORMATS)
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
 
 
@@ -61,7 +61,7 @@ class Actions:
         w.intervention_panel.patch_requested.connect(self.patch_region)
         w.head_methods.nonunique_requested.connect(self.run_nonunique)
         w.head_methods.qk_ov_requested.connect(self.run_qk_ov)
-        w.claims_panel.run_requested.connect(self.run_claim)
+        w.validation_panel.run_requested.connect(self.run_claim)
 
     # ----- what every action reads --------------------------------------
 
@@ -118,7 +118,7 @@ class Actions:
     def show(self, result, run_id: int | None, asked) -> None:
         """A run's result into the workspace, the last step of the run path (every panel draws from
         there): a read-out or a generation is a run of its own; a follow-up joins the shown run of
-        its input; a claim, checked on a model and not on the input, goes to the Claims panel."""
+        its input; a claim, checked on a model and not on the input, goes to the Validation panel."""
         w = self.window
         made_for = w.models.made_for(asked)
         if result.kind == "analyze":  # the Answer tab reads its answer from the same forward
@@ -130,7 +130,7 @@ class Actions:
             if not result.token_ids:
                 w.show_error(f"the model generated no token (stopped: {result.stop_reason})")
         elif result.kind == "validate":
-            w.claims_panel.show_claim(result, run_id, made_for)
+            w.validation_panel.show_claim(result, run_id, made_for)
         else:
             w.workspace.add_result(result.kind, result, run_id, made_for)
 
@@ -323,10 +323,10 @@ class Actions:
         return self.run_panel(panel, panel.qk_ov_request(self.asked()), status="QK / OV…", says_failure=True)
 
     def run_claim(self) -> bool:
-        """Check the Claims panel's claim on its subjects and data; False, with the reason, when it cannot run."""
+        """Check the Validation panel's claim on its subjects and data; False, with the reason, when it cannot run."""
         if not self.ready(needs_image=False):
             return False
-        panel = self.window.claims_panel
+        panel = self.window.validation_panel
         return self.run_panel(panel, panel.validate_request(self.painted), status="validating…", says_failure=True)
 
     def refresh_patch_sites(self) -> None:

@@ -30,7 +30,7 @@ from app.components.model_choice import CPU, device_choices
 from app.panels.answer_panel import TargetNote
 from app.recent_models import BUILTIN_MODELS, recent_models, remember_model, remembered_choice
 from app.widgets import ElidedLabel, plain_label
-from core.precision import AUTO_DTYPE_MEANING, DTYPE_CHOICES
+from core.shell.precision import AUTO_DTYPE_MEANING, DTYPE_CHOICES
 
 TARGET_PLACEHOLDER = "answer token (default: the model's top token)"
 

@@ -1,8 +1,8 @@
-"""The main window: it assembles the parts and wires them; nothing else.
+"""The main window: it assembles the parts and wires them, and holds the image shown.
 
 Left: the image canvas (patch grid, patch-granular heatmaps). Right, in tabs:
 the answer, attention, DLA, lens, the region-counterfactual painter with the
-interventions, the claims, the session's audit table and history. Below: the
+interventions, validation, the session's audit table and history. Below: the
 input bar (app.input_bar). Every read-out view sits in a :class:`app.run_frame.RunFrame`
 and draws itself from the workspace's shown run (app.components.Workspace):
 a run just made and a run restored from the History alike.
@@ -36,19 +36,19 @@ from app.input_bar import InputBar
 from app.panels.answer_panel import AnswerPanel, run_caption
 from app.panels.attention_panel import AttentionPanel
 from app.panels.audit_panel import AuditPanel
-from app.panels.claims_panel import ClaimsPanel
 from app.panels.counterfactual_panel import CounterfactualPanel
 from app.panels.dla_panel import DLAPanel
 from app.panels.head_methods_panel import HeadMethodsPanel
 from app.panels.history_panel import HistoryPanel
 from app.panels.intervention_panel import InterventionPanel
 from app.panels.lens_panel import LensPanel
+from app.panels.validation_panel import ValidationPanel
 from app.run_frame import VIEW_KINDS, RunFrame
 from app.runner import Runner
 from app.samples import Sample, bundled_pairs_file, bundled_samples
 from app.session_view import SessionController
 from app.widgets import DetachedTabs, ScrollPage, box
-from core.images import image_sha256
+from core.files.images import image_sha256
 
 
 class MainWindow(QMainWindow):
@@ -120,8 +120,8 @@ class MainWindow(QMainWindow):
         self.intervention_panel.set_sources([(s.image_path.name, s.image_path) for s in self.samples])
         # the intervention controls go beside the painter (on screen with it), their table beside the answer change
         self.counterfactual_panel.host_interventions(self.intervention_panel)
-        self.claims_panel = ClaimsPanel(self.selection, self.workspace)
-        self.claims_panel.bundled = bundled_pairs_file().parent
+        self.validation_panel = ValidationPanel(self.selection, self.workspace)
+        self.validation_panel.bundled = bundled_pairs_file().parent
         self.head_methods = HeadMethodsPanel(self.selection)
         self.audit_panel = AuditPanel()
         self.history_panel = HistoryPanel()
@@ -162,7 +162,7 @@ class MainWindow(QMainWindow):
         self.tabs = DetachedTabs()
         for name in names:
             self.tabs.addTab(self.run_frames[name], name.upper() if name == "dla" else name.capitalize())
-        self.tabs.addTab(ScrollPage(self.claims_panel), "Claims")  # a claim is of a model, not of the input
+        self.tabs.addTab(ScrollPage(self.validation_panel), "Validation")  # a claim is of a model, not of the input
         self.tabs.addTab(ScrollPage(self.audit_panel), "Audit")
         self.tabs.addTab(self.history_panel, "History")
         self.tabs.currentChanged.connect(self._on_tab_changed)
@@ -237,7 +237,7 @@ class MainWindow(QMainWindow):
         for changed in (
             self.counterfactual_panel.mask_changed,
             self.intervention_panel.choices_changed,
-            self.claims_panel.choices_changed,
+            self.validation_panel.choices_changed,
         ):
             changed.connect(inputs.recheck_refusal)
         disconnect = self.selection.changed.connect(inputs.recheck_refusal)
@@ -361,7 +361,7 @@ class MainWindow(QMainWindow):
 
     def _working_panels(self) -> tuple:
         """The panels whose buttons start runs."""
-        return (self.counterfactual_panel, self.intervention_panel, self.claims_panel, self.head_methods)
+        return (self.counterfactual_panel, self.intervention_panel, self.validation_panel, self.head_methods)
 
     def _set_busy(self, busy: bool) -> None:
         # the focus is parked before the panels' buttons are disabled, and given back once they are enabled

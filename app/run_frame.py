@@ -22,7 +22,7 @@ CURRENT_STYLE = "color: #555555; padding: 1px 4px;"
 STALE_STYLE = "color: #5a3b00; background: #ffd27a; padding: 1px 4px;"  # amber: not the current input
 
 # the window's read-out views and the result kinds each draws (the Answer tab also shows a read-out's answer;
-# the painter, the grid of the read-out; a claim is checked on a model, not an input: the Claims tab is no view)
+# the painter, the grid of the read-out; a claim is checked on a model, not an input: the Validation tab is no view)
 VIEW_KINDS = {
     "canvas": ("analyze",),
     "answer": ("answer", "generate", "analyze"),
@@ -38,7 +38,7 @@ class RunFrame(QWidget):
     """``widget`` under a header that follows ``view``; ``panel`` draws itself from the run.
 
     The drawing protocol: ``panel.draw(run, kind)`` draws the results of the view's kinds
-    that ``run.results`` holds (typed results, :mod:`core.readout`), ``kind`` being the one
+    that ``run.results`` holds (typed results, :mod:`core.results.readout`), ``kind`` being the one
     just shown; ``panel.draw(None, None)`` clears it. It is called when the view adopts
     another run or another result of its kinds (a live run and a restored one alike), never
     for a follow-up result of other kinds or an input change (the header says stale then).

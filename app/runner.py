@@ -4,7 +4,7 @@ the workspace: nothing here touches a panel).
 
 A request (:mod:`core.requests`) runs on a model from the window's model
 cache in a :class:`app.workers.Worker` (:func:`app.jobs.request_job`); its
-:class:`core.readout.Readout` is recorded in the session with the request's
+:class:`core.results.readout.Readout` is recorded in the session with the request's
 own ``parameters()`` (what the CLI records for the same request) and shown.
 Work that makes no run (an answer, a model load, one head's source map) takes
 the same worker path through :meth:`Runner.start` without the record.

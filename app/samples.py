@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.files.pairs import read_pairs
 from core.models.loading import resources_dir
-from core.pairs import read_pairs
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ def bundled_pairs_file() -> Path:
 
 def bundled_samples() -> list[Sample]:
     """All bundled pairs in file order (the first is the default); [] if none.
-    Read by :func:`core.pairs.read_pairs`, as every pairs file is: a damaged
+    Read by :func:`core.files.pairs.read_pairs`, as every pairs file is: a damaged
     file is its one-line :class:`core.errors.ReadoutError`."""
     pairs_file = bundled_pairs_file()
     if not pairs_file.is_file():

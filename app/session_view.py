@@ -18,7 +18,7 @@ read before anything on screen changes: the image (its file when that still hold
 same pixels, else the stored pixels), the question, the model (in the dtype and on the
 device it ran in), the answer token read out, the target fields (as typed), the result
 restored as its class (``Run.readout``: the one conversion of stored JSON,
-:func:`core.readout.restore_result`) and what its request was asked, typed
+:func:`core.results.readout.restore_result`) and what its request was asked, typed
 (:class:`core.requests.RecordedParameters`: the one reader of stored parameters). The
 inputs are set, then ``workspace.show_run`` shows the run and every view draws itself
 from it (:class:`app.run_frame.RunFrame`), as it drew the run when it was made; then the
@@ -47,11 +47,11 @@ from app.jobs import answer_of, as_run, model_load_job
 from app.panels.history_panel import THUMBNAIL_PX, HistoryRow
 from app.widgets import ElidedLabel
 from core.answer_text import AnswerText
-from core.images import image_sha256
-from core.precision import DTYPE_CHOICES
-from core.readout import Readout, Target
+from core.files.images import image_sha256
 from core.requests import RecordedParameters
+from core.results.readout import Readout, Target
 from core.session import DamagedRunError, Run, RunInfo, Session, SessionError
+from core.shell.precision import DTYPE_CHOICES
 
 if TYPE_CHECKING:
     from core.analyze import AnalyzeResult
@@ -64,7 +64,7 @@ HEAD_METHOD_KINDS = ("nonunique", "qk-ov")
 # the follow-up kinds shown beside the read-out of their input (other kinds restore their input only)
 PANEL_KINDS = ("analyze", "counterfactual", "sweep", "intervention", *HEAD_METHOD_KINDS)
 EDITED_KINDS = ("counterfactual", "sweep", "intervention")  # an original run and an edited one
-CLAIM_KINDS = ("validate",)  # checked on a model and a dataset, not on the shown input: the Claims tab shows them
+CLAIM_KINDS = ("validate",)  # checked on a model and a dataset, not on the shown input: the Validation tab shows them
 SELECTING_VIEWS = ("attention", "dla", "lens")  # the views an ablated component can have been selected in
 # what restoring a run's result into the views and controls can raise on a stored value it cannot use
 DRAW_ERRORS = (KeyError, TypeError, ValueError, IndexError)
@@ -145,7 +145,7 @@ def recorded_of(run: Run) -> RecordedParameters:
 
 
 def unedited_target(kind: str, readout: Readout | None) -> Target | None:
-    """The :class:`core.readout.Target` of the run before any edit: analyze's ``target``, a
+    """The :class:`core.results.readout.Target` of the run before any edit: analyze's ``target``, a
     counterfactual's, sweep's or intervention's ``original``; None for other kinds (or no result)."""
     if readout is None:
         return None
@@ -207,7 +207,7 @@ def uses_painted_region(run: Run) -> bool:
 
 
 def restore_claim_choices(panel, run: Run, validation) -> str | None:
-    """Put a ``validate`` run's choices back in the Claims panel (its request's parameters:
+    """Put a ``validate`` run's choices back in the Validation panel (its request's parameters:
     :meth:`core.requests.ValidateRequest.parameters`; a run of an
     older session: its chains' subjects and its search set's size): subjects, claim, data, n, the
     painted-region box. The painted region itself is not stored with the run: returns a line saying
@@ -318,7 +318,7 @@ class SessionController(QObject):
       ``statusBar()``;
     - ``history_panel`` and ``audit_panel`` (the session's views: it fills them and follows their
       signals), and for a restored run's controls ``counterfactual_panel``,
-      ``intervention_panel``, ``answer_panel``, ``claims_panel``, ``attention_panel``,
+      ``intervention_panel``, ``answer_panel``, ``validation_panel``, ``attention_panel``,
       ``dla_panel`` and ``selection``;
     - the window itself as the parent of its dialogs.
 
@@ -730,7 +730,7 @@ class SessionController(QObject):
             self.window.selection.select(name, view, analysis)
 
     def _restore_claim(self, run: Run) -> bool:
-        """Show a recorded ``validate`` run in the Claims tab, its model picked (it has no image): the
+        """Show a recorded ``validate`` run in the Validation tab, its model picked (it has no image): the
         panel shows it as a claim made now (on a model, not on the shown input: not the workspace's
         shown run), its choices go back into the panel."""
         window, inputs = self.window, self.window.inputs
@@ -741,14 +741,14 @@ class SessionController(QObject):
         missing = inputs.set_model_choice(dtype, device)
         if missing:  # a device this machine lacks
             self.show_error("; ".join(missing))
-        not_restored = restore_claim_choices(window.claims_panel, run, validation)
+        not_restored = restore_claim_choices(window.validation_panel, run, validation)
         # the input it is shown for: the one now, with the model it was checked on
         made_for = dataclasses.replace(window.workspace.input, model_fingerprint=validation.fingerprint or None)
-        window.claims_panel.show_restored(run, made_for, not_restored)
+        window.validation_panel.show_restored(run, made_for, not_restored)
         if not_restored:
             self.show_error("; ".join([*missing, not_restored]))
         window.history_panel.show_current(run.id)
-        window.statusBar().showMessage(f"run #{run.id} ({run.kind}) of {run.created} shown in the Claims tab")
+        window.statusBar().showMessage(f"run #{run.id} ({run.kind}) of {run.created} shown in the Validation tab")
         return True
 
     def _load_run_model(self, restored: RestoredRun) -> None:

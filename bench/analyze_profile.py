@@ -17,14 +17,14 @@ from PIL import Image
 from scale import QUESTION, image_side, random_llava  # bench/scale.py (the script's folder is on sys.path)
 
 from core.analyze import analyze
-from core.capture import capture
+from core.forward.capture import capture
 
 # (file suffix, function name) -> label
 PARTS = {
-    ("core/capture.py", "capture"): "capture (all of it)",
-    ("core/capture.py", "record_pattern"): "kept rows and pattern streams",
+    ("core/forward/capture.py", "capture"): "capture (all of it)",
+    ("core/forward/capture.py", "record_pattern"): "kept rows and pattern streams",
     ("core/methods/patterns.py", "__call__"): "rollout stream",
-    ("core/readout.py", "jsonable"): "results to JSON",
+    ("core/results/readout.py", "jsonable"): "results to JSON",
     ("core/methods/logit_lens.py", "logit_lens"): "logit lens",
 }
 

@@ -44,7 +44,7 @@ from PySide6.QtWidgets import QApplication  # noqa: E402
 from timing import interleaved_times  # noqa: E402  # bench/timing.py (the script's folder is on sys.path)
 
 from core import answer  # noqa: E402
-from core.atomic import write_text_atomic  # noqa: E402
+from core.files.atomic import write_text_atomic  # noqa: E402
 
 MODELS = ("shapes-llava", "shapes-coca")
 

@@ -10,7 +10,7 @@ language model scaled down to fit a CPU (d_model 1024, 8 layers, 8 heads of
 14 px patches; a small CLIP tower, since the language model is what is read out).
 
 * capture: patterns of the answer position at every layer, every head's z,
-  MLP outputs, residuals, final residual and logits (``core.capture.capture``).
+  MLP outputs, residuals, final residual and logits (``core.forward.capture.capture``).
 * DLA: ``core.methods.contributions.source_contributions`` for the answer
   position, every block x head x source, four conventions, on that trace.
 * memory: the largest single allocation made while the DLA runs (torch's
@@ -33,7 +33,7 @@ from scale import random_llava  # bench/scale.py (the script's folder is on sys.
 from timing import interleaved_times  # bench/timing.py
 
 from core import load_model
-from core.capture import capture
+from core.forward.capture import capture
 from core.methods.contributions import source_contributions
 from core.models.loading import LoadedModel
 

@@ -27,9 +27,9 @@ import time
 import torch
 
 from core import load_model
-from core.atomic import write_text_atomic
-from core.capture import capture
-from core.geometry import region_tokens
+from core.files.atomic import write_text_atomic
+from core.forward.capture import capture
+from core.forward.geometry import region_tokens
 from core.methods.nonunique import nonunique_attention, visual_token_keys
 from core.zoo import scenes
 

@@ -11,7 +11,7 @@ i, kind="attribute")``, i = 0, 1, ... keeping that template) are paired with
 colour changed (new colour drawn from the other four with
 ``default_rng([7, i])``), every other pixel identical. The patched tokens are
 the visual tokens whose patch box overlaps the target's ground-truth mask
-(``core.geometry.region_tokens`` with ``--min-cover``, default: any pixel).
+(``core.forward.geometry.region_tokens`` with ``--min-cover``, default: any pixel).
 
 Per site (LLaVA: vision_out, projector_out, the residual entering each block;
 CoCa: kv_source read by every cross block, and by each cross block alone):
@@ -47,9 +47,9 @@ import numpy as np
 import torch
 
 from core import load_model
-from core.atomic import write_text_atomic
-from core.capture import capture, hooks
-from core.geometry import region_tokens
+from core.files.atomic import write_text_atomic
+from core.forward.capture import capture, hooks
+from core.forward.geometry import region_tokens
 from core.methods.interventions import visual_patch_edit
 from core.zoo import scenes
 

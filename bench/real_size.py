@@ -113,7 +113,7 @@ def paired(folder: Path, image: Path, rounds: int) -> dict:
 
     from core import load_model
     from core.analyze import analyze
-    from core.images import load_image
+    from core.files.images import load_image
 
     base = vm("VmRSS")
     t = time.perf_counter()
@@ -249,7 +249,7 @@ def main() -> None:
         for f in (image, folder.with_name(folder.name + "-readout.json"), folder.with_name("refused.json")):
             f.unlink(missing_ok=True)
     if args.json:
-        from core.atomic import write_text_atomic
+        from core.files.atomic import write_text_atomic
 
         write_text_atomic(args.json, json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))

@@ -55,8 +55,8 @@ import torch
 from PIL import Image
 
 from core.analyze import analyze
-from core.atomic import write_text_atomic
-from core.capture import capture
+from core.files.atomic import write_text_atomic
+from core.forward.capture import capture
 from core.models.loading import LoadedModel
 
 PRESETS = {

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.readout import RecordedResult
+from core.results.readout import RecordedResult
 from core.session import Session
 
 

@@ -65,9 +65,9 @@ phases = []
 import torch; mark("import torch")
 import transformers; mark("import transformers")
 import transformers.image_utils; mark("transformers.image_utils (pulls in torchvision, torch._dynamo)")
-import core.cli; mark("import core.cli (core/__init__: core.answer, core.capture, loading)")
+import core.cli; mark("import core.cli (core/__init__: core.answer, core.forward.capture, loading)")
 args = core.cli.build_parser().parse_args(sys.argv[1:]); mark("build the parser, parse")
-from core.images import load_image
+from core.files.images import load_image
 image = load_image(args.image); mark("load the image")
 loaded = core.cli._load(args); mark("load_model (config, weights, processor; HF modules it imports)")
 from core.answer import answer

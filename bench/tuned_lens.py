@@ -129,7 +129,7 @@ def main() -> int:
         out["models"][spec] = r
         print(f"{spec}: trained in {r['train_seconds']} s; bars {r['bars_heldout']}")
         print(json.dumps(r["evaluations"]["heldout"]["kl_bits"]["all"]))
-    from core.atomic import write_text_atomic
+    from core.files.atomic import write_text_atomic
 
     write_text_atomic(Path(args.json), json.dumps(out, indent=1) + "\n")
     return 0

@@ -74,7 +74,7 @@ def run(spec: str, args) -> None:
     doc = json.loads(random.read_text())
     doc["model"]["folder_as_run"] = doc["model"]["spec"]  # a temporary folder: named for what it held
     doc["model"]["spec"] = f"{spec} with random weights (core.zoo.random_weights, seed {args.seed})"
-    from core.atomic import write_text_atomic
+    from core.files.atomic import write_text_atomic
 
     write_text_atomic(random, json.dumps(doc, allow_nan=False) + "\n")  # the temporary folder's path means nothing
     supported = [v["subject"] for v in doc["verdicts"] if v["supported"]]

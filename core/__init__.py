@@ -2,8 +2,17 @@
 
 The engine never imports Qt. Public names: :func:`load_model`,
 :func:`load_image`, :func:`answer`, :func:`answer_batch`, :func:`capture`
-(``core.answer`` and ``core.capture`` are both the module and, called, its
-function of that name: see core/lazy.py).
+(``core.answer`` is both the module and, called, its function: core/shell/lazy.py).
+
+The folders are the layers (docs/ARCHITECTURE.md, "Layout"): ``shell`` (the
+process: arguments, terminal, network switches, lazy names, dtypes), ``files``
+(what is read and written, checked), ``models`` (loading, the adapter, the
+families), ``forward`` (one run of the model with hooks and edits: the capture),
+``methods`` (the read-outs' mathematics), ``results`` (the result vocabulary and
+audit rows), ``readouts`` (analyze's read-out registry), ``requests`` (a run asked
+by the CLI or the app), ``session``, ``dataset_audit``, ``zoo``, ``cli``. At the
+root: the runs on one input (analyze, answer, answer_text, generate, validate),
+the image views and the export, which read across those layers, and the errors.
 
 Names that need torch are imported when first used, so that a command whose
 arguments are refused, or ``--help``, answers without importing torch (about
@@ -21,7 +30,7 @@ from core.errors import (
     UnsafeCheckpointError,
     UnsupportedArchitectureError,
 )
-from core.lazy import lazy_getattr
+from core.shell.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -30,17 +39,17 @@ _LAZY = {
     "Answer": "core.answer",
     "answer": "core.answer",
     "answer_batch": "core.answer",
-    "Trace": "core.capture",
-    "capture": "core.capture",
-    "load_image": "core.images",
+    "Trace": "core.forward.capture",
+    "capture": "core.forward.capture",
+    "load_image": "core.files.images",
     "LoadedModel": "core.models.loading",
     "load_model": "core.models.loading",
 }
 
 
-# ``core.answer`` and ``core.capture`` stay their (callable) modules: importing a
-# submodule binds the package attribute to it (core/lazy.py)
-__getattr__ = lazy_getattr(__name__, _LAZY, modules=frozenset({"answer", "capture"}))
+# ``core.answer`` stays its (callable) module: importing a submodule binds the package
+# attribute to it (core/shell/lazy.py)
+__getattr__ = lazy_getattr(__name__, _LAZY, modules=frozenset({"answer"}))
 
 
 __all__ = [

@@ -13,20 +13,20 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from core.answer_text import AnswerText, run_parameters
-from core.audit import AuditRecord
 from core.errors import QuestionError
-from core.geometry import VisualToken
-from core.images import image_sha256, load_image
+from core.files.images import image_sha256, load_image
+from core.forward.geometry import VisualToken
 from core.methods.answer_patterns import AnswerPatterns
 from core.methods.logit_lens import LensRow
 from core.methods.patterns import FULL_PATTERN_LIMIT, HeadSummary, TextPatterns  # FULL_PATTERN_LIMIT re-exported
-from core.readout import Target, jsonable
 from core.readouts import ANALYZE_READOUTS, READOUTS, TEXT_PATTERN_LIMIT, ReadoutOptions
 from core.readouts.answer import AnswerSection
 from core.readouts.pipeline import capture_batch
 from core.readouts.residual import ResidualSection
 from core.readouts.rollout import RolloutSection
 from core.readouts.tuned_lens import TunedLensSection
+from core.results.audit import AuditRecord
+from core.results.readout import Target, jsonable
 from core.views import family_view_names
 
 __all__ = [
@@ -92,7 +92,7 @@ class AnalyzeInput:
             ``raw_prompt``: whether the question could hold special tokens.
         input_ids, tokens: the sequence run, one display string per position.
         image_sha256, image_size: the image's pixels hash and ``(width, height)``.
-        visual_tokens: the :class:`core.geometry.VisualToken` s (boxes in the image's pixels).
+        visual_tokens: the :class:`core.forward.geometry.VisualToken` s (boxes in the image's pixels).
         dtype, device: what the numbers were computed in and where.
         attention: "sdpa" (the model's own; no JSON key) or "eager".
         view_names: ``{image: name}`` of the views the geometry cannot name
@@ -153,7 +153,7 @@ class AnalyzeInput:
 
 @dataclass(frozen=True, eq=False)
 class AnalyzeResult:
-    """One ``analyze`` run: a :class:`core.readout.Readout` (``kind``
+    """One ``analyze`` run: a :class:`core.results.readout.Readout` (``kind``
     "analyze", :meth:`to_dict`, :meth:`from_dict`, :meth:`summary`,
     :meth:`parameters`, :meth:`audit_records`).
 
@@ -161,7 +161,7 @@ class AnalyzeResult:
     analyze JSON"), typed; :meth:`to_dict` is the JSON (strict: non-finite
     floats are None) and :meth:`from_dict` reads it back, the one place a stored
     document becomes a result. ``target`` is the answer position's
-    :class:`core.readout.Target` and ``top`` the model's alternatives there
+    :class:`core.results.readout.Target` and ``top`` the model's alternatives there
     (``[(token, prob), ...]``), the JSON's ``target`` together. The sections are
     the read-outs' (:mod:`core.readouts`): ``residual_decomposition`` a
     :class:`~core.readouts.residual.ResidualSection`, ``logit_lens`` the
@@ -319,7 +319,7 @@ def analyze(
     ``raw_prompt``: let the question hold the model's special tokens (see
     :meth:`core.models.adapter.Adapter.check_question`); recorded in ``input``.
     ``attention``: "sdpa" (the model's own attention, patterns recomputed for
-    the rows the read-outs use) or "eager" (see :func:`core.capture.capture`);
+    the rows the read-outs use) or "eager" (see :func:`core.forward.capture.capture`);
     recorded in ``input`` when eager.
 
     The capture keeps the pattern rows the read-outs read

@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from core.errors import QuestionError, oom_guard
-from core.lazy import make_module_callable
 from core.models.adapter import check_pairs
+from core.shell.lazy import make_module_callable
 
 
 @dataclass
@@ -107,4 +107,4 @@ def answer(loaded, image, question: str, *, top_k: int = 5, raw_prompt: bool = F
     return answer_batch(loaded, [image], [question], top_k=top_k, raw_prompt=raw_prompt)[0]
 
 
-make_module_callable(__name__, answer)  # core.answer(...) is the function (core/lazy.py)
+make_module_callable(__name__, answer)  # core.answer(...) is the function (core/shell/lazy.py)

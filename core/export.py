@@ -24,7 +24,7 @@ and JSON, and the runs' patch-grid figures as PNG.
   the original image when the session keeps the image); an upsampled map is
   never drawn here, so nothing needs the "interpolated" flag.
 * :func:`export_session`: any of the above to a path, each file written
-  atomically (:mod:`core.atomic`: sibling temporary file, then rename; the
+  atomically (:mod:`core.files.atomic`: sibling temporary file, then rename; the
   pictures of ``png`` all staged first and put in place together, so a
   failure leaves the folder as it was); the output path is checked before
   the session is read (a name over the file system's limit, a folder where a
@@ -48,10 +48,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.audit_tables import audit_csv as table_csv
-from core.audit_tables import audit_markdown as table_markdown
-from core.audit_tables import cell as _cell
 from core.errors import ReadoutError
+from core.results.audit_tables import audit_csv as table_csv
+from core.results.audit_tables import audit_markdown as table_markdown
+from core.results.audit_tables import cell as _cell
 from core.session import AUDIT_COLUMNS, METHOD_COLUMNS, RUN_COLUMNS, Run, Session, SessionError, jsonable
 from core.session.files import same_file
 from core.session.records import DamagedRunError
@@ -74,12 +74,12 @@ _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9_-]+")
 
 
 def audit_csv(rows: Sequence[dict], columns: Sequence[str] = AUDIT_COLUMNS) -> str:
-    """The session's audit table as CSV (:func:`core.audit_tables.audit_csv` with the session's columns)."""
+    """The session's audit table as CSV (:func:`core.results.audit_tables.audit_csv` with the session's columns)."""
     return table_csv(rows, columns)
 
 
 def audit_markdown(rows: Sequence[dict], columns: Sequence[str] = AUDIT_COLUMNS, *, title: str | None = None) -> str:
-    """The session's audit table as Markdown (:func:`core.audit_tables.audit_markdown` with the session's columns)."""
+    """The session's audit table as Markdown (:func:`core.results.audit_tables.audit_markdown` with the session's columns)."""
     return table_markdown(rows, columns, title=title)
 
 
@@ -754,7 +754,7 @@ def export_session(
         SessionError: the session cannot be read, or it has runs and none
             of them (of ``kinds``) reads.
     """
-    from core.atomic import check_output_file, check_output_folder, staged_writes, write_text_atomic
+    from core.files.atomic import check_output_file, check_output_folder, staged_writes, write_text_atomic
 
     if fmt not in FORMATS:
         raise SessionError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")

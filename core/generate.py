@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from core import json_fields as jf
 from core.answer_text import AnswerText
-from core.audit import AuditRecord
 from core.errors import InputFileError, QuestionError, oom_guard
-from core.input_files import read_json_file
-from core.readout import jsonable
+from core.files import json_fields as jf
+from core.files.input_files import read_json_file
+from core.results.audit import AuditRecord
+from core.results.readout import jsonable
 
 Progress = Callable[[int, int, str], None] | None
 Cancel = Callable[[], bool] | None
@@ -71,7 +71,7 @@ class Generation:
             for the families that interleave them).
         max_new_tokens, stop_strings, top_k: what the call was given.
         model: ``{"spec", "fingerprint", **adapter.describe()}``.
-        image_sha256: the image's :func:`core.images.image_sha256` where a
+        image_sha256: the image's :func:`core.files.images.image_sha256` where a
             file recorded it (the CLI's JSON), else None.
     """
 

@@ -2,8 +2,8 @@
 on a stated claim, from a dataset to a verdict that names its distribution.
 
 :func:`validate` is the library call behind ``vlm-readout validate`` and the
-app's Claims panel: read the search set and the held-out set
-(:func:`read_chain_data`), run the chain (:mod:`core.methods.labels`) on each
+app's Validation panel: read the search set and the held-out set
+(:func:`read_chain_data`), run the chain (:mod:`core.methods.validation`) on each
 head or route named, or on the candidates it finds on the search set, and
 return a :class:`Validation` (a Readout of kind ``validate``).
 
@@ -13,7 +13,7 @@ Where the inputs come from (``source``):
   (:mod:`core.zoo.scenes`), drawn as the chain's own setting does
   (:func:`core.zoo.label_scenes.scene_samples`); their ground truth gives the
   target and the distractors, and step 4's swap is drawn from the scene.
-* a pairs JSONL or a folder holding one (:func:`core.pairs.read_pairs`), each
+* a pairs JSONL or a folder holding one (:func:`core.files.pairs.read_pairs`), each
   line with ``answer`` and ``foil``. The target and the distractors come from
   the line's masks: ``object_masks`` (or ``masks``) with the ``target`` index
   (distractors: ``distractors``, or every object but the target and the
@@ -40,9 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from core.audit import AuditRecord
 from core.errors import InputFileError, ReadoutError
-from core.methods.labels import (
+from core.methods.validation import (
     CRITERIA,
     RELATION,
     ChainCancelled,
@@ -60,8 +59,9 @@ from core.methods.labels import (
     run_chain,
     visual_heads,
 )
-from core.methods.labels.setting import REGION_MIN_COVER
-from core.readout import jsonable
+from core.methods.validation.setting import REGION_MIN_COVER
+from core.results.audit import AuditRecord
+from core.results.readout import jsonable
 
 SCHEMA_VERSION = 1
 SCENES = "scenes"  # the source name of the synthetic shape scenes ("scenes" or "scenes:SPLIT")
@@ -106,7 +106,7 @@ def swap_of(sample, seed: int = 0) -> SwapScene | None:
 
 
 def _scene_data(loaded, split: str, n: int, n_side: int, min_distractors: int) -> ChainData:
-    from core.methods.labels import SIDE_KINDS
+    from core.methods.validation import SIDE_KINDS
     from core.zoo import scenes
     from core.zoo.label_scenes import scene_samples
 
@@ -136,7 +136,7 @@ class _TokenCache:
 
 
 def _masks(pair, names, size, key: str) -> list[RegionObject]:
-    from core.pairs import load_pair_mask, resolve_beside
+    from core.files.pairs import load_pair_mask, resolve_beside
 
     if not isinstance(names, list) or not all(isinstance(x, str) and x for x in names):
         raise InputFileError(f'{pair.where}: "{key}" must be a list of mask file names')
@@ -158,7 +158,7 @@ def _index(row: dict, key: str, where: str, n: int) -> int | None:
 
 def _regions(pair, row: dict, size, region: np.ndarray | None) -> tuple[list[RegionObject], int, list[int]]:
     """``(objects, target, distractors)`` of one claim line (see the module docstring)."""
-    from core.pairs import load_pair_mask
+    from core.files.pairs import load_pair_mask
 
     names = row.get("object_masks", row.get("masks"))
     if names is not None:
@@ -198,7 +198,7 @@ def _swap_of_row(pair, row: dict, size) -> SwapScene | None:
     spec = row.get("swap")
     if spec is None:
         return None
-    from core.pairs import Pair, load_pair_image, load_pair_mask, resolve_beside, text_field
+    from core.files.pairs import Pair, load_pair_image, load_pair_mask, resolve_beside, text_field
 
     where = f"{pair.where} swap"
     if not isinstance(spec, dict):
@@ -215,8 +215,8 @@ def _swap_of_row(pair, row: dict, size) -> SwapScene | None:
 
 def _file_rows(loaded, source: str, kind: str, region, role: str):
     """``(claim samples, {kind: side samples}, file)`` of every line of a pairs file, in file order."""
+    from core.files.pairs import load_pair_image, pairs_file, read_pairs
     from core.models.question_checks import QuestionError
-    from core.pairs import load_pair_image, pairs_file, read_pairs
     from core.zoo.label_scenes import scene_of_row
 
     path = pairs_file(source, "dataset file")
@@ -253,7 +253,7 @@ def _file_rows(loaded, source: str, kind: str, region, role: str):
 
 def _keep(loaded, samples, n: int, min_distractors: int) -> tuple[list, dict]:
     """The first ``n`` claim samples that pass the chain's filters, and what was skipped."""
-    from core.geometry import region_tokens
+    from core.forward.geometry import region_tokens
 
     tokens = _TokenCache(loaded)
     out, skipped = [], {"too_few_distractors": 0, "target_covers_no_token": 0}
@@ -470,7 +470,7 @@ class Validation:
     schema_version: int = SCHEMA_VERSION
     dtype_and_device: dict = field(default_factory=dict)  # what the chains ran in (Adapter.dtype_and_device)
 
-    kind = "validate"  # the session's run kind (core.readout.Readout)
+    kind = "validate"  # the session's run kind (core.results.readout.Readout)
 
     @staticmethod
     def held_back(chain: ValidationChain) -> str:
@@ -593,12 +593,12 @@ def validate(
 ) -> Validation:
     """Run the seven-step chain on each head or route of ``subjects`` (names,
     :func:`parse_subject`), and with ``candidates=k`` on the top k heads the
-    search set proposes (:func:`core.methods.labels.find_candidates`, plus
-    the routes of :func:`core.methods.labels.find_routes`).
+    search set proposes (:func:`core.methods.validation.find_candidates`, plus
+    the routes of :func:`core.methods.validation.find_routes`).
 
     Args:
         claim: the researcher's statement of what the subjects do (the
-            relation it is checked as is :data:`core.methods.labels.RELATION`).
+            relation it is checked as is :data:`core.methods.validation.RELATION`).
         dataset, heldout: the search and held-out sources (:func:`read_chain_data`).
         n, n_side, region, min_distractors, seed: see :func:`read_chain_data`;
             ``seed`` also seeds the matched random heads and the swaps' noise.

@@ -2,7 +2,7 @@
 
 A tiled or multi-view family feeds the model the image several times: LLaVA-NeXT
 a base image and a high-resolution grid, Idefics3 / SmolVLM tiles and a global
-image, Mllama tiles. A :class:`core.geometry.VisualToken`'s ``image`` says which
+image, Mllama tiles. A :class:`core.forward.geometry.VisualToken`'s ``image`` says which
 view it belongs to and its ``box`` is in original-image pixels, so each view's
 grid and the region of the image it actually covers follow from the boxes the
 family computes; nothing here knows a family. A family whose views need names

@@ -5,10 +5,10 @@ import os
 import sys
 from pathlib import Path
 
-from core import offline  # standard library only
+from core.shell import offline  # standard library only
 
 # Before torch and transformers are imported below: the app never downloads, as
-# app.__main__.main and `vlm-readout` without --allow-download (core/offline.py).
+# app.__main__.main and `vlm-readout` without --allow-download (core/shell/offline.py).
 offline.go_offline()
 
 if getattr(sys, "frozen", False):

@@ -1,8 +1,8 @@
 """The layers hold: import-linter checks the contracts in pyproject.toml
 ([tool.importlinter]): core never imports the GUI, core.methods never imports
 the command lines or the zoo, core.models never imports core.zoo or
-core.methods, and no import cycles among core's modules. Function-local imports
-count too. The exceptions are listed there, each with why it is there."""
+core.methods, app.components never imports Qt or the views, and no import
+cycles among core's modules. Function-local imports count too; none is excepted."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ half dtype is ``gamma_n(float32) + u_half`` (one float32 accumulation, one
 rounding of the result, which is at most the terms' size), and the elementwise
 roundings that float32 / float64 checks count among their ``n`` are counted
 explicitly (:func:`half_rounding_tol`). The read-outs accumulate in float32
-for a half model (core.precision.accumulation_dtype): a comparison of two
+for a half model (core.shell.precision.accumulation_dtype): a comparison of two
 read-outs uses float32's ``gamma`` (:func:`opmath_dtype`), so a read-out that
 sums in the half dtype (``u_half`` of its result) is caught. float32 and
 float64 numbers are unchanged.

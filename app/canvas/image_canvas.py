@@ -3,7 +3,7 @@ heatmap, hover read-outs, and a paintable region mask.
 
 Coordinates are original-image pixels everywhere: the image item sits at
 ``(0, 0)`` with one scene unit per pixel, rows go down (row-major, y inverted),
-and a token's ``box = [x0, y0, x1, y1]`` (:class:`core.geometry.VisualToken`)
+and a token's ``box = [x0, y0, x1, y1]`` (:class:`core.forward.geometry.VisualToken`)
 is drawn where it lies on the picture the user opened.
 
 Heatmaps are drawn per patch (one filled box per visual token) by default.
@@ -412,7 +412,7 @@ class ImageCanvas(QWidget):
         view_names: Mapping[int, str] | None = None,
         token_read: str = "",
     ) -> None:
-        """Draw the patch grid of ``tokens`` (:class:`core.geometry.VisualToken` or
+        """Draw the patch grid of ``tokens`` (:class:`core.forward.geometry.VisualToken` or
         their JSON dicts; boxes in original-image pixels). Tokens with ``col < 0``
         (newline, CLS) are not cells. The tokens' views (:func:`core.views.image_views`,
         named by ``view_names = {image: name}`` from the family where given) fill

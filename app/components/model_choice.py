@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from core.precision import DTYPE_CHOICES
+from core.shell.precision import DTYPE_CHOICES
 
 CPU = "cpu"
 
 
 @dataclass(frozen=True)
 class ModelChoice:
-    """A model spec loaded in ``dtype`` (one of :data:`core.precision.DTYPE_CHOICES`;
+    """A model spec loaded in ``dtype`` (one of :data:`core.shell.precision.DTYPE_CHOICES`;
     "auto": the loader chooses) on ``device`` ("cpu", "cuda", "cuda:N", "auto": spread
     over the GPUs). Two choices that differ in any field are two models: the cache never
     serves a bfloat16 model for a float32 request."""

@@ -4,7 +4,7 @@ that run still matches the workspace's input (no Qt).
 The window wraps each read-out view (the canvas heatmap, Attention, DLA, Lens,
 the Counterfactual results, the Answer tab) in an :class:`app.run_frame.RunFrame`
 that draws a :class:`RunView`: a header naming the view's run, amber and saying
-so when the input has moved on. The panels themselves know nothing of runs.
+so when the input has moved on; the panel draws itself from the run the view adopts.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ history a view can list and restore.
 A run is the unit: one :class:`RunInput` (what was asked) and the results it
 produced, keyed by run kind ("answer", "generate", "analyze", "counterfactual",
 "sweep", "intervention", "nonunique", "qk-ov"), each typed: the method's
-:class:`core.readout.Readout` (a result made now, or a stored run restored by
-:func:`core.readout.restore_result`), and the :class:`core.answer.Answer` of an
+:class:`core.results.readout.Readout` (a result made now, or a stored run restored by
+:func:`core.results.readout.restore_result`), and the :class:`core.answer.Answer` of an
 answer. JSON is what the session stores, not what the views draw.
 
 A run may read out at one token of an answer (:class:`core.answer_text.AnswerText`,
@@ -29,7 +29,7 @@ from pathlib import Path
 from app.components.events import Event
 from app.components.model_choice import CPU, ModelChoice
 from core.answer_text import AnswerText
-from core.readout import Readout
+from core.results.readout import Readout
 
 QUESTION_CHARS = 40  # a question longer than this is shortened in headers
 
@@ -82,7 +82,7 @@ def answer_token_label(answer_text: AnswerText) -> str:
 
 @dataclass(frozen=True)
 class RunInput:
-    """What one run asks: the image (pixels' SHA-256 as :func:`core.images.image_sha256`,
+    """What one run asks: the image (pixels' SHA-256 as :func:`core.files.images.image_sha256`,
     and the path as given, None for pasted or dropped bytes), the question, the model
     (spec as typed, the dtype and device picked, and once loaded its fingerprint and the
     dtype and device it runs in: ``loaded_dtype`` float32 for "auto" on the CPU), the answer token read out
@@ -219,7 +219,7 @@ class AnswerTokens:
 @dataclass
 class ShownRun:
     """One run as the window shows it: its input and every result of it, ``{kind: result}`` (a
-    :class:`core.readout.Readout`; an answer's :class:`core.answer.Answer`).
+    :class:`core.results.readout.Readout`; an answer's :class:`core.answer.Answer`).
 
     ``run_id`` is the session's id of the run that made it (None: not recorded, as an
     Answer); ``run_ids`` the id of each follow-up result's own run by kind.

@@ -51,7 +51,7 @@ from core.answer_text import AnswerText
 if TYPE_CHECKING:
     from app.components import ShownRun
     from core.generate import Generation
-    from core.readout import Target
+    from core.results.readout import Target
 
 NO_ANSWER = "no answer yet"
 # under NO_ANSWER: the window's buttons that give one (its "Answer" and "Read out")

@@ -57,7 +57,7 @@ from core.methods.patterns import display_token
 if TYPE_CHECKING:
     from app.components import ShownRun
     from core.analyze import AnalyzeResult
-    from core.geometry import VisualToken
+    from core.forward.geometry import VisualToken
     from core.methods.patterns import HeadStatistics, HeadSummary, PatternStatistics
 
 MASS_MAP = "viridis"

@@ -14,17 +14,17 @@ parser) and ``run(args, load) -> int``:
 
 and the pieces they share: :mod:`core.cli.args` (the model options),
 :mod:`core.cli.loading` (the model they name); the progress bar is
-:func:`core.terminal.progress_bar`, the number validators and :class:`Parser`
-are in :mod:`core.arguments`.
+:func:`core.shell.terminal.progress_bar`, the number validators and :class:`Parser`
+are in :mod:`core.shell.arguments`.
 
 Every expected failure (bad image, bad model folder, refused checkpoint,
 question that does not fit, an option out of range, a bad line in a pairs
 file, an output that cannot be written, a stdout that cannot be written)
 prints one line ``error: ...`` to stderr and exits with status 2; nothing
 prints a traceback for them, and stderr holds nothing but such lines and
-``warning: ...`` lines (core/terminal.py). :func:`main` makes the process
+``warning: ...`` lines (core/shell/terminal.py). :func:`main` makes the process
 offline before anything is parsed or imported, unless ``--allow-download``
-(core/offline.py). Numeric options are checked when the command line is
+(core/shell/offline.py). Numeric options are checked when the command line is
 parsed, so ``--top-k 0`` is refused before anything loads. Building the parser imports neither torch nor
 transformers nor numpy (tests/core/test_cli_layout.py): a command imports them
 in its ``run``.
@@ -35,21 +35,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from core import offline, terminal
-from core.arguments import (  # noqa: F401  (re-exported: callers import them from core.cli)
-    INT_MAX,
-    LazyChoices,
-    Number,
-    Parser,
-    non_negative_float,
-    non_negative_int,
-    positive_float,
-    positive_int,
-    positive_share,
-    probability,
-    seed_int,
-    share_below_one,
-)
 from core.cli import (
     ablate,
     analyze,
@@ -68,7 +53,22 @@ from core.cli import (
 from core.cli.args import add_model_args, add_raw_prompt_arg  # noqa: F401
 from core.cli.loading import load_from_args
 from core.errors import ReadoutError
-from core.pairs import check_pair_image, load_pair_image, read_jsonl, read_pairs, text_field  # noqa: F401
+from core.files.pairs import check_pair_image, load_pair_image, read_jsonl, read_pairs, text_field  # noqa: F401
+from core.shell import offline, terminal
+from core.shell.arguments import (  # noqa: F401  (re-exported: callers import them from core.cli)
+    INT_MAX,
+    LazyChoices,
+    Number,
+    Parser,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    positive_share,
+    probability,
+    seed_int,
+    share_below_one,
+)
 
 # The old names of the model options and the loader, kept for the callers that use them.
 # Tests replace core.cli._load (monkeypatch): build_parser hands the current one to every command.
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # Before anything is parsed or imported: no network unless --allow-download, and
-    # a terminal that holds only `error:` / `warning:` lines (core/offline.py, core/terminal.py).
+    # a terminal that holds only `error:` / `warning:` lines (core/shell/offline.py, core/shell/terminal.py).
     offline.go_offline()
     terminal.setup()
     with terminal.watched_stdout() as stdout:

@@ -18,7 +18,7 @@ from core.cli.args import add_answer_text_args, add_model_args, answer_text_of, 
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
 from core.errors import InterventionError
-from core.terminal import progress_bar
+from core.shell.terminal import progress_bar
 
 # core.methods.component_ablation's KINDS and POSITIONS (not imported: it loads torch; tests/core/test_requests_parity.py)
 ABLATIONS = ("zero", "mean", "resample")
@@ -77,8 +77,8 @@ def run(args, load=load_from_args) -> int:
     # function-local: the method and the images import torch / numpy, not needed for --help
     import dataclasses
 
-    from core.atomic import check_output_file
-    from core.images import check_image_file, load_image
+    from core.files.atomic import check_output_file
+    from core.files.images import check_image_file, load_image
     from core.methods.component_ablation import parse_component
     from core.methods.counterfactual import mask_from_png
     from core.requests.ablation import AblationRequest

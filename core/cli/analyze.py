@@ -14,7 +14,7 @@ from core.cli.args import (
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
 from core.requests.analyze import AnalyzeRequest
-from core.terminal import progress_bar
+from core.shell.terminal import progress_bar
 
 
 def add_command(subparsers, load=load_from_args) -> None:
@@ -44,8 +44,8 @@ def run(args, load=load_from_args) -> int:
     # function-local: the lens store and the session import torch / numpy, not needed for --help
     from dataclasses import replace
 
-    from core.atomic import check_output_file
-    from core.images import load_image
+    from core.files.atomic import check_output_file
+    from core.files.images import load_image
 
     check_output_file(args.json)  # fail fast, before the model loads
     check_token_options(args)

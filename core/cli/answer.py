@@ -7,12 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from core.arguments import batch_size, positive_int
 from core.cli.args import add_model_args, add_raw_prompt_arg
 from core.cli.loading import load_from_args
 from core.errors import ReadoutError
-from core.pairs import check_pair_images, read_pairs
-from core.terminal import progress_bar
+from core.files.pairs import check_pair_images, read_pairs
+from core.shell.arguments import batch_size, positive_int
+from core.shell.terminal import progress_bar
 
 
 def add_command(subparsers, load=load_from_args) -> None:
@@ -34,8 +34,8 @@ def run(args, load=load_from_args) -> int:
         raise ReadoutError("give either --image and --question, or --pairs FILE.jsonl")
     # function-local (here and in every command's run): torch loads when the command runs, not for --help
     from core.answer import answer, answer_batch
-    from core.atomic import check_output_file, write_text_atomic
-    from core.images import load_image
+    from core.files.atomic import check_output_file, write_text_atomic
+    from core.files.images import load_image
 
     if not args.pairs:
         if not (args.image and args.question):

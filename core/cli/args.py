@@ -2,20 +2,20 @@
 may do at load (:func:`add_model_args`), and ``--raw-prompt``
 (:func:`add_raw_prompt_arg`). Imports nothing heavy: the parser is built
 before anything loads. The generic pieces (Parser, the number validators) are
-in :mod:`core.arguments`."""
+in :mod:`core.shell.arguments`."""
 
 from __future__ import annotations
 
 import argparse
 
-from core.precision import AUTO_DTYPE_MEANING, DTYPE_CHOICES  # torch-free
+from core.shell.precision import AUTO_DTYPE_MEANING, DTYPE_CHOICES  # torch-free
 
 
 def device_name(text: str) -> str:
-    """The ``--device`` type: a device this machine has (:func:`core.precision.device_problem`,
+    """The ``--device`` type: a device this machine has (:func:`core.shell.precision.device_problem`,
     the loader's own check), refused at parse time with one line naming the ones it has.
     Torch is imported only to look for a GPU (not for cpu or auto)."""
-    from core.precision import device_problem, shown_device
+    from core.shell.precision import device_problem, shown_device
 
     problem = device_problem(text)
     if problem is not None:
@@ -63,7 +63,7 @@ def add_answer_text_args(p: argparse.ArgumentParser, *, from_generation: bool = 
     """``--answer-text`` (and, with ``from_generation``, ``--answer-from``) and
     ``--token-index``: read out at token K of an answer (teacher forcing;
     :func:`answer_text_of`)."""
-    from core.arguments import non_negative_int
+    from core.shell.arguments import non_negative_int
 
     given = p.add_mutually_exclusive_group()
     given.add_argument(
@@ -130,7 +130,7 @@ def answer_tokens(args, adapter) -> tuple[int | None, int | None]:
     the tokenizer splits reads its first sub-token, said in a ``warning:`` line;
     markup or a word the vocabulary lacks is one error line starting with the option."""
     from core.answer_text import typed_token
-    from core.terminal import say
+    from core.shell.terminal import say
 
     ids = []
     for option in ("--answer", "--foil"):
@@ -155,8 +155,8 @@ def answer_text_of(args, loaded):
         return AnswerText.of_text(loaded.adapter, *request, what="--answer-text", index_what="--token-index")
     if getattr(args, "answer_from", None) is None:
         return None
+    from core.files.images import image_sha256, load_image
     from core.generate import check_generation, read_generation
-    from core.images import image_sha256, load_image
 
     generation = read_generation(args.answer_from)
     check_generation(

@@ -14,12 +14,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from core.arguments import LazyHelp, batch_size, positive_int, positive_share, probability
 from core.cli.args import add_answer_text_args, add_model_args, answer_text_request
 from core.cli.loading import load_from_args
 from core.errors import ReadoutError
 from core.requests.audit import AuditRequest
-from core.terminal import progress_bar
+from core.shell.arguments import LazyHelp, batch_size, positive_int, positive_share, probability
+from core.shell.terminal import progress_bar
 
 # ---------------------------------------------------------------- command
 
@@ -29,8 +29,8 @@ def run(args, load=load_from_args) -> int:
     # function-local: torch and the dataset audit (numpy) load when the command runs, not for --help
     import torch
 
-    from core.atomic import check_output_folder, staged_writes
     from core.dataset_audit import dist_env, format_number, gather, merge_shards, shard_chunks, summarize, write_outputs
+    from core.files.atomic import check_output_folder, staged_writes
 
     request = AuditRequest(
         dataset=args.dataset,
@@ -147,7 +147,7 @@ def cancel_on_sigint():
         if state["stop"]:
             raise KeyboardInterrupt
         state["stop"] = True
-        below_bar = "\n" if sys.stderr.isatty() else ""  # the bar is drawn on a terminal only (core/terminal.py)
+        below_bar = "\n" if sys.stderr.isatty() else ""  # the bar is drawn on a terminal only (core/shell/terminal.py)
         print(f"{below_bar}warning: stopping after this batch (Ctrl-C again to abort)", file=sys.stderr)
 
     before = signal.signal(signal.SIGINT, handler)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 
-from core.arguments import LazyChoices, Number, batch_size, positive_int, seed_int
 from core.cli.args import (
     add_answer_text_args,
     add_model_args,
@@ -25,9 +24,10 @@ from core.cli.args import (
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
 from core.errors import ReadoutError
-from core.readout import change_line
 from core.requests.counterfactual import CounterfactualRequest, SweepRequest
-from core.terminal import progress_bar
+from core.results.readout import change_line
+from core.shell.arguments import LazyChoices, Number, batch_size, positive_int, seed_int
+from core.shell.terminal import progress_bar
 
 # a Gaussian sigma in pixels; past this the blur is flat over any image and its kernel only costs memory
 blur_radius = Number(float, 0, 1000, lo_open=True)
@@ -87,8 +87,8 @@ def run(args, load=load_from_args) -> int:
     # function-local: the counterfactual methods import torch, not needed for --help
     from dataclasses import replace
 
-    from core.atomic import check_output_file
-    from core.images import load_image
+    from core.files.atomic import check_output_file
+    from core.files.images import load_image
     from core.methods.counterfactual import mask_from_png
 
     if (args.mask is None) == (args.sweep is None):

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core.arguments import batch_size, input_count
 from core.cli.args import add_model_args
 from core.cli.loading import load_from_args
 from core.errors import ReadoutError
-from core.terminal import progress_bar
+from core.shell.arguments import batch_size, input_count
+from core.shell.terminal import progress_bar
 
 
 def add_command(subparsers, load=load_from_args) -> None:
@@ -28,7 +28,7 @@ def add_command(subparsers, load=load_from_args) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the zoo imports numpy and PIL, not needed for --help
-    from core.atomic import check_output_file, write_text_atomic
+    from core.files.atomic import check_output_file, write_text_atomic
     from core.zoo import scenes
     from core.zoo.evaluate import evaluate, markdown_table
 

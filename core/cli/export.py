@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from core.arguments import LazyChoices
+from core.shell.arguments import LazyChoices
 
 
 def add_command(subparsers, load=None) -> None:

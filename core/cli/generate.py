@@ -10,12 +10,12 @@ then the answer text and why it stopped.
 
 from __future__ import annotations
 
-from core.arguments import positive_int
 from core.cli.args import add_model_args, add_raw_prompt_arg
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
 from core.requests.generate import GenerateRequest
-from core.terminal import progress_bar
+from core.shell.arguments import positive_int
+from core.shell.terminal import progress_bar
 
 
 def add_command(subparsers, load=load_from_args) -> None:
@@ -69,8 +69,8 @@ def check_stop_strings(stops: list[str]) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: torch loads when the command runs, not for --help
-    from core.atomic import check_output_file
-    from core.images import load_image
+    from core.files.atomic import check_output_file
+    from core.files.images import load_image
 
     if args.json:
         check_output_file(args.json)  # fail fast, before the model loads

@@ -22,7 +22,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core.arguments import (
+from core.cli.args import add_model_args
+from core.cli.loading import load_from_args
+from core.errors import ReadoutError
+from core.shell.arguments import (
     LazyChoices,
     Number,
     batch_size,
@@ -32,10 +35,7 @@ from core.arguments import (
     share_below_one,
     thread_count,
 )
-from core.cli.args import add_model_args
-from core.cli.loading import load_from_args
-from core.errors import ReadoutError
-from core.terminal import progress_bar
+from core.shell.terminal import progress_bar
 
 # The training options' domains, checked when the command line is parsed. A rank or hidden width
 # past 2^16 exceeds any model's residual width; what a width costs with the model's own sizes
@@ -157,9 +157,9 @@ def _threads(args) -> None:
 
 def run_train(args, load=load_from_args) -> int:
     # function-local (here and in run_eval): the lens and the zoo import torch, not needed for --help
-    from core.atomic import check_output_file, check_output_folder
+    from core.files.atomic import check_output_file, check_output_folder
+    from core.files.pairs import check_pair_images
     from core.methods.tuned_lens import LensConfig, PairsCorpus, build_lens, read_pairs
-    from core.pairs import check_pair_images
     from core.zoo.lens_corpus import SyntheticCorpus, default_eval_sets
 
     given = {k: getattr(args, k) for k in _CONFIG_OPTIONS if getattr(args, k) is not None}
@@ -213,9 +213,9 @@ def run_train(args, load=load_from_args) -> int:
 
 
 def run_eval(args, load=load_from_args) -> int:
-    from core.atomic import check_output_file, write_text_atomic
+    from core.files.atomic import check_output_file, write_text_atomic
+    from core.files.pairs import check_pair_images
     from core.methods.tuned_lens import PairsCorpus, evaluate_lens, load_lens, read_pairs
-    from core.pairs import check_pair_images
     from core.zoo.lens_corpus import SyntheticCorpus
 
     if bool(args.pairs) == bool(args.split):

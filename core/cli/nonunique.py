@@ -15,7 +15,6 @@ the JSON also holds the method's caveat (``does_not_say``).
 
 from __future__ import annotations
 
-from core.arguments import Number, positive_share, probability, seed_int
 from core.cli.args import (
     add_answer_text_args,
     add_model_args,
@@ -26,7 +25,8 @@ from core.cli.args import (
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
 from core.requests.nonunique import DEFAULT_SCORE_BOUNDS, LEVELS, NonuniqueRequest
-from core.terminal import progress_bar
+from core.shell.arguments import Number, positive_share, probability, seed_int
+from core.shell.terminal import progress_bar
 
 DEFAULT_SHARE = 0.5
 # core.methods.nonunique.TOP_TOKENS_RULE, for --help (not imported: it loads torch)
@@ -138,8 +138,8 @@ def run(args, load=load_from_args) -> int:
     # function-local: the method imports torch, not needed for --help
     from dataclasses import replace
 
-    from core.atomic import check_output_file
-    from core.images import load_image
+    from core.files.atomic import check_output_file
+    from core.files.images import load_image
     from core.methods.counterfactual import mask_from_png
 
     check_output_file(args.json)  # fail fast, before the model loads

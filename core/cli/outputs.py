@@ -1,7 +1,7 @@
 """The one end every command that writes a ``--json`` document and records a
 ``--session`` run shares: the document is written and fsynced beside its
 target, the run recorded, and only then is the document put in place
-(:func:`core.atomic.staged_writes`), so a failed record (a full disk, a
+(:func:`core.files.atomic.staged_writes`), so a failed record (a full disk, a
 session that is a link to nothing) changes no earlier output."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def write_and_record(json_path, doc: dict | None, session, run, *, model, **reco
     """``doc`` to ``json_path`` (each skipped when None) and ``run`` into
     ``session`` (:func:`core.session.record_into` with ``model`` and ``record``:
     its image, mask, parameters), together or not at all."""
-    from core.atomic import staged_writes  # function-local: the session imports sqlite, off --help's path
+    from core.files.atomic import staged_writes  # function-local: the session imports sqlite, off --help's path
 
     with staged_writes() as outputs:
         if json_path is not None and doc is not None:
@@ -39,7 +39,7 @@ def finish(args, request, result, *, model, doc: dict | None = None, parameters:
     these instead) and its image and mask (:func:`request_inputs`), together or not at all
     (:func:`write_and_record`); then ``lines`` are printed (default: the result's one-line
     summary). Returns the exit status 0."""
-    from core.readout import RecordedResult
+    from core.results.readout import RecordedResult
 
     session, json_path = getattr(args, "session", None), getattr(args, "json", None)
     if session and parameters is None:  # only for the record (a validate request hashes its dataset files)

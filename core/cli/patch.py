@@ -12,12 +12,12 @@ expected failure is one line on stderr and exit status 2.
 
 from __future__ import annotations
 
-from core.arguments import LazyChoices, non_negative_int
 from core.cli.args import add_answer_text_args, add_model_args, answer_text_of, answer_tokens, check_token_options
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
 from core.errors import InterventionError
-from core.terminal import progress_bar
+from core.shell.arguments import LazyChoices, non_negative_int
+from core.shell.terminal import progress_bar
 
 # the sites whose --layer names a block (core.requests.patching.PatchingRequest.layer)
 LAYERED_SITES = ("resid", "kv_source")
@@ -63,8 +63,8 @@ def run(args, load=load_from_args) -> int:
     # function-local: the method and the images import torch / numpy, not needed for --help
     import dataclasses
 
-    from core.atomic import check_output_file
-    from core.images import load_image
+    from core.files.atomic import check_output_file
+    from core.files.images import load_image
     from core.methods.counterfactual import mask_from_png
     from core.requests.patching import PatchingRequest
 

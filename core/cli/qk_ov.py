@@ -9,7 +9,6 @@ the answer row of one input, with the position scheme).
 
 from __future__ import annotations
 
-from core.arguments import positive_int
 from core.cli.args import (
     add_answer_text_args,
     add_model_args,
@@ -22,6 +21,7 @@ from core.cli.outputs import finish
 
 # MAX_COPY_TOKENS and copy_token_ids are re-exported: their home was this module
 from core.requests.qk_ov import MAX_COPY_TOKENS, QkOvRequest, check_copy_words, copy_token_ids  # noqa: F401
+from core.shell.arguments import positive_int
 
 
 def add_command(subparsers, load=load_from_args) -> None:
@@ -56,8 +56,8 @@ def run(args, load=load_from_args) -> int:
     # function-local: the method and the session import torch, not needed for --help
     from dataclasses import replace
 
-    from core.atomic import check_output_file
     from core.errors import QuestionError
+    from core.files.atomic import check_output_file
 
     check_output_file(args.json)  # fail fast, before the model loads
     check_token_options(args)
@@ -69,7 +69,7 @@ def run(args, load=load_from_args) -> int:
         raise QuestionError("--answer-text needs --image and --question (it is read out on that input)")
     image = None
     if args.image is not None:
-        from core.images import load_image
+        from core.files.images import load_image
 
         image = load_image(args.image)
     if args.session:

@@ -12,11 +12,11 @@ distribution the numbers were measured on.
 
 from __future__ import annotations
 
-from core.arguments import Number, batch_size, non_negative_int, seed_int
 from core.cli.args import add_model_args
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
 from core.requests.validate import ValidateRequest
+from core.shell.arguments import Number, batch_size, non_negative_int, seed_int
 
 # Inputs of each set (--n, --n-side): every one is held in memory with its masks (~100 kB a scene)
 # through the seven steps.
@@ -144,9 +144,9 @@ def checklist(chain) -> list[str]:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the chain imports torch and numpy, not needed for --help
-    from core.atomic import check_output_file
-    from core.images import load_mask
-    from core.terminal import progress_bar
+    from core.files.atomic import check_output_file
+    from core.files.images import load_mask
+    from core.shell.terminal import progress_bar
 
     check_output_file(args.json)  # fail fast, before the model loads
     region = load_mask(args.region) if args.region else None

@@ -33,7 +33,7 @@ first Ctrl-C stops the run after the current batch and writes what is done
 (``summary.json``: ``cancelled``; ``run.json``: ``complete: false``; exit 130);
 a second one aborts.
 
-Dataset: a pairs file (:func:`core.pairs.read_pairs`): a JSONL file, or a
+Dataset: a pairs file (:func:`core.files.pairs.read_pairs`): a JSONL file, or a
 folder holding ``dataset.jsonl`` (as :mod:`core.zoo.dataset` writes it) or
 exactly one ``*.jsonl``. Each line is
 ``{"image": PATH, "question": TEXT}`` plus optional ``answer``, ``foil``,
@@ -76,7 +76,6 @@ files). Every public name is re-exported here; the ones that need torch
 from __future__ import annotations
 
 from core.dataset_audit.methods import DEFAULT_METHODS, METHODS, parse_methods
-from core.lazy import lazy_getattr
 from core.readouts import ReadoutMethod, ReadoutOptions, SampleContext, register_method
 from core.readouts.answer import AnswerReadout
 from core.readouts.attention import AttentionReadout
@@ -84,6 +83,7 @@ from core.readouts.counterfactual import CounterfactualReadout
 from core.readouts.logit_lens import LensReadout
 from core.readouts.residual import DlaReadout
 from core.readouts.rollout import RolloutReadout
+from core.shell.lazy import lazy_getattr
 
 AuditMethod = ReadoutMethod  # the name a dataset read-out (a plugin) subclasses
 AuditOptions = ReadoutOptions  # what every method of one run is run with

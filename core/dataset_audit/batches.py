@@ -12,8 +12,8 @@ import numpy as np
 from core.answer_text import AnswerText
 from core.dataset_audit.dataset import token_cover
 from core.errors import QuestionError, ReadoutError
-from core.geometry import region_tokens
-from core.pairs import Pair, load_pair_image, load_pair_mask
+from core.files.pairs import Pair, load_pair_image, load_pair_mask
+from core.forward.geometry import region_tokens
 from core.readouts import ReadoutMethod, ReadoutOptions, SampleContext
 from core.readouts.pipeline import capture_batch
 

@@ -1,5 +1,5 @@
-"""The audit's dataset: a pairs file (:func:`core.pairs.read_pairs`, one
-:class:`core.pairs.Pair` per line), the target masks, and each visual
+"""The audit's dataset: a pairs file (:func:`core.files.pairs.read_pairs`, one
+:class:`core.files.pairs.Pair` per line), the target masks, and each visual
 token's share inside a mask."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 
-from core.pairs import Pair, pairs_file, read_pairs
+from core.files.pairs import Pair, pairs_file, read_pairs
 
-DatasetItem = Pair  # one image-question pair of an audit dataset (the name the audit used before core.pairs.Pair)
+DatasetItem = Pair  # one image-question pair of an audit dataset (the name the audit used before core.files.pairs.Pair)
 
 
 def dataset_file(path: str | Path) -> Path:
-    """The JSONL file of a dataset given as a file or a folder (:func:`core.pairs.pairs_file`)."""
+    """The JSONL file of a dataset given as a file or a folder (:func:`core.files.pairs.pairs_file`)."""
     return pairs_file(path, "dataset file")
 
 
@@ -26,7 +26,7 @@ def read_dataset(path: str | Path, limit: int | None = None) -> list[Pair]:
 
 def token_cover(tokens, mask: np.ndarray) -> np.ndarray:
     """``(n_tokens,)``: the share of each visual token's box (its in-image
-    part, pixels as :func:`core.geometry.region_tokens` counts them) that
+    part, pixels as :func:`core.forward.geometry.region_tokens` counts them) that
     ``mask`` covers; 0 for tokens without a patch (newline, CLS)."""
     h, w = mask.shape
     out = np.zeros(len(tokens))

@@ -1,7 +1,7 @@
 """The audit's files: ``samples.csv`` / ``.jsonl`` (/ ``.parquet``), the
 read-outs' long tables, ``summary.json`` / ``.md``, ``audit.csv`` / ``.md`` /
-``.json``; tables through the one set of writers (:func:`core.audit_tables.audit_csv`,
-:func:`core.audit_tables.audit_markdown`), JSON through :func:`core.readout.jsonable`."""
+``.json``; tables through the one set of writers (:func:`core.results.audit_tables.audit_csv`,
+:func:`core.results.audit_tables.audit_markdown`), JSON through :func:`core.results.readout.jsonable`."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import json
 import sys
 from pathlib import Path
 
-from core.atomic import Staging
-from core.audit_tables import audit_csv, audit_markdown, cell
 from core.dataset_audit.sharding import ShardResult
 from core.dataset_audit.summaries import audit_table, summarize, summary_markdown
-from core.readout import jsonable
+from core.files.atomic import Staging
 from core.readouts import ReadoutMethod, ReadoutOptions
+from core.results.audit_tables import audit_csv, audit_markdown, cell
+from core.results.readout import jsonable
 
 SCHEMA_VERSION = 1
 
@@ -80,7 +80,7 @@ def write_outputs(
     n_requested: int,
 ) -> list[str]:
     """Stage every output file but run.json into the folder ``out``
-    (:func:`core.atomic.staged_writes`: they land together when the caller's
+    (:func:`core.files.atomic.staged_writes`: they land together when the caller's
     block ends, after its ``--session`` run is recorded); returns their names."""
     out = Path(out)
     records = [jsonable(r) for r in merged.records]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from core.dataset_audit.batches import run_chunk
 from core.errors import ReadoutError
-from core.pairs import Pair
+from core.files.pairs import Pair
 from core.readouts import ReadoutMethod, ReadoutOptions
 
 

@@ -1,16 +1,16 @@
 """What the audit says over its samples: counts and distributions split into
 correct / incorrect samples, routing against the causal effect (Spearman,
-:func:`core.stats.spearman`), the audit table and ``summary.md``."""
+:func:`core.methods.stats.spearman`), the audit table and ``summary.md``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from core.audit import AuditRecord
+from core.methods.stats import spearman
 from core.readouts import ReadoutMethod
 from core.readouts.base import distribution
-from core.stats import spearman
+from core.results.audit import AuditRecord
 
 DATASET_CONTROLS = [
     "distributions over samples (quantiles, histogram), not only means",

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.audit import AuditRecord
+from core.results.audit import AuditRecord
 
 # The parts a row's weight is split into, in the JSON's order.
 PARTS = ("question_mass", "answer_mass", "image_mass", "sink_mass", "other_mass")

@@ -4,7 +4,7 @@ The Attention view selects a head (``L2.H3``), the DLA view a component of the
 residual split (``L2.H3``, ``L2.mlp``), the lens a layer (the residual entering
 block l reads what blocks before l wrote; the lens row after block l selects
 its writes, ``L2``). :func:`ablation_edits` turns such a name, an ablation kind
-and a choice of positions into the :class:`core.edits.Edit` s that
+and a choice of positions into the :class:`core.forward.edits.Edit` s that
 :func:`core.methods.interventions.run_interventions` runs:
 
 * kinds: ``zero`` (the write removed), ``mean`` (replaced by its mean over
@@ -23,9 +23,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from core.capture import Trace
-from core.edits import Edit
 from core.errors import InterventionError
+from core.forward.capture import Trace
+from core.forward.edits import Edit
 from core.methods.interventions import activation_patch, mean_ablation, reference_mean, zero_ablation
 
 KINDS = ("zero", "mean", "resample")

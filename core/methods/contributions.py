@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.audit import AuditRecord
 from core.methods.residual import target_direction
-from core.precision import accumulating
+from core.results.audit import AuditRecord
+from core.shell.precision import accumulating
 
 
 @dataclass

@@ -2,8 +2,8 @@
 ablation and activation patching of heads, MLPs and the residual stream, and
 attention-edge knockout.
 
-Every intervention is a list of :class:`core.edits.Edit` s run through
-:func:`core.capture.capture`, so each edited run is a full :class:`Trace` that
+Every intervention is a list of :class:`core.forward.edits.Edit` s run through
+:func:`core.forward.capture.capture`, so each edited run is a full :class:`Trace` that
 says in ``trace.edits`` how it was made. The functions here build the edits
 (from a counterfactual run, a reference set, another input) and report the
 answer effect at the answer position:
@@ -13,7 +13,7 @@ answer effect at the answer position:
 * ``effect``: edited minus original for each, and ``flipped`` (the argmax changed).
 
 Conventions. Visual tokens are named by their 0-based index among the visual
-tokens (``core.geometry.VisualToken.index``). Sites (see :mod:`core.edits`):
+tokens (``core.forward.geometry.VisualToken.index``). Sites (see :mod:`core.forward.edits`):
 ``vision_out`` (the vision encoder's output as the language side reads it),
 ``projector_out``, ``resid`` at block ``l`` (the residual entering block ``l``
 at the visual tokens' sequence positions, self-attention models) and
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from core.audit import AuditRecord
-from core.capture import Trace, capture, hooks
-from core.edits import Edit
 from core.errors import InterventionError
-from core.images import image_sha256, load_image
-from core.readout import AnswerEffect, Target, change_line
+from core.files.images import image_sha256, load_image
+from core.forward.capture import Trace, capture, hooks
+from core.forward.edits import Edit
+from core.results.audit import AuditRecord
+from core.results.readout import AnswerEffect, Target, change_line
 
 # ---------------------------------------------------------------- answer read-outs
 
@@ -54,7 +54,7 @@ class InterventionEffect:
         label: what was edited ("L1.H2 zero", a token set's name, ...).
         edits: each :class:`Edit` as ``Edit.to_dict()``.
         original, edited: the answer numbers without and with the edits.
-        effect: edited minus original (:class:`core.readout.AnswerEffect`).
+        effect: edited minus original (:class:`core.results.readout.AnswerEffect`).
     """
 
     label: str
@@ -157,7 +157,7 @@ class InterventionResult:
     edit_sets: dict[str, list[dict]] = field(default_factory=dict)
     call_parameters: dict = field(default_factory=dict)
 
-    kind = "intervention"  # the session's run kind (core.readout.Readout)
+    kind = "intervention"  # the session's run kind (core.results.readout.Readout)
 
     def summary(self) -> str:
         """``ablation at position 12: L1.H2 zero: 'blue' logit diff +3.210 -> +0.500; predicted ...``."""
@@ -519,7 +519,7 @@ def region_knockout(
     trace: Trace, blocks: Sequence[int], tokens: Sequence[int], positions=None, head: int | None = None
 ) -> list[Edit]:
     """Knock out the edges from query ``positions`` (None: the answer position)
-    to the visual tokens ``tokens`` (e.g. ``core.geometry.region_tokens`` of a
+    to the visual tokens ``tokens`` (e.g. ``core.forward.geometry.region_tokens`` of a
     region) in each of ``blocks``, mapping the tokens to each block's keys."""
     if positions is None:
         positions = [int(trace.answer_positions[0])]
@@ -631,7 +631,7 @@ class VisualPatchResult:
     """Visual-feature patching at one site between an original and a source
     (counterfactual) image, for several token sets. ``original`` and
     ``source`` are the unpatched runs read with the same answer and foil;
-    ``source_image_sha256`` (:func:`core.images.image_sha256`) and
+    ``source_image_sha256`` (:func:`core.files.images.image_sha256`) and
     ``source_image_path`` (None for an image given without one) name the
     source image; ``reverse``: the reverse direction ran too; ``answer_prefix``:
     the answer tokens both runs had after the prompt (teacher forcing)."""
@@ -647,7 +647,7 @@ class VisualPatchResult:
     reverse: bool = True
     answer_prefix: tuple[int, ...] = ()
 
-    kind = "intervention"  # the session's run kind, as the app records it (core.readout.Readout)
+    kind = "intervention"  # the session's run kind, as the app records it (core.results.readout.Readout)
 
     def summary(self) -> str:
         """``visual-feature patching at projector_out: painted region forward: 'blue' logit diff ...``."""

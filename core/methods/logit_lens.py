@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.audit import AuditRecord
-from core.capture import capture
+from core.forward.capture import capture
 from core.methods.patterns import Distribution
-from core.precision import accumulating
+from core.results.audit import AuditRecord
+from core.shell.precision import accumulating
 
 
 @dataclass

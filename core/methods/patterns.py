@@ -12,11 +12,11 @@ from typing import ClassVar
 
 import torch
 
-from core.audit import AuditRecord
-from core.capture import capture
-from core.geometry import region_tokens
-from core.images import load_image
-from core.readout import from_dict_fields
+from core.files.images import load_image
+from core.forward.capture import capture
+from core.forward.geometry import region_tokens
+from core.results.audit import AuditRecord
+from core.results.readout import from_dict_fields
 
 FULL_PATTERN_LIMIT = 1024  # rollout's limit: it costs a pos^3 product per block (RolloutStream)
 
@@ -82,7 +82,7 @@ def patch_grids(values: torch.Tensor, tokens) -> list[tuple[int, torch.Tensor]]:
 
     Args:
         values: ``(..., n_tokens)``, one per visual token in ``tokens`` order.
-        tokens: the :class:`core.geometry.VisualToken` list.
+        tokens: the :class:`core.forward.geometry.VisualToken` list.
 
     Returns:
         ``[(image, (..., rows, cols))]`` sorted by image; tokens without a
@@ -595,7 +595,7 @@ class HeadStatistics:
 
 @dataclass
 class PatternStatistics:
-    """The ``statistics`` run kind (a :class:`core.readout.Readout`): every head's answer-row
+    """The ``statistics`` run kind (a :class:`core.results.readout.Readout`): every head's answer-row
     attention over ``n_samples`` samples (:func:`pattern_statistics`). Its JSON is
     ``{"n_samples", "heads": [HeadStatistics.to_dict(), ...]}``; the audit row is recorded
     beside it, so a restored result has none."""
@@ -603,7 +603,7 @@ class PatternStatistics:
     n_samples: int
     heads: list[HeadStatistics]
     audit: AuditRecord = field(repr=False, default=None)
-    kind: ClassVar[str] = "statistics"  # the session's run kind (core.readout.Readout)
+    kind: ClassVar[str] = "statistics"  # the session's run kind (core.results.readout.Readout)
 
     def to_dict(self) -> dict:
         return {"n_samples": self.n_samples, "heads": [h.to_dict() for h in self.heads]}
@@ -727,9 +727,9 @@ def rollout(trace, alpha: float = 0.5, heads: str | int = "mean", batch: int = 0
 
 class RolloutStream:
     """Attention rollout (docs/METHODS.md §4.6) accumulated block by block while
-    a capture runs: a pattern stream (``core.capture.capture(pattern_streams=...)``).
+    a capture runs: a pattern stream (``core.forward.capture.capture(pattern_streams=...)``).
 
-    Each block's head-mean pattern is read :data:`core.attention_rows.ROW_CHUNK`
+    Each block's head-mean pattern is read :data:`core.forward.attention_rows.ROW_CHUNK`
     rows at a time and folded into ``R <- (alpha A_l + (1 - alpha) I) R``, so no
     ``(heads, pos, pos)`` pattern is ever held and the only ``pos x pos``
     tensor is ``R`` itself (one, not per head or layer). Cost per block: one
@@ -752,7 +752,7 @@ class RolloutStream:
         return pat.mean(1) if self.heads == "mean" else pat[:, int(self.heads)]
 
     def __call__(self, block: int, kind: str, rows) -> None:
-        from core.attention_rows import ROW_CHUNK
+        from core.forward.attention_rows import ROW_CHUNK
 
         n = rows.n_rows
         if self.matrix is None:
@@ -769,7 +769,7 @@ class RolloutStream:
         else:
             source = out[:, :n]
         new = torch.empty_like(out[:, :n])
-        for i in range(0, n, ROW_CHUNK):  # aligned chunks: each one product (core.attention_rows)
+        for i in range(0, n, ROW_CHUNK):  # aligned chunks: each one product (core.forward.attention_rows)
             j = min(i + ROW_CHUNK, n)
             reads = rows.keys_read(j - 1)  # a causal pattern's chunk reads no later key
             a = self._mixed(rows, torch.arange(i, j), reads).to(out.device)  # (batch, chunk, keys read)

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from core.answer_text import AnswerText, run_parameters
-from core.audit import AuditRecord
-from core.precision import accumulating
+from core.results.audit import AuditRecord
+from core.shell.precision import accumulating
 
 
 @dataclass
@@ -267,11 +267,11 @@ class QkOvResult:
     input: dict | None = None
     audit: list[AuditRecord] = field(default_factory=list, repr=False)
 
-    kind = "qk-ov"  # the session's run kind (core.readout.Readout)
+    kind = "qk-ov"  # the session's run kind (core.results.readout.Readout)
 
     def to_dict(self) -> dict:
         """The ``qk-ov`` JSON (schema version 1)."""
-        from core.readout import jsonable
+        from core.results.readout import jsonable
 
         return {
             "schema_version": SCHEMA_VERSION,
@@ -476,8 +476,8 @@ def qk_ov(
     weight_level, audits = _weight_level(adapter, block, head, copy_tokens)
     activation_level = inputs_doc = None
     if image is not None:
-        from core.capture import capture
-        from core.images import image_sha256, load_image
+        from core.files.images import image_sha256, load_image
+        from core.forward.capture import capture
 
         img = load_image(image)
         prefix = answer_text.prefix_ids if answer_text is not None else ()

@@ -14,7 +14,7 @@ Each component ``c`` is reported under every convention, side by side:
 ``u`` is W_U[:, answer] - W_U[:, foil] with a foil, else W_U[:, answer].
 
 Every product and sum runs in the accumulation dtype of the captured tensors
-(:func:`core.precision.accumulating`): float32 for a bfloat16 or float16
+(:func:`core.shell.precision.accumulating`): float32 for a bfloat16 or float16
 model, the model's own dtype for float32 and float64 (docs/METHODS.md, "Precision").
 """
 
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.audit import AuditRecord
-from core.capture import capture
-from core.edits import Edit
-from core.precision import accumulating, dtype_name, unit_roundoff
-from core.stats import spearman
+from core.forward.capture import capture
+from core.forward.edits import Edit
+from core.methods.stats import spearman
+from core.results.audit import AuditRecord
+from core.shell.precision import accumulating, dtype_name, unit_roundoff
 
 
 @dataclass
@@ -209,7 +209,7 @@ def reconstruction_failure(dtype: str) -> str:
 
 
 def component_edit(trace, name: str, positions: tuple[int, ...] | None):
-    """The :class:`core.edits.Edit` that removes component ``name`` ("L3.H1",
+    """The :class:`core.forward.edits.Edit` that removes component ``name`` ("L3.H1",
     "L2.xattn.H0", "L1.mlp") at ``positions``; None for "embed" and biases,
     which no forward can drop."""
 
@@ -269,7 +269,7 @@ class RerunComparison:
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
-    """:func:`core.stats.spearman` (ties given their mean rank), NaN where undefined."""
+    """:func:`core.methods.stats.spearman` (ties given their mean rank), NaN where undefined."""
     rho = spearman(a, b)
     return float("nan") if rho is None else rho
 

@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
-from core.capture import run_with_hooks
 from core.errors import ModelLoadError, QuestionError
+from core.forward.capture import run_with_hooks
 from core.models.canonical import CANONICAL, CANONICAL_NAMES, NotMapped
 from core.models.config_fields import config_int, config_key, config_value, size_value
 from core.models.declaration import SANDWICH_CONVENTION, Family
@@ -27,7 +27,7 @@ from core.models.forward_checks import check_finite_logits, model_input_errors
 from core.models.inputs import ModelInputs
 from core.models.markup import PROBE_QUESTION, PromptMarkup, check_pairs, check_text, is_markup
 from core.models.question_checks import QuestionChecks
-from core.precision import dtype_name, placement
+from core.shell.precision import dtype_name, placement
 
 # Re-exported: the names families, methods and tests import from here.
 __all__ = [
@@ -68,7 +68,7 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
     position_scheme: ClassVar[str]
     # Whether the language model's attention goes through transformers' attention
     # functions (sdpa, flash, eager), so a capture can record each call and recompute
-    # pattern rows (core/attention_rows.py); False: the family's own computation
+    # pattern rows (core/forward/attention_rows.py); False: the family's own computation
     # yields the pattern (BLIP's inline softmax, CoCa's replay).
     attention_functions: ClassVar[bool] = True
 
@@ -372,7 +372,7 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
         """The key/value head that query head ``head`` reads (grouped-query attention)."""
         return head // (self.n_heads // self.n_kv_heads)
 
-    # ---- capture and geometry (see core/capture.py and core/geometry.py)
+    # ---- capture and geometry (see core/forward/capture.py and core/forward/geometry.py)
     @property
     def blocks(self) -> list[tuple[str, str]]:
         """``[(name, kind)]`` of the blocks a Trace is cut into; kind is "self"
@@ -444,7 +444,7 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
     def qk_record_hooks(self, trace, blocks: set[int]) -> list | None:
         """Hooks recording ``trace.q`` / ``trace.k`` / ``trace.score_scale`` for
         families whose attention does not go through transformers' attention
-        functions; None: those functions are wrapped (core.capture.record_attention)."""
+        functions; None: those functions are wrapped (core.forward.capture.record_attention)."""
         return None
 
     def score_scale(self, block: int) -> float:

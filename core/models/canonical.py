@@ -32,14 +32,14 @@ CANONICAL: dict[str, dict[str, str]] = {
     "capture": {
         "capture_hooks": "[(module, kind, fn)] filling the trace for block l: resid_pre, z (batch, pos, heads, "
         "d_head), mlp_out, attn_out if trace.keep_attn_out and, under eager attention, the weights handed to "
-        "core.capture.record_pattern (core.capture.hooks)",
+        "core.forward.capture.record_pattern (core.forward.capture.hooks)",
         "final_hooks": "hooks that record trace.final_resid (the final norm's input)",
     },
     "positions": {
         "rotate": "the position scheme applied to queries or keys (pos, heads, d_head) at positions in the "
         "scheme's own format: (pos,) for RoPE, (3, pos) (temporal, height, width) for M-RoPE",
     },
-    "geometry": {"visual_tokens": "core.geometry.VisualToken per visual token, boxes in the original image"},
+    "geometry": {"visual_tokens": "core.forward.geometry.VisualToken per visual token, boxes in the original image"},
     "modules": {
         "attention_module": "block l's attention module (its eager call is where q / k are recorded)",
         "z_module": "the output projection whose input is z (batch, pos, heads * d_head)",

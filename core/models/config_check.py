@@ -20,7 +20,7 @@ What is checked (docs/ARCHITECTURE.md, "Trust rules"):
   ``rescale_factor`` and ``image_std`` inside float32's positive range,
   ``image_mean`` finite (one value or one per channel); ``resample`` a filter
   the processor has; sizes and crop sizes integers of at least one tower patch
-  (a crop of at most :data:`core.images.MAX_PIXELS`); the processor's own
+  (a crop of at most :data:`core.files.images.MAX_PIXELS`); the processor's own
   ``patch_size``, ``num_additional_image_tokens`` and
   ``vision_feature_select_strategy``; then one run on a small probe image
   (:func:`probe_image_processor`: any other setting the library trips on).
@@ -44,8 +44,8 @@ import math
 from pathlib import Path
 
 from core.errors import ModelLoadError
-from core.images import MAX_PIXELS
-from core.input_files import read_regular_bytes
+from core.files.images import MAX_PIXELS
+from core.files.input_files import read_regular_bytes
 from core.models.config_fields import config_value, size_value
 from core.models.model_files import read_json
 
@@ -402,7 +402,7 @@ def _check_image_processor(fields: _ProcessorFields, ip, channels: int, patch: i
 
 def _probe_could_exceed_budget(ip) -> bool:
     """Whether the size settings could resize the small probe image past
-    :data:`core.images.MAX_PIXELS` (a shortest edge of 60,000 px makes a 64x48
+    :data:`core.files.images.MAX_PIXELS` (a shortest edge of 60,000 px makes a 64x48
     probe 60,000 x 80,000): the probe must not be what allocates the bomb."""
     sides = []
     for name in ("size", "crop_size", "max_image_size"):

@@ -152,7 +152,7 @@ class Family:
     mask: Mask = field(default_factory=Mask)
     attention: str = "self"  # "self" (visual tokens in the text sequence) or "cross"
     delimiters: tuple[str, ...] = ()
-    # The edit sites core.edits reaches (the visual ones follow from visual_sites).
+    # The edit sites core.forward.edits reaches (the visual ones follow from visual_sites).
     edit_sites: tuple[str, ...] = ("z", "mlp", "resid", "knockout")
     projector: str = "model.multi_modal_projector"
     visual_sites: bool = False

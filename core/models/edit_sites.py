@@ -1,4 +1,4 @@
-"""Where a family applies :class:`core.edits.Edit` s: the sites it has, and
+"""Where a family applies :class:`core.forward.edits.Edit` s: the sites it has, and
 the hooks that change a head's ``z`` slice, an MLP output, the residual
 entering a layer, a visual-feature site, or knock attention edges out. Mixed
 into :class:`core.models.adapter.Adapter`; the modules come from the family's
@@ -23,7 +23,7 @@ class EditSites:
         "projector_out") ``(batch, n_visual, width)``."""
         raise InterventionError(f"{self.family}: no {site!r} site (edit sites: {', '.join(self.edit_sites)})")
 
-    # The edit sites (core.edits.SITES) this family applies; others are refused.
+    # The edit sites (core.forward.edits.SITES) this family applies; others are refused.
     edit_sites: ClassVar[tuple[str, ...]] = ("z", "mlp")
 
     def check_edits(self, edits) -> None:
@@ -39,7 +39,7 @@ class EditSites:
                 raise InterventionError(f"{e.describe()}: block out of range (the model has {n} blocks)")
 
     def edit_hooks(self, edits) -> list:
-        """``[(module, kind, fn)]`` applying :class:`core.edits.Edit` s: a
+        """``[(module, kind, fn)]`` applying :class:`core.forward.edits.Edit` s: a
         pre-hook on the output projection changes a head's ``z`` slice (so the
         head's write ``W_O^h z^h`` changes and ``b_O`` stays), a forward hook
         changes the MLP output, a pre-hook on a layer changes the residual

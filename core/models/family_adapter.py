@@ -19,18 +19,18 @@ from typing import ClassVar
 
 import torch
 
-from core.attention_rows import WeightsRows
-from core.capture import on_device_of, record_pattern
 from core.errors import InterventionError, QuestionError
+from core.forward.attention_rows import WeightsRows
+from core.forward.capture import on_device_of, record_pattern
 from core.models.adapter import Adapter, ModelInputs, config_int, config_value
 from core.models.declaration import Family
 from core.models.norms import CohereNorm, GemmaNorm, Norm
-from core.precision import accumulating
+from core.shell.precision import accumulating
 
 
 def pattern_hook(trace, layer: int):
     """A forward hook on an eager attention module that gives block ``layer``'s
-    weights ``(batch, heads, queries, keys)`` to :func:`core.capture.record_pattern`."""
+    weights ``(batch, heads, queries, keys)`` to :func:`core.forward.capture.record_pattern`."""
 
     def pattern(module, args, out):
         weights = out[1]
@@ -417,7 +417,7 @@ class FamilyAdapter(TextConfigSizes, Adapter):
     def run_capture(self, inputs, trace, keep: set[int]) -> None:
         """The hooked forward; keeps ``trace.token_type_ids`` (the mask rule's
         token types) where the rule reads them."""
-        from core.capture import run_with_hooks
+        from core.forward.capture import run_with_hooks
 
         types = self.declaration.mask.types
         if types is not None:
@@ -442,7 +442,7 @@ class FamilyAdapter(TextConfigSizes, Adapter):
 
     # ---- capture
     def capture_hooks(self, layer: int, trace, keep_pattern: bool) -> list:
-        """Hooks that fill ``trace`` for block ``layer`` (see core.capture.Trace):
+        """Hooks that fill ``trace`` for block ``layer`` (see core.forward.capture.Trace):
         ``resid_pre`` (the layer's input), ``z`` (o's input), ``mlp_out`` (the MLP
         sublayer's write), ``attn_out``, the pattern under eager attention; under
         sandwich norms ``trace.norm_inputs["L{l}.<post-attention norm>"]`` (the o

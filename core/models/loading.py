@@ -55,7 +55,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core import offline
 from core.errors import ModelLoadError, ReadoutError, UnsafeCheckpointError, UnsupportedArchitectureError
 from core.models import registry
 from core.models.adapter import Adapter
@@ -101,8 +100,9 @@ from core.models.weights_check import (
     integer_tensors_in_floating_slots,
     untied_weights_warning,
 )
-from core.precision import check_device, placement
-from core.precision import dtype_name as precision_dtype_name
+from core.shell import offline
+from core.shell.precision import check_device, placement
+from core.shell.precision import dtype_name as precision_dtype_name
 
 # Importable from here as before the split (the CLI, the zoo's build and the tests use them).
 _check_tokenizer_json = check_tokenizer_json
@@ -226,7 +226,7 @@ def _library_errors(where):
 def _offline_unless_allowed(load):
     """``load_model`` fetches nothing unless ``allow_download=True``: the hub
     libraries stay offline for the whole load, in any process (the command line
-    and the app are offline already: core/offline.py)."""
+    and the app are offline already: core/shell/offline.py)."""
 
     @functools.wraps(load)
     def guarded(*args, allow_download: bool = False, **kwargs):

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from core.attention_rows import ROW_CHUNK
 from core.errors import ModelLoadError, ModelTooLargeError
+from core.forward.attention_rows import ROW_CHUNK
 from core.models.config_fields import config_value
-from core.precision import dtype_name, dtype_of, is_half, placement
+from core.shell.precision import dtype_name, dtype_of, is_half, placement
 
 MEMORY_ENV = "VLM_READOUT_MEMORY_AVAILABLE"
 GB = 1e9  # the messages' unit (decimal, as disk and RAM sizes are sold)

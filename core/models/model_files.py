@@ -18,9 +18,9 @@ import stat
 import struct
 from pathlib import Path
 
-from core.atomic import write_text_atomic
 from core.errors import ModelLoadError, UnsafeCheckpointError
-from core.input_files import MAX_JSON_DEPTH, json_depth_exceeds, open_regular_file, read_regular_bytes
+from core.files.atomic import write_text_atomic
+from core.files.input_files import MAX_JSON_DEPTH, json_depth_exceeds, open_regular_file, read_regular_bytes
 
 MANIFEST = "MANIFEST.sha256"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -95,7 +95,7 @@ def _check_entry(path: Path) -> None:
 
 def open_regular(f: Path):
     """``f`` opened for binary reading if it is a regular file (never waiting on
-    a FIFO: :func:`core.input_files.open_regular_file`); else a ModelLoadError line."""
+    a FIFO: :func:`core.files.input_files.open_regular_file`); else a ModelLoadError line."""
     return open_regular_file(f, ModelLoadError, max_bytes=None)
 
 

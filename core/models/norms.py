@@ -5,7 +5,7 @@ Every read-out that passes a residual vector through a model's norm uses
 linearised) is stated in one place.
 
 Every method computes in the accumulation dtype of its inputs
-(:func:`core.precision.accumulating`): a bfloat16 or float16 residual is
+(:func:`core.shell.precision.accumulating`): a bfloat16 or float16 residual is
 upcast to float32 first and the result is float32 (the read-outs sum in it); a
 float32 or float64 input is computed as it always was, bit for bit.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.precision import accumulating
+from core.shell.precision import accumulating
 
 
 @dataclass

@@ -14,7 +14,7 @@ from PIL import Image
 
 from core.answer_text import MAX_TOKEN_CHARACTERS, shown_text, text_problem
 from core.errors import ImageLoadError, ModelLoadError, QuestionError, ReadoutError
-from core.images import MAX_PIXELS, load_image
+from core.files.images import MAX_PIXELS, load_image
 from core.models.config_fields import size_value
 from core.models.markup import PROBE_QUESTION, PromptMarkup, check_pairs, check_text, first_named, is_markup
 from core.models.words import unknown_words
@@ -301,7 +301,7 @@ class QuestionChecks:
 
     def check_resize(self, image_size: tuple[int, int]) -> None:
         """ImageLoadError if the processor would resize an image of
-        ``image_size`` past the pixel budget of :data:`core.images.MAX_PIXELS`
+        ``image_size`` past the pixel budget of :data:`core.files.images.MAX_PIXELS`
         (a processor config can ask for any size; decoding is bounded, the
         resize must be too)."""
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import ModelLoadError
-from core.input_files import checked_path
+from core.files.input_files import checked_path
 from core.models.model_files import open_regular
 
 _SHOWN = 4  # tensor names a message lists before "+N more"

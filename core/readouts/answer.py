@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.precision import accumulating
-from core.readout import Target
 from core.readouts.base import ReadoutMethod, distribution
+from core.results.readout import Target
+from core.shell.precision import accumulating
 
 
 def target_of(adapter, logits, answer_id: int, foil_id: int | None, position: int | None) -> Target:
-    """The :class:`core.readout.Target` of ``logits`` ``(vocab,)`` in their own
+    """The :class:`core.results.readout.Target` of ``logits`` ``(vocab,)`` in their own
     (float32) arithmetic, the numbers analyze has always written (unlike
     :meth:`Target.from_logits`, which works in float64); half-precision logits
     are upcast first, so the softmax and the difference add no half-precision rounding."""
@@ -34,7 +34,7 @@ def target_of(adapter, logits, answer_id: int, foil_id: int | None, position: in
 
 @dataclass(frozen=True)
 class AnswerSection:
-    """analyze's ``target``: the answer position's :class:`core.readout.Target` and the
+    """analyze's ``target``: the answer position's :class:`core.results.readout.Target` and the
     model's alternatives there, ``top`` ``[(token, probability), ...]`` (the first is
     the predicted token)."""
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from core.audit import AuditRecord
+    from core.results.audit import AuditRecord
 
 
 # Text tokens in the text-text patterns (those nearest the answer): bounds the JSON,
@@ -76,17 +76,17 @@ class SampleContext:
     """One sample (inside a batch), as the read-outs see it.
 
     Attributes:
-        trace: the batch's :class:`core.capture.Trace` (None when no read-out
+        trace: the batch's :class:`core.forward.capture.Trace` (None when no read-out
             needs one); ``batch`` is this sample's row in it.
         position: the answer position (the row read out).
         query_index: where ``position`` sits in ``trace.query_positions``.
         rollout: the :class:`core.methods.patterns.RolloutStream` the capture
             fed (None: no rollout this run, a prompt over ``FULL_PATTERN_LIMIT`` tokens).
         logits: ``(vocab,)`` float32 logits at the answer position, on the CPU.
-        tokens: the visual tokens (:class:`core.geometry.VisualToken`).
+        tokens: the visual tokens (:class:`core.forward.geometry.VisualToken`).
         cover: ``(n_tokens,)`` share of each token's box inside the target
             mask (None without a mask); ``region``: the token indices
-            :func:`core.geometry.region_tokens` keeps.
+            :func:`core.forward.geometry.region_tokens` keeps.
         item: the dataset item (:class:`core.dataset_audit.DatasetItem`) in an
             audit, None in analyze.
         answer_prefix: the answer tokens the forward ran after the prompt
@@ -133,7 +133,7 @@ class ReadoutMethod:
 
     Attributes:
         name: the registry name (the audit's ``--methods`` name).
-        audit_method: its row of :data:`core.audit.METHOD_TABLE`.
+        audit_method: its row of :data:`core.results.audit.METHOD_TABLE`.
         analyze_key: the key of the analyze JSON its section fills (None: not
             part of analyze).
         dataset_scale: whether the audit may run it (False: analyze only).

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from core.capture import Trace, capture
 from core.errors import oom_guard
+from core.forward.capture import Trace, capture
 from core.methods.patterns import FULL_PATTERN_LIMIT, RolloutStream
 from core.models.inputs import ModelInputs
 from core.models.memory import check_working_set

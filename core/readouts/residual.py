@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from core.readout import from_dict_fields
 from core.readouts.base import ReadoutMethod, distribution
+from core.results.readout import from_dict_fields
 
 if TYPE_CHECKING:
     from core.methods.residual import Component

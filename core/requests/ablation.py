@@ -78,7 +78,7 @@ class AblationRequest(AskedRequest):
         """What the ablation asks beyond the input: the component, the view it was selected in,
         the kind, the positions, and the mean's references or the resample's source image. The
         result holds them too (its parameters and audit row: :meth:`run`)."""
-        from core.images import image_sha256
+        from core.files.images import image_sha256
 
         asked = {
             "component": self.component.strip(),  # as parse_component names it
@@ -104,9 +104,9 @@ class AblationRequest(AskedRequest):
         (:func:`core.methods.interventions.run_interventions`). Mean ablation captures each
         reference image asked the same question, with the same answer tokens before the one
         read (cancellable between them: None when cancelled); resample captures the source once."""
-        from core.capture import capture
-        from core.geometry import painted_tokens
-        from core.images import load_image
+        from core.files.images import load_image
+        from core.forward.capture import capture
+        from core.forward.geometry import painted_tokens
         from core.methods.component_ablation import ablation_edits, parse_component
         from core.methods.counterfactual import resolve_tokens
         from core.methods.interventions import run_interventions

@@ -11,7 +11,7 @@ from core.requests.base import AskedRequest, Cancel, Progress, register_request
 if TYPE_CHECKING:
     from core.analyze import AnalyzeResult
 
-ATTENTION_PATHS = ("sdpa", "eager")  # core.capture.capture's attention (not imported: it loads torch)
+ATTENTION_PATHS = ("sdpa", "eager")  # core.forward.capture.capture's attention (not imported: it loads torch)
 
 
 @register_request

@@ -20,7 +20,7 @@ from core.requests.base import Cancel, Progress, Request, register_request
 if TYPE_CHECKING:
     from core.dataset_audit import AuditOptions, ShardResult
     from core.dataset_audit.summaries import AuditSummary
-    from core.pairs import Pair
+    from core.files.pairs import Pair
     from core.readouts import ReadoutMethod
 
 # what the run's numbers are read at, as its parameters state it
@@ -43,7 +43,7 @@ def with_answer_text(items: list[Pair], text: str | None, index: int | None) -> 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class AuditRequest(Request):
     """Audit the pairs of ``dataset`` (a JSONL, or a folder holding ``dataset.jsonl`` or one
-    ``*.jsonl``: :func:`core.pairs.pairs_file`).
+    ``*.jsonl``: :func:`core.files.pairs.pairs_file`).
 
     Attributes:
         methods: the read-outs, comma-separated or a sequence of names (None: the default ones,
@@ -87,13 +87,13 @@ class AuditRequest(Request):
         )
 
     def pairs_file(self) -> Path:
-        from core.pairs import pairs_file
+        from core.files.pairs import pairs_file
 
         return pairs_file(self.dataset, "dataset file")
 
     def read_items(self, progress: Progress = None) -> list[Pair]:
         """The pairs (every problem one line naming the file and line), with the asked answer text."""
-        from core.pairs import read_pairs
+        from core.files.pairs import read_pairs
 
         items = read_pairs(self.pairs_file(), limit=self.limit, what="dataset file", progress=progress)
         return with_answer_text(items, self.answer_text, self.answer_token_index)
@@ -147,7 +147,7 @@ class AuditRequest(Request):
         and one audit row per read-out."""
         from core.dataset_audit import SCHEMA_VERSION, audit_table, summarize
         from core.dataset_audit.summaries import AuditSummary
-        from core.readout import jsonable
+        from core.results.readout import jsonable
 
         methods, run_params = self.readouts(), self.run_parameters(loaded, n_items)
         counts = jsonable(summarize(merged.records, methods, n_items, merged.cancelled))

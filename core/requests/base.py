@@ -4,7 +4,7 @@ of tuned-lens's command dataclasses).
 
 A request names its inputs (image, question, the answer and foil as typed, the
 answer token read out) and its options; ``run(loaded, progress, cancel)``
-computes its :class:`core.readout.Readout` on a loaded model, and
+computes its :class:`core.results.readout.Readout` on a loaded model, and
 ``parameters()`` is what it was asked, as JSON. The CLI maps its arguments to a
 request, the app's one generic job runs any request (app/jobs.py), so that the
 same request gives the same result through either (tests/core/test_requests_parity.py).
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from core.answer_text import AnswerText
-    from core.readout import Readout
+    from core.results.readout import Readout
 
 # progress(done, total, message): total 0 = indeterminate; cancel() True = stop between steps
 Progress = Callable[[int, int, str], None] | None
@@ -74,7 +74,7 @@ class Request:
     def recorded(self, result: Readout, loaded) -> Readout:
         """What the session records of ``result``: its kind, summary, parameters and audit rows,
         stored as :meth:`document`."""
-        from core.readout import RecordedResult
+        from core.results.readout import RecordedResult
 
         return RecordedResult.of(result, self.document(result, loaded))
 

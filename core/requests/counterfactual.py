@@ -46,7 +46,7 @@ class FillRequest(AskedRequest):
     def header(self, loaded) -> dict[str, Any]:
         """The model and the input, which the counterfactual JSON has always carried beside the
         method's result (:meth:`document`)."""
-        from core.images import image_sha256
+        from core.files.images import image_sha256
 
         mask_name = getattr(self, "mask_name", None)
         return {

@@ -56,7 +56,7 @@ class GenerateRequest(Request):
 
     def document(self, result, loaded) -> dict[str, Any]:
         """The generation's JSON, its ``input`` naming the image too (path, SHA-256, size)."""
-        from core.images import image_sha256
+        from core.files.images import image_sha256
 
         doc = result.to_dict()
         path = None if self.image_path is None else str(self.image_path)

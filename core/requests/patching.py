@@ -73,7 +73,7 @@ class PatchingRequest(AskedRequest):
     def parameters(self) -> dict[str, Any]:
         """The input and the source image (its path, its SHA-256). The site, layer and token
         sets the patch ran with are the result's parameters (the site resolved for the family)."""
-        from core.images import image_sha256
+        from core.files.images import image_sha256
 
         return {
             **self.asked_parameters(),
@@ -99,7 +99,7 @@ class PatchingRequest(AskedRequest):
     def run(self, loaded, progress: Progress = None, cancel: Cancel = None) -> VisualPatchResult:
         """Forward (the source's features into this run) and reverse, each token set cancellable."""
         from core.errors import InterventionError
-        from core.geometry import painted_tokens
+        from core.forward.geometry import painted_tokens
         from core.methods.interventions import patch_visual_features
 
         adapter = loaded.adapter

@@ -1,6 +1,6 @@
 """The validate request: a functional claim checked by the seven-step chain on named
 heads and routes, or on the candidates the search set proposes (``vlm-readout
-validate``, the Claims tab; :func:`core.validate.validate`, docs/METHODS.md §4.11)."""
+validate``, the Validation tab; :func:`core.validate.validate`, docs/METHODS.md §4.11)."""
 
 from __future__ import annotations
 

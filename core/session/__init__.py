@@ -4,7 +4,7 @@ A session keeps everything a user (the app, the CLI, a notebook) ran on a
 model: the model spec and fingerprint, the images (hash, path, size and,
 by default, the pixels as PNG), the painted masks, and every run with its
 parameters, its result JSON, a one-line summary and its audit rows (the
-audit columns of docs/ARCHITECTURE.md, "Audit rows": :class:`core.audit.AuditRecord`). Reopening the file
+audit columns of docs/ARCHITECTURE.md, "Audit rows": :class:`core.results.audit.AuditRecord`). Reopening the file
 gives the same state back; :meth:`Session.audit_table` is the table the app's
 audit panel shows and :mod:`core.export` writes.
 
@@ -13,12 +13,12 @@ audit panel shows and :mod:`core.export` writes.
     s.runs(); s.run(run_id).readout; s.audit_table(); s.save_as("copy.vlmr"); s.close()
 
 :meth:`Session.record` stores what the result says about itself
-(:class:`core.readout.Readout`: its kind, ``to_dict()``, ``summary()``,
+(:class:`core.results.readout.Readout`: its kind, ``to_dict()``, ``summary()``,
 ``parameters()`` and ``audit_records()``); the session never guesses them
 from a result's keys. A document without a result class of its own is
-recorded as a :class:`core.readout.RecordedResult`. A run read back gives its
+recorded as a :class:`core.results.readout.RecordedResult`. A run read back gives its
 result both as stored (``Run.result``, the JSON) and as its kind's class
-(``Run.readout``, :func:`core.readout.restore_result`).
+(``Run.readout``, :func:`core.results.readout.restore_result`).
 
 Durability:
 
@@ -100,7 +100,7 @@ checks before SQLite opens a file, reading a WAL without its -shm),
 importable from ``core.session``.
 """
 
-from core.readout import jsonable  # re-exported: the one JSON cleaning, as the session stores it
+from core.results.readout import jsonable  # re-exported: the one JSON cleaning, as the session stores it
 from core.session.records import (
     AUDIT_COLUMNS,
     KINDS,

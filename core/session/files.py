@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.input_files import open_regular_file
+from core.files.input_files import open_regular_file
 from core.session.records import SessionError
 from core.session.schema import APPLICATION_ID, BUSY_TIMEOUT_S, SQLITE_MAGIC
 
@@ -144,7 +144,7 @@ def backup_to(conn: sqlite3.Connection, own: Path, target: str | Path) -> Path:
         except OSError:
             pass
     except (OSError, sqlite3.Error) as e:
-        from core.atomic import no_space_reason
+        from core.files.atomic import no_space_reason
 
         full = no_space_reason(tmp)
         raise SessionError(f"{target}: cannot write the copy ({full + '; ' if full else ''}{e})") from None
@@ -162,7 +162,7 @@ def backup_to(conn: sqlite3.Connection, own: Path, target: str | Path) -> Path:
 
 def read_header(p: Path, size: int = 100) -> bytes:
     """The first ``size`` bytes of the session file ``p`` (fewer if it is shorter),
-    read only if it is a regular file (:func:`core.input_files.open_regular_file`:
+    read only if it is a regular file (:func:`core.files.input_files.open_regular_file`:
     a FIFO or device is refused, never waited on).
 
     Raises:

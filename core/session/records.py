@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import ImageLoadError, ReadoutError
-from core.pairs import pairs_file
-from core.readout import Readout, ResultDocumentError, jsonable, restore_result
+from core.files.pairs import pairs_file
+from core.results.readout import Readout, ResultDocumentError, jsonable, restore_result
 
 KINDS = (
     "analyze",
@@ -96,7 +96,7 @@ class RunInfo:
     Attributes:
         created: ISO 8601 UTC time of the commit.
         model: the model spec the run used, or None.
-        image_sha256: :func:`core.images.image_sha256` of the run's image, or None.
+        image_sha256: :func:`core.files.images.image_sha256` of the run's image, or None.
     """
 
     id: int
@@ -142,7 +142,7 @@ class Run:
 
     @cached_property
     def readout(self) -> Readout:
-        """The run's result as its kind's class (:func:`core.readout.restore_result`, restored
+        """The run's result as its kind's class (:func:`core.results.readout.restore_result`, restored
         once): a :class:`core.analyze.AnalyzeResult`, a ``RegionCounterfactual``...
 
         Raises:
@@ -247,7 +247,7 @@ class ImageInfo:
         """
         if self.png is None:
             return None
-        from core.images import load_image
+        from core.files.images import load_image
 
         try:  # a shared session is a file from elsewhere: its pictures get every check a user's image gets
             return load_image(self.png)
@@ -328,7 +328,7 @@ def run_columns(
 
 def dataset_sha256(dataset: str | Path) -> str | None:
     """SHA-256 of the bytes of a dataset file (a pairs JSONL, or a folder's
-    ``dataset.jsonl`` / one ``*.jsonl``: :func:`core.pairs.pairs_file`); None
+    ``dataset.jsonl`` / one ``*.jsonl``: :func:`core.files.pairs.pairs_file`); None
     when it cannot be read (the run is recorded all the same)."""
     try:
         h = hashlib.sha256()
@@ -360,7 +360,7 @@ def _mask_sha(mask) -> str:
 
 
 def _mask_array(png: bytes):
-    from core.images import load_mask  # imported here: numpy and PIL load only when a mask is read
+    from core.files.images import load_mask  # imported here: numpy and PIL load only when a mask is read
 
     return load_mask(png)
 
@@ -429,9 +429,9 @@ def _sqlite_problem(p: Path, e: sqlite3.Error, doing: str = "open it") -> str:
     """One true line for an SQLite failure on the session ``p`` while ``doing``:
     not a database, corrupt (only when SQLite says the file is), the disk full
     (SQLite's "database or disk is full", or an I/O error where no space is
-    left: :func:`core.atomic.no_space_reason`), read-only, busy, or SQLite's
+    left: :func:`core.files.atomic.no_space_reason`), read-only, busy, or SQLite's
     own words. An intact file is never called corrupt."""
-    from core.atomic import no_space_reason
+    from core.files.atomic import no_space_reason
 
     text = str(e)
     name = getattr(e, "sqlite_errorname", "") or ""
@@ -503,7 +503,7 @@ def dtype_and_device(model_fields: dict | None, result, parameters: dict | None 
 
 def _prepare_image(image, image_path, store: bool):
     """``(sha256, path, (w, h), png or None)`` from a path, bytes, PIL image or array."""
-    from core.images import image_sha256, load_image
+    from core.files.images import image_sha256, load_image
 
     if isinstance(image, (str, Path)) and image_path is None:
         image_path = str(image)

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
-from core.atomic import no_space_reason
-from core.readout import Readout, jsonable
+from core.files.atomic import no_space_reason
+from core.results.readout import Readout, jsonable
 from core.session import stored
 from core.session.files import (
     BESIDE,
@@ -552,7 +552,7 @@ class Session:
     ) -> int:
         """Record one run in one transaction (autosave) and return its id.
 
-        The run is what ``readout`` says about itself (:class:`core.readout.Readout`):
+        The run is what ``readout`` says about itself (:class:`core.results.readout.Readout`):
         its ``kind``, its ``to_dict()`` as the result JSON (numpy values are
         converted; non-finite floats are stored as null, as in every JSON the
         engine writes), its ``summary()``, ``parameters()`` and ``audit_records()``.
@@ -571,7 +571,7 @@ class Session:
         ``specification`` and ``run_parameters`` and every export.
 
         Args:
-            readout: a method's result, or :class:`core.readout.RecordedResult`
+            readout: a method's result, or :class:`core.results.readout.RecordedResult`
                 for a document without a class of its own (a plain dict is refused).
             image: path, bytes, PIL image or ``(H, W, 3)`` uint8 array.
             mask: ``(H, W)`` bool array, PIL image, PNG bytes or PNG path
@@ -588,7 +588,7 @@ class Session:
         self._refuse_if_read_only()
         if not isinstance(readout, Readout):
             raise SessionError(
-                "Session.record takes a Readout (a method's result, or core.readout.RecordedResult(kind, doc, "
+                "Session.record takes a Readout (a method's result, or core.results.readout.RecordedResult(kind, doc, "
                 f"summary=...) for a plain document), not a {type(readout).__name__}"
             )
         kind = readout.kind
@@ -1078,7 +1078,7 @@ def record_into(path: str | Path, readout: Readout, **kwargs) -> int:
     """Open (or create) the session at ``path``, :meth:`Session.record` one
     readout, close. For ``--session FILE`` on the CLI commands: a command that
     also writes an output file records first and puts the file in place only
-    once the run is recorded (:func:`core.atomic.staged_writes`), so a failed
+    once the run is recorded (:func:`core.files.atomic.staged_writes`), so a failed
     record leaves the earlier output as it was."""
     with Session.open_or_create(path) as s:
         return s.record(readout, **kwargs)

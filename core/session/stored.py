@@ -12,7 +12,7 @@ what was expected, which the caller turns into one line naming the run (a
 
 from __future__ import annotations
 
-from core.input_files import MAX_JSON_BYTES, MAX_JSON_DEPTH, parse_json
+from core.files.input_files import MAX_JSON_BYTES, MAX_JSON_DEPTH, parse_json
 
 # A stored JSON document larger than this is refused before it is read (an analyze result is a few MB).
 MAX_STORED_JSON_BYTES = MAX_JSON_BYTES
@@ -68,7 +68,7 @@ _EXPECT = {dict: "a JSON object", list: "a JSON array"}
 
 def json_value(value, column: str, *, expect: type | None = None, empty=None):
     """The JSON document stored as text in ``value``, parsed with its size and
-    nesting bounded (:data:`MAX_STORED_JSON_BYTES`, :data:`core.input_files.MAX_JSON_DEPTH`).
+    nesting bounded (:data:`MAX_STORED_JSON_BYTES`, :data:`core.files.input_files.MAX_JSON_DEPTH`).
 
     Args:
         expect: ``dict`` or ``list``: the document must be one (None: any JSON value).

@@ -35,9 +35,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from core.arguments import Parser, non_negative_int, positive_int
-from core.atomic import make_folder, write_bytes_atomic, write_text_atomic
 from core.errors import ReadoutError
+from core.files.atomic import make_folder, write_bytes_atomic, write_text_atomic
+from core.shell.arguments import Parser, non_negative_int, positive_int
 from core.zoo import scenes
 
 SCHEMA_VERSION = 1
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         a = p.parse_args(argv)
     except SystemExit as e:  # -h, or a refused command line (its one line is printed)
         return e.code if isinstance(e.code, int) else 0
-    from core.terminal import progress_bar  # drawn on a terminal only, wiped before an error line
+    from core.shell.terminal import progress_bar  # drawn on a terminal only, wiped before an error line
 
     try:
         with progress_bar("dataset", quiet=a.quiet, total=a.n) as progress:

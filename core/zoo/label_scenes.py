@@ -2,19 +2,19 @@
 ground-truth object masks make each step checkable: the filtered samples and
 their input condition (:func:`scene_samples`), step 4's counterfactual scenes
 (:func:`swap_attribute`), and the context of the attribute chain
-(:func:`attribute_context`) that :mod:`core.methods.labels` runs its steps on.
+(:func:`attribute_context`) that :mod:`core.methods.validation` runs its steps on.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from core.geometry import region_tokens
-from core.methods.labels.chain import InputCondition, LabelError
-from core.methods.labels.context import ChainContext
-from core.methods.labels.observations import _image, _tokens
-from core.methods.labels.samples import SwapScene
-from core.methods.labels.setting import ATTRIBUTE_TEMPLATES, REGION_MIN_COVER, SIDE_KINDS
+from core.forward.geometry import region_tokens
+from core.methods.validation.chain import InputCondition, LabelError
+from core.methods.validation.context import ChainContext
+from core.methods.validation.observations import _image, _tokens
+from core.methods.validation.samples import SwapScene
+from core.methods.validation.setting import ATTRIBUTE_TEMPLATES, REGION_MIN_COVER, SIDE_KINDS
 from core.zoo import scenes
 
 

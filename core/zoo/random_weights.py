@@ -20,8 +20,8 @@ import sys
 import zlib
 from pathlib import Path
 
-from core.arguments import Parser, seed_int
 from core.errors import ReadoutError
+from core.shell.arguments import Parser, seed_int
 
 # what describes the trained weights (their card, evaluations, training log, tuned lenses) is not copied
 SKIPPED = ("CARD.md", "MANIFEST.sha256", "tuned-lens", "training.json")
@@ -47,7 +47,7 @@ def randomize_folder(source: str | Path, out: str | Path, seed: int = 0) -> Path
     with every ``*.safetensors`` weight file replaced by std-matched noise."""
     from safetensors.torch import load_file, save_file
 
-    from core.atomic import make_folder
+    from core.files.atomic import make_folder
     from core.models.loading import resources_dir
     from core.models.model_files import write_manifest
 

@@ -35,7 +35,7 @@ def write_samples(out: Path, n: int) -> list[dict]:
             masks.append(mname)
         row = {"image": name, "question": s.question, **{k: v for k, v in s.to_dict().items() if k != "question"}}
         row["masks"] = masks
-        # the region the question is about, in the pairs-file field every reader takes (core.pairs)
+        # the region the question is about, in the pairs-file field every reader takes (core.files.pairs)
         row["target_mask"] = masks[s.target] if s.target is not None else None
         rows.append(row)
     (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -13,9 +13,9 @@ from app.canvas import INTERPOLATED_TEXT, ImageCanvas, box_slices, describe_toke
 from app.components import ModelChoice
 from app.panels.counterfactual_panel import CounterfactualPanel
 from app.samples import bundled_samples
-from core.geometry import VisualToken, resize_crop_boxes
+from core.forward.geometry import VisualToken, resize_crop_boxes
 from core.methods.counterfactual import mask_from_box, occlusion_sweep, region_counterfactual
-from core.readout import restore_result
+from core.results.readout import restore_result
 
 SAMPLE = bundled_samples()[0]
 

@@ -14,7 +14,7 @@ from app.components import NOTHING_SHOWN
 from app.panels.history_panel import COLUMNS, HistoryPanel, HistoryRow, local_time
 from app.samples import bundled_samples
 from app.workers import Worker
-from core.readout import RecordedResult
+from core.results.readout import RecordedResult
 from core.session import Session
 
 TIMEOUT_MS = 10_000

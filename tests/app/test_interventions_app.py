@@ -17,7 +17,7 @@ import core
 from app.components import RunInput, ShownRun, Workspace
 from app.components.selection import Selection, head_component, lens_component
 from app.samples import bundled_samples
-from core.capture import capture
+from core.forward.capture import capture
 from core.methods.component_ablation import ablation_edits, parse_component
 from core.methods.interventions import patch_visual_features, run_interventions
 from core.requests.patching import patch_sites
@@ -180,7 +180,7 @@ def test_each_ablation_kind_is_the_engines(qtbot, read_out, kind, select, name):
         assert parameters["n_references"] == 8 and parameters["reference_set"] == "bundled sample"
     if kind == "resample":
         assert parameters["source_image"] == str(source)
-        assert parameters["source_image_sha256"] == core.images.image_sha256(core.load_image(source))
+        assert parameters["source_image_sha256"] == core.files.images.image_sha256(core.load_image(source))
 
 
 def test_the_painted_region_positions_are_its_visual_tokens(qtbot, read_out):

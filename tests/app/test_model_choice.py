@@ -13,7 +13,7 @@ import app.recent_models
 from app.components import ModelChoice
 from app.components.model_choice import device_choices
 from app.recent_models import OLD_SPECS_KEY, recent_choices, recent_models, remember_model, remembered_choice
-from core.precision import DTYPE_CHOICES
+from core.shell.precision import DTYPE_CHOICES
 from tests.app.test_session_reopen import _close, _window
 from tests.app.test_window import run_until_idle
 
@@ -113,10 +113,14 @@ def test_a_bfloat16_readout_is_recorded_and_named_bfloat16(qtbot, model_cache, t
     # a new window on the same spec starts in the remembered dtype; a restored run picks the one it ran in
     again = _window(qtbot, model_cache, tmp_path / "s.vlmr")
     try:
-        assert again.inputs.dtype_picker.currentText() == "bfloat16" and again.inputs.device_picker.currentText() == "cpu"
+        assert (
+            again.inputs.dtype_picker.currentText() == "bfloat16" and again.inputs.device_picker.currentText() == "cpu"
+        )
         again.inputs.dtype_picker.setCurrentText("auto")
         assert again.sessions.restore_run(info.id), again.inputs.error_label.text()
-        assert again.inputs.dtype_picker.currentText() == "bfloat16" and again.inputs.device_picker.currentText() == "cpu"
+        assert (
+            again.inputs.dtype_picker.currentText() == "bfloat16" and again.inputs.device_picker.currentText() == "cpu"
+        )
         assert again.workspace.input.model_choice() == BF16
         frame = again.run_frames["attention"]
         assert not frame.stale and "shapes-llava · bfloat16 · cpu" in frame.header_text()

@@ -20,8 +20,8 @@ from app.run_frame import STALE_STYLE
 from app.samples import bundled_samples
 from core.analyze import AnalyzedModel, AnalyzeInput, AnalyzeResult
 from core.methods.patterns import HeadSummary
-from core.readout import Target
 from core.readouts.residual import ResidualSection
+from core.results.readout import Target
 from tests.app.test_canvas_views import llava_next_folder  # noqa: F401 (a fixture)
 from tests.app.test_window import run_until_idle
 

@@ -54,7 +54,9 @@ def last_run(window, kind: str):
 def restore(window, run_id: int) -> None:
     """Select run ``run_id``'s History row, as a click on it."""
     assert window.history_panel.select_run(run_id)
-    assert window.workspace.shown is not None and window.workspace.shown.run_id == run_id, window.inputs.error_label.text()
+    assert window.workspace.shown is not None and window.workspace.shown.run_id == run_id, (
+        window.inputs.error_label.text()
+    )
 
 
 def elsewhere(window) -> None:
@@ -261,7 +263,7 @@ def test_what_a_run_did_not_store_is_marked_not_the_runs(qtbot, window):
     """A paste counterfactual recorded (as a script records it) from an image in memory and without
     its mask, and a patch from pixels without a file: the controls that cannot be set again say so
     in red, and Run / Patch refuse rather than run another experiment."""
-    from core.images import load_image
+    from core.files.images import load_image
     from core.methods.counterfactual import region_counterfactual
 
     read_out(qtbot, window)
@@ -272,7 +274,9 @@ def test_what_a_run_did_not_store_is_marked_not_the_runs(qtbot, window):
     result = region_counterfactual(
         window.loaded_model(), window.image, window.inputs.question_edit.text(), mask, "paste", paste_from=pixels
     )
-    pasted = window.session.record(result, image=window.image, parameters={"question": window.inputs.question_edit.text()})
+    pasted = window.session.record(
+        result, image=window.image, parameters={"question": window.inputs.question_edit.text()}
+    )
     interventions.set_positions("all")
     run_until_idle(qtbot, window, lambda: window.actions.patch_region(load_image(bundled_samples()[2].image_path)))
     patched = last_run(window, "intervention").id
@@ -302,14 +306,14 @@ def test_what_a_run_did_not_store_is_marked_not_the_runs(qtbot, window):
     assert "choose a source image" in interventions.message_label.text()
 
 
-# ---------------------------------------------------------------- the Claims tab
+# ---------------------------------------------------------------- the Validation tab
 
 
 def test_a_restored_claim_shows_its_subject_claim_data_and_n_and_runs_again_as_it_was(qtbot, window):
     """A claim restored from the History: the fields it was stated with, not the ones typed since;
     the painted region it used is not stored, and the panel says so in red. Run then checks the
     same claim on the same data."""
-    panel = window.claims_panel
+    panel = window.validation_panel
     panel.subject_edit.setText("L1.H1")
     panel.claim_edit.setText("L1.H1 reads the colour asked about")
     panel.set_dataset("scenes")

@@ -79,7 +79,7 @@ def test_qk_ov_results_neither_grow_the_window_nor_get_squashed(qtbot, read_out)
 
 
 def test_a_claim_steps_evidence_never_grows_the_window(qtbot, read_out):
-    window, panel = read_out, read_out.claims_panel
+    window, panel = read_out, read_out.validation_panel
     show_tab(window, panel)
     panel.subject_edit.setText("L1.H1")
     panel.claim_edit.setText("L1.H1 reads the colour of the shape asked about, at the answer position")

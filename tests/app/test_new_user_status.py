@@ -26,7 +26,7 @@ from PySide6.QtTest import QTest
 
 from app.recent_models import recent_models
 from app.samples import bundled_samples
-from core.readout import RecordedResult
+from core.results.readout import RecordedResult
 from core.session import Session
 from tests.app.test_window import TIMEOUT_MS, run_until_idle
 
@@ -36,7 +36,7 @@ CLAIM = "L1.H1 reads the colour of the shape asked about, at the answer position
 
 
 def state_claim(window, n: int = 12) -> None:
-    panel = window.claims_panel
+    panel = window.validation_panel
     panel.subject_edit.setText(SUBJECT)
     panel.claim_edit.setText(CLAIM)
     panel.set_dataset("scenes")
@@ -56,12 +56,12 @@ def test_a_job_says_what_it_does_as_it_starts(qtbot, window):
     run_until_idle(qtbot, window, window.actions.answer_question)  # the model loaded: no "loading model" line comes
     assert window.inputs.status_label.text() == "ready"
     state_claim(window, n=150)
-    window.tabs.setCurrentIndex([window.tabs.tabText(i) for i in range(window.tabs.count())].index("Claims"))
-    qtbot.mouseClick(window.claims_panel.run_button, Qt.MouseButton.LeftButton)
+    window.tabs.setCurrentIndex([window.tabs.tabText(i) for i in range(window.tabs.count())].index("Validation"))
+    qtbot.mouseClick(window.validation_panel.run_button, Qt.MouseButton.LeftButton)
     assert window.is_busy() and window.inputs.status_label.text() == "validating…"  # at once, before any progress
     cancel_and_wait(qtbot, window)
     assert window.inputs.status_label.text() == "cancelled"
-    qtbot.mouseClick(window.claims_panel.run_button, Qt.MouseButton.LeftButton)
+    qtbot.mouseClick(window.validation_panel.run_button, Qt.MouseButton.LeftButton)
     assert window.is_busy() and window.inputs.status_label.text() == "validating…"  # not the last job's "cancelled"
     cancel_and_wait(qtbot, window)
     # every other job too: Read out and the answer each name theirs as they start
@@ -136,17 +136,17 @@ def test_a_precondition_message_goes_when_it_is_met(qtbot, window):
     # the claim's region: refused without one, the refusal gone when one is painted
     window.counterfactual_panel.canvas.clear_mask()
     state_claim(window)
-    window.claims_panel.region_check.setChecked(True)
+    window.validation_panel.region_check.setChecked(True)
     assert not window.actions.run_claim()
-    said = window.claims_panel.message_label.text()
+    said = window.validation_panel.message_label.text()
     assert said.startswith("painted region: paint one") and window.inputs.error_label.text() == said
     paint(window)
-    assert window.claims_panel.message_label.text() == "" and window.inputs.error_label.text() == ""
+    assert window.validation_panel.message_label.text() == "" and window.inputs.error_label.text() == ""
     # a subject to name: the refusal goes once one is typed
-    window.claims_panel.subject_edit.setText("")
+    window.validation_panel.subject_edit.setText("")
     assert not window.actions.run_claim() and window.inputs.error_label.text().startswith("name a head or route")
-    QTest.keyClicks(window.claims_panel.subject_edit, "L1.H0")
-    assert window.claims_panel.message_label.text() == "" and window.inputs.error_label.text() == ""
+    QTest.keyClicks(window.validation_panel.subject_edit, "L1.H0")
+    assert window.validation_panel.message_label.text() == "" and window.inputs.error_label.text() == ""
 
     # the Counterfactual tab's own Run without a region
     window.counterfactual_panel.canvas.clear_mask()
@@ -207,7 +207,7 @@ DRIVER = textwrap.dedent(
                 return run_model(*args, **kwargs)
 
             adapter.run_model = slow_forward
-            panel = window.claims_panel
+            panel = window.validation_panel
             panel.subject_edit.setText("L1.H1")
             panel.claim_edit.setText("L1.H1 reads the colour of the shape")
             panel.set_dataset("scenes")

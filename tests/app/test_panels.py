@@ -15,7 +15,7 @@ from app.panels.lens_panel import LOGIT_LENS, PLOTS, LensPanel, metrics_row
 from app.samples import bundled_samples
 from core.analyze import analyze
 from core.methods.tuned_lens.evaluate import ReaderMetrics
-from core.readout import jsonable, restore_result
+from core.results.readout import jsonable, restore_result
 from tests.core.exactness import frozen_sum_tol
 
 SPECS = ("shapes-llava", "shapes-coca")
@@ -593,13 +593,13 @@ def test_panel_info_lines_never_set_the_panel_width(qtbot, results):
 # ---- claims ---------------------------------------------------------------
 
 
-def test_claims_panel_reads_its_fields_and_fills_the_subject_from_a_selected_head(qtbot, tmp_path):
+def test_validation_panel_reads_its_fields_and_fills_the_subject_from_a_selected_head(qtbot, tmp_path):
     from app.components import RunInput, Workspace
     from app.components.selection import Selection
-    from app.panels.claims_panel import ClaimsPanel
+    from app.panels.validation_panel import ValidationPanel
 
     selection = Selection(Workspace(RunInput(model_spec="m")))
-    panel = ClaimsPanel(selection)
+    panel = ValidationPanel(selection)
     qtbot.addWidget(panel)
     panel.subject_edit.setText("L1.H1, L1.H0 + L1.H2,")
     assert panel.subjects() == ["L1.H1", "L1.H0+L1.H2"]  # a route is one subject, spaces dropped

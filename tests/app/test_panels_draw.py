@@ -1,6 +1,6 @@
 """The analyze-side panels draw themselves from the run they are shown for
 (``draw(run, kind)``, the protocol of app.run_frame.RunFrame): a live analyze result and
-the same result restored from its stored JSON (core.readout.restore_result) draw the same
+the same result restored from its stored JSON (core.results.readout.restore_result) draw the same
 table cells, plot data and heatmap arrays; ``draw(None, None)`` empties each panel as it
 started (the canvas keeps its image: the image is the input)."""
 
@@ -24,7 +24,7 @@ from core.analyze import analyze
 from core.answer_text import AnswerText
 from core.generate import generate
 from core.methods.tuned_lens import load_lens
-from core.readout import jsonable, restore_result
+from core.results.readout import jsonable, restore_result
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = bundled_samples()[0]

@@ -1,8 +1,8 @@
 """The follow-up panels draw themselves from a run (the protocol of app.run_frame.RunFrame):
 the Counterfactual tab (answer change, occlusion map, interventions table, the painter's token
-grid), the head methods (Non-unique…, QK/OV) and the Claims tab, on shapes-llava, offscreen.
+grid), the head methods (Non-unique…, QK/OV) and the Validation tab, on shapes-llava, offscreen.
 
-A live result and the same result restored from its JSON (core.readout.restore_result, as a
+A live result and the same result restored from its JSON (core.results.readout.restore_result, as a
 session restores it) draw the same cells and maps; a run of None clears what a run drew and
 leaves the inputs (the image, the painted region). Each panel's request builder gives the
 request the window built by hand before, or the refusal it said.
@@ -16,15 +16,14 @@ import pytest
 import core
 from app.components import ModelChoice, RunInput, RunView, ShownRun, Workspace
 from app.components.selection import Selection
-from app.panels.claims_panel import ClaimsPanel
 from app.panels.counterfactual_panel import DRAWN_KINDS, NO_PASTE, PAINT_FIRST, CounterfactualPanel
 from app.panels.head_methods_panel import HeadMethodsPanel
 from app.panels.intervention_panel import InterventionPanel
 from app.panels.run_requests import Refusal
+from app.panels.validation_panel import ValidationPanel
 from app.run_frame import RunFrame
 from app.samples import bundled_samples
 from core.analyze import analyze
-from core.readout import jsonable, restore_result
 from core.requests import (
     AblationRequest,
     CounterfactualRequest,
@@ -34,6 +33,7 @@ from core.requests import (
     SweepRequest,
     ValidateRequest,
 )
+from core.results.readout import jsonable, restore_result
 
 SAMPLE = bundled_samples()[0]
 SOURCE = bundled_samples()[2].image_path
@@ -262,12 +262,12 @@ def test_a_run_holding_both_head_results_draws_the_kind_shown(qtbot, live, selec
     assert p.kind == "nonunique"
 
 
-def claims_drawn(p: ClaimsPanel) -> list:
+def claims_drawn(p: ValidationPanel) -> list:
     return [p.verdict_label.text(), p.distribution_label.text(), p.condition_label.text(), cells(p.table)]
 
 
 def test_the_claims_tab_draws_a_live_claim_and_its_restored_copy_alike(qtbot, live, selection):
-    p = ClaimsPanel(selection)
+    p = ValidationPanel(selection)
     qtbot.addWidget(p)
     validation = live["validate"]
     p.draw(run_of({"validate": validation}, "validate"), "validate")
@@ -282,7 +282,7 @@ def test_the_claims_tab_draws_a_live_claim_and_its_restored_copy_alike(qtbot, li
 
 def test_a_claim_follows_its_model_not_the_input(qtbot, live, workspace):
     """Another model (or other weights) clears the claim, saying so; another image or question does not."""
-    p = ClaimsPanel(Selection(workspace), workspace)
+    p = ValidationPanel(Selection(workspace), workspace)
     qtbot.addWidget(p)
     workspace.set_input(model_fingerprint="f1", loaded_dtype="float32")
     p.show_claim(live["validate"], 7, workspace.input)
@@ -308,7 +308,7 @@ def test_a_restored_claim_says_so(qtbot, live, selection, tmp_path):
     session = Session.open_or_create(tmp_path / "s.vlmr")
     run_id = session.record(live["validate"], model="shapes-llava")
     run = session.run(run_id)
-    p = ClaimsPanel(selection)
+    p = ValidationPanel(selection)
     qtbot.addWidget(p)
     made_for = RunInput(model_spec="shapes-llava")
     p.show_restored(run, made_for)
@@ -511,7 +511,7 @@ def test_the_head_method_requests_are_the_ones_the_window_built(qtbot, live, ask
 
 
 def test_the_validate_requests_are_the_ones_the_window_built(qtbot, region, selection, tmp_path):
-    p = ClaimsPanel(selection)
+    p = ValidationPanel(selection)
     qtbot.addWidget(p)
     painted = np.zeros_like(region)
     refused = p.validate_request(lambda: painted)
@@ -552,8 +552,8 @@ def test_a_baselines_interval_is_read_from_its_typed_fields():
     paired comparison (the compared step, the candidate, the interval of the difference)."""
     from types import SimpleNamespace
 
-    from app.panels.claims_panel import baseline_line
-    from core.methods.labels.chain import Baseline
+    from app.panels.validation_panel import baseline_line
+    from core.methods.validation.chain import Baseline
 
     stats = {"n": 9, "mean": 0.5, "se": 0.1, "ci95": [0.304, 0.696]}
     plain = Baseline("matched random head", ["L0.H1"], 0.5, 9, {"stats": stats})

@@ -18,7 +18,7 @@ import core.cli
 from app.jobs import _cached_model, as_run
 from app.samples import bundled_pairs_file, bundled_samples
 from core.cli import main
-from core.images import load_image
+from core.files.images import load_image
 from core.methods.counterfactual import mask_from_png
 from core.requests import (
     REQUESTS,

@@ -154,7 +154,7 @@ def test_the_counterfactual_tab_marks_another_models_result_stale(qtbot, window)
     assert_current(window, ["counterfactual"], f"run #{patch_run.id} · intervention · ")
     parameters = window.session.run(patch_run.id).parameters
     assert parameters["source_image"] == str(source)  # the result names its source (VisualPatchResult.parameters)
-    assert parameters["source_image_sha256"] == core.images.image_sha256(core.load_image(source))
+    assert parameters["source_image_sha256"] == core.files.images.image_sha256(core.load_image(source))
 
     window.inputs.model_picker.setCurrentText("shapes-coca")
     assert_stale(window, ["counterfactual", *READOUT_VIEWS], f"'{sample.question}'")

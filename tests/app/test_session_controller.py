@@ -30,10 +30,10 @@ from app.run_frame import RunFrame
 from app.samples import bundled_samples
 from app.session_view import SessionController
 from core.answer_text import AnswerText
-from core.images import image_sha256
-from core.readout import Note, RecordedResult
+from core.files.images import image_sha256
 from core.requests import AblationRequest, AnalyzeRequest, GenerateRequest
 from core.requests.base import AskedRequest
+from core.results.readout import Note, RecordedResult
 from core.session import Session
 
 SAMPLE, OTHER = bundled_samples()[0], bundled_samples()[3]

@@ -24,7 +24,7 @@ from app.components import NOTHING_SHOWN, ModelChoice
 from app.main_window import MainWindow
 from app.panels.dla_panel import CONVENTIONS
 from app.samples import bundled_samples
-from core.images import image_sha256
+from core.files.images import image_sha256
 from core.session import Session
 from tests.app.shown import shown_result
 from tests.app.test_window import run_until_idle
@@ -324,7 +324,10 @@ def test_a_run_whose_image_is_gone_says_so(qtbot, model_cache, tmp_path):
     try:
         before = image_sha256(win.image)
         assert win.sessions.open_session(session_path, mode="append")
-        assert "cannot show run #1: its image" in win.inputs.error_label.text() and "not stored" in win.inputs.error_label.text()
+        assert (
+            "cannot show run #1: its image" in win.inputs.error_label.text()
+            and "not stored" in win.inputs.error_label.text()
+        )
         assert image_sha256(win.image) == before
     finally:
         _close(win)

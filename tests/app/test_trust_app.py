@@ -13,7 +13,7 @@ import pytest
 from PySide6.QtGui import QImage
 
 from app.main_window import MainWindow
-from core.readout import RecordedResult
+from core.results.readout import RecordedResult
 from core.session import Session
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,7 +121,10 @@ def test_open_session_with_a_bad_file_keeps_the_current_session(qtbot, window, t
     bad["in a missing folder"] = (bad["in a missing folder"][0], "no such session file")  # opened, not created
     for path, needle in [*bad.values(), (broken, "stored JSON unreadable")]:
         assert window.sessions.open_session(path, mode=mode) is False
-        assert window.inputs.error_label.text().startswith("cannot open the session: ") and needle in window.inputs.error_label.text()
+        assert (
+            window.inputs.error_label.text().startswith("cannot open the session: ")
+            and needle in window.inputs.error_label.text()
+        )
         assert window.session is current and not current.closed and window.sessions.label.text() == label
         assert [r.summary for r in current.runs()] == ["current work"]
     good = tmp_path / "good.vlmr"

@@ -84,7 +84,9 @@ def test_a_damaged_bundled_pairs_file_opens_the_window_and_says_so(qtbot, model_
     qtbot.addWidget(win)
     message = win.inputs.error_label.text()
     assert message.startswith("the bundled samples are not available: ") and str(pairs) in message, message
-    assert win.samples == [] and not win.actions.answer_all_samples() and not win.actions.attention_statistics_of_samples()
+    assert (
+        win.samples == [] and not win.actions.answer_all_samples() and not win.actions.attention_statistics_of_samples()
+    )
     assert win.inputs.error_label.text() == "no bundled samples to read out"
     win.close()
 

@@ -4,7 +4,7 @@ other runs are shown; a session none of whose runs can be read is refused
 whole and the current session stays; the window keeps running."""
 
 from app.panels.history_panel import COLUMNS
-from core.readout import RecordedResult
+from core.results.readout import RecordedResult
 from core.session import Session
 from tests.core.test_trust_session_files import _sql
 

@@ -72,13 +72,17 @@ def test_gui_stays_responsive_while_model_runs(qtbot, window):
     seen = []  # (busy, progress value, progress maximum) at each tick of a GUI-thread timer
     timer = QTimer()
     timer.timeout.connect(
-        lambda: seen.append((window.is_busy(), window.inputs.progress_bar.value(), window.inputs.progress_bar.maximum()))
+        lambda: seen.append(
+            (window.is_busy(), window.inputs.progress_bar.value(), window.inputs.progress_bar.maximum())
+        )
     )
     timer.start(10)
     run_until_idle(
         qtbot,
         window,
-        lambda: window.actions.answer_pairs([s.image_path for s in samples], [s.question for s in samples], batch_size=1),
+        lambda: window.actions.answer_pairs(
+            [s.image_path for s in samples], [s.question for s in samples], batch_size=1
+        ),
     )
     timer.stop()
     busy_ticks = [(value, maximum) for busy, value, maximum in seen if busy]
@@ -135,7 +139,7 @@ def test_the_audit_table_follows_the_sessions_events(qtbot, window, tmp_path):
     """The Audit tab is a view of the session: a run recorded in another thread
     (as a worker would) reaches it on the GUI thread through the session's
     on_recorded event, with no refresh by hand; a replaced session no longer drives it."""
-    from core.readout import RecordedResult
+    from core.results.readout import RecordedResult
     from core.session import Session
 
     before = len(window.audit_panel.rows())

@@ -593,7 +593,7 @@ def capture_every_position(loaded, image, question: str):
     """``(trace, inputs)``: one default capture of ``question`` on ``image`` with every
     query position's pattern row and each block's attention output kept: what a
     family file's ``traced_case`` shares with the conformance checks."""
-    from core.capture import capture
+    from core.forward.capture import capture
 
     inputs = loaded.adapter.prepare([image], [question])
     n_pos = inputs.input_ids.shape[1]
@@ -636,10 +636,10 @@ def projected_visual_tokens(loaded, image: Image.Image, question: str, *tensor_n
 
 @torch.no_grad()
 def assert_recomputed_rows_are_eager(loaded, inputs) -> None:
-    """The sdpa path's pattern rows (core/attention_rows.py) against eager attention's own weights.
+    """The sdpa path's pattern rows (core/forward/attention_rows.py) against eager attention's own weights.
 
     1. On the same attention calls (one eager forward, recorded): every row
-       :class:`core.attention_rows.RecomputedRows` gives is the weights eager
+       :class:`core.forward.attention_rows.RecomputedRows` gives is the weights eager
        attention returned, to eager's float32 softmax rounding (``softmax_rtol``
        of the scores; masked weights 0 on both sides) and the queries and keys
        recorded are the ones an eager capture keeps (``keep_qk``), bitwise.
@@ -649,8 +649,8 @@ def assert_recomputed_rows_are_eager(loaded, inputs) -> None:
 
     Families without a fast path (``attention_functions`` False: BLIP, CoCa)
     compute the same pattern either way: the two captures agree bitwise."""
-    from core.attention_rows import RecomputedRows, recording
-    from core.capture import capture, eager_attention, hooks
+    from core.forward.attention_rows import RecomputedRows, recording
+    from core.forward.capture import capture, eager_attention, hooks
 
     adapter = loaded.adapter
     n = inputs.input_ids.shape[1]

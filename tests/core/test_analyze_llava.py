@@ -66,7 +66,7 @@ def test_every_design_field_is_present(result):
 def trace():
     """A capture of the same input: the magnitudes the tolerances below are relative to."""
     from core import load_model
-    from core.capture import capture
+    from core.forward.capture import capture
 
     return load_model("shapes-llava"), capture(load_model("shapes-llava"), SAMPLE, QUESTION)
 

@@ -107,18 +107,18 @@ def test_out_of_memory_is_a_one_line_error(monkeypatch):
 
 def test_core_answer_and_capture_stay_callable_whatever_imports_first():
     """core/__init__ loads names lazily and importing a submodule binds the package
-    attribute to the module: core.answer / core.capture must still be the functions
+    attribute to the module: core.answer / core.forward.capture must still be the functions
     when called, in a fresh process where the submodules are imported first."""
     import subprocess
     import sys
 
     code = (
-        "import core.answer, core.capture, core.analyze\n"
+        "import core.answer, core.forward.capture, core.analyze\n"
         "import core\n"
         "m = core.load_model('shapes-llava')\n"
         "a = core.answer(m, 'resources/samples/sample_00.png', 'what shape is the blue object?')\n"
         "t = core.capture(m, 'resources/samples/sample_00.png', 'what shape is the blue object?')\n"
-        "from core.capture import Trace\n"
+        "from core.forward.capture import Trace\n"
         "assert isinstance(t, Trace) and a.answer == 'square', (a, t)\n"
     )
     root = __import__("pathlib").Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from PIL import Image
 
 from core.analyze import analyze
 from core.answer_text import AnswerText
-from core.capture import eager_attention
+from core.forward.capture import eager_attention
 from core.zoo import scenes
 from tests.core.test_capture_llava import tiny_llava_float64
 from tests.tolerances import step_dtype, sum_tol

@@ -20,12 +20,12 @@ from core.analyze import AnalyzeResult, analyze
 from core.answer_text import AnswerText, word_tokens
 from core.cli import main
 from core.errors import InputFileError, QuestionError
-from core.images import load_image
+from core.files.images import load_image
+from core.files.pairs import read_pairs
 from core.methods.counterfactual import occlusion_sweep, region_counterfactual
 from core.methods.interventions import patch_visual_features
 from core.models.loading import resources_dir
-from core.pairs import read_pairs
-from core.readout import Target
+from core.results.readout import Target
 from core.session import Session
 from core.zoo import scenes
 from tests.core.exactness import forwards_tol, noise_image

@@ -1,4 +1,4 @@
-"""The sdpa capture path (core/attention_rows.py, docs/ARCHITECTURE.md "Capture on the
+"""The sdpa capture path (core/forward/attention_rows.py, docs/ARCHITECTURE.md "Capture on the
 sdpa path"): the wrappers come and go, rows do not depend on which rows were asked for,
 rollout fed block by block is the product of full patterns, and analyze asks only for
 the rows its read-outs read. The per-family check against eager attention's own
@@ -13,8 +13,8 @@ from PIL import Image
 import core.readouts.pipeline as pipeline
 from core import load_model
 from core.analyze import analyze
-from core.attention_rows import ROW_CHUNK, RecomputedRows, recording
-from core.capture import capture
+from core.forward.attention_rows import ROW_CHUNK, RecomputedRows, recording
+from core.forward.capture import capture
 from core.methods.patterns import RolloutStream, rollout
 from core.readouts import TEXT_PATTERN_LIMIT, pattern_rows
 from core.zoo import scenes

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from core.edits import Edit
 from core.errors import InterventionError, ModelLoadError, UnsupportedArchitectureError
+from core.forward.edits import Edit
 from core.models.families.aya_vision import AyaVisionAdapter
 from core.models.loading import LoadedModel
 from core.models.norms import Norm

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from core.capture import capture
+from core.forward.capture import capture
 from core.methods import contributions, residual
 from core.methods.logit_lens import logit_lens
 from core.methods.residual import target_direction

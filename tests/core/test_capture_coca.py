@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 from core import load_model
-from core.capture import capture
+from core.forward.capture import capture
 from core.methods.logit_lens import logit_lens
 from core.methods.residual import component_stack, decompose
 from core.models.loading import LoadedModel

@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from core import load_model
-from core.capture import capture
+from core.forward.capture import capture
 from core.models.loading import LoadedModel
 from core.zoo import build, scenes
 from tests.core.exactness import (

@@ -1,6 +1,6 @@
 """The command line's layout holds: one module per command under core/cli/,
 a parser that imports nothing heavy, the zoo's scripts below the command line,
-and one pairs reader (core.pairs.read_pairs) with one mask convention."""
+and one pairs reader (core.files.pairs.read_pairs) with one mask convention."""
 
 import json
 import subprocess
@@ -14,7 +14,7 @@ from PIL import Image
 
 from core.cli import COMMANDS, build_parser, main
 from core.errors import ImageLoadError, InputFileError
-from core.pairs import Pair, load_pair_image, load_pair_mask, pairs_file, read_pairs
+from core.files.pairs import Pair, load_pair_image, load_pair_mask, pairs_file, read_pairs
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "numpy", "open_clip", "PIL")
@@ -88,7 +88,7 @@ def test_the_help_lists_every_command_in_order(capsys):
 def test_every_model_command_takes_dtype_and_device():
     """Every command that loads a model offers ``--dtype`` (auto, float32, bfloat16,
     float16; default auto) and ``--device``, from the one place (core.cli.args)."""
-    from core.precision import DTYPE_CHOICES
+    from core.shell.precision import DTYPE_CHOICES
 
     sub = build_parser()._subparsers._group_actions[0]
     model_commands = [name for name in COMMAND_NAMES if name != "export"]
@@ -118,7 +118,7 @@ def test_every_command_module_has_add_command_and_run():
 
 def test_the_zoo_scripts_do_not_import_the_command_line():
     """core.zoo sits below core.cli (core.cli's lens and evaluate-zoo commands
-    use the zoo): the zoo's scripts take their argument helpers from core.arguments."""
+    use the zoo): the zoo's scripts take their argument helpers from core.shell.arguments."""
     r = _fresh(
         """
         import sys

@@ -5,8 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from core.capture import capture
 from core.errors import InterventionError
+from core.forward.capture import capture
 from core.methods.component_ablation import ablation_edits, parse_component
 from core.methods.interventions import run_interventions
 from core.zoo import scenes

@@ -12,9 +12,9 @@ import torch
 from PIL import Image
 
 from core import load_model
-from core.capture import capture
 from core.cli import main
-from core.geometry import VisualToken
+from core.forward.capture import capture
+from core.forward.geometry import VisualToken
 from core.methods.contributions import source_contributions
 from core.methods.counterfactual import (
     INTERPOLATED_FLAG,

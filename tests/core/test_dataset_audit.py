@@ -16,7 +16,6 @@ from PIL import Image
 
 from core import load_model
 from core.analyze import analyze
-from core.atomic import staged_writes
 from core.cli import build_parser, main
 from core.cli.audit import run as cmd_audit
 from core.dataset_audit import (
@@ -29,7 +28,8 @@ from core.dataset_audit import (
     shard_chunks,
     write_outputs,
 )
-from core.images import load_mask
+from core.files.atomic import staged_writes
+from core.files.images import load_mask
 from core.zoo import scenes
 from core.zoo.dataset import main as dataset_main
 from core.zoo.dataset import write_dataset
@@ -172,7 +172,7 @@ def padded_batch_tols(loaded, item) -> tuple[float, float, int, int]:
     padded batch may be from its single run. A logit: as far as two forwards may
     be apart. A pattern weight, relative to itself: twice its scores' change
     (softmax's sensitivity), the scores as far as two forwards may be apart."""
-    from core.capture import capture
+    from core.forward.capture import capture
 
     a = loaded.adapter
     tr = capture(loaded, item.image_path, item.question, keep_qk=True)
@@ -319,7 +319,7 @@ def test_self_attention_model_region_mass_in_a_padded_batch(tmp_path):
     assert len(set(prepared.answer_positions.tolist())) == 2  # the batch is padded
     methods = parse_methods("attention")
     recs = run_shard(llava, items, methods, batch_size=2).records
-    from core.capture import capture
+    from core.forward.capture import capture
 
     for it, rec in zip(items, recs):
         mask = load_mask(it.target_mask)
@@ -361,7 +361,7 @@ def test_first_ctrl_c_asks_to_stop_after_the_batch(capsys):
 
 def test_a_failed_session_record_leaves_the_earlier_outputs_as_they_were(coca, dataset, tmp_path, monkeypatch):
     """The output files are staged and land only once the --session run is
-    recorded (core.atomic.staged_writes): a failed record changes none of an
+    recorded (core.files.atomic.staged_writes): a failed record changes none of an
     earlier run's files and leaves no temporary file."""
     import core.session
     from core.session import SessionError

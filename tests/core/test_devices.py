@@ -91,7 +91,7 @@ def _runs(m) -> dict[str, str]:
     inputs = adapter.prepare([IMAGE], [QUESTION])
     square, triangle = adapter.token_id("square"), adapter.token_id("triangle")
     answer = int(inputs.answer_positions[0])
-    from core.capture import capture
+    from core.forward.capture import capture
 
     base = capture(m, IMAGE, QUESTION, inputs=inputs)
     edits = {
@@ -126,7 +126,7 @@ def test_a_model_behind_accelerate_hooks_reads_out_as_the_model(llava):
 def test_capture_records_each_block_where_its_weights_are(llava):
     """The capture's records of a block's input and the final norm's input live
     on the device of that module's weights (here the CPU, through the hooks)."""
-    from core.capture import capture
+    from core.forward.capture import capture
 
     with dispatched(llava) as m:
         trace = capture(m, IMAGE, QUESTION)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from core.analyze import analyze
-from core.capture import capture
+from core.forward.capture import capture
 from core.methods.qk_ov import model_scores, realized_scores
 from tests.core.exactness import frozen_sum_tol, noise_image, pattern_rtol, realized_scores_tol, stack_tol
 

@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 
 from core import load_model
-from core.capture import capture, eager_attention
 from core.errors import QuestionError, UnsupportedArchitectureError
+from core.forward.capture import capture, eager_attention
 from core.methods.contributions import source_contributions
 from core.methods.logit_lens import logit_lens
 from core.methods.residual import decompose

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from core.capture import capture
 from core.errors import UnsupportedArchitectureError
+from core.forward.capture import capture
 from core.methods.logit_lens import logit_lens
 from core.methods.residual import decompose
 from core.models.families.gemma3 import Gemma3Adapter

@@ -15,11 +15,11 @@ from PIL import Image
 
 from core import load_model
 from core.answer_text import AnswerText
-from core.audit import METHOD_TABLE
 from core.cli import main
 from core.generate import DEFAULT_MAX_NEW_TOKENS, Generation, decoded_text, generate
 from core.models.loading import resources_dir
-from core.readout import Readout
+from core.results.audit import METHOD_TABLE
+from core.results.readout import Readout
 from core.zoo import scenes, vocab
 from tests.core.exactness import forwards_tol, logit_terms_bound, noise_image
 from tests.core.test_family_conformance import FAMILY_FILES, Case, _cases, _id

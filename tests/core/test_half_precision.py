@@ -3,7 +3,7 @@ tiny model, converted from its float64 build, passes the checks the float64
 models pass (tests/core/exactness.py, test_generate.py, test_answer_text.py),
 with the half-precision tolerances of tests/tolerances.py (``gamma``: a float32
 accumulation rounded once to the half dtype; the read-outs accumulate in
-float32, ``core.precision.accumulation_dtype``).
+float32, ``core.shell.precision.accumulation_dtype``).
 
 One converted model and one capture per model and dtype, cached for the session."""
 
@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from core.capture import capture
+from core.forward.capture import capture
 from core.methods.logit_lens import logit_lens
 from core.methods.residual import component_stack, decompose, target_direction
 from core.models.loading import LoadedModel

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from core.errors import QuestionError
-from core.geometry import region_tokens
+from core.forward.geometry import region_tokens
 from core.models.canonical import NotMapped
 from core.models.families.idefics2 import Idefics2Adapter
 from core.models.loading import LoadedModel
@@ -324,8 +324,8 @@ def test_inverting_a_corner_moves_every_latent_of_the_frames_that_see_it(traced)
 
 def test_no_visual_feature_site():
     """The connector's output is (frames, latents, d_model): no visual-feature edit site."""
-    from core.edits import Edit
     from core.errors import InterventionError
+    from core.forward.edits import Edit
 
     m, _ = traced_case("idefics2")
     for site in ("vision_out", "projector_out"):

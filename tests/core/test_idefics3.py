@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from core.capture import capture
 from core.errors import QuestionError
+from core.forward.capture import capture
 from core.models.families.idefics3 import Idefics3Adapter, SmolVLMAdapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
@@ -402,8 +402,8 @@ def test_the_visual_feature_sites_are_refused_in_one_line(kind):
     """The connector runs per frame, so there is no (batch, n_visual, width) site: an edit
     or a patch there is one InterventionError naming the sites that exist (it was an
     AttributeError for LLaVA's projector, which this model lacks)."""
-    from core.edits import Edit
     from core.errors import InterventionError
+    from core.forward.edits import Edit
 
     m = traced_case(kind)[0]
     inputs = m.adapter.prepare([noise_image(IMAGE_SIZE)], [QUESTION])

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from core.errors import ImageLoadError
-from core.images import image_sha256, load_image
+from core.files.images import image_sha256, load_image
 
 
 def _save(img, tmp_path, name, **kw):

@@ -1,11 +1,11 @@
-"""core/input_files.py: the one validating first step of every file the tool reads."""
+"""core/files/input_files.py: the one validating first step of every file the tool reads."""
 
 import os
 
 import pytest
 
 from core.errors import InputFileError, ModelLoadError
-from core.input_files import json_depth_exceeds, parse_json, read_json_file, read_regular_bytes
+from core.files.input_files import json_depth_exceeds, parse_json, read_json_file, read_regular_bytes
 
 
 def test_a_json_object_is_read(tmp_path):
@@ -66,7 +66,7 @@ def test_size_bound_and_the_callers_error_class(tmp_path):
 def test_checked_path_names_the_checked_file_even_once_it_is_swapped(tmp_path):
     """safetensors opens by path: the path it is given is the checked file's
     descriptor, so a FIFO put in its place after the check is never opened."""
-    from core.input_files import checked_path
+    from core.files.input_files import checked_path
 
     target = tmp_path / "lens.safetensors"
     target.write_bytes(b"the checked bytes")

@@ -9,8 +9,8 @@ import functools
 import pytest
 import torch
 
-from core.edits import Edit
 from core.errors import InterventionError, ModelLoadError, QuestionError
+from core.forward.edits import Edit
 from core.models.families.internvl import InternVLAdapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import capture_every_position, noise_image, projected_visual_tokens

@@ -9,10 +9,10 @@ import pytest
 
 import core.cli
 from core import load_model
-from core.capture import capture
 from core.cli import main
-from core.geometry import painted_tokens
-from core.images import load_image, load_mask
+from core.files.images import load_image, load_mask
+from core.forward.capture import capture
+from core.forward.geometry import painted_tokens
 from core.methods.component_ablation import KINDS, POSITIONS, ablation_edits, parse_component
 from core.methods.interventions import patch_visual_features, run_interventions
 from core.models.loading import resources_dir

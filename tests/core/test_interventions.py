@@ -1,4 +1,4 @@
-"""Interventions (core/methods/interventions.py, core/edits.py): each site,
+"""Interventions (core/methods/interventions.py, core/forward/edits.py): each site,
 ablation, activation patch and knockout is checked against what it must do by
 construction, on tiny float64 models; the colour-flip bar on a small sample
 of shapes-coca (bench/patching_bars.py measures it on 200+ questions)."""
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from core import load_model
-from core.capture import capture
-from core.edits import Edit
 from core.errors import InterventionError
-from core.geometry import region_tokens
+from core.forward.capture import capture
+from core.forward.edits import Edit
+from core.forward.geometry import region_tokens
 from core.methods import interventions as iv
 from core.zoo import scenes
 from tests.core.test_capture_coca import tiny_coca_float64

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from core.capture import capture
 from core.errors import ModelLoadError, QuestionError
+from core.forward.capture import capture
 from core.models.families.janus import JanusAdapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import capture_every_position, noise_image, projected_visual_tokens

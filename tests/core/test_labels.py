@@ -9,9 +9,9 @@ import torch
 from PIL import Image
 
 from core import load_model
-from core.capture import capture
-from core.methods import labels as L
-from core.methods.labels import (
+from core.forward.capture import capture
+from core.methods import validation as L
+from core.methods.validation import (
     ChainStep,
     InputCondition,
     Label,

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from core.capture import capture
 from core.errors import QuestionError
+from core.forward.capture import capture
 from core.models.families.llava_next import LlavaNextAdapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import (

@@ -11,9 +11,9 @@ import functools
 import pytest
 import torch
 
-from core.capture import capture
-from core.edits import Edit
 from core.errors import InterventionError, ModelLoadError, QuestionError
+from core.forward.capture import capture
+from core.forward.edits import Edit
 from core.models.families.llava_next import LlavaNextAdapter
 from core.models.families.llava_onevision import LlavaOnevisionAdapter
 from core.models.loading import LoadedModel

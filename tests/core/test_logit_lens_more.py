@@ -6,7 +6,7 @@ from PIL import Image
 
 from core import load_model
 from core.answer import answer_batch
-from core.capture import capture
+from core.forward.capture import capture
 from core.methods.logit_lens import logit_lens_over_samples, logit_lens_positions
 from core.zoo import scenes
 from tests.core.exactness import unembedding_tol

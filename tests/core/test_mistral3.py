@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from core.capture import capture
-from core.edits import Edit
 from core.errors import ImageLoadError, InterventionError, QuestionError, UnsupportedArchitectureError
+from core.forward.capture import capture
+from core.forward.edits import Edit
 from core.models.families.mistral3 import Mistral3Adapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import capture_every_position, noise_image, pattern_rtol, projected_visual_tokens, scores_tol

@@ -15,8 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
-from core.capture import capture
 from core.errors import QuestionError
+from core.forward.capture import capture
 from core.methods.residual import decompose
 from core.models.families.mllama import MllamaAdapter
 from core.models.loading import LoadedModel
@@ -472,7 +472,7 @@ def test_edits_on_the_cross_block(traced):
     """Zeroing a cross head removes exactly its (gated) write; patching the cross
     head's z and the cross MLP's write with their own values changes nothing;
     the MLP write cannot be patched at rows before the image."""
-    from core.edits import Edit
+    from core.forward.edits import Edit
 
     m, tr = traced
     a = m.adapter

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from core.capture import capture
-from core.edits import Edit
 from core.errors import InterventionError, QuestionError, UnsupportedArchitectureError
+from core.forward.capture import capture
+from core.forward.edits import Edit
 from core.models.families.molmo2 import Molmo2Adapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import (

@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 
 from core import load_model
-from core.capture import capture
 from core.errors import InterventionError, ReadoutError
-from core.geometry import region_tokens
+from core.forward.capture import capture
+from core.forward.geometry import region_tokens
 from core.methods.nonunique import HeadProblem, head_problem, nonunique_attention, solve, visual_token_keys, with_values
 from core.zoo import scenes
 from tests.core.exactness import norm_dtype, realized_scores_tol

@@ -13,10 +13,10 @@ from PIL import Image
 
 import core.cli
 from core import load_model
-from core.capture import capture
 from core.cli import build_parser, main
-from core.geometry import region_tokens
-from core.images import load_image
+from core.files.images import load_image
+from core.forward.capture import capture
+from core.forward.geometry import region_tokens
 from core.methods.nonunique import NonuniqueResult, nonunique_attention, visual_token_keys
 from core.models.loading import resources_dir
 from core.session import Session

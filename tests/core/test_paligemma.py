@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from core.capture import capture
 from core.errors import UnsupportedArchitectureError
+from core.forward.capture import capture
 from core.methods.residual import decompose, target_direction
 from core.models.families.paligemma import PaliGemmaAdapter
 from core.models.loading import LoadedModel
@@ -377,7 +377,7 @@ def test_positions_and_rotation_are_the_models(traced):
     cos/sin the decoder layers received."""
     from transformers.models.gemma.modeling_gemma import rotate_half
 
-    from core.capture import hooks
+    from core.forward.capture import hooks
 
     m, tr, inputs = traced
     a = m.adapter

@@ -6,8 +6,8 @@ import torch
 from PIL import Image
 
 from core import load_model
-from core.capture import capture
-from core.geometry import region_tokens
+from core.forward.capture import capture
+from core.forward.geometry import region_tokens
 from core.methods.patterns import (
     ROLES,
     Distribution,
@@ -43,7 +43,7 @@ def test_role_masses_partition_each_heads_attention(llava):
 
 
 def test_padding_is_labelled_and_gets_no_mass(llava):
-    from core.capture import capture as cap
+    from core.forward.capture import capture as cap
 
     short, long = "what color is the circle?", "is the red circle left of the blue square?"
     image = Image.fromarray(scenes.make_sample("heldout", 2).image)
@@ -100,7 +100,7 @@ def test_distribution_quantiles_and_histogram():
 
 
 def test_region_tokens_follow_the_mask():
-    from core.geometry import VisualToken
+    from core.forward.geometry import VisualToken
 
     tokens = [VisualToken(i, i, 0, 0, i, [i * 10.0, 0.0, i * 10.0 + 10, 10.0]) for i in range(4)]
     mask = np.zeros((10, 40), bool)

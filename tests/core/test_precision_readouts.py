@@ -13,9 +13,9 @@ import torch
 
 import core
 from core.analyze import analyze
-from core.capture import capture
+from core.forward.capture import capture
 from core.methods.residual import component_stack, decompose, target_direction
-from core.precision import dtype_name, unit_roundoff
+from core.shell.precision import dtype_name, unit_roundoff
 
 SAMPLES = "resources/samples"
 U32 = unit_roundoff(torch.float32)

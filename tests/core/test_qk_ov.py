@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from core import load_model
-from core.capture import capture
+from core.forward.capture import capture
 from core.methods.qk_ov import copying_score, model_scores, ov_circuit, qk_circuit, realized_scores
 from core.zoo import scenes
 from tests.core.exactness import noise_image, pattern_rtol, realized_scores_tol

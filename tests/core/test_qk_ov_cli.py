@@ -12,9 +12,9 @@ import torch
 
 import core.cli
 from core import load_model
-from core.capture import capture
 from core.cli import build_parser, main
-from core.images import load_image
+from core.files.images import load_image
+from core.forward.capture import capture
 from core.methods.qk_ov import ACTIVATION_FLAG, WEIGHT_FLAG, qk_circuit, qk_ov
 from core.models.loading import resources_dir
 from tests.core.exactness import noise_image, realized_scores_tol

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from core.capture import capture
+from core.forward.capture import capture
 from core.models.families.qwen2_vl import Qwen2_5_VLAdapter, Qwen2VLAdapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import (

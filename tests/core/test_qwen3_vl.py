@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from core.capture import capture
 from core.errors import QuestionError
+from core.forward.capture import capture
 from core.methods.residual import component_stack, decompose
 from core.models.families.qwen3_vl import Qwen3VLAdapter
 from core.models.loading import LoadedModel

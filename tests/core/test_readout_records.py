@@ -1,9 +1,9 @@
-"""Every method result is a :class:`core.readout.Readout`, and
+"""Every method result is a :class:`core.results.readout.Readout`, and
 :meth:`core.session.Session.record` stores what it says about itself: its
 kind, its ``to_dict()`` JSON, its one-line ``summary()``, its ``parameters()``
 (with the caller's additions) and its ``audit_records()``; nothing is guessed
 from a result's keys. The answer numbers of every method are one
-:class:`core.readout.Target`."""
+:class:`core.results.readout.Target`."""
 
 import functools
 import json
@@ -12,9 +12,9 @@ import pytest
 
 from core.methods import interventions as iv
 from core.methods.counterfactual import occlusion_sweep, region_counterfactual
-from core.methods.labels.chain import InputCondition, ValidationChain
 from core.methods.tuned_lens.evaluate import LensEvaluation, ReaderMetrics
-from core.readout import Readout, RecordedResult, Target
+from core.methods.validation.chain import InputCondition, ValidationChain
+from core.results.readout import Readout, RecordedResult, Target
 from core.session import Session
 from core.zoo.distractor_scenes import scenes_with_distractor
 from tests.core.test_capture_llava import tiny_llava_float64 as _tiny_llava
@@ -154,7 +154,7 @@ def test_jsonable_maps_every_non_finite_float_to_none_on_the_fast_path_and_off_i
     import numpy as np
     import torch
 
-    from core.readout import jsonable
+    from core.results.readout import jsonable
 
     big = 1e308
     cases = {

@@ -13,13 +13,13 @@ from PIL import Image
 
 from core import load_model
 from core.analyze import AnalyzeResult, analyze
-from core.audit import AuditRecord
-from core.audit_tables import RECORD_COLUMNS, audit_csv, audit_markdown, cell, markdown_cell
 from core.dataset_audit import METHODS, AuditMethod, parse_methods, read_dataset, run_shard, token_cover
 from core.errors import ReadoutError
-from core.images import load_mask
-from core.readout import Readout, Target
+from core.files.images import load_mask
 from core.readouts import ANALYZE_READOUTS, READOUTS, register_method
+from core.results.audit import AuditRecord
+from core.results.audit_tables import RECORD_COLUMNS, audit_csv, audit_markdown, cell, markdown_cell
+from core.results.readout import Readout, Target
 from core.zoo.dataset import write_dataset
 
 BOTH = "answer,lens,attention,dla,rollout"

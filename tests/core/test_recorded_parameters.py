@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from core.answer_text import AnswerText
-from core.images import load_image
+from core.files.images import load_image
 from core.models.loading import resources_dir
 from core.requests import (
     AblationRequest,

@@ -18,7 +18,7 @@ from core import load_model
 from core.answer_text import AnswerText
 from core.cli import main
 from core.errors import QuestionError
-from core.images import load_image, load_mask
+from core.files.images import load_image, load_mask
 from core.models.loading import resources_dir
 from core.requests import (
     REQUESTS,
@@ -262,7 +262,7 @@ def test_the_audit_in_one_process_is_the_shards_merged(llava):
         run_shard,
         summarize,
     )
-    from core.pairs import read_pairs
+    from core.files.pairs import read_pairs
 
     request = AuditRequest(dataset=str(SAMPLES), limit=3, batch_size=2)
     got = request.run(llava)

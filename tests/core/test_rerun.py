@@ -1,4 +1,4 @@
-"""Edited forwards (core/edits.py) and the DLA-versus-re-run comparison,
+"""Edited forwards (core/forward/edits.py) and the DLA-versus-re-run comparison,
 checked against what the edit must do by construction."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 from PIL import Image
 
 from core import load_model
-from core.capture import capture
-from core.edits import Edit
+from core.forward.capture import capture
+from core.forward.edits import Edit
 from core.methods.residual import compare_with_rerun, decompose
 from core.zoo import scenes
 from tests.core.exactness import head_removal_tol, removal_tol

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from core.capture import capture
+from core.forward.capture import capture
 from core.methods.residual import decompose
 from core.zoo import scenes
 from tests.core.exactness import (

@@ -1,5 +1,5 @@
-"""Every session run kind has a result class (core.readout.RESULT_TYPES), and a stored
-result comes back as that class through core.readout.restore_result: for a result of
+"""Every session run kind has a result class (core.results.readout.RESULT_TYPES), and a stored
+result comes back as that class through core.results.readout.restore_result: for a result of
 each kind computed on the bundled shapes-llava, ``from_dict(to_dict(x)).to_dict() ==
 to_dict(x)``, and the run the session stored (by the library or by the command line,
 which adds its header) restores as ``Run.readout`` to the JSON it holds. A document that
@@ -15,16 +15,16 @@ from core import load_image, load_model
 from core.analyze import analyze
 from core.dataset_audit import parse_methods, run_shard
 from core.dataset_audit.summaries import AuditSummary, summarize
+from core.files.images import load_mask
+from core.files.pairs import read_pairs
 from core.generate import generate
-from core.images import load_mask
 from core.methods import interventions as iv
 from core.methods.counterfactual import Fill, occlusion_sweep, region_counterfactual
 from core.methods.nonunique import nonunique_of_input
 from core.methods.patterns import pattern_statistics
 from core.methods.qk_ov import qk_ov
 from core.methods.tuned_lens import evaluate_lens, load_lens
-from core.pairs import read_pairs
-from core.readout import (
+from core.results.readout import (
     RESULT_TYPES,
     Note,
     RecordedResult,

@@ -27,13 +27,13 @@ from PIL import Image
 import core.cli
 from core import load_model
 from core.analyze import analyze
-from core.audit import AuditRecord
 from core.cli import main
 from core.errors import ReadoutError
 from core.export import audit_csv, audit_html, audit_json, audit_markdown, export_session, run_figures
-from core.images import image_sha256, load_image
+from core.files.images import image_sha256, load_image
 from core.models.loading import resources_dir
-from core.readout import RecordedResult
+from core.results.audit import AuditRecord
+from core.results.readout import RecordedResult
 from core.session import (
     APPLICATION_ID,
     AUDIT_COLUMNS,
@@ -447,7 +447,7 @@ import os, random, sys, types
 root, path, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 pkg = types.ModuleType("core"); pkg.__path__ = [os.path.join(root, "core")]; sys.modules["core"] = pkg
 import numpy as np
-from core.readout import RecordedResult
+from core.results.readout import RecordedResult
 from core.session import Session
 s = Session.open_or_create(path)
 rng = random.Random(seed)

@@ -31,17 +31,17 @@ from PIL import Image
 import core.cli
 from core import load_model
 from core.analyze import analyze
-from core.audit_tables import cell
-from core.capture import capture
 from core.cli import main
-from core.images import image_sha256, load_image
+from core.files.images import image_sha256, load_image
+from core.files.pairs import read_pairs
+from core.forward.capture import capture
 from core.methods.counterfactual import occlusion_sweep, region_counterfactual, resolve_tokens
 from core.methods.counterfactual.fills import Fill
 from core.methods.interventions import patch_visual_features, run_interventions, zero_ablation
 from core.methods.patterns import pattern_statistics
 from core.models.loading import resources_dir
-from core.pairs import read_pairs
-from core.readout import RecordedResult
+from core.results.audit_tables import cell
+from core.results.readout import RecordedResult
 from core.session import AUDIT_COLUMNS, RUN_COLUMNS, Session, SessionError
 from core.session.files import checkpoint_wal
 

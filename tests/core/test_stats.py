@@ -1,10 +1,10 @@
-"""core.stats against independent computations: numpy's corrcoef for
+"""core.methods.stats against independent computations: numpy's corrcoef for
 Pearson, and Spearman from ranks averaged by hand over each tie."""
 
 import numpy as np
 import pytest
 
-from core.stats import pearson, ranks, spearman
+from core.methods.stats import pearson, ranks, spearman
 
 
 def _mean_ranks_by_hand(x):

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from core import load_model
-from core.capture import capture, eager_attention
+from core.forward.capture import capture, eager_attention
 from core.methods.patterns import TextPatterns, display_token, head_text_pattern, text_patterns, text_positions
 from core.zoo import scenes
 from tests.core.test_capture_coca import tiny_coca_float64

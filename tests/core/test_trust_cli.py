@@ -20,15 +20,15 @@ from pathlib import Path
 
 import pytest
 
-import core.atomic
-from core.arguments import Number
-from core.atomic import check_output_file, check_output_folder, write_text_atomic
+import core.files.atomic
 from core.cli import build_parser, main
 from core.dataset_audit import read_dataset
 from core.errors import ImageLoadError, InputFileError, OutputError, ReadoutError
+from core.files.atomic import check_output_file, check_output_folder, write_text_atomic
+from core.files.pairs import load_pair_image, read_pairs
 from core.methods.tuned_lens import read_pairs as read_lens_pairs
 from core.models.loading import resources_dir
-from core.pairs import load_pair_image, read_pairs
+from core.shell.arguments import Number
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = resources_dir() / "samples"
@@ -316,7 +316,7 @@ def test_parent_that_is_a_file_and_names_too_long_are_one_line(tmp_path):
     with pytest.raises(OutputError, match="it is a file, not a folder"):
         check_output_folder(afile)
     with pytest.raises(OutputError, match="is a file, not a folder"):
-        core.atomic.make_folder(afile / "sub")
+        core.files.atomic.make_folder(afile / "sub")
     with pytest.raises(OutputError, match="File name too long"):
         write_text_atomic(tmp_path / ("n" * 300), "x")
     _only(tmp_path, "afile")
@@ -330,7 +330,7 @@ def test_failed_write_is_one_line_and_leaves_the_old_file_and_no_temp(old, tmp_p
     def fail(*args, **kwargs):
         raise OSError(code, os.strerror(code))
 
-    target = core.atomic.os if where == "fsync" else core.atomic.tempfile
+    target = core.files.atomic.os if where == "fsync" else core.files.atomic.tempfile
     monkeypatch.setattr(target, where, fail)
     with pytest.raises(OutputError) as e:
         write_text_atomic(old, "new contents that do not fit\n")

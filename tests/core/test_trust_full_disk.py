@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-import core.atomic
 import core.cli
+import core.files.atomic
 from core.cli import main
-from core.readout import RecordedResult
+from core.results.readout import RecordedResult
 from core.session import Session, SessionError, record_into
 from core.session.records import _sqlite_problem
 from tests.core.test_trust_session_files import _session
@@ -78,7 +78,7 @@ def test_an_io_error_with_no_space_left_is_the_disk_full_and_never_corruption(tm
     class NoSpace:
         f_blocks, f_bavail, f_frsize = 1000, 3, 4096
 
-    monkeypatch.setattr(core.atomic.os, "statvfs", lambda path: NoSpace)
+    monkeypatch.setattr(core.files.atomic.os, "statvfs", lambda path: NoSpace)
     for e in (io_error, full):
         line = _sqlite_problem(p, e, "open it")
         assert line.startswith(f"{p}: cannot open it: the disk is full (12 KB free on the file system of {tmp_path})")
@@ -99,7 +99,7 @@ def test_a_failed_write_of_an_output_names_the_full_disk(tmp_path, monkeypatch, 
     def no_space(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(core.atomic.os, "fsync", no_space)
+    monkeypatch.setattr(core.files.atomic.os, "fsync", no_space)
     assert main(["export", "--session", str(session), "--format", "json", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: cannot write {out}: No space left on device; the existing file is unchanged"]
@@ -134,7 +134,7 @@ _LIMITED = textwrap.dedent(
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY))
     from core.cli import main
-    from core.readout import RecordedResult
+    from core.results.readout import RecordedResult
     from core.session import SessionError, record_into
     session, out = sys.argv[2], sys.argv[3]
     code = main(["export", "--session", session, "--format", "csv", "--out", out + ".csv"])

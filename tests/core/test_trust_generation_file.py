@@ -19,8 +19,8 @@ import core.generate
 from core import load_model
 from core.cli import main
 from core.errors import InputFileError
+from core.files.images import image_sha256, load_image
 from core.generate import Generation, check_generation, read_generation
-from core.images import image_sha256, load_image
 from core.models.loading import resources_dir
 
 SAMPLES = resources_dir() / "samples"

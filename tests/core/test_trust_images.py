@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-import core.images as images
+import core.files.images as images
 from core.cli import main as cli_main
 from core.errors import ImageLoadError
-from core.images import MAX_ASPECT_RATIO, MAX_FILE_BYTES, MAX_PIXELS, load_image, to_rgb
+from core.files.images import MAX_ASPECT_RATIO, MAX_FILE_BYTES, MAX_PIXELS, load_image, to_rgb
 from tests.fuzz.hostile_images import (
     dds_bytes,
     eps_bytes,
@@ -358,8 +358,8 @@ def test_baseline_jpeg_still_loads_from_a_path(tmp_path):
 )
 def test_mask_files_go_through_the_same_checks(tmp_path, name, data, named):
     """Region masks (counterfactual --mask, dataset masks) are image files too."""
+    from core.files.pairs import Pair, load_pair_mask
     from core.methods.counterfactual import mask_from_png
-    from core.pairs import Pair, load_pair_mask
 
     path = tmp_path / name
     path.write_bytes(data)
@@ -371,7 +371,7 @@ def test_mask_files_go_through_the_same_checks(tmp_path, name, data, named):
 
 
 def test_mask_reads_luminance_and_alpha(tmp_path):
-    from core.images import load_mask
+    from core.files.images import load_mask
 
     rgba = np.zeros((2, 3, 4), np.uint8)
     rgba[..., :3] = 255

@@ -327,7 +327,7 @@ def test_an_evaluation_set_is_decoded_a_batch_at_a_time(tmp_path, monkeypatch):
     million pairs, a million images in memory): take() decodes none, a slice
     decodes its own."""
     import core.methods.tuned_lens.data as data
-    from core.pairs import Pair
+    from core.files.pairs import Pair
     from core.zoo.lens_corpus import SyntheticCorpus
 
     decoded = []

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save_file
 
-from core import offline
 from core.errors import ModelLoadError
 from core.models.loading import load_model, resources_dir
+from core.shell import offline
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = resources_dir() / "samples" / "sample_00.png"

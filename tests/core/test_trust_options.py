@@ -31,14 +31,14 @@ import torch
 
 import core.cli
 from core import load_model
-from core.arguments import MAX_BATCH, Number, thread_count
 from core.cli import build_parser, main
 from core.cli.args import device_name
 from core.cli.qk_ov import MAX_COPY_TOKENS
 from core.errors import ModelLoadError, QuestionError
 from core.methods.tuned_lens import LensConfig, LensError, train_lens
 from core.models.loading import resources_dir
-from core.precision import check_device, device_problem
+from core.shell.arguments import MAX_BATCH, Number, thread_count
+from core.shell.precision import check_device, device_problem
 from tests.core.test_trust_prompt import MODELS, built
 
 ROOT = Path(__file__).resolve().parents[2]

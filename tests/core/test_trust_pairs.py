@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-import core.pairs
+import core.files.pairs
 from core.cli import main
 from core.dataset_audit import read_dataset
 from core.errors import ImageLoadError, InputFileError
+from core.files.pairs import check_pair_images, load_pair_mask, read_pairs
 from core.methods.tuned_lens import read_pairs as read_lens_pairs
 from core.models.loading import resources_dir
-from core.pairs import check_pair_images, load_pair_mask, read_pairs
 from tests.fuzz.hostile_images import png_bytes, tiff_bytes
 
 SAMPLES = resources_dir() / "samples"
@@ -98,10 +98,10 @@ def test_a_fifo_is_refused_without_waiting(tmp_path, capsys):
 
 def test_size_and_pair_bounds(tmp_path, monkeypatch):
     path = _pairs(tmp_path, [_row()] * 4)
-    monkeypatch.setattr(core.pairs, "MAX_PAIRS", 3)
+    monkeypatch.setattr(core.files.pairs, "MAX_PAIRS", 3)
     _refused(lambda: read_pairs(path), f"{path}:4: over 3 pairs, the most one file may hold; split the pairs file")
     assert len(read_pairs(path, limit=3)) == 3  # a limit reads no further
-    monkeypatch.setattr(core.pairs, "MAX_PAIRS_BYTES", 100)
+    monkeypatch.setattr(core.files.pairs, "MAX_PAIRS_BYTES", 100)
     _refused(lambda: read_pairs(path), f"{path}: {path.stat().st_size:,} bytes, over the 100-byte limit")
 
 
@@ -149,7 +149,7 @@ def test_a_large_file_is_read_fast_with_progress_and_names_its_last_bad_line(tmp
     pairs = read_pairs(path, progress=lambda done, total, message="": calls.append((done, total, message)))
     seconds = time.perf_counter() - start
     assert len(pairs) == n + 1 and seconds < 10, f"{n:,} lines in {seconds:.1f} s"  # ~100k lines/s unloaded
-    assert calls[-1][:2] == (n + 2, n + 2) and len(calls) >= n // core.pairs.PROGRESS_EVERY
+    assert calls[-1][:2] == (n + 2, n + 2) and len(calls) >= n // core.files.pairs.PROGRESS_EVERY
     assert [c[0] for c in calls] == sorted(c[0] for c in calls) and "reading big.jsonl: line" in calls[0][2]
     with pytest.raises(ImageLoadError, match=rf"^{path}:{n + 1}: .*gone.png: no such file$"):
         check_pair_images(pairs)
@@ -159,7 +159,7 @@ def test_a_large_file_is_read_fast_with_progress_and_names_its_last_bad_line(tmp
 def test_each_distinct_image_is_checked_once(tmp_path, monkeypatch):
     path = _pairs(tmp_path, [_row(), _row("sample_01.png"), _row(), _row()])
     checked = []
-    monkeypatch.setattr(core.pairs, "check_pair_image", lambda pair: checked.append(pair.line))
+    monkeypatch.setattr(core.files.pairs, "check_pair_image", lambda pair: checked.append(pair.line))
     assert (
         check_pair_images(read_pairs(path))
         == [tmp_path / n for n in ("sample_00.png", "sample_01.png")] + [tmp_path / "sample_00.png"] * 2

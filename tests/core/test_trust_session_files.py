@@ -22,7 +22,7 @@ import pytest
 
 import core.cli
 from core.cli import main
-from core.readout import RecordedResult
+from core.results.readout import RecordedResult
 from core.session import Session, SessionError, check_session_file, record_into
 from tests.core.test_trust_sessions import IMAGE, PAINTED, SWEEP
 

@@ -17,7 +17,7 @@ import core.cli
 from core.cli import main
 from core.methods.counterfactual import Fill, OcclusionMap, RegionCounterfactual
 from core.models.loading import resources_dir
-from core.readout import AnswerEffect, RecordedResult, Target
+from core.results.readout import AnswerEffect, RecordedResult, Target
 from core.session import Session, SessionError, check_session_file
 from tests.core.test_session import _v1_session
 from tests.core.test_trust_cli import BITS_DENY

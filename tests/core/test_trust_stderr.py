@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from core.errors import ImageLoadError, QuestionError
-from core.images import ImageWarning, check_image_file, load_image
+from core.files.images import ImageWarning, check_image_file, load_image
 from core.models.loading import resources_dir
-from core.terminal import progress_bar
+from core.shell.terminal import progress_bar
 from tests.fuzz.hostile_images import jpeg_bytes, tiff_bytes
 
 ROOT = Path(__file__).resolve().parents[2]

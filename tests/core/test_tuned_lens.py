@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from core import load_model
-from core.capture import capture
+from core.forward.capture import capture
 from core.methods import tuned_lens as tl
 from core.methods.logit_lens import LensRow, lens_logits, logit_lens
 from core.zoo import scenes

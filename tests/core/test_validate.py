@@ -10,6 +10,7 @@ import importlib
 import itertools
 import json
 import math
+import os
 import shutil
 
 import numpy as np
@@ -20,10 +21,10 @@ import core
 import core.cli
 from core import load_model
 from core.cli import main
-from core.methods.labels import STEP_STATUSES
-from core.methods.labels.stats import poisson_binomial_tail
+from core.methods.validation import STEP_STATUSES
+from core.methods.validation.stats import poisson_binomial_tail
 from core.validate import Validation, read_chain_data, validate
-from core.zoo.dataset import write_dataset
+from core.zoo.dataset import JSONL_NAME, write_dataset
 from core.zoo.random_weights import randomize_folder
 
 N, N_SIDE = 16, 6
@@ -80,12 +81,12 @@ def test_the_command_is_the_library_call_and_lands_in_the_session(name, models, 
     assert any("the label holds on its input condition only" in r["notes"] for r in rows)
 
 
-def test_a_dataset_folder_of_the_scenes_gives_the_scenes_numbers(models, tmp_path):
+def test_a_dataset_folder_of_the_scenes_gives_the_scenes_numbers(models, tmp_path, written_scenes):
     """The same scenes written as files (images and object masks, core.zoo.dataset) and read
     back give the scenes' step 1, 2, 3 and 5 numbers exactly; their swaps are drawn from the
     lines' objects, so step 4 is tested."""
     m = models["shapes-llava"]
-    folders = _scene_files(tmp_path, N + 4)
+    folders = _scene_files(tmp_path, written_scenes, N + 4)
     kw = dict(claim="moves the asked colour", n=N, n_side=0)
     files = validate(m, ["L1.H1"], dataset=folders["val"], heldout=folders["heldout"], **kw)
     scenes = validate(m, ["L1.H1"], dataset="scenes", **kw)
@@ -117,17 +118,35 @@ def _tiny(family, kind):
     return module.traced_case(kind)[0], getattr(module, "QUESTION", None) or module.PREFIX
 
 
-def _scene_files(tmp_path, n, question=None, words=None) -> dict:
-    """Attribute scenes of val and heldout written as dataset folders (core.zoo.dataset); for a
-    tiny model's small vocabulary each line's question is replaced by ``question`` and only
-    the lines whose answer and foil are both in ``words`` are kept."""
-    out = {}
+SCENE_LINES = 80  # the most lines a test's scene folders take
+
+
+@pytest.fixture(scope="module")
+def written_scenes(tmp_path_factory) -> dict:
+    """Attribute scenes of val and heldout written once as dataset folders (core.zoo.dataset):
+    writing them is seconds, and the tests take their lines from these."""
+    root = tmp_path_factory.mktemp("scenes")
     for split in ("val", "heldout"):
-        rows = write_dataset(tmp_path / split, split, n, kind="attribute", min_distractors=1)
+        write_dataset(root / split, split, SCENE_LINES, kind="attribute", min_distractors=1)
+    return {split: root / split for split in ("val", "heldout")}
+
+
+def _scene_files(tmp_path, written_scenes, n, question=None, words=None) -> dict:
+    """The first ``n`` lines of the written scenes as this test's own dataset folders (what
+    ``write_dataset(folder, split, n, ...)`` writes: a line-prefix of the same draw; the image and
+    mask files are hard links to the written ones); for a tiny model's small vocabulary each
+    line's question is replaced by ``question`` and only the lines whose answer and foil are
+    both in ``words`` are kept."""
+    assert n <= SCENE_LINES
+    out = {}
+    for split, written in written_scenes.items():
+        folder = tmp_path / split
+        shutil.copytree(written, folder, copy_function=os.link, ignore=shutil.ignore_patterns("*.json*"))
+        rows = [json.loads(line) for line in (written / JSONL_NAME).read_text().splitlines()][:n]
         if question is not None:
             rows = [{**r, "question": question} for r in rows if {r["answer"], r["foil"]} <= words]
-            (tmp_path / split / "dataset.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        out[split] = str(tmp_path / split)
+        (folder / JSONL_NAME).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        out[split] = str(folder)
     return out
 
 
@@ -146,7 +165,7 @@ def test_random_weights_support_no_label(name, tmp_path):
 
 
 @pytest.mark.parametrize("family,kind", FAMILIES)
-def test_a_tiny_random_model_of_each_family_supports_no_label(family, kind, tmp_path, monkeypatch):
+def test_a_tiny_random_model_of_each_family_supports_no_label(family, kind, tmp_path, monkeypatch, written_scenes):
     """The command on a served family's tiny random model: five candidates (mllama reads the
     image in one cross block of four heads), no "supported", the run in a session and its export."""
     m, question = _tiny(family, kind)
@@ -158,7 +177,7 @@ def test_a_tiny_random_model_of_each_family_supports_no_label(family, kind, tmp_
             words.add(word)
         except core.ReadoutError:
             pass
-    files = _scene_files(tmp_path, 80, question, words)
+    files = _scene_files(tmp_path, written_scenes, SCENE_LINES, question, words)
     out, session, export = tmp_path / "v.json", tmp_path / "s.vlmr", tmp_path / "audit.md"
     args = ["--candidates", "5", "--dataset", files["val"], "--heldout", files["heldout"], "--session", str(session)]
     assert main(_validate_args(out, *args)) == 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import core
-from core.geometry import VisualToken
+from core.forward.geometry import VisualToken
 from core.methods.patterns import patch_grids
 from core.views import covered_area, disjoint, family_view_names, image_views, overlay_order, patch_values
 

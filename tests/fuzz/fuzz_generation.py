@@ -38,7 +38,7 @@ def _target() -> Path:
 @cache
 def _model_and_image():
     from core import load_model
-    from core.images import image_sha256, load_image
+    from core.files.images import image_sha256, load_image
     from core.models.loading import resources_dir
 
     return load_model("shapes-llava"), image_sha256(load_image(resources_dir() / "samples" / IMAGE))
@@ -71,10 +71,10 @@ def main() -> None:
     import atheris
 
     # the reader's modules instrumented (imported here first), not torch or the model's code
-    with atheris.instrument_imports(include=["core.generate", "core.json_fields", "core.input_files"]):
+    with atheris.instrument_imports(include=["core.generate", "core.files.json_fields", "core.files.input_files"]):
+        import core.files.input_files  # noqa: F401
+        import core.files.json_fields  # noqa: F401
         import core.generate  # noqa: F401
-        import core.input_files  # noqa: F401
-        import core.json_fields  # noqa: F401
     _model_and_image()  # loaded once, before the run
     atheris.Setup(sys.argv, TestOneInput)
     atheris.Fuzz()

@@ -76,9 +76,11 @@ def TestOneInput(data: bytes) -> None:
 def main() -> None:
     import atheris
 
-    with atheris.instrument_imports(include=["core.methods.tuned_lens.store", "core.json_fields", "core.input_files"]):
-        import core.input_files  # noqa: F401
-        import core.json_fields  # noqa: F401
+    with atheris.instrument_imports(
+        include=["core.methods.tuned_lens.store", "core.files.json_fields", "core.files.input_files"]
+    ):
+        import core.files.input_files  # noqa: F401
+        import core.files.json_fields  # noqa: F401
         import core.methods.tuned_lens.store  # noqa: F401
     atheris.Setup(sys.argv, TestOneInput)
     atheris.Fuzz()

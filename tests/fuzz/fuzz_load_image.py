@@ -1,4 +1,4 @@
-"""Coverage-guided fuzzing of :func:`core.images.load_image` with atheris.
+"""Coverage-guided fuzzing of :func:`core.files.images.load_image` with atheris.
 
 Run (see tests/fuzz/README.md)::
 
@@ -27,7 +27,7 @@ def TestOneInput(data: bytes) -> None:
     """Feed ``data`` to load_image; raise AssertionError (or let any other
     exception through) on a finding."""
     from core.errors import ImageLoadError
-    from core.images import MAX_ASPECT_RATIO, MAX_PIXELS, load_image
+    from core.files.images import MAX_ASPECT_RATIO, MAX_PIXELS, load_image
 
     try:
         img = load_image(data)
@@ -50,10 +50,10 @@ def main() -> None:
 
     # Instrument Pillow (all its plugins, imported now) and the loader; not torch,
     # which `core` imports on the way.
-    with atheris.instrument_imports(include=["PIL", "core.images"]):
+    with atheris.instrument_imports(include=["PIL", "core.files.images"]):
         from PIL import Image
 
-        import core.images  # noqa: F401
+        import core.files.images  # noqa: F401
 
         Image.init()
     atheris.Setup(sys.argv, TestOneInput)

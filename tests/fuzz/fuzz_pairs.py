@@ -1,4 +1,4 @@
-"""Coverage-guided fuzzing of the pairs-file reader, :func:`core.pairs.read_pairs`
+"""Coverage-guided fuzzing of the pairs-file reader, :func:`core.files.pairs.read_pairs`
 (``answer --pairs``, ``audit --dataset``, the tuned lens's corpus).
 
 Run (see tests/fuzz/README.md)::
@@ -9,7 +9,7 @@ Run (see tests/fuzz/README.md)::
 
 A finding is any exception other than InputFileError, a message that is not
 one line starting with the file's name, or an accepted pair whose fields break
-what :class:`core.pairs.Pair` promises. The images and masks a file names are
+what :class:`core.files.pairs.Pair` promises. The images and masks a file names are
 not opened here (a fuzzed path could name any file of the machine; the image
 loader has its own harness, fuzz_load_image.py). The suite replays the corpus
 through the same :func:`TestOneInput` without atheris (tests/fuzz/test_fuzz_readers.py).
@@ -36,7 +36,7 @@ def TestOneInput(data: bytes) -> None:
     """Write ``data`` as a pairs file and read it; raise AssertionError (or
     let any other exception through) on a finding."""
     from core.errors import InputFileError
-    from core.pairs import MAX_PAIRS, read_pairs
+    from core.files.pairs import MAX_PAIRS, read_pairs
 
     path = _target()
     path.write_bytes(data)
@@ -60,10 +60,10 @@ def TestOneInput(data: bytes) -> None:
 def main() -> None:
     import atheris
 
-    with atheris.instrument_imports(include=["core.pairs", "core.input_files", "core.json_fields"]):
-        import core.input_files  # noqa: F401
-        import core.json_fields  # noqa: F401
-        import core.pairs  # noqa: F401
+    with atheris.instrument_imports(include=["core.files.pairs", "core.files.input_files", "core.files.json_fields"]):
+        import core.files.input_files  # noqa: F401
+        import core.files.json_fields  # noqa: F401
+        import core.files.pairs  # noqa: F401
     atheris.Setup(sys.argv, TestOneInput)
     atheris.Fuzz()
 

@@ -102,7 +102,7 @@ def build_base(folder: Path) -> Path:
 
     import core.session.records as records
     import core.session.store as store
-    from core.readout import RecordedResult
+    from core.results.readout import RecordedResult
     from core.session import Session
 
     saved = records._now, store._now
@@ -209,7 +209,7 @@ def TestOneInput(data: bytes) -> None:
     through) on a finding."""
     from core.errors import ReadoutError
     from core.export import export_session
-    from core.readout import RecordedResult
+    from core.results.readout import RecordedResult
     from core.session import Session, check_session_file, record_into
 
     with tempfile.TemporaryDirectory() as d:
@@ -299,7 +299,7 @@ SQL_SEEDS = {
 
 def _killed_writer_wal(folder: Path) -> bytes:
     """The -wal of the base session as a writer killed before its checkpoint leaves it (one run)."""
-    from core.readout import RecordedResult
+    from core.results.readout import RecordedResult
     from core.session import Session
 
     path = folder / "wal.vlmr"
@@ -349,10 +349,16 @@ def main() -> None:
 
     warnings.simplefilter("ignore")
     with atheris.instrument_imports(
-        include=["core.session", "core.export", "core.input_files", "core.atomic", "core.audit_tables"]
+        include=[
+            "core.session",
+            "core.export",
+            "core.files.input_files",
+            "core.files.atomic",
+            "core.results.audit_tables",
+        ]
     ):
-        import core.atomic  # noqa: F401
         import core.export  # noqa: F401
+        import core.files.atomic  # noqa: F401
         import core.session  # noqa: F401
     _base_bytes()
     atheris.Setup(sys.argv, TestOneInput)

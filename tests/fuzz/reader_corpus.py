@@ -29,8 +29,8 @@ def generation_seeds() -> dict[str, bytes]:
     """A real 3-token generation of shapes-llava (the harness's question and
     image) and one hostile variant per class the reader refuses."""
     from core import load_model
+    from core.files.images import image_sha256, load_image
     from core.generate import generate
-    from core.images import image_sha256, load_image
     from core.models.loading import resources_dir
     from tests.fuzz.fuzz_generation import IMAGE, QUESTION
 

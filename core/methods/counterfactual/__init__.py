@@ -89,7 +89,7 @@ from core.methods.counterfactual.sweep import (
     occlusion_sweep,
     sweep_cells,
 )
-from core.stats import pearson, spearman  # re-exported: region_agreement's correlations
+from core.methods.stats import pearson, spearman  # re-exported: region_agreement's correlations
 
 __all__ = [
     "SCHEMA_VERSION",

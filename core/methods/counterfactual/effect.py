@@ -1,10 +1,10 @@
 """The counterfactual and its read-outs: the answer numbers of an image
-(a :class:`core.readout.Target`) and the effect of an edit on them
-(:class:`core.readout.AnswerEffect`), the routing read-outs of a region from one capture
+(a :class:`core.results.readout.Target`) and the effect of an edit on them
+(:class:`core.results.readout.AnswerEffect`), the routing read-outs of a region from one capture
 of the original (:class:`TokenRouting`, :class:`RegionRouting`), one region
 filled (:func:`region_counterfactual`), and many regions set against their
-routing (:func:`region_agreement`, with :func:`core.stats.pearson` and
-:func:`core.stats.spearman`).
+routing (:func:`region_agreement`, with :func:`core.methods.stats.pearson` and
+:func:`core.methods.stats.spearman`).
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.audit import AuditRecord
-from core.capture import capture
 from core.errors import QuestionError, oom_guard
-from core.images import load_image
+from core.files.images import load_image
+from core.forward.capture import capture
 from core.methods.contributions import source_contributions
 from core.methods.counterfactual.fills import Fill, as_fill
 from core.methods.counterfactual.regions import RegionError, check_mask
 from core.methods.patterns import FULL_PATTERN_LIMIT, RolloutStream, rollout_audit
-from core.readout import AnswerEffect, Target, change_line, from_dict_fields
-from core.stats import pearson, ranks, spearman
+from core.methods.stats import pearson, ranks, spearman
+from core.results.audit import AuditRecord
+from core.results.readout import AnswerEffect, Target, change_line, from_dict_fields
 
 SCHEMA_VERSION = 1
 TOKEN_WEIGHT = "area(token box & mask) / area(token box), in original-image pixels"
@@ -55,7 +55,7 @@ def answer_numbers(adapter, logits: torch.Tensor, answer_id: int, foil_id: int |
 
 
 def answer_effect(original: Target, edited: Target) -> AnswerEffect:
-    """``edited`` minus ``original`` (:meth:`core.readout.AnswerEffect.between`)."""
+    """``edited`` minus ``original`` (:meth:`core.results.readout.AnswerEffect.between`)."""
     return AnswerEffect.between(original, edited)
 
 
@@ -133,7 +133,7 @@ class TokenRouting:
     capture of the original image; a region's numbers are weighted sums.
 
     Attributes:
-        tokens: the :class:`core.geometry.VisualToken` list.
+        tokens: the :class:`core.forward.geometry.VisualToken` list.
         heads: ``[(block, block_name, head)]`` rows of ``attention``.
         attention: ``(n_heads_with_visual_keys, n_tokens)`` the answer row's
             weight on each visual token.
@@ -377,7 +377,7 @@ class RegionCounterfactual:
     model: dict | None = None
     input: dict | None = None
 
-    kind = "counterfactual"  # the session's run kind (core.readout.Readout)
+    kind = "counterfactual"  # the session's run kind (core.results.readout.Readout)
 
     def summary(self) -> str:
         return self.summary_of(self.to_dict())

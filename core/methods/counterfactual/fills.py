@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from core.images import image_sha256, load_image
+from core.files.images import image_sha256, load_image
 from core.methods.counterfactual.regions import RegionError, check_mask
 
 FILLS = ("mean", "constant", "blur", "noise", "inpaint", "paste")
@@ -203,7 +203,7 @@ class Fill:
 
     @cached_property
     def source_sha256(self) -> str | None:
-        """A paste fill's source image, :func:`core.images.image_sha256` (hashed once); None for other fills."""
+        """A paste fill's source image, :func:`core.files.images.image_sha256` (hashed once); None for other fills."""
         return image_sha256(load_image(self.paste_from)) if self.kind == "paste" else None
 
     def apply(self, image, mask) -> np.ndarray:

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from core.audit import AuditRecord
 from core.errors import oom_guard
 from core.methods.counterfactual.effect import Cancel, Progress, counterfactual_audit
 from core.methods.counterfactual.fills import Fill, as_fill
+from core.results.audit import AuditRecord
 
 
 def closest_area_distractor(sample) -> int:

@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 from core.errors import ReadoutError
-from core.images import load_mask
+from core.files.images import load_mask
 
 
 class RegionError(ReadoutError):

@@ -14,10 +14,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from core.audit import AuditRecord
 from core.errors import InterventionError, oom_guard
-from core.geometry import VisualToken
-from core.images import load_image
+from core.files.images import load_image
+from core.forward.geometry import VisualToken
 from core.methods.counterfactual.effect import (
     SCHEMA_VERSION,
     Cancel,
@@ -31,7 +30,8 @@ from core.methods.counterfactual.effect import (
 from core.methods.counterfactual.fills import Fill, as_fill
 from core.methods.counterfactual.regions import RegionError, mask_from_boxes
 from core.methods.patterns import primary_image
-from core.readout import Target
+from core.results.audit import AuditRecord
+from core.results.readout import Target
 
 INTERPOLATED_FLAG = "visual smoothing, not a causal pixel mask"
 
@@ -119,7 +119,7 @@ class OcclusionMap:
     input: dict | None = None
     interpolated_map: dict | None = None  # an interpolated map a stored JSON holds (the command's --interpolated)
 
-    kind = "sweep"  # the session's run kind (core.readout.Readout)
+    kind = "sweep"  # the session's run kind (core.results.readout.Readout)
 
     def summary(self) -> str:
         return self.summary_of(self.to_dict())

@@ -14,7 +14,7 @@ import torch
 from core.methods.nonunique.local_search import SearchSettings, local_search, query_param
 from core.methods.nonunique.problem import HeadProblem
 from core.methods.nonunique.results import LevelResult
-from core.readout import jsonable
+from core.results.readout import jsonable
 
 REACH = 0.9999  # how far into the unit ball the reachable search may go (its edge is a residual of zero slack)
 

@@ -23,12 +23,12 @@ TOP_TOKENS_RULE = (
 
 def region_keys(trace, block: int, head: int, tokens, mask=None, *, cover: float = 0.25, share: float = 0.5):
     """``(visual token ordinals, key indices, rule)`` of the set mass is moved off:
-    the ``tokens`` (the image's :class:`core.geometry.VisualToken` s) that ``mask``
-    covers (:func:`core.geometry.region_tokens` at ``cover``), or without a mask
+    the ``tokens`` (the image's :class:`core.forward.geometry.VisualToken` s) that ``mask``
+    covers (:func:`core.forward.geometry.region_tokens` at ``cover``), or without a mask
     the fewest patch tokens, most attended first by ``head`` at the answer
     position, that hold ``share`` of its attention on them; a one-line error
     where the block has no visual keys or the mask covers none."""
-    from core.geometry import region_tokens
+    from core.forward.geometry import region_tokens
 
     cross = trace.block_kinds[block] == "cross"
     if not cross and trace.visual_positions[0].numel() == 0:
@@ -89,8 +89,8 @@ def nonunique_of_input(
     ``image_path`` say where the mask and the image came from); ``doc`` is its JSON.
     ``answer_text`` (:class:`core.answer_text.AnswerText`): read at one token of an
     answer, teacher forcing."""
-    from core.capture import capture
-    from core.images import image_sha256
+    from core.files.images import image_sha256
+    from core.forward.capture import capture
     from core.methods.component_ablation import parse_head
 
     adapter = loaded.adapter

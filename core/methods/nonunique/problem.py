@@ -11,7 +11,7 @@ import torch
 from core.errors import InterventionError
 from core.methods.nonunique.query_map import QueryMap, query_path
 from core.models.adapter import Adapter
-from core.precision import accumulation_dtype
+from core.shell.precision import accumulation_dtype
 
 
 @dataclass
@@ -116,7 +116,7 @@ def source_mask(pattern: torch.Tensor, allowed: torch.Tensor, sources: Sequence[
 
 
 def visual_token_keys(trace, block: int, token_indices: Sequence[int], batch: int = 0) -> list[int]:
-    """Key indices of visual tokens (ordinals, as :func:`core.geometry.region_tokens`
+    """Key indices of visual tokens (ordinals, as :func:`core.forward.geometry.region_tokens`
     returns them) in block ``block``: sequence positions for self-attention,
     the ordinals themselves for cross-attention keys."""
     idx = [int(i) for i in token_indices]

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.audit import AuditRecord
 from core.methods.nonunique.problem import HeadProblem
-from core.readout import from_dict_fields, jsonable
+from core.results.audit import AuditRecord
+from core.results.readout import from_dict_fields, jsonable
 
 SCHEMA_VERSION = 1  # of the ``nonunique`` JSON (NonuniqueResult.to_dict)
 HEADER = ("component", "region", "model", "input")  # a search on one input: what it was of (last in the JSON)
@@ -171,7 +171,7 @@ class NonuniqueResult:
                 return lv
         raise KeyError(name)
 
-    kind = "nonunique"  # the session's run kind (core.readout.Readout)
+    kind = "nonunique"  # the session's run kind (core.results.readout.Readout)
 
     def to_dict(self, tensors: bool = True) -> dict:
         """The ``nonunique`` JSON (schema version 1): this result's fields, each level's, the audit row."""

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from core.capture import capture
+from core.files.pairs import MAX_PAIRS, Pair, load_pair_image
+from core.files.pairs import read_pairs as read_pair_file
+from core.forward.capture import capture
 from core.methods.tuned_lens.lens import POSITION_SETS, LensError
-from core.pairs import MAX_PAIRS, Pair, load_pair_image
-from core.pairs import read_pairs as read_pair_file
 
 
 def position_mask(adapter, trace, positions: str) -> torch.Tensor:

@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from core.audit import AuditRecord
 from core.errors import oom_guard
 from core.methods.tuned_lens.data import Batch, _captured, position_mask
 from core.methods.tuned_lens.lens import (
@@ -31,7 +30,8 @@ from core.methods.tuned_lens.lens import (
     _kl_nats,
 )
 from core.methods.tuned_lens.readers import _reader_logits, _readers, lens_audit
-from core.precision import accumulating
+from core.results.audit import AuditRecord
+from core.shell.precision import accumulating
 
 LN2 = math.log(2.0)
 
@@ -114,7 +114,7 @@ class LensEvaluation:
     def readers(self) -> list[str]:
         return list(self.layers[0]["readers"]) if self.layers else []
 
-    kind = "lens"  # the session's run kind (core.readout.Readout)
+    kind = "lens"  # the session's run kind (core.results.readout.Readout)
 
     def summary(self) -> str:
         """``lens on 64 samples (answer): mean KL over layers, bits: trained 0.412, identity 2.310, ...``."""

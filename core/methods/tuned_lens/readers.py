@@ -23,10 +23,10 @@ from dataclasses import replace
 
 import torch
 
-from core.audit import AuditRecord
 from core.methods.logit_lens import LensRow, lens_logits, lens_row
 from core.methods.tuned_lens.lens import LensError, LensMismatchError, TunedLens
-from core.precision import accumulating
+from core.results.audit import AuditRecord
+from core.shell.precision import accumulating
 
 
 def _readers(lens: TunedLens, extra: bool = True) -> dict[str, TunedLens | str]:

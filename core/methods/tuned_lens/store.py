@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from core import json_fields as jf
-from core.atomic import write_bytes_atomic, write_text_atomic
-from core.input_files import checked_path, read_json_file
+from core.files import json_fields as jf
+from core.files.atomic import write_bytes_atomic, write_text_atomic
+from core.files.input_files import checked_path, read_json_file
 from core.methods.tuned_lens.lens import _EQUATIONS, FORMS, POSITION_SETS, SCHEMA_VERSION, LensError, TunedLens
 from core.models.memory import available_bytes
 

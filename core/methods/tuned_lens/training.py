@@ -1,6 +1,6 @@
 """Training a tuned lens (:func:`train_lens`), the tuned-lens recipe: every
 step renders/loads a fresh batch, runs the frozen model ONCE through
-:func:`core.capture.capture` with ``pattern_layers=[]`` and trains every
+:func:`core.forward.capture.capture` with ``pattern_layers=[]`` and trains every
 layer's translator on the captured residuals; loss = sum over layers of the
 token-mean KL in nats; SGD with Nesterov momentum (or Adam), linear warm-up
 then linear decay, L2 weight decay on the translator parameters, i.e. towards
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from core.atomic import write_bytes_atomic
 from core.errors import oom_guard
+from core.files.atomic import write_bytes_atomic
 from core.methods.logit_lens import lens_logits
 from core.methods.tuned_lens.data import _captured, position_mask
 from core.methods.tuned_lens.lens import (
@@ -30,7 +30,7 @@ from core.methods.tuned_lens.lens import (
     TunedLens,
     _kl_nats,
 )
-from core.precision import accumulating
+from core.shell.precision import accumulating
 
 
 @dataclass
@@ -94,7 +94,7 @@ def train_lens(
     """Train one translator per block to minimise ``KL(final || lens)``.
 
     Each step takes ``config.batch_size`` pairs from ``corpus.batch(step, ...)``,
-    runs the frozen model once (:func:`core.capture.capture`,
+    runs the frozen model once (:func:`core.forward.capture.capture`,
     ``pattern_layers=[]``) and takes one optimizer step for every layer's
     translator on the selected tokens' residuals. The mean baseline's state is
     accumulated over the same tokens.
@@ -287,7 +287,7 @@ def check_training_fits(loaded, cfg: LensConfig, dtype: torch.dtype) -> None:
         available_bytes,
         working_set_bytes,
     )
-    from core.precision import placement
+    from core.shell.precision import placement
 
     adapter = loaded.adapter
     n, d = len(adapter.blocks), adapter.d_model

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from core.errors import ModelLoadError, UnsupportedArchitectureError
-from core.geometry import VisualToken
+from core.forward.geometry import VisualToken
 from core.models.adapter import config_int, config_value, size_value
 from core.models.declaration import Decoder, Family, Rotary
 from core.models.families.internvl import InternVLAdapter

@@ -49,15 +49,15 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from core.attention_rows import WeightsRows
-from core.capture import on_device_of, record_pattern, run_with_hooks
 from core.errors import QuestionError
-from core.geometry import VisualToken
+from core.forward.attention_rows import WeightsRows
+from core.forward.capture import on_device_of, record_pattern, run_with_hooks
+from core.forward.geometry import VisualToken
 from core.models.adapter import Adapter, ModelInputs, config_int, size_value
 from core.models.declaration import Decoder, Family, Rotary
 from core.models.family_adapter import TextConfigSizes
 from core.models.norms import IdentityNorm, Norm
-from core.precision import accumulating, is_half
+from core.shell.precision import accumulating, is_half
 
 
 class HeadTransform:

@@ -8,14 +8,14 @@ import re
 import torch
 from PIL import Image
 
-from core.attention_rows import WeightsRows
-from core.capture import record_pattern, wants_pattern
 from core.errors import InterventionError, QuestionError
-from core.geometry import VisualToken, resize_crop_boxes
+from core.forward.attention_rows import WeightsRows
+from core.forward.capture import record_pattern, wants_pattern
+from core.forward.geometry import VisualToken, resize_crop_boxes
 from core.models.adapter import Adapter, ModelInputs
 from core.models.declaration import Decoder, Family, Rotary
 from core.models.norms import Norm
-from core.precision import accumulating, unit_roundoff
+from core.shell.precision import accumulating, unit_roundoff
 
 
 def _media_kind(token: str) -> str | None:

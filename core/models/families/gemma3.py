@@ -39,7 +39,7 @@ import functools
 from dataclasses import replace
 
 from core.errors import ModelLoadError, QuestionError, UnsupportedArchitectureError
-from core.geometry import stretched_grid_tokens
+from core.forward.geometry import stretched_grid_tokens
 from core.models.adapter import config_int
 from core.models.declaration import Decoder, Mask, Rotary
 from core.models.families.paligemma import PaliGemmaAdapter

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from core.geometry import VisualToken
+from core.forward.geometry import VisualToken
 from core.models.adapter import config_int
 from core.models.canonical import NotMapped
 from core.models.families.idefics3 import Idefics3Adapter
@@ -48,7 +48,7 @@ class NoPatchBox:
 
 @dataclass
 class LatentToken(VisualToken):
-    """A :class:`core.geometry.VisualToken` that is a resampler latent: ``image``
+    """A :class:`core.forward.geometry.VisualToken` that is a resampler latent: ``image``
     its frame, ``row = col = -1`` (no patch, as the codebase marks tokens without
     one), ``box`` a :class:`NoPatchBox`; ``latent`` its index among the frame's latents."""
 

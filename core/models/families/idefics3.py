@@ -51,7 +51,7 @@ import math
 import re
 from dataclasses import replace
 
-from core.geometry import VisualToken
+from core.forward.geometry import VisualToken
 from core.models.adapter import config_int, size_value
 from core.models.declaration import Decoder, Family
 from core.models.families.llava import LlavaAdapter
@@ -219,7 +219,7 @@ class Idefics3Adapter(LlavaAdapter):
         return g
 
     def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
-        """The :class:`core.geometry.VisualToken` of every image token, in
+        """The :class:`core.forward.geometry.VisualToken` of every image token, in
         sequence order, boxes in the original image (``image_size = (width,
         height)``).
 

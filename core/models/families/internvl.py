@@ -17,7 +17,7 @@ when there is more than one tile, appends the whole image stretched to
 from __future__ import annotations
 
 from core.errors import ModelLoadError
-from core.geometry import VisualToken
+from core.forward.geometry import VisualToken
 from core.models.adapter import config_value, size_value
 from core.models.declaration import Family
 from core.models.families.llava import LlavaAdapter
@@ -114,7 +114,7 @@ class InternVLAdapter(LlavaAdapter):
         return max(1, rows * cols) * self.tile_side() ** 2, f"{max(1, rows * cols)} tiles of size.height x size.width"
 
     def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
-        """The :class:`core.geometry.VisualToken` of every ``<IMG_CONTEXT>`` token,
+        """The :class:`core.forward.geometry.VisualToken` of every ``<IMG_CONTEXT>`` token,
         in sequence order, boxes in the original image (``image_size = (width, height)``).
 
         ``image`` is the frame: tiles ``0 .. rows*cols-1`` row-major, then the

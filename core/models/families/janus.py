@@ -19,7 +19,7 @@ is overridden (every prompt is an understanding prompt).
 from __future__ import annotations
 
 from core.errors import ModelLoadError, QuestionError
-from core.geometry import VisualToken
+from core.forward.geometry import VisualToken
 from core.models.adapter import config_value, size_value
 from core.models.declaration import Family
 from core.models.families.internvl import InternVLAdapter
@@ -99,7 +99,7 @@ class JanusAdapter(LlavaAdapter):
         return side, (rw, rh), ((square - rw) // 2, (square - rh) // 2)
 
     def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
-        """The :class:`core.geometry.VisualToken` of every ``<image_placeholder>``,
+        """The :class:`core.forward.geometry.VisualToken` of every ``<image_placeholder>``,
         row-major on the ``S / patch`` grid, boxes in the original image: the
         patch's canvas box minus the padding, scaled back through the resize.
         Patches over the padding get boxes (partly or wholly) outside the image."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from core.errors import QuestionError
-from core.geometry import VisualToken, resize_crop_boxes
+from core.forward.geometry import VisualToken, resize_crop_boxes
 from core.models.adapter import config_int, size_value
 from core.models.config_check import check_image_seq_length
 from core.models.declaration import Family
@@ -52,7 +52,7 @@ class LlavaAdapter(FamilyAdapter):
 
     # ---- geometry
     def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
-        """The :class:`core.geometry.VisualToken` of every image token, boxes in
+        """The :class:`core.forward.geometry.VisualToken` of every image token, boxes in
         the original image (``image_size = (width, height)``)."""
 
         ip = self.processor.image_processor

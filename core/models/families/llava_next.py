@@ -53,14 +53,14 @@ import numpy as np
 import torch
 
 from core.errors import ModelLoadError, QuestionError
-from core.geometry import VisualToken
+from core.forward.geometry import VisualToken
 from core.models.adapter import ModelInputs, config_int, size_value
 from core.models.families.llava import LlavaAdapter
 
 
 @dataclass
 class AnyResVisualToken(VisualToken):
-    """A :class:`core.geometry.VisualToken` with the tile it was read from.
+    """A :class:`core.forward.geometry.VisualToken` with the tile it was read from.
 
     Attributes:
         tile: index into the image's ``pixel_values`` (0: the base image,
@@ -323,7 +323,7 @@ class LlavaNextAdapter(LlavaAdapter):
     def _layout_of(self, trace, batch: int) -> AnyResLayout:
         sizes = getattr(trace, "image_sizes", None)
         if sizes is None:
-            raise ValueError("this trace has no image_sizes: capture it with core.capture.capture")
+            raise ValueError("this trace has no image_sizes: capture it with core.forward.capture.capture")
         h, w = (int(v) for v in sizes[batch].tolist())
         return self.anyres_layout((w, h), pixels=False)
 

@@ -25,7 +25,7 @@ mapped (``vision_out`` / ``projector_out`` are refused, as are
 from __future__ import annotations
 
 from core.errors import ImageLoadError, UnsupportedArchitectureError
-from core.geometry import stretched_grid_tokens
+from core.forward.geometry import stretched_grid_tokens
 from core.models.adapter import config_int
 from core.models.declaration import Family
 from core.models.family_adapter import FamilyAdapter
@@ -104,7 +104,7 @@ class Mistral3Adapter(FamilyAdapter):
         return rh * rw, f"size.longest_edge = {self._image_size_setting('longest_edge')}"
 
     def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
-        """The :class:`core.geometry.VisualToken` of every ``[IMG]`` token, row-major,
+        """The :class:`core.forward.geometry.VisualToken` of every ``[IMG]`` token, row-major,
         boxes in the original image: one merged ``cell x cell`` block of the resized image."""
         rows, cols, rh, rw = self.visual_grid(image_size)
         return stretched_grid_tokens(image_size, (rw, rh), (rows, cols), rh // rows, positions)  # rh is whole cells

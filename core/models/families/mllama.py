@@ -72,10 +72,10 @@ from __future__ import annotations
 
 import torch
 
-from core.capture import on_device_of, run_with_hooks
-from core.edits import Edit
 from core.errors import ModelLoadError
-from core.geometry import VisualToken
+from core.forward.capture import on_device_of, run_with_hooks
+from core.forward.edits import Edit
+from core.forward.geometry import VisualToken
 from core.models.adapter import ModelInputs, config_int, config_value, size_value
 from core.models.declaration import Family
 from core.models.family_adapter import FamilyAdapter, pattern_hook
@@ -471,7 +471,7 @@ class MllamaAdapter(FamilyAdapter):
         return rows, cols, cell
 
     def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
-        """:class:`core.geometry.VisualToken` per cross-attention key of one image
+        """:class:`core.forward.geometry.VisualToken` per cross-attention key of one image
         (``max_image_tiles * num_patches``, in key order), boxes in the original
         image (``image_size = (width, height)``); ``position`` is None (keys are
         not sequence positions).

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from core.errors import ModelLoadError, UnsupportedArchitectureError
-from core.geometry import VisualToken
+from core.forward.geometry import VisualToken
 from core.models.adapter import size_value
 from core.models.declaration import Decoder, Family, Mask, Rotary
 from core.models.family_adapter import FamilyAdapter

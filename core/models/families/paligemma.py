@@ -45,7 +45,7 @@ and the additive DLA cannot reproduce.
 from __future__ import annotations
 
 from core.errors import QuestionError, UnsupportedArchitectureError
-from core.geometry import stretched_grid_tokens
+from core.forward.geometry import stretched_grid_tokens
 from core.models.adapter import config_int, size_value
 from core.models.declaration import Decoder, Family, Mask, Rotary
 from core.models.family_adapter import FamilyAdapter
@@ -153,7 +153,7 @@ class PaliGemmaAdapter(FamilyAdapter):
         return int(side)
 
     def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
-        """The :class:`core.geometry.VisualToken` of every image token, boxes in
+        """The :class:`core.forward.geometry.VisualToken` of every image token, boxes in
         the original image (``image_size = (width, height)``).
 
         SigLIP's processor resizes the whole image to ``S x S`` (aspect not

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from core.errors import ImageLoadError
-from core.geometry import stretched_grid_tokens
+from core.forward.geometry import stretched_grid_tokens
 from core.models.declaration import Family, Rotary
 from core.models.family_adapter import FamilyAdapter
 
@@ -103,7 +103,7 @@ class Qwen2VLAdapter(FamilyAdapter):
         return rh * rw, f"smart_resize with size.longest_edge (max_pixels) = {self._image_size_setting('longest_edge')}"
 
     def visual_tokens(self, image_size: tuple[int, int], positions: list[int] | None = None) -> list:
-        """The :class:`core.geometry.VisualToken` of every image token, boxes in
+        """The :class:`core.forward.geometry.VisualToken` of every image token, boxes in
         the original image (``image_size = (width, height)``).
 
         A token is one merged ``merge_size x merge_size`` block of

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from core.capture import on_device_of
+from core.forward.capture import on_device_of
 from core.models.declaration import Decoder
 from core.models.families.qwen2_vl import Qwen2VLAdapter
 

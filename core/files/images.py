@@ -33,7 +33,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from core.errors import ImageLoadError
-from core.input_files import open_regular_file
+from core.files.input_files import open_regular_file
 
 # The formats images for a VLM come in: datasets (COCO, VQAv2, GQA, TextVQA:
 # JPEG; CLEVR, DocVQA, screenshots: PNG), the web (WebP, GIF), scientific and
@@ -482,7 +482,7 @@ def _converted(name: str, img: Image.Image) -> Image.Image:
 
 def _open_regular_file(path: Path) -> BinaryIO:
     """``path`` opened for reading: a readable, regular (a FIFO is refused, not
-    waited on), non-empty file of at most MAX_FILE_BYTES (core.input_files)."""
+    waited on), non-empty file of at most MAX_FILE_BYTES (core.files.input_files)."""
     fp = open_regular_file(path, ImageLoadError, max_bytes=MAX_FILE_BYTES)
     if os.fstat(fp.fileno()).st_size == 0:
         fp.close()

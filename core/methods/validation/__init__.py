@@ -26,7 +26,7 @@ answer position, found on one split (``val``) and tested on another
 difference at the answer position; DLA is the frozen-final-norm-scale DLA of
 :mod:`core.methods.contributions`; ablations edit the head's ``z`` at the
 answer position only (the write the claim is about), through
-:class:`core.edits.Edit`.
+:class:`core.forward.edits.Edit`.
 
 A subject is a head (:class:`HeadRef`) or a route (:class:`RouteRef`: several
 heads of one block taken together, for a function the heads of a block share):
@@ -45,8 +45,8 @@ import the zoo. The command and its library call, which read any dataset
 into the chain, are :mod:`core.validate` and ``vlm-readout validate``.
 """
 
-from core.methods.labels.candidates import find_candidates, find_routes
-from core.methods.labels.chain import (
+from core.methods.validation.candidates import find_candidates, find_routes
+from core.methods.validation.chain import (
     BASELINE_KINDS,
     CHAIN_STATUSES,
     SCHEMA_VERSION,
@@ -60,8 +60,8 @@ from core.methods.labels.chain import (
     LabelError,
     ValidationChain,
 )
-from core.methods.labels.context import BaselinePlan, ChainContext
-from core.methods.labels.observations import (
+from core.methods.validation.context import BaselinePlan, ChainContext
+from core.methods.validation.observations import (
     ChainCancelled,
     HeadObservations,
     RunNumbers,
@@ -72,8 +72,8 @@ from core.methods.labels.observations import (
     observe_swaps,
     run_edited,
 )
-from core.methods.labels.samples import ChainSample, RegionObject, SwapScene
-from core.methods.labels.setting import (
+from core.methods.validation.samples import ChainSample, RegionObject, SwapScene
+from core.methods.validation.setting import (
     ATTRIBUTE_TEMPLATES,
     CRITERIA,
     FOLLOW_RATE_MIN,
@@ -88,7 +88,7 @@ from core.methods.labels.setting import (
     Subject,
     visual_heads,
 )
-from core.methods.labels.steps import (
+from core.methods.validation.steps import (
     STEP_FUNCTIONS,
     run_chain,
     step1_pattern,

@@ -7,7 +7,7 @@
 - :class:`Readout`: what a result says about itself, so that a session can
   store it without guessing from its keys: its run ``kind``, its JSON
   (``to_dict`` / ``from_dict``), a one-line numeric ``summary()``, the
-  parameters it was called with and its :class:`core.audit.AuditRecord` rows.
+  parameters it was called with and its :class:`core.results.audit.AuditRecord` rows.
 - :func:`jsonable`: the one JSON cleaning (numpy and torch values to Python,
   non-finite floats to ``None``, as in every JSON the engine writes).
 - :data:`RESULT_TYPES` and :func:`restore_result`: the class of each session
@@ -191,7 +191,7 @@ class Readout(Protocol):
         ...
 
     def audit_records(self) -> list:
-        """The :class:`core.audit.AuditRecord` rows (core.audit imports this module, so no import here)."""
+        """The :class:`core.results.audit.AuditRecord` rows (core.results.audit imports this module, so no import here)."""
         ...
 
 
@@ -208,7 +208,7 @@ class RecordedResult:
     the model and input header to the method's dict: :meth:`of`).
 
     ``doc`` is what the session stores as the run's result; ``audits`` are
-    :class:`core.audit.AuditRecord` s or their dicts.
+    :class:`core.results.audit.AuditRecord` s or their dicts.
     """
 
     __slots__ = ("kind", "doc", "_summary", "_parameters", "_audits")
@@ -299,11 +299,11 @@ RESULT_TYPES: dict[str, str] = {
     "audit": "core.dataset_audit.summaries:AuditSummary",
     "nonunique": "core.methods.nonunique.results:NonuniqueResult",
     "qk-ov": "core.methods.qk_ov:QkOvResult",
-    "label": "core.methods.labels.chain:ValidationChain",
+    "label": "core.methods.validation.chain:ValidationChain",
     "validate": "core.validate:Validation",
     "lens": "core.methods.tuned_lens.evaluate:LensEvaluation",
     "statistics": "core.methods.patterns:PatternStatistics",
-    "note": "core.readout:Note",
+    "note": "core.results.readout:Note",
 }
 VISUAL_PATCH_TYPE = "core.methods.interventions:VisualPatchResult"
 

@@ -3,9 +3,9 @@
 its per-sample tables (:mod:`core.dataset_audit.outputs`), with one cell
 escaping (:func:`cell`, :func:`markdown_cell`).
 
-Beside :mod:`core.audit` rather than in it: cells are cleaned by
-:func:`core.readout.jsonable`, and :mod:`core.readout` names
-:class:`core.audit.AuditRecord`, so :mod:`core.audit` cannot import it back.
+Beside :mod:`core.results.audit` rather than in it: cells are cleaned by
+:func:`core.results.readout.jsonable`, and :mod:`core.results.readout` names
+:class:`core.results.audit.AuditRecord`, so :mod:`core.results.audit` cannot import it back.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import json
 import math
 from collections.abc import Sequence
 
-from core.audit import AuditRecord
-from core.readout import jsonable
+from core.results.audit import AuditRecord
+from core.results.readout import jsonable
 
 # An AuditRecord's fields, in table order.
 RECORD_COLUMNS = ["method", "question", "operation", "controls", "supports", "cannot_support", "parameters", "notes"]

@@ -3,7 +3,7 @@ a package lists ``name -> module`` and imports the module on first use, so a
 light path (the CLI parser, ``vlm-readout export --help``) does not import torch.
 
 Public functions that share their module's name (``core.answer``,
-``core.capture``): importing a submodule always binds the package attribute to
+``core.capture`` before it moved to core.forward): importing a submodule always binds the package attribute to
 the module, so the module itself is made callable as its function."""
 
 from __future__ import annotations

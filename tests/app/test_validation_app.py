@@ -1,4 +1,4 @@
-"""The Claims tab and the Attention tab's head actions (issue 15, part 4), on shapes-llava,
+"""The Validation tab and the Attention tab's head actions (issue 15, part 4), on shapes-llava,
 offscreen: a claim checked with the seven-step chain through the window's worker shows the
 statuses of the run's own result, is recorded with its audit rows and restored from the
 History; cancel, a bad subject and another model leave nothing wrong on screen; Non-unique…
@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from app.panels.claims_panel import COLUMNS
+from app.panels.validation_panel import COLUMNS
 from core.methods.nonunique import nonunique_of_input
 from core.methods.qk_ov import qk_ov
 from tests.app.shown import shown_result
@@ -24,7 +24,7 @@ SMALL_N = 12  # with n // 3 = 4 inputs per other question kind: a chain of a few
 
 
 def state_claim(window, subject: str = SUBJECT, n: int = SMALL_N) -> None:
-    panel = window.claims_panel
+    panel = window.validation_panel
     panel.subject_edit.setText(subject)
     panel.claim_edit.setText(CLAIM)
     panel.set_dataset("scenes")
@@ -45,7 +45,7 @@ def statuses(validation, chain: int = 0) -> list[str]:
 
 
 def test_the_checklist_shows_the_runs_own_statuses_and_lands_in_the_session(checked):
-    window, panel = checked, checked.claims_panel
+    window, panel = checked, checked.validation_panel
     result = shown_result(window, "validate")
     assert [c.subject for c in result.chains] == [SUBJECT]
     assert panel.status_texts() == statuses(result)  # each row's status cell, from the run's result
@@ -69,7 +69,7 @@ def test_the_checklist_shows_the_runs_own_statuses_and_lands_in_the_session(chec
 
 
 def test_a_step_clicked_shows_its_evidence(checked):
-    panel = checked.claims_panel
+    panel = checked.validation_panel
     chain = shown_result(checked, "validate").chains[0]
     assert panel.select_step(1)
     step = chain.steps[1]
@@ -88,7 +88,7 @@ def test_a_step_clicked_shows_its_evidence(checked):
 
 
 def test_the_history_restores_the_claim(qtbot, checked):
-    window, panel = checked, checked.claims_panel
+    window, panel = checked, checked.validation_panel
     want = statuses(shown_result(window, "validate"))
     verdict = panel.verdict_label.text()
     panel.clear_result()
@@ -100,7 +100,7 @@ def test_the_history_restores_the_claim(qtbot, checked):
 
 
 def test_another_model_clears_the_claim(qtbot, checked):
-    window, panel = checked, checked.claims_panel
+    window, panel = checked, checked.validation_panel
     window.inputs.model_picker.setCurrentText("shapes-coca")
     assert panel.validation is None and panel.status_texts() == []
     said = panel.verdict_label.text()
@@ -115,14 +115,14 @@ def test_cancel_mid_run_leaves_the_window_idle_and_usable(qtbot, window):
         assert window.actions.run_claim()
         window.runner.job.progress.connect(lambda *_: window.cancel())  # at the first step reported
     assert not window.is_busy() and window.inputs.status_label.text().startswith("cancelled")
-    assert window.session.runs("validate") == [] and window.claims_panel.validation is None
-    assert window.claims_panel.run_button.isEnabled()
+    assert window.session.runs("validate") == [] and window.validation_panel.validation is None
+    assert window.validation_panel.run_button.isEnabled()
     run_until_idle(qtbot, window, window.actions.answer_question)  # still usable
     assert shown_result(window, "answer") is not None
 
 
 def test_a_bad_subject_is_a_message_and_records_nothing(qtbot, window):
-    panel = window.claims_panel
+    panel = window.validation_panel
     state_claim(window, subject="L9.H0")
     run_until_idle(qtbot, window, window.actions.run_claim)
     message = window.inputs.error_label.text()
@@ -143,9 +143,9 @@ def test_a_bad_subject_is_a_message_and_records_nothing(qtbot, window):
 def test_a_head_selected_in_attention_names_the_subject(qtbot, window):
     run_until_idle(qtbot, window, window.actions.run_readout)
     window.attention_panel.select_head(1, 2)
-    assert window.claims_panel.subject_edit.text() == "L1.H2"
+    assert window.validation_panel.subject_edit.text() == "L1.H2"
     window.lens_panel.select_layer(2)  # a lens row selects a block's writes, not a head
-    assert window.claims_panel.subject_edit.text() == "L1.H2"
+    assert window.validation_panel.subject_edit.text() == "L1.H2"
 
 
 # ---------------------------------------------------------------- Non-unique… and QK/OV
@@ -170,7 +170,10 @@ def test_nonunique_on_the_selected_head_is_the_librarys_and_is_recorded(qtbot, r
     (info,) = window.session.runs("nonunique")
     stored = window.session.run(info.id)
     assert stored.result == json.loads(json.dumps(want, allow_nan=False))  # the command's JSON, to the last digit
-    assert stored.parameters["component"] == "L1.H2" and stored.parameters["question"] == window.inputs.question_edit.text()
+    assert (
+        stored.parameters["component"] == "L1.H2"
+        and stored.parameters["question"] == window.inputs.question_edit.text()
+    )
     assert [row["run_id"] for row in window.session.audit_table()].count(info.id) == len(result.audit_records())
     shown = panel.text.text().split("\n")
     assert shown[0] == result.summary() and shown[1 : 1 + len(result.levels)] == [lv.statement for lv in result.levels]

@@ -10,10 +10,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from core.methods.labels.chain import Baseline, ChainStep, ValidationChain
-from core.methods.labels.context import ChainContext, _audit, _baselines, _group_values
-from core.methods.labels.observations import ChainCancelled
-from core.methods.labels.setting import (
+from core.methods.patterns import Distribution
+from core.methods.validation.chain import Baseline, ChainStep, ValidationChain
+from core.methods.validation.context import ChainContext, _audit, _baselines, _group_values
+from core.methods.validation.observations import ChainCancelled
+from core.methods.validation.setting import (
     CRITERIA,
     FOLLOW_RATE_MIN,
     HIT_P_MAX,
@@ -26,8 +27,7 @@ from core.methods.labels.setting import (
     Subject,
     _members,
 )
-from core.methods.labels.stats import _lower, _pearson, _spearman, _stats, poisson_binomial_tail
-from core.methods.patterns import Distribution
+from core.methods.validation.stats import _lower, _pearson, _spearman, _stats, poisson_binomial_tail
 
 
 def step1_pattern(ctx: ChainContext, cand: Subject) -> ChainStep:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.precision import accumulation_dtype
+from core.shell.precision import accumulation_dtype
 
 # Rows recomputed at once: bounds the transient (batch, heads, rows, keys) scores.
 # Rows are computed by aligned chunks of this many (the last padded with the last

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from core.methods.labels.context import ChainContext
-from core.methods.labels.setting import HeadRef, RouteRef
+from core.methods.validation.context import ChainContext
+from core.methods.validation.setting import HeadRef, RouteRef
 
 
 def find_candidates(ctx: ChainContext, k: int = 3, *, add_attention_top: bool = True) -> list[tuple[HeadRef, dict]]:

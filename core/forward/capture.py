@@ -4,7 +4,7 @@ Hooks are scoped: registered inside :func:`hooks` and removed in its
 ``finally``, so none outlives a run. By default the model runs its own
 attention implementation (sdpa, or flash where it was loaded with it) and the
 attention patterns a read-out asks for are recomputed, row by row, from the
-queries, keys and mask each attention call received (core/attention_rows.py,
+queries, keys and mask each attention call received (core/forward/attention_rows.py,
 docs/ARCHITECTURE.md "Capture on the sdpa path"); ``attention="eager"``
 switches the language model to eager attention for the run instead (and back
 afterwards) and keeps the rows of the weights it returns: the oracle the
@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core import attention_rows
-from core.attention_rows import RecomputedRows
 from core.errors import oom_guard
-from core.lazy import make_module_callable
+from core.forward import attention_rows
+from core.forward.attention_rows import RecomputedRows
 
 
 @dataclass
@@ -63,7 +62,7 @@ class Trace:
             exactly as the model's attention received them (after bias, q/k norms
             and the position scheme) and the factor it scales ``q . k`` by; so
             ``q k^T * scale`` are the model's own pre-softmax scores (before the mask).
-        edits: the :class:`core.edits.Edit` s this run was made with; empty for
+        edits: the :class:`core.forward.edits.Edit` s this run was made with; empty for
             the model's own computation.
         query_positions: ``(n_query,)`` the kept query positions (same for every batch row).
         final_resid: ``(batch, pos, d_model)`` x_L, before the final norm.
@@ -96,7 +95,7 @@ class Trace:
     q: dict[int, torch.Tensor] = field(default_factory=dict)  # block -> (batch, pos, heads, d_head)
     k: dict[int, torch.Tensor] = field(default_factory=dict)  # block -> (batch, keys, kv_heads, d_head)
     score_scale: dict[int, float] = field(default_factory=dict)  # block -> the model's score scaling
-    edits: list = field(default_factory=list)  # core.edits.Edit applied in this run (empty: the model as is)
+    edits: list = field(default_factory=list)  # core.forward.edits.Edit applied in this run (empty: the model as is)
     answer_id: int | None = None  # the target token the caller named (capture(answer=...)), else None
     foil_id: int | None = None
     norm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # post-norm families: each stream norm's input
@@ -187,7 +186,7 @@ def capture(
             the answer position only, which is what fits for a 7B model).
         keep_qk: record the model's own post-position-scheme queries and keys
             (``True``: every block; or a list of blocks).
-        edits: :class:`core.edits.Edit` s to apply (ablation or patching); the
+        edits: :class:`core.forward.edits.Edit` s to apply (ablation or patching); the
             trace then records the edited run and says so in ``trace.edits``.
         inputs: the prepared batch, when the caller already has it (saves
             running the processor twice).
@@ -255,8 +254,8 @@ def record_pattern(trace: Trace, block: int, source) -> None:
     """What block ``block``'s pattern gives the trace: the rows of
     ``trace.query_positions`` (if the block's are kept) and the whole
     pattern, offered to each of ``trace.pattern_streams``. ``source`` is a
-    :class:`core.attention_rows.WeightsRows` (a pattern the model computed)
-    or :class:`core.attention_rows.RecomputedRows` (a recorded call)."""
+    :class:`core.forward.attention_rows.WeightsRows` (a pattern the model computed)
+    or :class:`core.forward.attention_rows.RecomputedRows` (a recorded call)."""
     if block in trace.pattern_blocks:
         trace.patterns[block] = source.rows(trace.query_positions)
     for stream in trace.pattern_streams:
@@ -283,7 +282,7 @@ def record_attention(adapter, trace: Trace, qk_blocks: set[int]) -> Iterator[Non
     ``trace.score_scale``: the model's own pre-softmax scores are
     ``q k^T * scale`` before the mask) and, on the sdpa path, each block's
     pattern rows (:func:`record_pattern` of a
-    :class:`core.attention_rows.RecomputedRows`). Families that replay the
+    :class:`core.forward.attention_rows.RecomputedRows`). Families that replay the
     forward themselves (``adapter.records_qk``) fill ``trace.q``/``trace.k``
     in their replay; families whose attention is computed inline (BLIP) hook
     their q/k projections (``adapter.qk_record_hooks``)."""
@@ -331,6 +330,3 @@ def run_with_hooks(adapter, inputs, trace: Trace, keep: set[int]) -> None:
     switch = eager_attention(adapter.model) if trace.attention == "eager" else nullcontext()
     with switch, hooks(regs):
         trace.logits = adapter.forward_logits(inputs)
-
-
-make_module_callable(__name__, capture)  # core.capture(...) is the function (core/lazy.py)

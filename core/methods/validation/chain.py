@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from core.audit import AuditRecord
 from core.errors import ReadoutError
-from core.readout import from_dict_fields, jsonable
+from core.results.audit import AuditRecord
+from core.results.readout import from_dict_fields, jsonable
 
 SCHEMA_VERSION = 2  # 2: step statuses "passed" / "failed" / "not tested" (1 wrote "pass" / "fail" / "not-run")
 CHAIN_STATUSES = ("not a candidate", "mechanism candidate", "candidate with intervention", "supported")
@@ -500,7 +500,7 @@ class ValidationChain:
             row[str(k)] = x.status + (v if x.status != "not tested" else "")
         return row
 
-    kind = "label"  # the session's run kind (core.readout.Readout)
+    kind = "label"  # the session's run kind (core.results.readout.Readout)
 
     def summary(self) -> str:
         """``L2.H1 'color' (head): mechanism candidate; steps pass 1, 2, 3, 4``."""

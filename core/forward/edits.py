@@ -1,7 +1,7 @@
 """Edits to a forward: remove (zero), replace (patch) or knock out one
 component, one stream slice, or one attention edge.
 
-A :class:`core.capture.Trace` records the edits its run was made with, so an
+A :class:`core.forward.capture.Trace` records the edits its run was made with, so an
 edited trace is never mistaken for the model's own computation. Hook-based
 families apply edits with :meth:`core.models.adapter.Adapter.edit_hooks`;
 families that replay the forward (CoCa) apply them in the replay.

@@ -15,7 +15,7 @@ A line's fields (paths are relative to the JSONL file's folder)::
 
 ``target_mask`` is the one mask convention: a PNG of the image's size, white
 (luminance >= 128, and alpha >= 128 where it has alpha) inside the region
-(:func:`core.images.load_mask`). Other keys (``core.zoo.dataset`` writes
+(:func:`core.files.images.load_mask`). Other keys (``core.zoo.dataset`` writes
 ``objects``, ``distractor_masks``, ...) are not read here; each pair keeps its
 line's object in :attr:`Pair.row` for the readers that need them (the
 validation chain's, :mod:`core.validate`).
@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core.errors import ImageLoadError, InputFileError
-from core.input_files import MAX_JSON_DEPTH, read_regular_bytes
-from core.json_fields import json_kind as _json_type
+from core.files.input_files import MAX_JSON_DEPTH, read_regular_bytes
+from core.files.json_fields import json_kind as _json_type
 
 if TYPE_CHECKING:
     import numpy as np
@@ -66,7 +66,7 @@ def read_jsonl(path: str | Path, what: str = "pairs file", progress: Progress = 
     The file must be a regular file (a FIFO, device or socket is refused,
     never waited on) of at most :data:`MAX_PAIRS_BYTES`, UTF-8 (a leading
     byte-order mark is accepted), and each non-blank line one JSON object
-    nested no deeper than :data:`core.input_files.MAX_JSON_DEPTH`, without
+    nested no deeper than :data:`core.files.input_files.MAX_JSON_DEPTH`, without
     NaN / Infinity. Lines end at ``\\n`` only (a JSON string may hold U+2028
     and the like). Every problem is one :class:`InputFileError` naming the
     file and the line, ``what`` the file's role. ``progress(lines read,
@@ -349,8 +349,8 @@ def _naming_the_line(pair: Pair):
 
 
 def load_pair_image(pair: Pair) -> Image.Image:
-    """The image of one pair, decoded (:func:`core.images.load_image`); a failure names the line."""
-    from core.images import load_image  # function-local: PIL, off the parser's path
+    """The image of one pair, decoded (:func:`core.files.images.load_image`); a failure names the line."""
+    from core.files.images import load_image  # function-local: PIL, off the parser's path
 
     with _naming_the_line(pair):
         return load_image(pair.image_path)
@@ -358,8 +358,8 @@ def load_pair_image(pair: Pair) -> Image.Image:
 
 def check_pair_image(pair: Pair) -> Path:
     """The image path of one pair after its header's checks
-    (:func:`core.images.check_image_file`, no decoding); a failure names the line."""
-    from core.images import check_image_file  # function-local: PIL, off the parser's path
+    (:func:`core.files.images.check_image_file`, no decoding); a failure names the line."""
+    from core.files.images import check_image_file  # function-local: PIL, off the parser's path
 
     with _naming_the_line(pair):
         check_image_file(pair.image_path)
@@ -388,7 +388,7 @@ def load_pair_mask(pair: Pair, size: tuple[int, int], path: Path | None = None) 
     path = pair.target_mask if path is None else path
     if path is None:
         return None
-    from core.images import load_mask  # function-local: numpy and PIL, off the parser's path
+    from core.files.images import load_mask  # function-local: numpy and PIL, off the parser's path
 
     with _naming_the_line(pair):
         mask = load_mask(path)

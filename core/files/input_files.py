@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from core.errors import InputFileError
-from core.json_fields import json_kind
+from core.files.json_fields import json_kind
 
 # Deeper nesting than any file the tool writes (its JSON documents nest under 10 levels).
 MAX_JSON_DEPTH = 64

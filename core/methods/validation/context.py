@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.audit import AuditRecord
-from core.methods.labels.chain import Baseline, InputCondition, LabelError, _finite
-from core.methods.labels.observations import (
+from core.methods.patterns import pattern_statistics
+from core.methods.validation.chain import Baseline, InputCondition, LabelError, _finite
+from core.methods.validation.observations import (
     ChainCancelled,
     HeadObservations,
     RunNumbers,
@@ -26,9 +26,9 @@ from core.methods.labels.observations import (
     observe_swaps,
     run_edited,
 )
-from core.methods.labels.setting import REGION_MIN_COVER, HeadRef, RouteRef, Subject, _members, visual_heads
-from core.methods.labels.stats import _stats
-from core.methods.patterns import pattern_statistics
+from core.methods.validation.setting import REGION_MIN_COVER, HeadRef, RouteRef, Subject, _members, visual_heads
+from core.methods.validation.stats import _stats
+from core.results.audit import AuditRecord
 
 
 @dataclass

@@ -1,19 +1,19 @@
-"""The Claims tab: state what a head or route does, check it with the seven-step
+"""The Validation tab: state what a head or route does, check it with the seven-step
 validation chain (docs/METHODS.md §4.11), and read the verdict with its evidence.
 
-The panel never runs the model: Run emits :attr:`ClaimsPanel.run_requested` and
+The panel never runs the model: Run emits :attr:`ValidationPanel.run_requested` and
 the window asks the panel for the request its fields state
-(:meth:`~ClaimsPanel.validate_request`: a :class:`core.requests.ValidateRequest`, or
+(:meth:`~ValidationPanel.validate_request`: a :class:`core.requests.ValidateRequest`, or
 a :class:`app.panels.run_requests.Refusal`), runs it in a worker and hands the
-:class:`core.validate.Validation` back with :meth:`~ClaimsPanel.show_claim` (a run
-restored from the History: :meth:`~ClaimsPanel.show_restored`).
+:class:`core.validate.Validation` back with :meth:`~ValidationPanel.show_claim` (a run
+restored from the History: :meth:`~ValidationPanel.show_restored`).
 
 A claim is checked on a model, not on an input, so it does not join the
 workspace's shown run (a run of one image and question): there it would become
 the shown run whenever the input had moved on since the read-out, turning the
 selected component stale and parting the follow-ups from their read-out, and a
 new image would clear it. The panel keeps the claim it shows with the model it
-was checked on (:attr:`ClaimsPanel.claim_run`) and follows the workspace's input
+was checked on (:attr:`ValidationPanel.claim_run`) and follows the workspace's input
 itself: another model, dtype, device or other weights clear it, saying so; a new
 image or question leaves it.
 
@@ -61,7 +61,7 @@ from app.components import RunInput, ShownRun
 from app.components.selection import SelectedComponent, Selection, is_head
 from app.panels.run_requests import Refusal, RunningLine
 from app.widgets import ElidedLabel, boxed, plain_label, set_columns, set_title, split, stacked, style_plot, text_scroll
-from core.methods.labels.chain import SwapPair
+from core.methods.validation.chain import SwapPair
 from core.requests import ValidateRequest
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def step_details(step) -> str:
     return "\n".join(lines)
 
 
-class ClaimsPanel(QWidget):
+class ValidationPanel(QWidget):
     """The claim, its data, Run, and the checklist of the chain shown (see the module docstring).
 
     Signals:
@@ -444,7 +444,7 @@ class ClaimsPanel(QWidget):
         self._show_step(None)
 
     def chain(self):
-        """The :class:`core.methods.labels.ValidationChain` the checklist shows, or None."""
+        """The :class:`core.methods.validation.ValidationChain` the checklist shows, or None."""
         index = self.chain_combo.currentIndex()
         if self.validation is None or not 0 <= index < len(self.validation.chains):
             return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.methods.labels.chain import LabelError
+from core.methods.validation.chain import LabelError
 
 # Pre-registered pass rules (fixed here, before any evaluation split is read).
 HIT_RATIO_MIN = 2.0  # step 1: hit rate at least this multiple of chance

@@ -7,7 +7,7 @@ otherwise, so the reader prefixes the file's name and raises its own
 
 from __future__ import annotations
 
-INT32_MAX = 2**31 - 1  # ids and counts: what the command line accepts (core.arguments.INT_MAX)
+INT32_MAX = 2**31 - 1  # ids and counts: what the command line accepts (core.shell.arguments.INT_MAX)
 
 
 def json_kind(value) -> str:

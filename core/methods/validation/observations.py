@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from core.capture import capture
-from core.edits import Edit
-from core.geometry import region_tokens
+from core.forward.capture import capture
+from core.forward.edits import Edit
+from core.forward.geometry import region_tokens
 from core.methods.contributions import source_contributions
-from core.methods.labels.setting import REGION_MIN_COVER, HeadRef, RouteRef, Subject, visual_heads
 from core.methods.patterns import entropy
+from core.methods.validation.setting import REGION_MIN_COVER, HeadRef, RouteRef, Subject, visual_heads
 
 
 def _image(sample):
@@ -248,7 +248,7 @@ def mean_ablation_value(loaded, reference_samples, head: HeadRef, *, batch_size:
 
 
 def head_edit(head: HeadRef, position: int, value: torch.Tensor | None = None):
-    """The :class:`core.edits.Edit` that zeroes (``value=None``) or replaces
+    """The :class:`core.forward.edits.Edit` that zeroes (``value=None``) or replaces
     ``(d_head,)`` the head's z at ``position``."""
 
     return Edit(head.block, head.head, (int(position),), None if value is None else value.reshape(1, -1))

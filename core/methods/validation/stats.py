@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from core.stats import pearson, spearman
+from core.methods.stats import pearson, spearman
 
 
 def _stats(x) -> dict:
@@ -33,12 +33,12 @@ def _nan_if_none(r: float | None) -> float:
 
 
 def _pearson(a, b) -> float:
-    """:func:`core.stats.pearson`, NaN where undefined (the steps compare it with thresholds)."""
+    """:func:`core.methods.stats.pearson`, NaN where undefined (the steps compare it with thresholds)."""
     return _nan_if_none(pearson(np.ravel(a), np.ravel(b)))
 
 
 def _spearman(a, b) -> float:
-    """:func:`core.stats.spearman` (ties given their mean rank), NaN where undefined."""
+    """:func:`core.methods.stats.spearman` (ties given their mean rank), NaN where undefined."""
     return _nan_if_none(spearman(np.ravel(a), np.ravel(b)))
 
 

@@ -1,0 +1,1 @@
+"""What is read and written: safe file opening (input_files), images, pairs files, JSON fields, atomic writes."""

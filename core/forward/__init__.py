@@ -1,0 +1,1 @@
+"""One run of the model: the capture (hooks, attention rows, edits) and the visual-token geometry."""

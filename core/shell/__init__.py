@@ -1,0 +1,1 @@
+"""The process around the engine: command-line arguments, the terminal, the network switches, lazy names, dtypes."""
