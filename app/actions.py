@@ -26,7 +26,6 @@ from app.samples import bundled_pairs_file
 from core.files.images import load_mask
 from core.requests import AnalyzeRequest, GenerateRequest
 from core.requests.patching import default_patch_site, patch_sites
-from core.results.readout import RecordedResult
 
 # the formats core.files.images accepts (ACCEPTED_FORMATS)
 IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
@@ -250,9 +249,7 @@ class Actions:
 
         def show(stats) -> None:
             w.attention_panel.set_statistics(stats)
-            line = f"answer-row attention of {len(stats.heads)} heads over {stats.n_samples} samples"
-            parameters = {"n_samples": stats.n_samples, **({"dataset": str(dataset)} if dataset else {})}
-            w.sessions.record(RecordedResult("statistics", stats.to_dict(), line, parameters, audits=[stats.audit]))
+            w.sessions.record(stats, parameters={"dataset": str(dataset)} if dataset else None)
 
         return self.start(show, statistics_job, w.model_choice(), list(items), status="attention statistics…")
 

@@ -14,7 +14,13 @@ on stderr and exit status 2.
 
 from __future__ import annotations
 
-from core.cli.args import add_answer_text_args, add_model_args, answer_text_of, answer_tokens, check_token_options
+from core.cli.args import (
+    add_answer_text_args,
+    add_model_args,
+    asked_of,
+    check_token_options,
+    loaded_for,
+)
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
 from core.errors import InterventionError
@@ -75,7 +81,6 @@ def add_command(subparsers, load=load_from_args) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the method and the images import torch / numpy, not needed for --help
-    import dataclasses
 
     from core.files.atomic import check_output_file
     from core.files.images import check_image_file, load_image
@@ -97,11 +102,7 @@ def run(args, load=load_from_args) -> int:
     for reference in args.reference or ():
         check_image_file(reference)  # each decoded when its run comes
     request = AblationRequest(
-        image=image,
-        image_path=args.image,
-        question=args.question,
-        answer=args.answer or "",
-        foil=args.foil or "",
+        **asked_of(args, image),
         component=args.component,
         ablation=args.ablation,
         positions=args.positions,
@@ -114,10 +115,9 @@ def run(args, load=load_from_args) -> int:
         from core.session import check_session_file
 
         check_session_file(args.session)
-    loaded = load(args)
-    parse_component(args.component, [name for name, _ in loaded.adapter.blocks])  # before anything runs
-    answer_tokens(args, loaded.adapter)  # a word of several tokens: said in a warning line
-    request = dataclasses.replace(request, answer_text=answer_text_of(args, loaded))
+    loaded, request = loaded_for(  # a component the model lacks fails before anything runs
+        args, load, request, check=lambda loaded: parse_component(args.component, [n for n, _ in loaded.adapter.blocks])
+    )
     with progress_bar("ablation", quiet=args.quiet, messages=True) as progress:
         result = request.run(loaded, progress)
     return finish(args, request, result, model=loaded)

@@ -7,9 +7,9 @@ from core.cli.args import (
     add_answer_text_args,
     add_model_args,
     add_raw_prompt_arg,
-    answer_text_of,
-    answer_tokens,
+    asked_of,
     check_token_options,
+    loaded_for,
 )
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
@@ -42,7 +42,6 @@ def add_command(subparsers, load=load_from_args) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the lens store and the session import torch / numpy, not needed for --help
-    from dataclasses import replace
 
     from core.files.atomic import check_output_file
     from core.files.images import load_image
@@ -60,19 +59,13 @@ def run(args, load=load_from_args) -> int:
 
         tuned = load_lens(args.lens)
     request = AnalyzeRequest(
-        image=image,
-        image_path=args.image,
-        question=args.question,
-        answer=args.answer or "",
-        foil=args.foil or "",
+        **asked_of(args, image),
         lens=args.lens,
         tuned=tuned,
         attention=args.attention,
         raw_prompt=args.raw_prompt,
     )
-    loaded = load(args)
-    request = replace(request, answer_text=answer_text_of(args, loaded))
-    answer_tokens(args, loaded.adapter)  # a word of several tokens: said in a warning line
+    loaded, request = loaded_for(args, load, request)
     with progress_bar("analyze", quiet=args.quiet, total=4, messages=True) as progress:
         result = request.run(loaded, progress)
     return finish(args, request, result, model=loaded)

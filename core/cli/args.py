@@ -169,3 +169,30 @@ def answer_text_of(args, loaded):
         image_sha256=image_sha256(load_image(args.image)) if generation.image_sha256 is not None else None,
     )
     return generation.answer_text(args.token_index or 0)
+
+
+def asked_of(args, image) -> dict:
+    """The :class:`core.requests.base.AskedRequest` fields of the command line: the image (its
+    pixels and ``--image`` as given), ``--question``, ``--answer`` and ``--foil`` as typed."""
+    return {
+        "image": image,
+        "image_path": args.image,
+        "question": args.question,
+        "answer": args.answer or "",
+        "foil": args.foil or "",
+    }
+
+
+def loaded_for(args, load, request, check=None):
+    """``(loaded, request)`` once the fail-fast checks passed: the model loaded, ``check(loaded)``
+    (what must fail before anything runs: a component or site the model lacks), the answer token
+    read out set on ``request``, and the typed answer and foil checked by the one rule (a word of
+    several tokens: a ``warning:`` line)."""
+    from dataclasses import replace
+
+    loaded = load(args)
+    if check is not None:
+        check(loaded)
+    request = replace(request, answer_text=answer_text_of(args, loaded))
+    answer_tokens(args, loaded.adapter)
+    return loaded, request

@@ -17,9 +17,9 @@ import argparse
 from core.cli.args import (
     add_answer_text_args,
     add_model_args,
-    answer_text_of,
-    answer_tokens,
+    asked_of,
     check_token_options,
+    loaded_for,
 )
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
@@ -85,7 +85,6 @@ def add_command(subparsers, load=load_from_args) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the counterfactual methods import torch, not needed for --help
-    from dataclasses import replace
 
     from core.files.atomic import check_output_file
     from core.files.images import load_image
@@ -105,11 +104,7 @@ def run(args, load=load_from_args) -> int:
     if args.fill == "paste" and not args.paste_from:
         raise ReadoutError("--fill paste needs --paste-from IMG")
     asked = dict(
-        image=image,
-        image_path=args.image,
-        question=args.question,
-        answer=args.answer or "",
-        foil=args.foil or "",
+        **asked_of(args, image),
         fill=args.fill,
         color=args.color,
         radius=args.radius,
@@ -126,9 +121,7 @@ def run(args, load=load_from_args) -> int:
         from core.session import check_session_file
 
         check_session_file(args.session)
-    loaded = load(args)
-    request = replace(request, answer_text=answer_text_of(args, loaded))
-    answer_tokens(args, loaded.adapter)  # a word of several tokens: said in a warning line
+    loaded, request = loaded_for(args, load, request)
     if args.sweep is not None:
         with progress_bar("occlusion sweep", quiet=args.quiet) as progress:
             result = request.run(loaded, progress)

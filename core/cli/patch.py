@@ -12,7 +12,13 @@ expected failure is one line on stderr and exit status 2.
 
 from __future__ import annotations
 
-from core.cli.args import add_answer_text_args, add_model_args, answer_text_of, answer_tokens, check_token_options
+from core.cli.args import (
+    add_answer_text_args,
+    add_model_args,
+    asked_of,
+    check_token_options,
+    loaded_for,
+)
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
 from core.errors import InterventionError
@@ -61,7 +67,6 @@ def add_command(subparsers, load=load_from_args) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the method and the images import torch / numpy, not needed for --help
-    import dataclasses
 
     from core.files.atomic import check_output_file
     from core.files.images import load_image
@@ -76,11 +81,7 @@ def run(args, load=load_from_args) -> int:
         raise InterventionError("--layer goes with --site resid or --site kv_source")
     image = load_image(args.image)
     request = PatchingRequest(
-        image=image,
-        image_path=args.image,
-        question=args.question,
-        answer=args.answer or "",
-        foil=args.foil or "",
+        **asked_of(args, image),
         source_image=load_image(args.source_image),
         source_image_path=args.source_image,
         mask=mask_from_png(args.mask, image.size) if args.mask else None,
@@ -91,10 +92,8 @@ def run(args, load=load_from_args) -> int:
         from core.session import check_session_file
 
         check_session_file(args.session)
-    loaded = load(args)
-    request.resolved_site(loaded.adapter)  # a site the family lacks fails before anything runs
-    answer_tokens(args, loaded.adapter)  # a word of several tokens: said in a warning line
-    request = dataclasses.replace(request, answer_text=answer_text_of(args, loaded))
+    # a site the family lacks fails before anything runs
+    loaded, request = loaded_for(args, load, request, check=lambda loaded: request.resolved_site(loaded.adapter))
     with progress_bar("patching", quiet=args.quiet, messages=True) as progress:
         result = request.run(loaded, progress)
     return finish(args, request, result, model=loaded)
