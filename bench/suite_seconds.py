@@ -6,10 +6,10 @@ runs the suite as ``make test`` does (``-n 2 --dist loadfile``; pass other
 pytest arguments after these options, paths included) and prints the wall
 time, each worker's busy seconds and last finish, and the slowest files.
 ``--write`` merges each file's seconds (setup, call and teardown summed) and
-test count into tests/file_seconds.json, from which tests/conftest.py's
-scheduler hands the longest file left to the worker that asks: rerun it when
-files have grown or moved. Timings on a shared machine are noisy; the record
-only orders the files, it never decides what runs.
+test count into tests/file_seconds.json (dropping files that are gone), from
+which tests/scheduling.py hands the longest file left to the worker that asks:
+rerun it when files have grown or moved. Timings on a shared machine are
+noisy; the record only orders the files, it never decides what runs.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def main() -> int:
         args.json.write_text(json.dumps({**doc, "files": files}, indent=1) + "\n")
     if args.write:
         record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+        record = {f: v for f, v in record.items() if (ROOT / f).is_file()}
         record.update(files)
         lines = [f"  {json.dumps(f)}: {json.dumps(v)}" for f, v in sorted(record.items())]  # a file a line
         RECORD.write_text("{\n" + ",\n".join(lines) + "\n}\n")

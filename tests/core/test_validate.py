@@ -124,7 +124,7 @@ SCENE_LINES = 80  # the most lines a test's scene folders take
 @pytest.fixture(scope="module")
 def written_scenes(tmp_path_factory) -> dict:
     """Attribute scenes of val and heldout written once as dataset folders (core.zoo.dataset):
-    writing them is seconds, and the tests take their lines from these."""
+    the ~4 s of drawing and PNG writing that eight tests each repeated, done once."""
     root = tmp_path_factory.mktemp("scenes")
     for split in ("val", "heldout"):
         write_dataset(root / split, split, SCENE_LINES, kind="attribute", min_distractors=1)
@@ -141,6 +141,7 @@ def _scene_files(tmp_path, written_scenes, n, question=None, words=None) -> dict
     out = {}
     for split, written in written_scenes.items():
         folder = tmp_path / split
+        # not the JSONL (written below) nor the manifest (its n is the written folder's)
         shutil.copytree(written, folder, copy_function=os.link, ignore=shutil.ignore_patterns("*.json*"))
         rows = [json.loads(line) for line in (written / JSONL_NAME).read_text().splitlines()][:n]
         if question is not None:

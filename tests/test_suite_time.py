@@ -1,5 +1,6 @@
-"""``make test``'s workers take the longest test file left (tests/scheduling.py),
-driven here through xdist's own scheduler calls with two stand-in workers."""
+"""What keeps ``make test`` short: its two workers take the longest test file left
+(tests/scheduling.py, driven here through xdist's own scheduler calls with two
+stand-in workers), and a passing test's tmp_path goes at its teardown."""
 
 from __future__ import annotations
 
@@ -96,3 +97,8 @@ def test_make_test_schedules_with_it_and_other_modes_keep_xdists():
     assert isinstance(pytest_xdist_make_scheduler(_config("loadfile"), None), LongestFileFirst)
     assert pytest_xdist_make_scheduler(_config("load"), None) is None
     assert pytest_xdist_make_scheduler(_config("loadgroup"), None) is None
+
+
+def test_a_passing_tests_tmp_path_goes_at_its_teardown(request):
+    """Removed while its files are in the page cache, not flushed and unlinked sessions later."""
+    assert request.config.getini("tmp_path_retention_policy") == "failed"
