@@ -104,7 +104,9 @@ def test_another_model_clears_the_claim(qtbot, checked):
     window.inputs.model_picker.setCurrentText("shapes-coca")
     assert panel.validation is None and panel.status_texts() == []
     said = panel.verdict_label.text()
-    assert "checked on shapes-llava · float32 (auto) · cpu; the model is now shapes-coca · auto · cpu" in said
+    # the dtype named: the one it runs in once loaded (another test of the run may have loaded it)
+    coca_dtype = "float32 (auto)" if window.loaded_model() is not None else "auto"
+    assert f"checked on shapes-llava · float32 (auto) · cpu; the model is now shapes-coca · {coca_dtype} · cpu" in said
     window.inputs.model_picker.setCurrentText("shapes-llava")  # back: the claim stays gone (run or restore it)
     assert panel.validation is None
 
