@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from core.cli.args import (
     add_answer_text_args,
+    add_input_args,
     add_model_args,
+    add_output_args,
+    add_token_args,
     asked_of,
     check_token_options,
     loaded_for,
@@ -40,8 +43,7 @@ def add_command(subparsers, load=load_from_args) -> None:
         "region's visual tokens; re-run and write the answer's numbers before and after with the audit row.",
     )
     add_model_args(p)
-    p.add_argument("--image", required=True, help="the image (PNG, JPEG, ...)")
-    p.add_argument("--question", required=True, help="the question about the image")
+    add_input_args(p)
     p.add_argument(
         "--component",
         required=True,
@@ -70,12 +72,9 @@ def add_command(subparsers, load=load_from_args) -> None:
         help="--ablation mean: a reference image asked the same question (repeatable)",
     )
     p.add_argument("--source-image", metavar="IMG", help="--ablation resample: the other image")
-    p.add_argument("--answer", help="answer token (default: the model's top token)")
-    p.add_argument("--foil", help="competing token; logit difference = answer - foil")
+    add_token_args(p)
     add_answer_text_args(p)
-    p.add_argument("--json", help="output file (the result the session records)")
-    p.add_argument("--session", help="also record the run (with image and mask) into this session file")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_args(p, json_help="output file (the result the session records)", json_required=False)
     p.set_defaults(func=lambda args: run(args, load))
 
 

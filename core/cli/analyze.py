@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from core.cli.args import (
     add_answer_text_args,
+    add_input_args,
     add_model_args,
+    add_output_args,
     add_raw_prompt_arg,
+    add_token_args,
     asked_of,
     check_token_options,
     loaded_for,
@@ -20,13 +23,9 @@ from core.shell.terminal import progress_bar
 def add_command(subparsers, load=load_from_args) -> None:
     an = subparsers.add_parser("analyze", help="capture once and write every text-side read-out as JSON")
     add_model_args(an)
-    an.add_argument("--image", required=True)
-    an.add_argument("--question", required=True)
-    an.add_argument("--answer", help="answer token (default: the model's top token)")
-    an.add_argument("--foil", help="competing token; u = W_U[answer] - W_U[foil]")
-    an.add_argument("--json", required=True, help="output file")
-    an.add_argument("--session", help="also record the run into this session file (created if missing)")
-    an.add_argument("--quiet", action="store_true")
+    add_input_args(an)
+    add_token_args(an, foil_help="competing token; u = W_U[answer] - W_U[foil]")
+    add_output_args(an, session_help="also record the run into this session file (created if missing)")
     add_raw_prompt_arg(an)
     add_answer_text_args(an)
     an.add_argument("--lens", help="tuned-lens folder: its reader and baselines beside the logit lens")

@@ -1,8 +1,9 @@
-"""The options every model command shares: which model, where, and what it
-may do at load (:func:`add_model_args`), and ``--raw-prompt``
-(:func:`add_raw_prompt_arg`). Imports nothing heavy: the parser is built
-before anything loads. The generic pieces (Parser, the number validators) are
-in :mod:`core.shell.arguments`."""
+"""The options the model commands share: which model, where, and what it
+may do at load (:func:`add_model_args`), the input (:func:`add_input_args`),
+the measured tokens (:func:`add_token_args`), where the run goes
+(:func:`add_output_args`) and ``--raw-prompt`` (:func:`add_raw_prompt_arg`).
+Imports nothing heavy: the parser is built before anything loads. The generic
+pieces (Parser, the number validators) are in :mod:`core.shell.arguments`."""
 
 from __future__ import annotations
 
@@ -48,6 +49,40 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-pickle", action="store_true", help="accept pickle checkpoints (they can run code)")
     p.add_argument("--trust-remote-code", action="store_true", help="accept models that ship their own code")
     p.add_argument("--allow-download", action="store_true", help="allow fetching a repo id that is not cached")
+
+
+def add_input_args(p: argparse.ArgumentParser, *, question_help: str = "the question about the image") -> None:
+    """``--image`` and ``--question``, both required: the input a one-image command reads out."""
+    p.add_argument("--image", required=True, help="the image (PNG, JPEG, ...)")
+    p.add_argument("--question", required=True, help=question_help)
+
+
+def add_token_args(
+    p: argparse.ArgumentParser,
+    *,
+    answer_help: str = "answer token (default: the model's top token)",
+    foil_help: str = "competing token; logit difference = answer - foil",
+) -> None:
+    """``--answer`` and ``--foil``: the tokens whose logit difference a read-out measures
+    (:func:`answer_tokens` reads them)."""
+    p.add_argument("--answer", help=answer_help)
+    p.add_argument("--foil", help=foil_help)
+
+
+def add_output_args(
+    p: argparse.ArgumentParser,
+    *,
+    json_help: str = "output file",
+    json_required: bool = True,
+    session_help: str = "also record the run (with image and mask) into this session file",
+    quiet: bool = True,
+) -> None:
+    """``--json``, ``--session`` and ``--quiet``: where a run's document goes
+    (:func:`core.cli.outputs.finish` writes and records it) and whether a bar is drawn."""
+    p.add_argument("--json", required=json_required, help=json_help)
+    p.add_argument("--session", help=session_help)
+    if quiet:
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def add_raw_prompt_arg(p: argparse.ArgumentParser) -> None:

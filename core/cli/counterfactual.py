@@ -16,7 +16,10 @@ import argparse
 
 from core.cli.args import (
     add_answer_text_args,
+    add_input_args,
     add_model_args,
+    add_output_args,
+    add_token_args,
     asked_of,
     check_token_options,
     loaded_for,
@@ -52,8 +55,7 @@ def add_command(subparsers, load=load_from_args) -> None:
         "frozen-scale DLA) and the audit rows. --sweep K writes a patch-grid occlusion map instead.",
     )
     add_model_args(p)
-    p.add_argument("--image", required=True)
-    p.add_argument("--question", required=True)
+    add_input_args(p)
     p.add_argument("--mask", help="PNG, white = region, same size as the image")
     p.add_argument("--sweep", type=positive_int, metavar="K", help="fill every K x K block of patches in turn instead")
     p.add_argument(
@@ -67,8 +69,7 @@ def add_command(subparsers, load=load_from_args) -> None:
     p.add_argument("--color", type=_color, default=None, help="--fill constant: R,G,B (default 128,128,128)")
     p.add_argument("--radius", type=blur_radius, default=None, help="--fill blur: Gaussian sigma in pixels (default 4)")
     p.add_argument("--seed", type=seed_int, default=None, help="--fill noise: generator seed (default 0)")
-    p.add_argument("--answer", help="answer token (default: the model's top token on the original image)")
-    p.add_argument("--foil", help="competing token; logit difference = answer - foil")
+    add_token_args(p, answer_help="answer token (default: the model's top token on the original image)")
     add_answer_text_args(p)
     p.add_argument("--batch-size", type=batch_size, default=16, help="--sweep: edited images per forward")
     p.add_argument(
@@ -77,9 +78,7 @@ def add_command(subparsers, load=load_from_args) -> None:
         help="--sweep: also write a bilinear upsampled map (flagged: visual smoothing, not a causal pixel mask)",
     )
     p.add_argument("--no-routing", action="store_true", help="skip the routing read-outs (no capture)")
-    p.add_argument("--json", required=True, help="output file")
-    p.add_argument("--session", help="also record the run (with image and mask) into this session file")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_args(p)
     p.set_defaults(func=lambda args: run(args, load))
 
 

@@ -10,7 +10,7 @@ then the answer text and why it stopped.
 
 from __future__ import annotations
 
-from core.cli.args import add_model_args, add_raw_prompt_arg
+from core.cli.args import add_input_args, add_model_args, add_output_args, add_raw_prompt_arg
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
 from core.requests.generate import GenerateRequest
@@ -21,8 +21,7 @@ from core.shell.terminal import progress_bar
 def add_command(subparsers, load=load_from_args) -> None:
     g = subparsers.add_parser("generate", help="greedy answer, token by token, with each token's probability")
     add_model_args(g)
-    g.add_argument("--image", required=True)
-    g.add_argument("--question", required=True)
+    add_input_args(g)
     g.add_argument(
         "--max-new-tokens",
         type=positive_int,
@@ -40,9 +39,12 @@ def add_command(subparsers, load=load_from_args) -> None:
     g.add_argument(
         "--no-cache", action="store_true", help="re-run the whole sequence at every step (the reference; slower)"
     )
-    g.add_argument("--json", help="also write the generation as JSON here")
-    g.add_argument("--session", help="also record the run into this session file (created if missing)")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_args(
+        g,
+        json_help="also write the generation as JSON here",
+        json_required=False,
+        session_help="also record the run into this session file (created if missing)",
+    )
     add_raw_prompt_arg(g)
     g.set_defaults(func=lambda args: run(args, load))
 

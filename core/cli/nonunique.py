@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from core.cli.args import (
     add_answer_text_args,
+    add_input_args,
     add_model_args,
+    add_output_args,
     add_raw_prompt_arg,
     answer_text_of,
     check_token_options,
@@ -53,8 +55,7 @@ def add_command(subparsers, load=load_from_args) -> None:
         "model computed: an alternative says the output does not pin the routing, not that it is unused.",
     )
     add_model_args(p)
-    p.add_argument("--image", required=True, help="the image (PNG, JPEG, ...)")
-    p.add_argument("--question", required=True, help="the question about the image")
+    add_input_args(p)
     p.add_argument(
         "--head",
         required=True,
@@ -128,9 +129,7 @@ def add_command(subparsers, load=load_from_args) -> None:
     )
     add_answer_text_args(p)
     add_raw_prompt_arg(p)
-    p.add_argument("--json", required=True, help="output file")
-    p.add_argument("--session", help="also record the run (with image and mask) into this session file")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_args(p)
     p.set_defaults(func=lambda args: run(args, load))
 
 

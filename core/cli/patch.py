@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from core.cli.args import (
     add_answer_text_args,
+    add_input_args,
     add_model_args,
+    add_output_args,
+    add_token_args,
     asked_of,
     check_token_options,
     loaded_for,
@@ -38,8 +41,7 @@ def add_command(subparsers, load=load_from_args) -> None:
         "of each with the audit row. A flip says the patched features suffice to carry the difference.",
     )
     add_model_args(p)
-    p.add_argument("--image", required=True, help="the image (PNG, JPEG, ...)")
-    p.add_argument("--question", required=True, help="the question about both images")
+    add_input_args(p, question_help="the question about both images")
     p.add_argument("--source-image", required=True, metavar="IMG", help="the image whose features are patched in")
     p.add_argument(
         "--site",
@@ -56,12 +58,13 @@ def add_command(subparsers, load=load_from_args) -> None:
     )
     p.add_argument("--mask", help="PNG, white = region, the image's size: patch the visual tokens it touches "
                    "(default: every visual token)")  # fmt: skip
-    p.add_argument("--answer", help="answer token (default: the model's top token on the image)")
-    p.add_argument("--foil", help="competing token (default: the source image's top token, when it differs)")
+    add_token_args(
+        p,
+        answer_help="answer token (default: the model's top token on the image)",
+        foil_help="competing token (default: the source image's top token, when it differs)",
+    )
     add_answer_text_args(p)
-    p.add_argument("--json", help="output file (the result the session records)")
-    p.add_argument("--session", help="also record the run (with image and mask) into this session file")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_args(p, json_help="output file (the result the session records)", json_required=False)
     p.set_defaults(func=lambda args: run(args, load))
 
 

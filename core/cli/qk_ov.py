@@ -12,6 +12,7 @@ from __future__ import annotations
 from core.cli.args import (
     add_answer_text_args,
     add_model_args,
+    add_output_args,
     add_raw_prompt_arg,
     answer_text_of,
     check_token_options,
@@ -45,8 +46,7 @@ def add_command(subparsers, load=load_from_args) -> None:
     q.add_argument(
         "--top-k", type=positive_int, default=5, help="keys listed with the most attention (activation level)"
     )
-    q.add_argument("--json", required=True, help="output file")
-    q.add_argument("--session", help="also record the run into this session file (created if missing)")
+    add_output_args(q, session_help="also record the run into this session file (created if missing)", quiet=False)
     add_raw_prompt_arg(q)
     add_answer_text_args(q, from_generation=False)
     q.set_defaults(func=lambda args: run(args, load))

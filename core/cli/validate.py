@@ -12,7 +12,7 @@ distribution the numbers were measured on.
 
 from __future__ import annotations
 
-from core.cli.args import add_model_args
+from core.cli.args import add_model_args, add_output_args
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
 from core.requests.validate import ValidateRequest
@@ -108,9 +108,11 @@ def add_command(subparsers, load=load_from_args) -> None:
         "--seed", type=seed_int, default=0, help="seed of the matched random heads, the swaps' noise, the halving"
     )
     p.add_argument("--batch-size", type=batch_size, default=32, help="inputs per forward (default %(default)s)")
-    p.add_argument("--json", required=True, help="output file: the claim, both conditions, every step's evidence")
-    p.add_argument("--session", help="also record the run (its audit rows per step) into this session file")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_args(
+        p,
+        json_help="output file: the claim, both conditions, every step's evidence",
+        session_help="also record the run (its audit rows per step) into this session file",
+    )
     p.set_defaults(func=lambda args: run(args, load))
 
 
