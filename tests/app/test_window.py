@@ -238,6 +238,24 @@ def test_no_garbage_collection_runs_on_a_worker_thread(qtbot):
     assert not gc.isenabled()
     assert pool.shutdown() and gc.isenabled() and third.returned
 
+    # Switched back on, not forced: a full collection after every job held the GUI thread
+    # 0.1-1 s with a model and its results on the heap.
+    collections = []
+
+    def seen_collection(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.callbacks.append(seen_collection)
+    try:
+        fourth = Worker(job)
+        fourth.start()
+        fourth.qthread.wait()
+        fourth.release_collection()
+    finally:
+        gc.callbacks.remove(seen_collection)
+    assert gc.isenabled() and collections == []
+
 
 @pytest.mark.parametrize("image_arg", [None, "not_an_image.png"])
 def test_main_screenshot(qtbot, tmp_path, image_arg):
