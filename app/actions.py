@@ -222,9 +222,9 @@ class Actions:
         """One head's per-source contributions for the shown read-out (the DLA tab's map)."""
         w = self.window
         shown = w.workspace.shown
-        if w.runner.is_busy() or shown is None or "analyze" not in shown.results:
+        if w.runner.is_busy() or shown is None or shown.analysis is None:
             return False
-        analysis, image = shown.results["analyze"], w.image
+        analysis, image = shown.analysis, w.image
         if shown.input.image_sha256 != w.workspace.input.image_sha256:
             return False  # the read-out shown is of another image than the one on the canvas
         model = shown.input.model_choice()

@@ -115,7 +115,7 @@ class AnswerTokensChooser:
         if kind == "generate":
             self.set_tokens(AnswerTokens.of_generation(run.results["generate"], run.input))
             return
-        analysis = run.results.get("analyze")
+        analysis = run.analysis
         if analysis is None:
             return
         if not self.window.inputs.target_edit.text().strip():

@@ -326,7 +326,7 @@ class MainWindow(QMainWindow):
     def analysis(self):
         """The shown run's analyze result (typed), or None: what the read-out views show."""
         shown = self.workspace.shown
-        return shown.results.get("analyze") if shown is not None else None
+        return shown.analysis if shown is not None else None
 
     def _record(self, result, request) -> int | None:
         return self.sessions.record_request(result, request, self.loaded_model())

@@ -132,7 +132,7 @@ class Selection:
 
     def _run_id(self, run: ShownRun | None) -> int | None:
         """The id of the read-out run ``run`` holds when it is the selection's read-out, else None."""
-        if run is None or self._readout is None or run.results.get("analyze") is not self._readout:
+        if run is None or self._readout is None or run.analysis is not self._readout:
             return None
         return run.id_of("analyze")
 
@@ -146,7 +146,7 @@ class Selection:
         if run is None:  # nothing is shown: the read-out it was selected in is gone from every view
             self.clear()
             return
-        if self._readout is not None and run.results.get("analyze") is self._readout:
+        if self._readout is not None and run.analysis is self._readout:
             # a follow-up of the same read-out (an ablation), or the read-out's run shown after it was drawn
             run_id = self._run_id(run)
             if run_id != self.current.run_id or self.current.stale:

@@ -25,11 +25,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.components.events import Event
 from app.components.model_choice import CPU, ModelChoice
 from core.answer_text import AnswerText
 from core.results.readout import Readout
+
+if TYPE_CHECKING:
+    from core.analyze import AnalyzeResult
 
 QUESTION_CHARS = 40  # a question longer than this is shortened in headers
 
@@ -230,6 +234,11 @@ class ShownRun:
     input: RunInput
     results: dict[str, Readout] = field(default_factory=dict)
     run_ids: dict[str, int | None] = field(default_factory=dict)
+
+    @property
+    def analysis(self) -> AnalyzeResult | None:
+        """The analyze result this run holds (what the read-out views show), or None."""
+        return self.results.get("analyze")
 
     def id_of(self, kind: str | None = None) -> int | None:
         """The session's id of the run that made ``kind``'s result (default: this run's)."""

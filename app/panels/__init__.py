@@ -18,4 +18,4 @@ NO_ANALYSIS = f"no analysis yet: press {READ_OUT}"  # what an empty read-out pan
 
 def analysis_of(run: ShownRun | None) -> AnalyzeResult | None:
     """The analyze result ``run`` holds (a live one or a restored one alike), or None."""
-    return None if run is None else run.results.get("analyze")
+    return None if run is None else run.analysis
