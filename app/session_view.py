@@ -45,6 +45,7 @@ from app.components import ModelChoice
 from app.components.workspace import AnswerTokens, RunInput, ShownRun, answer_token_label
 from app.jobs import answer_of, as_run, model_load_job
 from app.panels.history_panel import THUMBNAIL_PX, HistoryRow
+from app.run_frame import VIEW_KINDS
 from app.widgets import ElidedLabel
 from core.answer_text import AnswerText
 from core.files.images import image_sha256
@@ -547,6 +548,8 @@ class SessionController(QObject):
             window.workspace.clear_shown()  # no view claims content it could not draw
             window.workspace.show_run(ShownRun(run.id, run.kind, restored.input(sha)))
             restored.notes.append(f"run #{run.id} cannot be drawn ({type(e).__name__}: {e})")
+        if run.kind != "note" and not any(run.kind in kinds for kinds in VIEW_KINDS.values()):  # a CLI run: said
+            restored.notes.append(f"run #{run.id} ({run.kind}): the window has no view of this kind; export shows it")
         window.history_panel.show_current(run.id)
         self._load_run_model(restored)
         self.show_error("; ".join(restored.notes))

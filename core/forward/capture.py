@@ -250,6 +250,22 @@ def capture(
     return trace
 
 
+@torch.no_grad()
+def edited_logits(loaded, inputs, edits: Sequence) -> torch.Tensor:
+    """``(batch, pos, vocab)`` logits of one forward of ``inputs`` with ``edits`` applied and
+    nothing recorded: the family's edit hooks around the library's own forward (its fast
+    attention path); a family that applies edits in its own replay (``replays_edits``) runs
+    :func:`capture` instead. What a sweep of many edited forwards runs."""
+    adapter = loaded.adapter
+    if adapter.replays_edits:
+        return capture(loaded, None, "", pattern_layers=[], edits=edits, inputs=inputs).logits
+    with oom_guard("running the edited forward (a smaller batch)"), hooks(adapter.edit_hooks(list(edits))):
+        logits = adapter.forward_logits(inputs)
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    adapter.check_logits(logits[rows, inputs.answer_positions.to(rows.device)])
+    return logits
+
+
 def record_pattern(trace: Trace, block: int, source) -> None:
     """What block ``block``'s pattern gives the trace: the rows of
     ``trace.query_positions`` (if the block's are kept) and the whole

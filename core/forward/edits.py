@@ -83,6 +83,8 @@ class Edit:
         site: one of :data:`SITES`; None picks ``"z"`` when ``head`` is given,
             else ``"mlp"`` (the original meaning of an Edit).
         keys: the key positions whose edges a ``knockout`` removes.
+        rows: the batch rows the edit applies to (None: every row): one batched forward
+            runs several edited copies of one input, an edit set per row.
     """
 
     block: int | None
@@ -91,6 +93,7 @@ class Edit:
     value: torch.Tensor | None = None
     site: str | None = None
     keys: tuple[int, ...] | None = None
+    rows: tuple[int, ...] | None = None
 
     def __post_init__(self):
         site = self.site if self.site is not None else ("z" if self.head is not None else "mlp")
@@ -99,6 +102,9 @@ class Edit:
         object.__setattr__(self, "site", site)
         object.__setattr__(self, "positions", _int_tuple(self.positions, "positions"))
         object.__setattr__(self, "keys", _int_tuple(self.keys, "knockout keys"))
+        object.__setattr__(self, "rows", _int_tuple(self.rows, "batch rows"))
+        if self.rows is not None and self.value is not None and self.value.ndim == 3:
+            raise InterventionError("an edit of chosen batch rows takes one value (n_pos, width) for each")
         if site in BLOCK_SITES and self.block is None:
             raise InterventionError(f"a {site!r} edit needs a block index")
         if site in ("vision_out", "projector_out") and self.block is not None:
@@ -160,6 +166,7 @@ class Edit:
             "keys": None if self.keys is None else list(self.keys),
             "kind": self.kind,
             "value_shape": None if self.value is None else list(self.value.shape),
+            **({"rows": list(self.rows)} if self.rows is not None else {}),
             "description": self.describe(),
         }
 
@@ -183,13 +190,20 @@ class Edit:
             width = d_head
         else:
             cols, width = slice(None), x.shape[-1]
-        if self.value is None:
-            x[:, pos, cols] = 0
-        else:
-            if self.value.shape[-1] != width:
-                raise InterventionError(f"{self.describe()}: value width {self.value.shape[-1]}, expected {width}")
-            x[:, pos, cols] = self.value.to(x.dtype).to(x.device)
+        if self.value is not None and self.value.shape[-1] != width:
+            raise InterventionError(f"{self.describe()}: value width {self.value.shape[-1]}, expected {width}")
+        value = 0 if self.value is None else self.value.to(x.dtype).to(x.device)
+        for row in self._rows(x.shape[0]):
+            x[row, pos, cols] = value
         return x
+
+    def _rows(self, n: int) -> list:
+        """The batch rows to edit, as indices of ``x[row]`` (every row at once: one slice)."""
+        if self.rows is None:
+            return [slice(None)]
+        if max(self.rows) >= n:
+            raise InterventionError(f"{self.describe()}: batch row {max(self.rows)} is out of range ({n} rows)")
+        return list(self.rows)
 
     def knock(self, scores: torch.Tensor) -> torch.Tensor:
         """``scores (batch, heads, n_query, n_keys)`` (scaled scores or an additive
@@ -211,7 +225,9 @@ class Edit:
             select[:, queries[:, None], keys[None, :]] = True
         else:
             select[heads, queries[:, None], keys[None, :]] = True
-        out = scores.masked_fill(select, float("-inf"))
+        out = scores.clone()
+        for row in self._rows(b):
+            out[row] = scores[row].masked_fill(select, float("-inf"))
         floor = torch.finfo(scores.dtype).min / 2
         was_alive = (scores > floor).any(-1)
         if bool((was_alive & ~(out > floor).any(-1)).any()):

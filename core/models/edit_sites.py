@@ -25,6 +25,8 @@ class EditSites:
 
     # The edit sites (core.forward.edits.SITES) this family applies; others are refused.
     edit_sites: ClassVar[tuple[str, ...]] = ("z", "mlp")
+    # Edits applied in the family's own replay of the forward (run_capture), not by edit_hooks.
+    replays_edits: ClassVar[bool] = False
 
     def check_edits(self, edits) -> None:
         """Raise :class:`core.errors.InterventionError` for an edit this family

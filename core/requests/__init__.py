@@ -10,6 +10,7 @@ app fill in and the executor of the run (:mod:`core.requests.base`).
     nonunique       NonuniqueRequest        core.methods.nonunique.nonunique_of_input
     qk-ov           QkOvRequest             core.methods.qk_ov.qk_ov
     validate        ValidateRequest         core.validate.validate
+    knockout        KnockoutRequest         core.methods.flow.knockout.knockout_sweep
     audit           AuditRequest            core.dataset_audit (in one process)
 
 :data:`REQUESTS` maps each name to its class; :class:`RecordedParameters` reads a stored
@@ -20,7 +21,18 @@ where it reads the engine's names), so that the parser and the window open light
 
 from __future__ import annotations
 
-from core.requests import ablation, analyze, audit, counterfactual, generate, nonunique, patching, qk_ov, validate
+from core.requests import (
+    ablation,
+    analyze,
+    audit,
+    counterfactual,
+    generate,
+    knockout,
+    nonunique,
+    patching,
+    qk_ov,
+    validate,
+)
 from core.requests.ablation import AblationRequest
 from core.requests.analyze import AnalyzeRequest
 from core.requests.audit import AuditRequest
@@ -36,6 +48,7 @@ from core.requests.base import (
 )
 from core.requests.counterfactual import CounterfactualRequest, FillRequest, SweepRequest
 from core.requests.generate import GenerateRequest
+from core.requests.knockout import KnockoutRequest
 from core.requests.nonunique import NonuniqueRequest
 from core.requests.patching import PatchingRequest
 from core.requests.qk_ov import QkOvRequest
@@ -43,7 +56,7 @@ from core.requests.recorded import RecordedParameters
 from core.requests.validate import ValidateRequest
 
 # the request modules, one per run kind (imported above so that REQUESTS holds every kind)
-MODULES = (analyze, generate, counterfactual, ablation, patching, nonunique, qk_ov, validate, audit)
+MODULES = (analyze, generate, counterfactual, ablation, patching, knockout, nonunique, qk_ov, validate, audit)
 
 __all__ = [
     "MODULES",
@@ -58,6 +71,7 @@ __all__ = [
     "CounterfactualRequest",
     "FillRequest",
     "GenerateRequest",
+    "KnockoutRequest",
     "NonuniqueRequest",
     "PatchingRequest",
     "Progress",

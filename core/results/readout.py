@@ -296,6 +296,7 @@ RESULT_TYPES: dict[str, str] = {
     "counterfactual": "core.methods.counterfactual.effect:RegionCounterfactual",
     "sweep": "core.methods.counterfactual.sweep:OcclusionMap",
     "intervention": "core.methods.interventions:InterventionResult",
+    "knockout": "core.methods.flow.knockout:KnockoutResult",
     "audit": "core.dataset_audit.summaries:AuditSummary",
     "nonunique": "core.methods.nonunique.results:NonuniqueResult",
     "qk-ov": "core.methods.qk_ov:QkOvResult",

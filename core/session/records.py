@@ -28,6 +28,7 @@ KINDS = (
     "counterfactual",
     "sweep",
     "intervention",
+    "knockout",
     "audit",
     "nonunique",
     "qk-ov",

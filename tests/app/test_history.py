@@ -14,7 +14,8 @@ from app.components import NOTHING_SHOWN
 from app.panels.history_panel import COLUMNS, HistoryPanel, HistoryRow, local_time
 from app.samples import bundled_samples
 from app.workers import Worker
-from core.results.readout import RecordedResult
+from core.methods.flow.knockout import KnockoutResult
+from core.results.readout import RecordedResult, Target
 from core.session import Session
 
 TIMEOUT_MS = 10_000
@@ -195,3 +196,22 @@ def test_a_result_of_another_shape_is_not_drawn_and_says_so(qtbot, window):
     assert window.attention_panel.cells == {} and window.answer_panel.label.text() == "no answer yet"
     assert window.workspace.shown.run_id == run_id and window.workspace.shown.results == {}
     assert window.run_frames["attention"].header_text() == NOTHING_SHOWN
+
+
+def test_a_run_of_a_kind_no_view_draws_says_so(qtbot, window):
+    """A run the window has no view of (a knockout, recorded by the command) shows its image and
+    question, and one line says that export shows it, instead of an empty window passing for it."""
+    sample = bundled_samples()[0]
+    target = Target("yellow", 7, None, None, 3.4, None, 0.24, "yellow", 7, 74)
+    knockout = KnockoutResult(74, target, 1, None, ["L0"], [])
+    run_id = window.session.record(
+        RecordedResult.of(knockout, knockout.to_dict()),
+        image=str(sample.image_path),
+        parameters={"question": sample.question},
+    )
+    assert window.sessions.restore_run(run_id)
+    assert window.inputs.question_edit.text() == sample.question
+    assert window.inputs.error_label.text() == (
+        f"run #{run_id} (knockout): the window has no view of this kind; export shows it"
+    )
+    assert window.workspace.shown.run_id == run_id

@@ -27,6 +27,7 @@ from core.requests import (
     AuditRequest,
     CounterfactualRequest,
     GenerateRequest,
+    KnockoutRequest,
     NonuniqueRequest,
     PatchingRequest,
     QkOvRequest,
@@ -185,6 +186,16 @@ def patching_case(window, loaded):
     return argv, request
 
 
+def knockout_case(window, loaded):
+    argv = ["knockout", "--image", IMAGE, "--question", QUESTION, "--edges", "image->answer,region->last"]
+    argv += ["--mask", MASK, "--window", "2", "--heads", "0,2", "--foil", "circle"]
+    request = KnockoutRequest(
+        **asked(window, foil="circle"), edges=("image->answer", "region->last"), window=2, heads=(0, 2),
+        mask=the_mask(window),
+    )  # fmt: skip
+    return argv, request
+
+
 def nonunique_case(window, loaded):
     argv = ["nonunique", "--image", IMAGE, "--question", QUESTION, "--head", "L1.H1", "--region", MASK]
     argv += ["--levels", "a", "b", "--steps", "5"]
@@ -219,6 +230,7 @@ CASES = {
     "sweep": sweep_case,
     "ablation": ablation_case,
     "patching": patching_case,
+    "knockout": knockout_case,
     "nonunique": nonunique_case,
     "qk-ov": qk_ov_case,
     "validate": validate_case,

@@ -17,9 +17,11 @@ import torch
 from PIL import Image
 
 from core import load_model
-from core.errors import QuestionError, UnsupportedArchitectureError
+from core.errors import InterventionError, QuestionError, UnsupportedArchitectureError
 from core.forward.capture import capture, eager_attention
 from core.methods.contributions import source_contributions
+from core.methods.flow.knockout import ALL_LAYERS, knockout_sweep
+from core.methods.flow.positions import parse_edges
 from core.methods.logit_lens import logit_lens
 from core.methods.residual import decompose
 from core.models import registry
@@ -38,6 +40,7 @@ from tests.core.exactness import (
     noise_image,
     values_tol,
 )
+from tests.core.knockout_reference import reference_logits
 
 FAMILY_FILES = (
     "aya_vision",
@@ -427,6 +430,46 @@ def test_recomputed_rows_equal_eager_attention(case):
     """The default (sdpa) capture's pattern rows are eager attention's weights:
     on the same calls to eager's float32 rounding, across runs to two forwards' distance."""
     assert_recomputed_rows_are_eager(case.m, case.inputs())
+
+
+def test_knockout_equals_the_eager_reference(model_case):
+    """Attention knockout on the family's fast path (the mask each call receives, edited;
+    rows batched) gives, in every single-layer window and in all layers, the answer logit
+    and probability of eager attention with the cut scores set to minus infinity before
+    the softmax (tests/core/knockout_reference.py), for the image's and the question's
+    edges to the answer position."""
+    c = model_case
+    m, image = c.m, noise_image(c.image_size)
+    inputs = m.adapter.prepare([image], [c.question])
+    base = capture(m, None, "", pattern_layers=[], inputs=inputs)
+    pos = int(base.answer_positions[0])
+    answer_id = int(base.logits[0, pos].argmax())
+    edges = parse_edges("image->answer,question->answer")
+    if "knockout" not in m.adapter.edit_sites:  # BLIP: its post-norm attention modules are not mapped
+        with pytest.raises(InterventionError, match="no 'knockout' edit site"):
+            knockout_sweep(m, inputs, image, c.question, edges, answer_id, base=base)
+        return
+    result = knockout_sweep(m, inputs, image, c.question, edges, answer_id, base=base, batch_size=4)
+    names = base.block_names
+    moved = False
+    for profile in result.profiles:
+        assert [w.centre for w in profile.windows] == [*result.layers, ALL_LAYERS]
+        for window in profile.windows:
+            cuts = {names.index(b.block): (b.queries, b.keys) for b in window.cut}
+            logits = reference_logits(m, inputs, cuts)[0, pos].double()
+            tol = forwards_tol(m.adapter, logits, c.n_keys(base.logits.shape[1]))
+            assert window.edited.logit == pytest.approx(float(logits[answer_id]), abs=tol), (
+                profile.edge,
+                window.centre,
+            )
+            p = float(logits.softmax(-1)[answer_id])
+            assert window.edited.prob == pytest.approx(p, abs=p * np.expm1(2 * tol) + 1e-12), (
+                profile.edge,
+                window.centre,
+            )
+            # the check can fail: some cut moves the answer by more than two forwards' distance
+            moved |= abs(window.edited.logit - result.original.logit) > 2 * tol
+    assert moved and result.profile("image->answer").window(ALL_LAYERS).cut
 
 
 def test_hooks_are_removed_and_attention_restored(case):

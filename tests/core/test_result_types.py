@@ -20,6 +20,8 @@ from core.files.pairs import read_pairs
 from core.generate import generate
 from core.methods import interventions as iv
 from core.methods.counterfactual import Fill, occlusion_sweep, region_counterfactual
+from core.methods.flow.knockout import knockout_sweep
+from core.methods.flow.positions import parse_edges
 from core.methods.nonunique import nonunique_of_input
 from core.methods.patterns import pattern_statistics
 from core.methods.qk_ov import qk_ov
@@ -85,6 +87,18 @@ def results(llava, tmp_path_factory):
         "intervention": [
             iv.run_interventions(llava, inputs, {"L1.H0 zero": [iv.zero_ablation(1, 0)]}, square, triangle),
             iv.patch_visual_features(llava, image, QUESTION, load_image(OTHER), site="projector_out", answer=square),
+        ],
+        "knockout": [
+            knockout_sweep(
+                llava,
+                inputs,
+                image,
+                QUESTION,
+                parse_edges("image->answer,word:blue->last"),
+                square,
+                triangle,
+                region=[0, 1],
+            )
         ],
         "audit": [dataset_audit(llava, tmp_path_factory.mktemp("pairs"))],
         "nonunique": [nonunique_of_input(llava, image, QUESTION, "L1.H1", mask=mask, steps=5)[0]],

@@ -44,6 +44,7 @@ class CocaAdapter(Adapter):
     )
 
     records_qk = True  # the replay fills trace.q / trace.k itself
+    replays_edits = True  # edits are applied in the replay (run_capture), no hook reaches them
     attention_functions = False  # the replay computes each pattern (open_clip's attention has no weights to hook)
 
     @property

@@ -116,7 +116,7 @@ class MllamaAdapter(FamilyAdapter):
         attention="cross",
         # The <|image|> placeholders mark where an image's cross-attention starts but carry no patch.
         delimiters=("config.image_token_id",),
-        edit_sites=("z", "mlp"),
+        edit_sites=("z", "mlp", "knockout"),
     )
 
     # ---- structure

@@ -69,7 +69,7 @@ class PaliGemmaAdapter(FamilyAdapter):
         decoder=Decoder(norm="gemma", scaled_embeddings=True),
         rotary=Rotary(first=1),
         mask=Mask("prefix", types="token_type_ids", recorded=True),
-        edit_sites=("z", "mlp"),
+        edit_sites=("z", "mlp", "knockout"),
     )
 
     @classmethod

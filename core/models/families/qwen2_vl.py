@@ -56,7 +56,7 @@ class Qwen2VLAdapter(FamilyAdapter):
         architectures=("Qwen2VLForConditionalGeneration",),
         prompt=QWEN_PROMPT,
         rotary=Rotary("mrope", rotate_half="transformers.models.qwen2_vl.modeling_qwen2_vl.rotate_half"),
-        edit_sites=("z", "mlp"),
+        edit_sites=("z", "mlp", "knockout"),
     )
 
     # ---- running: prepare (the base's, FamilyAdapter's check_fits) gives one
