@@ -108,7 +108,6 @@ class AblationRequest(AskedRequest):
         from core.forward.capture import capture
         from core.forward.geometry import painted_tokens
         from core.methods.component_ablation import ablation_edits, parse_component
-        from core.methods.counterfactual import resolve_tokens
         from core.methods.interventions import run_interventions
 
         progress, cancel = progress or no_progress, cancel or never_cancelled
@@ -152,9 +151,7 @@ class AblationRequest(AskedRequest):
             references=references,
             source=source,
         )
-        tokens = self.tokens(adapter)
-        pos = int(base.answer_positions[0])
-        answer_id, foil_id = resolve_tokens(adapter, tokens["answer"], tokens["foil"], base.logits[0, pos])
+        answer_id, foil_id = self.token_ids(adapter, base)
         where = {
             "target": "at the answer position",
             "all": "at every position",

@@ -123,6 +123,16 @@ class AskedRequest(Request):
             "foil": foil.token_id if foil else None,
         }
 
+    def token_ids(self, adapter, base) -> tuple[int, int | None]:
+        """``(answer id, foil id)`` read at ``base``'s (a capture of this request's input)
+        answer position: :meth:`tokens`, the answer defaulting to the model's top token there
+        (:func:`core.methods.counterfactual.resolve_tokens`)."""
+        from core.methods.counterfactual import resolve_tokens
+
+        tokens = self.tokens(adapter)
+        logits = base.logits[0, int(base.answer_positions[0])]
+        return resolve_tokens(adapter, tokens["answer"], tokens["foil"], logits)
+
     def asked_parameters(self) -> dict[str, Any]:
         """The input's part of :meth:`parameters`, as the app has always recorded it: the
         question, the answer and foil fields as typed (``typed_target``, ``typed_foil``: a

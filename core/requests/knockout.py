@@ -68,7 +68,6 @@ class KnockoutRequest(AskedRequest):
     def run(self, loaded, progress: Progress = None, cancel: Cancel = None) -> KnockoutResult:
         from core.forward.capture import capture
         from core.forward.geometry import painted_tokens
-        from core.methods.counterfactual import resolve_tokens
         from core.methods.flow.knockout import knockout_sweep
         from core.methods.flow.positions import EdgeKind
 
@@ -76,9 +75,7 @@ class KnockoutRequest(AskedRequest):
         inputs = adapter.prepare([self.image], [self.question], answer_prefix=prefix)
         base = capture(loaded, None, "", pattern_layers=[], inputs=inputs)
         region = painted_tokens(adapter.visual_tokens(self.image.size), self.mask) if self.mask is not None else ()
-        tokens = self.tokens(adapter)
-        pos = int(base.answer_positions[0])
-        answer_id, foil_id = resolve_tokens(adapter, tokens["answer"], tokens["foil"], base.logits[0, pos])
+        answer_id, foil_id = self.token_ids(adapter, base)
         return knockout_sweep(
             loaded,
             inputs,
