@@ -48,6 +48,7 @@ from core.cli import (
     lens,
     nonunique,
     patch,
+    patch_grid,
     qk_ov,
     validate,
 )
@@ -86,6 +87,7 @@ COMMANDS = (
     counterfactual,
     ablate,
     patch,
+    patch_grid,
     knockout,
     export,
     lens,

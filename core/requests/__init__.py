@@ -11,6 +11,7 @@ app fill in and the executor of the run (:mod:`core.requests.base`).
     qk-ov           QkOvRequest             core.methods.qk_ov.qk_ov
     validate        ValidateRequest         core.validate.validate
     knockout        KnockoutRequest         core.methods.flow.knockout.knockout_sweep
+    patch-grid      PatchGridRequest        core.methods.flow.patch_grid.patch_grid
     audit           AuditRequest            core.dataset_audit (in one process)
 
 :data:`REQUESTS` maps each name to its class; :class:`RecordedParameters` reads a stored
@@ -29,6 +30,7 @@ from core.requests import (
     generate,
     knockout,
     nonunique,
+    patch_grid,
     patching,
     qk_ov,
     validate,
@@ -50,13 +52,26 @@ from core.requests.counterfactual import CounterfactualRequest, FillRequest, Swe
 from core.requests.generate import GenerateRequest
 from core.requests.knockout import KnockoutRequest
 from core.requests.nonunique import NonuniqueRequest
+from core.requests.patch_grid import PatchGridRequest
 from core.requests.patching import PatchingRequest
 from core.requests.qk_ov import QkOvRequest
 from core.requests.recorded import RecordedParameters
 from core.requests.validate import ValidateRequest
 
 # the request modules, one per run kind (imported above so that REQUESTS holds every kind)
-MODULES = (analyze, generate, counterfactual, ablation, patching, knockout, nonunique, qk_ov, validate, audit)
+MODULES = (
+    analyze,
+    generate,
+    counterfactual,
+    ablation,
+    patching,
+    knockout,
+    patch_grid,
+    nonunique,
+    qk_ov,
+    validate,
+    audit,
+)
 
 __all__ = [
     "MODULES",
@@ -73,6 +88,7 @@ __all__ = [
     "GenerateRequest",
     "KnockoutRequest",
     "NonuniqueRequest",
+    "PatchGridRequest",
     "PatchingRequest",
     "Progress",
     "QkOvRequest",

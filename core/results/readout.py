@@ -297,6 +297,7 @@ RESULT_TYPES: dict[str, str] = {
     "sweep": "core.methods.counterfactual.sweep:OcclusionMap",
     "intervention": "core.methods.interventions:InterventionResult",
     "knockout": "core.methods.flow.knockout:KnockoutResult",
+    "patch-grid": "core.methods.flow.patch_grid:PatchGrid",
     "audit": "core.dataset_audit.summaries:AuditSummary",
     "nonunique": "core.methods.nonunique.results:NonuniqueResult",
     "qk-ov": "core.methods.qk_ov:QkOvResult",

@@ -29,6 +29,7 @@ KINDS = (
     "sweep",
     "intervention",
     "knockout",
+    "patch-grid",
     "audit",
     "nonunique",
     "qk-ov",

@@ -29,6 +29,7 @@ from core.requests import (
     GenerateRequest,
     KnockoutRequest,
     NonuniqueRequest,
+    PatchGridRequest,
     PatchingRequest,
     QkOvRequest,
     SweepRequest,
@@ -196,6 +197,17 @@ def knockout_case(window, loaded):
     return argv, request
 
 
+def patch_grid_case(window, loaded):
+    other = str(OTHER.image_path)
+    argv = ["patch-grid", "--image", IMAGE, "--question", QUESTION, "--source-image", other, "--mask", MASK]
+    argv += ["--site", "attn", "--columns", "region,question,answer", "--answer", "square", "--foil", "circle"]
+    request = PatchGridRequest(
+        **asked(window, answer="square", foil="circle"), source_image=load_image(other), source_image_path=other,
+        site="attn", columns=("region", "question", "answer"), mask=the_mask(window),
+    )  # fmt: skip
+    return argv, request
+
+
 def nonunique_case(window, loaded):
     argv = ["nonunique", "--image", IMAGE, "--question", QUESTION, "--head", "L1.H1", "--region", MASK]
     argv += ["--levels", "a", "b", "--steps", "5"]
@@ -231,6 +243,7 @@ CASES = {
     "ablation": ablation_case,
     "patching": patching_case,
     "knockout": knockout_case,
+    "patch-grid": patch_grid_case,
     "nonunique": nonunique_case,
     "qk-ov": qk_ov_case,
     "validate": validate_case,

@@ -27,6 +27,7 @@ COMMAND_NAMES = [
     "counterfactual",
     "ablate",
     "patch",
+    "patch-grid",
     "knockout",
     "export",
     "train-lens",
@@ -93,7 +94,7 @@ def test_every_model_command_takes_dtype_and_device():
 
     sub = build_parser()._subparsers._group_actions[0]
     model_commands = [name for name in COMMAND_NAMES if name != "export"]
-    assert len(model_commands) == 14
+    assert len(model_commands) == 15
     for name in model_commands:
         options = sub.choices[name]._option_string_actions
         assert "--device" in options, name

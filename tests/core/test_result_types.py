@@ -21,6 +21,7 @@ from core.generate import generate
 from core.methods import interventions as iv
 from core.methods.counterfactual import Fill, occlusion_sweep, region_counterfactual
 from core.methods.flow.knockout import knockout_sweep
+from core.methods.flow.patch_grid import patch_grid
 from core.methods.flow.positions import parse_edges
 from core.methods.nonunique import nonunique_of_input
 from core.methods.patterns import pattern_statistics
@@ -100,6 +101,7 @@ def results(llava, tmp_path_factory):
                 region=[0, 1],
             )
         ],
+        "patch-grid": [patch_grid(llava, image, load_image(OTHER), QUESTION, site="mlp", columns=("image", "answer"))],
         "audit": [dataset_audit(llava, tmp_path_factory.mktemp("pairs"))],
         "nonunique": [nonunique_of_input(llava, image, QUESTION, "L1.H1", mask=mask, steps=5)[0]],
         "qk-ov": [qk_ov(llava, "L1.H1", image, QUESTION)],

@@ -172,7 +172,8 @@ def patch_grid(
     Args:
         site: ``resid``, ``attn``, ``mlp`` or ``head`` (with ``head``: its index).
         columns: position-group names (:mod:`core.methods.flow.positions`; ``region`` needs
-            ``region``), or ``"each"``: every position of the sequence.
+            ``region``; the default groups leave it out without one), or ``"each"``: every
+            position of the sequence.
         answer_id, foil_id: the tokens of the logit difference (default: the clean run's top
             token and the source run's; the same token twice is refused: name a foil).
         batch_size: patched copies per forward.
@@ -214,6 +215,8 @@ def patch_grid(
         cols = [PositionSet(f"p{p}", (p,)) for p in range(pos + 1)]
     else:
         names = [columns] if isinstance(columns, str) else list(columns)
+        if tuple(names) == GROUPS and not region:  # the default groups: the region where one is painted
+            names = [n for n in names if n != "region"]
         sets = position_sets(
             adapter, clean_trace, inputs, image, question, names, region=region, answer_prefix=answer_prefix
         )
