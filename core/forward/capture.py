@@ -266,6 +266,19 @@ def edited_logits(loaded, inputs, edits: Sequence) -> torch.Tensor:
     return logits
 
 
+def gradient_logits(loaded, inputs, edits: Sequence) -> torch.Tensor:
+    """:func:`edited_logits` with autograd on: the logits' graph reaches every value an
+    edit adds (``Edit.add`` with a zero tensor that requires grad reads the gradient of
+    any function of the logits at that activation). A replaying family runs the capture
+    itself with grad enabled (``capture`` without its no-grad wrapper)."""
+    adapter = loaded.adapter
+    with torch.enable_grad():
+        if adapter.replays_edits:
+            return capture.__wrapped__(loaded, None, "", pattern_layers=[], edits=edits, inputs=inputs).logits
+        with hooks(adapter.edit_hooks(list(edits))):
+            return adapter.forward_logits(inputs)
+
+
 def record_pattern(trace: Trace, block: int, source) -> None:
     """What block ``block``'s pattern gives the trace: the rows of
     ``trace.query_positions`` (if the block's are kept) and the whole

@@ -85,6 +85,8 @@ class Edit:
         keys: the key positions whose edges a ``knockout`` removes.
         rows: the batch rows the edit applies to (None: every row): one batched forward
             runs several edited copies of one input, an edit set per row.
+        add: ``value`` is added to the slice instead of replacing it (the activation stays in
+            the autograd graph: a zero value that requires grad reads the gradient there).
     """
 
     block: int | None
@@ -94,6 +96,7 @@ class Edit:
     site: str | None = None
     keys: tuple[int, ...] | None = None
     rows: tuple[int, ...] | None = None
+    add: bool = False
 
     def __post_init__(self):
         site = self.site if self.site is not None else ("z" if self.head is not None else "mlp")
@@ -120,6 +123,8 @@ class Edit:
                 raise InterventionError("a knockout removes edges; it takes no value")
         elif self.keys is not None:
             raise InterventionError(f"keys only apply to a knockout, not to a {site!r} edit")
+        if self.add and self.value is None:
+            raise InterventionError("an added edit needs the value it adds")
         if self.value is not None:
             if not isinstance(self.value, torch.Tensor) or self.value.ndim not in (2, 3):
                 raise InterventionError("an edit value is a tensor (n_pos, width) or (batch, n_pos, width)")
@@ -133,15 +138,17 @@ class Edit:
         """ "zero", "replace" or "knockout"."""
         if self.site == "knockout":
             return "knockout"
+        if self.add:
+            return "add"
         return "zero" if self.value is None else "replace"
 
     def describe(self) -> str:
         where = "all positions" if self.positions is None else f"positions {list(self.positions)}"
         if self.site == "z" or (self.site == "mlp" and self.block is not None):
             what = "mlp" if self.site == "mlp" else f"H{self.head}"
-            how = "zeroed" if self.value is None else "replaced"
+            how = "zeroed" if self.value is None else "added to" if self.add else "replaced"
             return f"block {self.block} {what} {how} at {where}"
-        how = "zeroed" if self.value is None else "replaced"
+        how = "zeroed" if self.value is None else "added to" if self.add else "replaced"
         if self.site == "resid":
             return f"residual entering block {self.block} {how} at {where}"
         if self.site == "knockout":
@@ -194,7 +201,7 @@ class Edit:
             raise InterventionError(f"{self.describe()}: value width {self.value.shape[-1]}, expected {width}")
         value = 0 if self.value is None else self.value.to(x.dtype).to(x.device)
         for row in self._rows(x.shape[0]):
-            x[row, pos, cols] = value
+            x[row, pos, cols] = x[row, pos, cols] + value if self.add else value
         return x
 
     def _rows(self, n: int) -> list:

@@ -12,6 +12,7 @@ app fill in and the executor of the run (:mod:`core.requests.base`).
     validate        ValidateRequest         core.validate.validate
     knockout        KnockoutRequest         core.methods.flow.knockout.knockout_sweep
     patch-grid      PatchGridRequest        core.methods.flow.patch_grid.patch_grid
+    attribution-patching  AttributionPatchingRequest  core.methods.flow.attribution.attribution_patching
     audit           AuditRequest            core.dataset_audit (in one process)
 
 :data:`REQUESTS` maps each name to its class; :class:`RecordedParameters` reads a stored
@@ -25,6 +26,7 @@ from __future__ import annotations
 from core.requests import (
     ablation,
     analyze,
+    attribution,
     audit,
     counterfactual,
     generate,
@@ -37,6 +39,7 @@ from core.requests import (
 )
 from core.requests.ablation import AblationRequest
 from core.requests.analyze import AnalyzeRequest
+from core.requests.attribution import AttributionPatchingRequest
 from core.requests.audit import AuditRequest
 from core.requests.base import (
     REQUESTS,
@@ -67,6 +70,7 @@ MODULES = (
     patching,
     knockout,
     patch_grid,
+    attribution,
     nonunique,
     qk_ov,
     validate,
@@ -81,6 +85,7 @@ __all__ = [
     "AblationRequest",
     "AnalyzeRequest",
     "AskedRequest",
+    "AttributionPatchingRequest",
     "AuditRequest",
     "Cancel",
     "CounterfactualRequest",

@@ -298,6 +298,7 @@ RESULT_TYPES: dict[str, str] = {
     "intervention": "core.methods.interventions:InterventionResult",
     "knockout": "core.methods.flow.knockout:KnockoutResult",
     "patch-grid": "core.methods.flow.patch_grid:PatchGrid",
+    "attribution-patching": "core.methods.flow.attribution:AttributionPatching",
     "audit": "core.dataset_audit.summaries:AuditSummary",
     "nonunique": "core.methods.nonunique.results:NonuniqueResult",
     "qk-ov": "core.methods.qk_ov:QkOvResult",

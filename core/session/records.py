@@ -30,6 +30,7 @@ KINDS = (
     "intervention",
     "knockout",
     "patch-grid",
+    "attribution-patching",
     "audit",
     "nonunique",
     "qk-ov",

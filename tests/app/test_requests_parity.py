@@ -24,6 +24,7 @@ from core.requests import (
     REQUESTS,
     AblationRequest,
     AnalyzeRequest,
+    AttributionPatchingRequest,
     AuditRequest,
     CounterfactualRequest,
     GenerateRequest,
@@ -208,6 +209,16 @@ def patch_grid_case(window, loaded):
     return argv, request
 
 
+def attribution_case(window, loaded):
+    other = str(OTHER.image_path)
+    argv = ["attribution-patching", "--image", IMAGE, "--question", QUESTION, "--source-image", other]
+    argv += ["--top-k", "6", "--foil", "circle"]
+    request = AttributionPatchingRequest(
+        **asked(window, foil="circle"), source_image=load_image(other), source_image_path=other, top_k=6
+    )
+    return argv, request
+
+
 def nonunique_case(window, loaded):
     argv = ["nonunique", "--image", IMAGE, "--question", QUESTION, "--head", "L1.H1", "--region", MASK]
     argv += ["--levels", "a", "b", "--steps", "5"]
@@ -244,6 +255,7 @@ CASES = {
     "patching": patching_case,
     "knockout": knockout_case,
     "patch-grid": patch_grid_case,
+    "attribution-patching": attribution_case,
     "nonunique": nonunique_case,
     "qk-ov": qk_ov_case,
     "validate": validate_case,

@@ -28,6 +28,7 @@ COMMAND_NAMES = [
     "ablate",
     "patch",
     "patch-grid",
+    "attribution-patching",
     "knockout",
     "export",
     "train-lens",
@@ -94,7 +95,7 @@ def test_every_model_command_takes_dtype_and_device():
 
     sub = build_parser()._subparsers._group_actions[0]
     model_commands = [name for name in COMMAND_NAMES if name != "export"]
-    assert len(model_commands) == 15
+    assert len(model_commands) == 16
     for name in model_commands:
         options = sub.choices[name]._option_string_actions
         assert "--device" in options, name

@@ -20,6 +20,7 @@ from core.files.pairs import read_pairs
 from core.generate import generate
 from core.methods import interventions as iv
 from core.methods.counterfactual import Fill, occlusion_sweep, region_counterfactual
+from core.methods.flow.attribution import attribution_patching
 from core.methods.flow.knockout import knockout_sweep
 from core.methods.flow.patch_grid import patch_grid
 from core.methods.flow.positions import parse_edges
@@ -102,6 +103,7 @@ def results(llava, tmp_path_factory):
             )
         ],
         "patch-grid": [patch_grid(llava, image, load_image(OTHER), QUESTION, site="mlp", columns=("image", "answer"))],
+        "attribution-patching": [attribution_patching(llava, image, load_image(OTHER), QUESTION, top_k=4)],
         "audit": [dataset_audit(llava, tmp_path_factory.mktemp("pairs"))],
         "nonunique": [nonunique_of_input(llava, image, QUESTION, "L1.H1", mask=mask, steps=5)[0]],
         "qk-ov": [qk_ov(llava, "L1.H1", image, QUESTION)],

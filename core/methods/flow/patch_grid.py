@@ -138,6 +138,59 @@ class PatchGrid:
         )
 
 
+@dataclass
+class PairedRuns:
+    """The clean and the source run of one question, and the logit difference they are read by.
+
+    Attributes:
+        inputs: the clean run's prepared batch (one row).
+        tokens: ``(answer id, foil id)``.
+        clean, source: the two runs' numbers; ``span``: LD_source - LD_clean (not 0).
+    """
+
+    inputs: object
+    clean_trace: Trace
+    source_trace: Trace
+    position: int
+    tokens: tuple[int, int]
+    clean: Target
+    source: Target
+    span: float
+
+
+def paired_runs(loaded, image, source_image, question, answer_id=None, foil_id=None, answer_prefix=()) -> PairedRuns:
+    """Capture ``image`` and ``source_image`` asked ``question``; the answer (default: the clean
+    run's top token) and foil (default: the source run's). Refused in one line: runs of other
+    positions, the same token twice, the same logit difference in both runs."""
+    adapter = loaded.adapter
+    inputs = adapter.prepare([image], [question], answer_prefix=list(answer_prefix))
+    source_inputs = adapter.prepare([source_image], [question], answer_prefix=list(answer_prefix))
+    if source_inputs.input_ids.shape != inputs.input_ids.shape or bool(
+        (source_inputs.answer_positions != inputs.answer_positions).any()
+    ):
+        raise InterventionError(
+            f"the source run has {source_inputs.input_ids.shape[1]} positions and the clean run "
+            f"{inputs.input_ids.shape[1]}: patch between images the model reads with the same positions (same size)"
+        )
+    clean_trace = capture(loaded, None, "", pattern_layers=[], inputs=inputs)
+    source_trace = capture(loaded, None, "", pattern_layers=[], inputs=source_inputs)
+    pos = int(clean_trace.answer_positions[0])
+    if answer_id is None:
+        answer_id = int(clean_trace.logits[0, pos].argmax())
+    if foil_id is None:
+        foil_id = int(source_trace.logits[0, pos].argmax())
+    if foil_id == answer_id:
+        raise InterventionError(
+            f"the clean and the source run both answer {adapter.token_str(answer_id)!r}: name a foil (--foil)"
+        )
+    clean = answer_values(adapter, clean_trace, answer_id, foil_id)
+    source = answer_values(adapter, source_trace, answer_id, foil_id)
+    span = source.logit_diff - clean.logit_diff
+    if abs(span) < 1e-6 * max(1.0, abs(clean.logit_diff)):
+        raise InterventionError("the clean and the source run have the same logit difference: the metric is undefined")
+    return PairedRuns(inputs, clean_trace, source_trace, pos, (answer_id, foil_id), clean, source, span)
+
+
 def cell_edits(source: Trace, site: str, block: int, head: int | None, positions: Sequence[int], n_heads: int):
     """The edits that copy ``site`` of ``block`` at ``positions`` from ``source``."""
     if site == "resid":
@@ -185,31 +238,9 @@ def patch_grid(
         raise InterventionError("a head is patched with site 'head', and only that site takes one")
     if head is not None and not 0 <= head < adapter.n_heads:
         raise InterventionError(f"head {head}: the model has heads 0-{adapter.n_heads - 1}")
-    inputs = adapter.prepare([image], [question], answer_prefix=list(answer_prefix))
-    source_inputs = adapter.prepare([source_image], [question], answer_prefix=list(answer_prefix))
-    if source_inputs.input_ids.shape != inputs.input_ids.shape or bool(
-        (source_inputs.answer_positions != inputs.answer_positions).any()
-    ):
-        raise InterventionError(
-            f"the source run has {source_inputs.input_ids.shape[1]} positions and the clean run "
-            f"{inputs.input_ids.shape[1]}: patch between images the model reads with the same positions (same size)"
-        )
-    clean_trace = capture(loaded, None, "", pattern_layers=[], inputs=inputs)
-    source_trace = capture(loaded, None, "", pattern_layers=[], inputs=source_inputs)
-    pos = int(clean_trace.answer_positions[0])
-    if answer_id is None:
-        answer_id = int(clean_trace.logits[0, pos].argmax())
-    if foil_id is None:
-        foil_id = int(source_trace.logits[0, pos].argmax())
-    if foil_id == answer_id:
-        raise InterventionError(
-            f"the clean and the source run both answer {adapter.token_str(answer_id)!r}: name a foil (--foil)"
-        )
-    clean = answer_values(adapter, clean_trace, answer_id, foil_id)
-    source = answer_values(adapter, source_trace, answer_id, foil_id)
-    span = source.logit_diff - clean.logit_diff
-    if abs(span) < 1e-6 * max(1.0, abs(clean.logit_diff)):
-        raise InterventionError("the clean and the source run have the same logit difference: the metric is undefined")
+    pair = paired_runs(loaded, image, source_image, question, answer_id, foil_id, answer_prefix)
+    inputs, clean_trace, source_trace = pair.inputs, pair.clean_trace, pair.source_trace
+    pos, answer_id, foil_id, clean, source, span = pair.position, *pair.tokens, pair.clean, pair.source, pair.span
 
     if columns == EACH:
         cols = [PositionSet(f"p{p}", (p,)) for p in range(pos + 1)]
