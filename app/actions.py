@@ -21,14 +21,13 @@ from PySide6.QtWidgets import QApplication, QFileDialog
 import core
 from app.components import ShownRun
 from app.jobs import answer_job, answer_of, answer_pairs_job, head_sources_job, model_load_job, statistics_job
-from app.panels.run_requests import Refusal
+from app.panels.run_requests import IMAGE_FILTER, Refusal
 from app.samples import bundled_pairs_file
 from core.files.images import load_mask
 from core.requests import AnalyzeRequest, GenerateRequest
 from core.requests.patching import default_patch_site, patch_sites
 
 # the formats core.files.images accepts (ACCEPTED_FORMATS)
-IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
 
 
 def qimage_to_png(image: QImage) -> bytes:
@@ -60,6 +59,8 @@ class Actions:
         w.intervention_panel.patch_requested.connect(self.patch_region)
         w.head_methods.nonunique_requested.connect(self.run_nonunique)
         w.head_methods.qk_ov_requested.connect(self.run_qk_ov)
+        w.flow_panel.knockout_requested.connect(self.run_knockout)
+        w.flow_panel.grid_requested.connect(self.run_patch_grid)
         w.validation_panel.run_requested.connect(self.run_claim)
 
     # ----- what every action reads --------------------------------------
@@ -318,6 +319,22 @@ class Actions:
             return False
         panel = self.window.head_methods
         return self.run_panel(panel, panel.qk_ov_request(self.asked()), status="QK / OV…", says_failure=True)
+
+    def run_knockout(self) -> bool:
+        """The Flow tab's knockout on the shown input; False, with the reason, when it cannot run."""
+        if not self.ready():
+            return False
+        panel = self.window.flow_panel
+        request = panel.knockout_request(self.asked(), self.painted)
+        return self.run_panel(panel, request, status="knockout…", says_failure=True)
+
+    def run_patch_grid(self) -> bool:
+        """The Flow tab's patching grid from its source image; False, with the reason, when it cannot run."""
+        if not self.ready():
+            return False
+        panel = self.window.flow_panel
+        request = panel.grid_request(self.asked(), self.painted)
+        return self.run_panel(panel, request, status="patch grid…", says_failure=True)
 
     def run_claim(self) -> bool:
         """Check the Validation panel's claim on its subjects and data; False, with the reason, when it cannot run."""

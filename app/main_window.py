@@ -38,6 +38,7 @@ from app.panels.attention_panel import AttentionPanel
 from app.panels.audit_panel import AuditPanel
 from app.panels.counterfactual_panel import CounterfactualPanel
 from app.panels.dla_panel import DLAPanel
+from app.panels.flow_panel import FlowPanel
 from app.panels.head_methods_panel import HeadMethodsPanel
 from app.panels.history_panel import HistoryPanel
 from app.panels.intervention_panel import InterventionPanel
@@ -123,6 +124,7 @@ class MainWindow(QMainWindow):
         self.validation_panel = ValidationPanel(self.selection, self.workspace)
         self.validation_panel.bundled = bundled_pairs_file().parent
         self.head_methods = HeadMethodsPanel(self.selection)
+        self.flow_panel = FlowPanel()
         self.audit_panel = AuditPanel()
         self.history_panel = HistoryPanel()
 
@@ -151,9 +153,16 @@ class MainWindow(QMainWindow):
 
         # Each tab's page scrolls what does not fit (ScrollPage): no result can raise the window's
         # minimum size past the screen or squeeze the canvas in the other tabs.
-        names = ("answer", "attention", "dla", "lens", "counterfactual")
+        names = ("answer", "attention", "dla", "lens", "counterfactual", "flow")
         self.run_frames = {"canvas": framed("canvas", self.canvas, page=False)}
-        panels = (self.answer_panel, self.attention_panel, self.dla_panel, self.lens_panel, self.counterfactual_panel)
+        panels = (
+            self.answer_panel,
+            self.attention_panel,
+            self.dla_panel,
+            self.lens_panel,
+            self.counterfactual_panel,
+            self.flow_panel,
+        )
         self.run_frames.update({name: framed(name, panel) for name, panel in zip(names, panels)})
         self.head_methods_frame = framed("head methods", self.head_methods, page=False)
         self.attention_panel.add_side(self.head_methods_frame)
@@ -361,7 +370,13 @@ class MainWindow(QMainWindow):
 
     def _working_panels(self) -> tuple:
         """The panels whose buttons start runs."""
-        return (self.counterfactual_panel, self.intervention_panel, self.validation_panel, self.head_methods)
+        return (
+            self.counterfactual_panel,
+            self.intervention_panel,
+            self.validation_panel,
+            self.head_methods,
+            self.flow_panel,
+        )
 
     def _set_busy(self, busy: bool) -> None:
         # the focus is parked before the panels' buttons are disabled, and given back once they are enabled

@@ -15,6 +15,7 @@ from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from app.components import RunView
 from app.panels.counterfactual_panel import DRAWN_KINDS as COUNTERFACTUAL_KINDS
+from app.panels.flow_panel import FLOW_KINDS
 from app.panels.head_methods_panel import HEAD_METHOD_KINDS
 from app.widgets import KeepingLabel
 
@@ -31,6 +32,7 @@ VIEW_KINDS = {
     "lens": ("analyze",),
     "counterfactual": COUNTERFACTUAL_KINDS,
     "head methods": HEAD_METHOD_KINDS,
+    "flow": FLOW_KINDS,
 }
 
 

@@ -53,7 +53,7 @@ from PySide6.QtWidgets import (
 
 from app.canvas import ImageCanvas
 from app.panels import analysis_of
-from app.panels.run_requests import Refusal, RunningLine, read_source
+from app.panels.run_requests import IMAGE_FILTER, Refusal, RunningLine, read_source
 from app.widgets import ElidedLabel, box, boxed, plain_label, split, stacked
 from core.methods.counterfactual import FILLS, Fill, OcclusionMap, RegionCounterfactual
 from core.requests import CounterfactualRequest, SweepRequest
@@ -63,7 +63,6 @@ if TYPE_CHECKING:
     from app.panels.intervention_panel import InterventionPanel
     from core.analyze import AnalyzeResult
 
-IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp);;All files (*)"
 TOOLS = (("brush", "Brush", "B"), ("eraser", "Eraser", "E"), ("box", "Box", "R"), ("view", "Pan", "H"))
 NO_PASTE_SOURCE = "no image chosen"
 PAINT_FIRST = "paint a region first (brush or box), then Run"  # Run's refusal, until a region is painted

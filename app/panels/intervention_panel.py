@@ -56,7 +56,7 @@ from PySide6.QtWidgets import (
 import core
 from app.components.selection import SelectedComponent, Selection
 from app.panels import analysis_of
-from app.panels.run_requests import Refusal, RunningLine, read_source, selected_other_than
+from app.panels.run_requests import IMAGE_FILTER, Refusal, RunningLine, read_source, selected_other_than
 from app.widgets import ElidedLabel, plain_label, set_columns
 from core.methods.interventions import InterventionResult, VisualPatchResult
 from core.requests import AblationRequest, PatchingRequest
@@ -67,7 +67,6 @@ if TYPE_CHECKING:
     from app.components import ShownRun
     from core.analyze import AnalyzeResult
 
-IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
 KINDS = {"zero": "zero", "mean": "mean", "resample": "resample"}  # engine kind -> combo text
 POSITIONS = {"target": "answer position", "all": "all positions", "region": "painted region"}
 SITE_TITLES = {

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import core
 
+# the file dialogs' filter for an image (the window's, a source image, a region pasted from)
+IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.bmp *.gif *.tif *.tiff *.webp *.ppm *.pgm *.pbm *.pnm);;All files (*)"
+
 
 @dataclass(frozen=True)
 class Refusal:

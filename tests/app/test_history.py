@@ -14,7 +14,7 @@ from app.components import NOTHING_SHOWN
 from app.panels.history_panel import COLUMNS, HistoryPanel, HistoryRow, local_time
 from app.samples import bundled_samples
 from app.workers import Worker
-from core.methods.flow.knockout import KnockoutResult
+from core.methods.flow.attribution import AttributionPatching
 from core.results.readout import RecordedResult, Target
 from core.session import Session
 
@@ -199,19 +199,19 @@ def test_a_result_of_another_shape_is_not_drawn_and_says_so(qtbot, window):
 
 
 def test_a_run_of_a_kind_no_view_draws_says_so(qtbot, window):
-    """A run the window has no view of (a knockout, recorded by the command) shows its image and
-    question, and one line says that export shows it, instead of an empty window passing for it."""
+    """A run the window has no view of (attribution patching, recorded by the command) shows its
+    image and question, and one line says that export shows it, instead of an empty window passing for it."""
     sample = bundled_samples()[0]
-    target = Target("yellow", 7, None, None, 3.4, None, 0.24, "yellow", 7, 74)
-    knockout = KnockoutResult(74, target, 1, None, ["L0"], [])
+    target = Target("yellow", 7, "red", 8, 3.4, 1.2, 0.24, "yellow", 7, 74)
+    result = AttributionPatching(["L0"], [[[0.0]]], None, None, [], None, None, target, target)
     run_id = window.session.record(
-        RecordedResult.of(knockout, knockout.to_dict()),
+        RecordedResult.of(result, result.to_dict()),
         image=str(sample.image_path),
         parameters={"question": sample.question},
     )
     assert window.sessions.restore_run(run_id)
     assert window.inputs.question_edit.text() == sample.question
     assert window.inputs.error_label.text() == (
-        f"run #{run_id} (knockout): the window has no view of this kind; export shows it"
+        f"run #{run_id} (attribution-patching): the window has no view of this kind; export shows it"
     )
     assert window.workspace.shown.run_id == run_id
