@@ -21,6 +21,7 @@ from core.cli.args import (
     add_output_args,
     add_token_args,
     asked_of,
+    check_outputs,
     check_token_options,
     loaded_for,
 )
@@ -81,15 +82,13 @@ def add_command(subparsers, load=load_from_args) -> None:
 def run(args, load=load_from_args) -> int:
     # function-local: the method and the images import torch / numpy, not needed for --help
 
-    from core.files.atomic import check_output_file
     from core.files.images import check_image_file, load_image
     from core.methods.component_ablation import parse_component
     from core.methods.counterfactual import mask_from_png
     from core.requests.ablation import AblationRequest
 
     # Fail fast on the inputs and the output, before the model loads.
-    if args.json is not None:
-        check_output_file(args.json)
+    check_outputs(args)
     check_token_options(args)
     if (args.mask is not None) != (args.positions == "region"):
         raise InterventionError("--mask goes with --positions region (the region's visual tokens), and it needs one")
@@ -110,10 +109,6 @@ def run(args, load=load_from_args) -> int:
         source_image=load_image(args.source_image) if args.source_image else None,
         source_image_path=args.source_image,
     )
-    if args.session:
-        from core.session import check_session_file
-
-        check_session_file(args.session)
     loaded, request = loaded_for(  # a component the model lacks fails before anything runs
         args, load, request, check=lambda loaded: parse_component(args.component, [n for n, _ in loaded.adapter.blocks])
     )

@@ -11,6 +11,7 @@ from core.cli.args import (
     add_raw_prompt_arg,
     add_token_args,
     asked_of,
+    check_outputs,
     check_token_options,
     loaded_for,
 )
@@ -42,16 +43,11 @@ def add_command(subparsers, load=load_from_args) -> None:
 def run(args, load=load_from_args) -> int:
     # function-local: the lens store and the session import torch / numpy, not needed for --help
 
-    from core.files.atomic import check_output_file
     from core.files.images import load_image
 
-    check_output_file(args.json)  # fail fast, before the model loads
+    check_outputs(args)  # fail fast, before the model loads
     check_token_options(args)
     image = load_image(args.image)
-    if args.session:
-        from core.session import check_session_file
-
-        check_session_file(args.session)
     tuned = None
     if args.lens:
         from core.methods.tuned_lens.store import load_lens

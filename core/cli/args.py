@@ -206,6 +206,19 @@ def answer_text_of(args, loaded):
     return generation.answer_text(args.token_index or 0)
 
 
+def check_outputs(args) -> None:
+    """``--json`` and ``--session`` checked before anything loads: a file that cannot be
+    written, or a session that cannot be opened, fails first, in one line."""
+    from core.files.atomic import check_output_file
+
+    if getattr(args, "json", None) is not None:
+        check_output_file(args.json)
+    if getattr(args, "session", None):
+        from core.session import check_session_file
+
+        check_session_file(args.session)
+
+
 def asked_of(args, image) -> dict:
     """The :class:`core.requests.base.AskedRequest` fields of the command line: the image (its
     pixels and ``--image`` as given), ``--question``, ``--answer`` and ``--foil`` as typed."""

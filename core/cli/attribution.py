@@ -21,6 +21,7 @@ from core.cli.args import (
     add_output_args,
     add_token_args,
     asked_of,
+    check_outputs,
     check_token_options,
     loaded_for,
 )
@@ -55,11 +56,10 @@ def add_command(subparsers, load=load_from_args) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the method and the images import torch / numpy, not needed for --help
-    from core.files.atomic import check_output_file
     from core.files.images import load_image
     from core.requests.attribution import AttributionPatchingRequest
 
-    check_output_file(args.json)
+    check_outputs(args)
     check_token_options(args)
     image = load_image(args.image)
     request = AttributionPatchingRequest(
@@ -69,10 +69,6 @@ def run(args, load=load_from_args) -> int:
         top_k=args.top_k,
         batch_size=args.batch_size,
     )
-    if args.session:
-        from core.session import check_session_file
-
-        check_session_file(args.session)
     loaded, request = loaded_for(args, load, request)
     with progress_bar("attribution patching", quiet=args.quiet, messages=True) as progress:
         result = request.run(loaded, progress)

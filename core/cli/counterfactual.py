@@ -21,6 +21,7 @@ from core.cli.args import (
     add_output_args,
     add_token_args,
     asked_of,
+    check_outputs,
     check_token_options,
     loaded_for,
 )
@@ -85,7 +86,6 @@ def add_command(subparsers, load=load_from_args) -> None:
 def run(args, load=load_from_args) -> int:
     # function-local: the counterfactual methods import torch, not needed for --help
 
-    from core.files.atomic import check_output_file
     from core.files.images import load_image
     from core.methods.counterfactual import mask_from_png
 
@@ -96,7 +96,7 @@ def run(args, load=load_from_args) -> int:
     if args.paste_from and args.fill != "paste":
         raise ReadoutError("--paste-from goes with --fill paste")
     # Fail fast on the inputs and the output, before the model loads.
-    check_output_file(args.json)
+    check_outputs(args)
     check_token_options(args)
     image = load_image(args.image)
     mask = mask_from_png(args.mask, image.size) if args.mask else None
@@ -116,10 +116,6 @@ def run(args, load=load_from_args) -> int:
     else:
         request = CounterfactualRequest(**asked, mask=mask, mask_name=args.mask, routing=not args.no_routing)
     request.fill_spec()  # its checks, before the model loads
-    if args.session:
-        from core.session import check_session_file
-
-        check_session_file(args.session)
     loaded, request = loaded_for(args, load, request)
     if args.sweep is not None:
         with progress_bar("occlusion sweep", quiet=args.quiet) as progress:

@@ -10,7 +10,7 @@ then the answer text and why it stopped.
 
 from __future__ import annotations
 
-from core.cli.args import add_input_args, add_model_args, add_output_args, add_raw_prompt_arg
+from core.cli.args import add_input_args, add_model_args, add_output_args, add_raw_prompt_arg, check_outputs
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
 from core.requests.generate import GenerateRequest
@@ -71,17 +71,11 @@ def check_stop_strings(stops: list[str]) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: torch loads when the command runs, not for --help
-    from core.files.atomic import check_output_file
     from core.files.images import load_image
 
-    if args.json:
-        check_output_file(args.json)  # fail fast, before the model loads
+    check_outputs(args)  # fail fast, before the model loads
     check_stop_strings(args.stop)
     image = load_image(args.image)
-    if args.session:
-        from core.session import check_session_file
-
-        check_session_file(args.session)
     request = GenerateRequest(
         image=image,
         image_path=args.image,

@@ -22,6 +22,7 @@ from core.cli.args import (
     add_output_args,
     add_token_args,
     asked_of,
+    check_outputs,
     check_token_options,
     loaded_for,
 )
@@ -74,13 +75,12 @@ def _heads(text: str | None) -> tuple[int, ...] | None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the method and the images import torch / numpy, not needed for --help
-    from core.files.atomic import check_output_file
     from core.files.images import load_image
     from core.methods.counterfactual import mask_from_png
     from core.requests.knockout import KnockoutRequest
 
     # Fail fast on the inputs and the output, before the model loads.
-    check_output_file(args.json)
+    check_outputs(args)
     check_token_options(args)
     image = load_image(args.image)
     request = KnockoutRequest(
@@ -92,10 +92,6 @@ def run(args, load=load_from_args) -> int:
         batch_size=args.batch_size,
         rollout=not args.no_rollout,
     )
-    if args.session:
-        from core.session import check_session_file
-
-        check_session_file(args.session)
 
     def check(loaded) -> None:  # heads the model lacks fail before anything runs
         n = loaded.adapter.n_heads

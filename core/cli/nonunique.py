@@ -22,6 +22,7 @@ from core.cli.args import (
     add_output_args,
     add_raw_prompt_arg,
     answer_text_of,
+    check_outputs,
     check_token_options,
 )
 from core.cli.loading import load_from_args
@@ -137,18 +138,13 @@ def run(args, load=load_from_args) -> int:
     # function-local: the method imports torch, not needed for --help
     from dataclasses import replace
 
-    from core.files.atomic import check_output_file
     from core.files.images import load_image
     from core.methods.counterfactual import mask_from_png
 
-    check_output_file(args.json)  # fail fast, before the model loads
+    check_outputs(args)  # fail fast, before the model loads
     check_token_options(args)
     image = load_image(args.image)
     mask = mask_from_png(args.region, image.size) if args.region else None
-    if args.session:
-        from core.session import check_session_file
-
-        check_session_file(args.session)
     request = NonuniqueRequest(
         image=image,
         image_path=args.image,

@@ -19,6 +19,7 @@ from core.cli.args import (
     add_output_args,
     add_token_args,
     asked_of,
+    check_outputs,
     check_token_options,
     loaded_for,
 )
@@ -71,14 +72,12 @@ def add_command(subparsers, load=load_from_args) -> None:
 def run(args, load=load_from_args) -> int:
     # function-local: the method and the images import torch / numpy, not needed for --help
 
-    from core.files.atomic import check_output_file
     from core.files.images import load_image
     from core.methods.counterfactual import mask_from_png
     from core.requests.patching import PatchingRequest
 
     # Fail fast on the inputs and the output, before the model loads.
-    if args.json is not None:
-        check_output_file(args.json)
+    check_outputs(args)
     check_token_options(args)
     if args.layer is not None and args.site not in LAYERED_SITES:
         raise InterventionError("--layer goes with --site resid or --site kv_source")
@@ -91,10 +90,6 @@ def run(args, load=load_from_args) -> int:
         site=args.site,
         layer=args.layer,
     )
-    if args.session:
-        from core.session import check_session_file
-
-        check_session_file(args.session)
     # a site the family lacks fails before anything runs
     loaded, request = loaded_for(args, load, request, check=lambda loaded: request.resolved_site(loaded.adapter))
     with progress_bar("patching", quiet=args.quiet, messages=True) as progress:

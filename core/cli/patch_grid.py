@@ -21,6 +21,7 @@ from core.cli.args import (
     add_output_args,
     add_token_args,
     asked_of,
+    check_outputs,
     check_token_options,
     loaded_for,
 )
@@ -65,12 +66,11 @@ def add_command(subparsers, load=load_from_args) -> None:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the method and the images import torch / numpy, not needed for --help
-    from core.files.atomic import check_output_file
     from core.files.images import load_image
     from core.methods.counterfactual import mask_from_png
     from core.requests.patch_grid import PatchGridRequest
 
-    check_output_file(args.json)
+    check_outputs(args)
     check_token_options(args)
     image = load_image(args.image)
     columns = tuple(args.columns.split(","))
@@ -84,10 +84,6 @@ def run(args, load=load_from_args) -> int:
         mask=mask_from_png(args.mask, image.size) if args.mask else None,
         batch_size=args.batch_size,
     )
-    if args.session:
-        from core.session import check_session_file
-
-        check_session_file(args.session)
 
     def check(loaded) -> None:  # a head the model lacks fails before anything runs
         n = loaded.adapter.n_heads

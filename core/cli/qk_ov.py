@@ -15,6 +15,7 @@ from core.cli.args import (
     add_output_args,
     add_raw_prompt_arg,
     answer_text_of,
+    check_outputs,
     check_token_options,
 )
 from core.cli.loading import load_from_args
@@ -57,9 +58,8 @@ def run(args, load=load_from_args) -> int:
     from dataclasses import replace
 
     from core.errors import QuestionError
-    from core.files.atomic import check_output_file
 
-    check_output_file(args.json)  # fail fast, before the model loads
+    check_outputs(args)  # fail fast, before the model loads
     check_token_options(args)
     if args.copy_tokens is not None:
         check_copy_words(args.copy_tokens)
@@ -72,10 +72,6 @@ def run(args, load=load_from_args) -> int:
         from core.files.images import load_image
 
         image = load_image(args.image)
-    if args.session:
-        from core.session import check_session_file
-
-        check_session_file(args.session)
     request = QkOvRequest(
         head=args.head,
         image=image,

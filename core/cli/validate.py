@@ -12,7 +12,7 @@ distribution the numbers were measured on.
 
 from __future__ import annotations
 
-from core.cli.args import add_model_args, add_output_args
+from core.cli.args import add_model_args, add_output_args, check_outputs
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
 from core.requests.validate import ValidateRequest
@@ -146,16 +146,11 @@ def checklist(chain) -> list[str]:
 
 def run(args, load=load_from_args) -> int:
     # function-local: the chain imports torch and numpy, not needed for --help
-    from core.files.atomic import check_output_file
     from core.files.images import load_mask
     from core.shell.terminal import progress_bar
 
-    check_output_file(args.json)  # fail fast, before the model loads
+    check_outputs(args)  # fail fast, before the model loads
     region = load_mask(args.region) if args.region else None
-    if args.session:
-        from core.session import check_session_file
-
-        check_session_file(args.session)
     request = ValidateRequest(
         subjects=(*args.head, *args.route),
         claim=args.claim,
