@@ -3,7 +3,7 @@ into the run of the asked image at every layer x position group, and write the
 normalised patching metric of each cell
 (:class:`core.requests.patch_grid.PatchGridRequest`).
 
-    vlm-readout patch-grid --model M --image I --question Q --source-image IMG \\
+    vlm-readout patch-grid --model M --image I --question Q (--source-image IMG | --source-fill FILL --mask M) \\
         [--site resid|attn|mlp|head --head H] [--columns image,region,question,answer | each] \\
         [--mask MASK.png] [--answer A --foil F] [--answer-text T --token-index K] [--json OUT] [--session FILE]
 
@@ -28,7 +28,7 @@ from core.cli.args import (
 from core.cli.loading import load_from_args
 from core.cli.outputs import finish
 from core.errors import InterventionError
-from core.requests.patch_grid import PATCH_GRID_SITES, POSITION_GROUPS
+from core.requests.patch_grid import PATCH_GRID_SITES, POSITION_GROUPS, SOURCE_FILLS
 from core.shell.arguments import batch_size, non_negative_int
 from core.shell.terminal import progress_bar
 
@@ -43,7 +43,13 @@ def add_command(subparsers, load=load_from_args) -> None:
     )
     add_model_args(p)
     add_input_args(p, question_help="the question about both images")
-    p.add_argument("--source-image", required=True, metavar="IMG", help="the image whose activations are patched in")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--source-image", metavar="IMG", help="the image whose activations are patched in")
+    source.add_argument(
+        "--source-fill",
+        choices=SOURCE_FILLS,
+        help="the source is the image with the --mask region filled so (%(choices)s)",
+    )
     p.add_argument("--site", choices=PATCH_GRID_SITES, default="resid", help="%(choices)s (default %(default)s)")
     p.add_argument("--head", type=non_negative_int, help="--site head: the head's index")
     p.add_argument(
@@ -76,8 +82,9 @@ def run(args, load=load_from_args) -> int:
     columns = tuple(args.columns.split(","))
     request = PatchGridRequest(
         **asked_of(args, image),
-        source_image=load_image(args.source_image),
+        source_image=load_image(args.source_image) if args.source_image else None,
         source_image_path=args.source_image,
+        source_fill=args.source_fill,
         site=args.site,
         head=args.head,
         columns=POSITION_GROUPS if args.columns == ",".join(POSITION_GROUPS) else columns,

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 PATCH_GRID_SITES = ("resid", "attn", "mlp", "head")
 POSITION_GROUPS = ("image", "region", "question", "answer")
 EVERY_POSITION = "each"
+# the counterfactual fills a source can be made with (core.methods.counterfactual.FILLS less paste: that is a source image)
+SOURCE_FILLS = ("mean", "constant", "blur", "noise", "inpaint")
 
 
 @register_request
@@ -31,7 +33,10 @@ class PatchGridRequest(AskedRequest):
     """Patch ``site`` from ``source_image`` at every layer x column.
 
     Attributes:
-        source_image: the other image's pixels (the same size), asked the same question.
+        source_image: the other image's pixels (the same size), asked the same question; None with
+            ``source_fill``: the asked image with its painted region filled.
+        source_fill: a counterfactual fill (mean, constant, blur, noise, inpaint) of the painted
+            region that makes the source (None: ``source_image``).
         source_image_path: the file they were read from (None: pixels without a file).
         site: ``resid``, ``attn``, ``mlp`` or ``head``.
         head: the head of site ``head``.
@@ -43,8 +48,9 @@ class PatchGridRequest(AskedRequest):
 
     name: ClassVar[str] = "patch-grid"
 
-    source_image: Image.Image
+    source_image: Image.Image | None = None
     source_image_path: str | None = None
+    source_fill: str | None = None
     site: str = "resid"
     head: int | None = None
     columns: tuple[str, ...] = POSITION_GROUPS
@@ -55,6 +61,12 @@ class PatchGridRequest(AskedRequest):
         from core.errors import InterventionError
         from core.methods.flow.positions import REGION, check_set_name
 
+        if (self.source_image is None) == (self.source_fill is None):
+            raise InterventionError("the source is another image or a fill of the painted region: one of them")
+        if self.source_fill is not None and self.mask is None:
+            raise InterventionError(f"the {self.source_fill!r} fill of the source needs a painted region (a mask)")
+        if self.source_fill is not None and self.source_fill not in SOURCE_FILLS:
+            raise InterventionError(f"source fill {self.source_fill!r}: expected one of {', '.join(SOURCE_FILLS)}")
         if self.site not in PATCH_GRID_SITES:
             raise InterventionError(f"patch site {self.site!r}: expected one of {', '.join(PATCH_GRID_SITES)}")
         if (self.site == "head") != (self.head is not None):
@@ -76,14 +88,28 @@ class PatchGridRequest(AskedRequest):
     def parameters(self) -> dict[str, Any]:
         from core.files.images import image_sha256
 
+        source = (
+            {"source_fill": self.source_fill}
+            if self.source_fill is not None
+            else {"source_image": self.source_image_path, "source_image_sha256": image_sha256(self.source_image)}
+        )
         return {
             **self.asked_parameters(),
-            "source_image": self.source_image_path,
-            "source_image_sha256": image_sha256(self.source_image),
+            **source,
             "site": self.site,
             "head": self.head,
             "columns": list(self.columns),
         }
+
+    def source(self):
+        """The source image: the one given, or the asked image with the painted region filled."""
+        if self.source_fill is None:
+            return self.source_image
+        from PIL import Image
+
+        from core.methods.counterfactual import fill_region
+
+        return Image.fromarray(fill_region(self.image, self.mask, self.source_fill))
 
     def run(self, loaded, progress: Progress = None, cancel: Cancel = None) -> PatchGrid:
         from core.forward.geometry import painted_tokens
@@ -95,7 +121,7 @@ class PatchGridRequest(AskedRequest):
         return patch_grid(
             loaded,
             self.image,
-            self.source_image,
+            self.source(),
             self.question,
             site=self.site,
             head=self.head,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,3 +212,26 @@ def test_a_cross_attention_model_has_no_image_positions_in_its_text(monkeypatch)
     names = [c.name for c in grid.columns]
     assert "image" not in names or all(row[names.index("image")] is None for row in grid.metric)
     capture(coca, load_image(IMAGE), QUESTION)  # the model is left as it was
+
+
+def test_a_source_made_by_filling_the_painted_region(llava, tmp_path, monkeypatch, capsys):
+    """--source-fill: the source is the image with the --mask region filled; the image's positions
+    copied before the first block make it the source run (metric 1); without a mask, or with both
+    sources, one line."""
+    monkeypatch.setattr(core.cli, "_load", lambda args: llava)
+    from PIL import Image
+
+    mask = tmp_path / "mask.png"
+    region = np.zeros((128, 128), dtype=np.uint8)
+    region[20:64, 30:80] = 255  # the blue square of sample_00
+    Image.fromarray(region).save(mask)
+    out = tmp_path / "g.json"
+    argv = ["patch-grid", "--image", str(IMAGE), "--question", QUESTION, "--source-fill", "mean", "--foil", "triangle"]
+    assert main([*argv, "--mask", str(mask), "--columns", "image,region,answer", "--json", str(out), "--quiet"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["metric"][0][0] == pytest.approx(1.0, abs=1e-4)
+    assert [c["name"] for c in doc["columns"]] == ["image", "region", "answer"]
+    assert main([*argv, "--json", str(out), "--quiet"]) == 2
+    assert "needs a painted region" in capsys.readouterr().err
+    assert main([*argv, "--source-image", str(SOURCE), "--json", str(out), "--quiet"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
