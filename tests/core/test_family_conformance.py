@@ -436,20 +436,22 @@ def test_knockout_equals_the_eager_reference(model_case):
     """Attention knockout on the family's fast path (the mask each call receives, edited;
     rows batched) gives, in every single-layer window and in all layers, the answer logit
     and probability of eager attention with the cut scores set to minus infinity before
-    the softmax (tests/core/knockout_reference.py), for the image's and the question's
-    edges to the answer position."""
+    the softmax (tests/core/knockout_reference.py), for the image's, half the image's and the
+    question's edges to the answer position."""
     c = model_case
     m, image = c.m, noise_image(c.image_size)
     inputs = m.adapter.prepare([image], [c.question])
     base = capture(m, None, "", pattern_layers=[], inputs=inputs)
     pos = int(base.answer_positions[0])
     answer_id = int(base.logits[0, pos].argmax())
-    edges = parse_edges("image->answer,question->answer")
+    edges = parse_edges("image->answer,question->answer,region->answer")
     if "knockout" not in m.adapter.edit_sites:  # BLIP: its post-norm attention modules are not mapped
         with pytest.raises(InterventionError, match="no 'knockout' edit site"):
             knockout_sweep(m, inputs, image, c.question, edges, answer_id, base=base)
         return
-    result = knockout_sweep(m, inputs, image, c.question, edges, answer_id, base=base, batch_size=4)
+    n_visual = max(base.visual_positions.shape[1], *(kv.shape[1] for kv in base.kv_source if kv is not None), 0)
+    region = list(range(n_visual // 2))  # half the image's tokens: a cross-attention row keeps the others
+    result = knockout_sweep(m, inputs, image, c.question, edges, answer_id, base=base, batch_size=4, region=region)
     names = base.block_names
     moved = False
     for profile in result.profiles:

@@ -182,7 +182,7 @@ class BlipAdapter(TextConfigSizes, Adapter):
         attention="cross",
         decoder=Decoder(path=None, form="post_norm", norm="layernorm"),
         rotary=Rotary("absolute"),
-        edit_sites=("z", "mlp"),
+        edit_sites=("z", "mlp", "knockout"),
         frozen_convention="every LayerNorm scale frozen at its value in this run; "
         "LM-head transform linearised (GELU gain frozen)",
     )
@@ -352,6 +352,30 @@ class BlipAdapter(TextConfigSizes, Adapter):
     def z_module(self, block: int):
         """The output projection ``BlipTextSelfOutput.dense``: its input is the heads' concatenated z."""
         return self._attention(block).output.dense
+
+    def attention_module(self, block: int):
+        """``BlipTextSelfAttention``: the scores, their mask and the softmax (its parent adds the
+        output projection and the post-norm)."""
+        return self._attention(block).self
+
+    def _knockout_hook(self, e):
+        """A self-attention block: the generic hook (its additive mask ``attention_mask``). A
+        cross-attention block reads ``encoder_attention_mask`` (None: every image key, a zero
+        mask made explicit ``(batch, 1, queries, keys)``), which the knockout edits instead."""
+        if self.blocks[e.block][1] != "cross":
+            return super()._knockout_hook(e)
+
+        def knock(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            keys = kwargs["encoder_hidden_states"].shape[1]
+            b, q = hidden.shape[0], hidden.shape[1]
+            mask = kwargs.get("encoder_attention_mask")
+            if mask is None:
+                mask = torch.zeros(b, 1, q, keys, dtype=hidden.dtype, device=hidden.device)
+            mask = e.knock(mask.expand(b, self.n_heads, q, keys))
+            return args, {**kwargs, "encoder_attention_mask": mask}
+
+        return knock
 
     def attn_norm(self, block: int):
         """Identity: post-LN, queries read the stream (already a LayerNorm's output)."""
