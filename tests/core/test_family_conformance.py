@@ -445,7 +445,7 @@ def test_knockout_equals_the_eager_reference(model_case):
     pos = int(base.answer_positions[0])
     answer_id = int(base.logits[0, pos].argmax())
     edges = parse_edges("image->answer,question->answer,region->answer")
-    if "knockout" not in m.adapter.edit_sites:  # BLIP: its post-norm attention modules are not mapped
+    if "knockout" not in m.adapter.edit_sites:  # a family whose attention calls no edit reaches
         with pytest.raises(InterventionError, match="no 'knockout' edit site"):
             knockout_sweep(m, inputs, image, c.question, edges, answer_id, base=base)
         return
