@@ -155,15 +155,7 @@ class MainWindow(QMainWindow):
         # minimum size past the screen or squeeze the canvas in the other tabs.
         names = ("answer", "attention", "dla", "lens", "counterfactual", "flow")
         self.run_frames = {"canvas": framed("canvas", self.canvas, page=False)}
-        panels = (
-            self.answer_panel,
-            self.attention_panel,
-            self.dla_panel,
-            self.lens_panel,
-            self.counterfactual_panel,
-            self.flow_panel,
-        )
-        self.run_frames.update({name: framed(name, panel) for name, panel in zip(names, panels)})
+        self.run_frames.update({name: framed(name, getattr(self, f"{name}_panel")) for name in names})
         self.head_methods_frame = framed("head methods", self.head_methods, page=False)
         self.attention_panel.add_side(self.head_methods_frame)
         # the tab bar sits above the canvas and the pages: it stays put when the Counterfactual tab
