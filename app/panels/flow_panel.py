@@ -9,9 +9,10 @@ asks the panel for the request (:meth:`FlowPanel.knockout_request`,
 and runs it; the result joins the shown run, and the panel draws it from there
 (:meth:`FlowPanel.draw`, kinds :data:`FLOW_KINDS`, a live and a restored run alike).
 
-The knockout plot has the layers on the x-axis and the answer's logit difference
-(its logit without a foil) after the cut on the y-axis, one curve per edge kind,
-the unedited run as a dashed line and the all-layers cut in the legend; rollout's
+The knockout plots have the layers on the x-axis and the answer's logit difference
+(its logit without a foil), then its probability, after the cut on the y-axis, one
+curve per edge kind, the unedited run as a dashed line, the all-layers cut in the
+legend and one window's width shaded; rollout's
 reach is a plot of its own below, with each profile's correlation, said to be a
 correlation of an approximation with an intervention. The grid is a heatmap of
 blocks x position groups; a click on a cell shows that run's numbers.
@@ -89,10 +90,13 @@ class FlowPanel(QWidget):
         self.knockout_plot = pg.PlotWidget()
         self.knockout_plot.setMinimumHeight(160)
         self.knockout_plot.addLegend(offset=(5, 5))
+        self.prob_plot = pg.PlotWidget()
+        self.prob_plot.setMinimumHeight(110)
+        self.prob_plot.setLabel("left", "p(answer) after the cut")
         self.rollout_plot = pg.PlotWidget()
         self.rollout_plot.setMinimumHeight(120)
         self.rollout_plot.setLabel("left", "rollout reach")
-        for plot in (self.knockout_plot, self.rollout_plot):  # the numbers as they are, not scaled by 1000
+        for plot in (self.knockout_plot, self.prob_plot, self.rollout_plot):  # the numbers as they are, not scaled
             plot.getAxis("left").enableAutoSIPrefix(False)
         self.rollout_label = plain_label(wrap=True, selectable=True)
         self.grid_title = plain_label(NO_GRID, wrap=True, selectable=True)
@@ -117,7 +121,7 @@ class FlowPanel(QWidget):
         layout.addLayout(knock_row)
         layout.addLayout(grid_row)
         layout.addWidget(self.message_label)
-        for w in (self.knockout_title, self.knockout_plot, self.rollout_plot, self.rollout_label):
+        for w in (self.knockout_title, self.knockout_plot, self.prob_plot, self.rollout_plot, self.rollout_label):
             layout.addWidget(w)
         for w in (self.grid_title, self.grid_plot, self.cell_label):
             layout.addWidget(w)
@@ -188,8 +192,8 @@ class FlowPanel(QWidget):
 
     def _draw_knockout(self, result) -> None:
         self.knockout = result
-        self.knockout_plot.clear()
-        self.rollout_plot.clear()
+        for plot in (self.knockout_plot, self.prob_plot, self.rollout_plot):
+            plot.clear()
         if result is None:
             self.knockout_title.setText(NO_KNOCKOUT)
             self.rollout_label.setText("")
@@ -197,12 +201,16 @@ class FlowPanel(QWidget):
         score, original = knockout_score(result.original)
         layers = result.layers
         axis = [list(enumerate(layers))]
-        for plot in (self.knockout_plot, self.rollout_plot):
+        for plot in (self.knockout_plot, self.prob_plot, self.rollout_plot):
             plot.getAxis("bottom").setTicks(axis)
         self.knockout_plot.setLabel("left", f"{score} after the cut")
-        self.knockout_plot.addItem(
-            pg.InfiniteLine(original, angle=0, pen=pg.mkPen("#888", style=pg.QtCore.Qt.DashLine))
-        )
+        dashed = pg.mkPen("#888", style=pg.QtCore.Qt.DashLine)
+        self.knockout_plot.addItem(pg.InfiniteLine(original, angle=0, pen=dashed))
+        self.prob_plot.addItem(pg.InfiniteLine(result.original.prob, angle=0, pen=dashed))
+        # the window's width, shaded around the middle layer's window
+        width = min(result.width, len(layers))
+        start = max(0, min(len(layers) - width, (len(layers) - 1) // 2 - (width - 1) // 2))
+        self.knockout_plot.addItem(pg.LinearRegionItem((start - 0.5, start + width - 0.5), movable=False))
         lines = []
         for i, profile in enumerate(result.profiles):
             colour = COLOURS[i % len(COLOURS)]
@@ -211,6 +219,8 @@ class FlowPanel(QWidget):
             after = "" if every is None else f" (all layers: {knockout_score(every.edited)[1]:+.3f})"
             self.knockout_plot.plot(xs, ys, pen=pg.mkPen(colour, width=2), symbol="o", symbolBrush=colour,
                                     name=f"{profile.edge}{after}")  # fmt: skip
+            probs = [profile.window(result.layers[x]).edited.prob for x in xs]
+            self.prob_plot.plot(xs, probs, pen=pg.mkPen(colour, width=2), symbol="o", symbolBrush=colour)
             if profile.rollout_reach is not None:
                 self.rollout_plot.plot(list(range(len(layers))), profile.rollout_reach, pen=pg.mkPen(colour, width=2))
                 corr = profile.rollout_correlation

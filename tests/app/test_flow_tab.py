@@ -41,6 +41,8 @@ def test_knock_out_draws_each_profile_from_the_run(qtbot, flow):
         np.testing.assert_array_equal(ys, want)
         assert list(xs) == list(range(len(result.layers)))
         assert profile.edge in curve.name() and "all layers" in curve.name()
+    for curve, profile in zip(panel.prob_plot.getPlotItem().listDataItems(), result.profiles):
+        np.testing.assert_array_equal(curve.getData()[1], [profile.window(x).edited.prob for x in result.layers])
     assert len(panel.rollout_plot.getPlotItem().listDataItems()) == len(result.profiles)
     assert "not a decomposition" in panel.rollout_label.text() and "r = " in panel.rollout_label.text()
     assert f"window of {result.width} layer(s)" in panel.knockout_title.text()

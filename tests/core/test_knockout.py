@@ -277,3 +277,22 @@ def test_rollout_reach_ends_at_the_rollout_of_the_whole_model(models):
             reach = np.array(profile.rollout_reach)
             assert profile.rollout_correlation == pytest.approx(np.corrcoef(drops, reach)[0, 1], abs=1e-9)
         assert any("not a decomposition" in note for note in result.audit.notes)
+
+
+def test_copies_of_one_input_are_what_the_processor_makes_of_copies(models):
+    """The rows the flow methods edit: the one prepared row repeated where every tensor is batch-first
+    (the image processed once) equals the processor's batch of the same copies, tensor for tensor."""
+    from core.methods.flow.batches import copies
+
+    for m in models.values():
+        a = m.adapter
+        image = load_image(SAMPLE)
+        one = a.prepare([image], [QUESTION])
+        three = copies(a, one, 3, image, QUESTION)
+        want = a.prepare([image] * 3, [QUESTION] * 3)
+        assert three.tensors.keys() == want.tensors.keys()
+        for k, t in want.tensors.items():
+            assert torch.equal(three.tensors[k], t), k
+        assert torch.equal(three.answer_positions, want.answer_positions)
+        assert torch.equal(three.input_ids, want.input_ids) and three.prompts == want.prompts
+        assert copies(a, one, 1, image, QUESTION) is one

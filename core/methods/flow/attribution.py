@@ -30,6 +30,7 @@ import torch
 from core.errors import InterventionError
 from core.forward.capture import edited_logits, gradient_logits
 from core.forward.edits import Edit
+from core.methods.flow.batches import copies
 from core.methods.flow.patch_grid import paired_runs
 from core.methods.interventions import activation_patch
 from core.results.audit import AuditRecord
@@ -235,7 +236,7 @@ def attribution_patching(
         progress(1, 2, f"patching the top {len(checked)}…")
     for start in range(0, len(checked), batch_size):
         chunk = checked[start : start + batch_size]
-        batch = adapter.prepare([image] * len(chunk), [question] * len(chunk), answer_prefix=list(answer_prefix))
+        batch = copies(adapter, pair.inputs, len(chunk), image, question, answer_prefix)
         row_edits = []
         for row, c in enumerate(chunk):
             site = "z" if c.site == "head" else c.site

@@ -34,6 +34,7 @@ import torch
 from core.errors import InterventionError
 from core.forward.capture import Trace, capture, edited_logits
 from core.forward.edits import Edit
+from core.methods.flow.batches import copies
 from core.methods.flow.positions import EdgeKind, PositionSet, position_sets
 from core.methods.interventions import answer_values
 from core.methods.patterns import FULL_PATTERN_LIMIT
@@ -398,7 +399,7 @@ def knockout_sweep(
             cancelled = True
             break
         chunk = runs[start : start + batch_size]
-        batch = adapter.prepare([image] * len(chunk), [question] * len(chunk), answer_prefix=list(answer_prefix))
+        batch = copies(adapter, inputs, len(chunk), image, question, answer_prefix)
         row_edits = [
             dataclasses.replace(e, rows=(row,))
             for row, (i, w) in enumerate(chunk)

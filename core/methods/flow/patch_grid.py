@@ -34,6 +34,7 @@ import torch
 
 from core.errors import InterventionError
 from core.forward.capture import Trace, capture, edited_logits
+from core.methods.flow.batches import copies
 from core.methods.flow.positions import PositionSet, position_sets
 from core.methods.interventions import activation_patch, answer_values
 from core.results.audit import AuditRecord
@@ -261,7 +262,7 @@ def patch_grid(
             cancelled = True
             break
         chunk = cells[start : start + batch_size]
-        batch = adapter.prepare([image] * len(chunk), [question] * len(chunk), answer_prefix=list(answer_prefix))
+        batch = copies(adapter, inputs, len(chunk), image, question, answer_prefix)
         edits = [
             dataclasses.replace(e, rows=(row,))
             for row, (b, c) in enumerate(chunk)
