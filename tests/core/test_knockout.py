@@ -107,7 +107,7 @@ def test_windows_are_centred_and_clipped():
     three = dict(windows(layers, 3))
     assert three["L0"] == ["L0", "L1"] and three["L2"] == ["L1", "L2", "L3"] and three["L4"] == ["L3", "L4"]
     four = dict(windows(layers, 4))
-    assert four["L2"] == ["L1", "L2", "L3", "L4"]  # an even width reaches one further down
+    assert four["L2"] == ["L1", "L2", "L3", "L4"]  # an even width reaches one further to later layers
     assert dict(windows(layers, 9))["L2"] == layers
     with pytest.raises(InterventionError, match="at least 1"):
         windows(layers, 0)

@@ -61,8 +61,8 @@ def layer_of(block_name: str) -> str:
 
 def windows(layers: Sequence[str], width: int) -> list[tuple[str, list[str]]]:
     """``(centre, layers)`` of each window of ``width`` consecutive layers centred on each
-    layer in turn (clipped at both ends; an even width reaches one further down than up),
-    then ``(ALL_LAYERS, every layer)``."""
+    layer in turn (clipped at both ends; an even width reaches one layer further to later
+    layers than to earlier ones), then ``(ALL_LAYERS, every layer)``."""
     if width < 1:
         raise InterventionError(f"window width {width}: at least 1 layer")
     below, above = (width - 1) // 2, width // 2
