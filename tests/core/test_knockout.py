@@ -124,7 +124,6 @@ def test_position_sets_name_the_right_tokens(models):
             a,
             base,
             inputs,
-            image,
             QUESTION,
             ["question", "word:circle", "last", "answer", "image", "region"],
             region=region,
@@ -137,7 +136,7 @@ def test_position_sets_name_the_right_tokens(models):
         assert sets["last"].positions == sets["answer"].positions == (int(base.answer_positions[0]),)
         assert sets["region"].visual == tuple(sorted(region)) and set(sets["region"].visual) < set(sets["image"].visual)
         with pytest.raises(InterventionError, match="not in the question"):
-            position_sets(a, base, inputs, image, QUESTION, ["word:triangle"])
+            position_sets(a, base, inputs, QUESTION, ["word:triangle"])
 
 
 def test_teacher_forced_answer_position_is_after_the_last_prompt_token(models):
@@ -147,7 +146,7 @@ def test_teacher_forced_answer_position_is_after_the_last_prompt_token(models):
     prefix = [a.token_id("yellow")]
     inputs = a.prepare([image], [QUESTION], answer_prefix=prefix)
     base = capture(m, None, "", pattern_layers=[], inputs=inputs)
-    sets = position_sets(a, base, inputs, image, QUESTION, ["last", "answer", "question"], answer_prefix=prefix)
+    sets = position_sets(a, base, inputs, QUESTION, ["last", "answer", "question"], answer_prefix=prefix)
     assert sets["answer"].positions[0] == sets["last"].positions[0] + 1
     assert a.tokenizer.decode([inputs.input_ids[0, p] for p in sets["question"].positions]).strip() == QUESTION
 

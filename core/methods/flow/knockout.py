@@ -380,7 +380,7 @@ def knockout_sweep(
     if batch_size < 1:
         raise InterventionError(f"batch size {batch_size}: at least 1")
     names = [n for e in edges for n in (e.source, e.target)]
-    sets = position_sets(adapter, base, inputs, image, question, names, region=region, answer_prefix=answer_prefix)
+    sets = position_sets(adapter, base, inputs, question, names, region=region, answer_prefix=answer_prefix)
     position = int(base.answer_positions[0])
     original = answer_values(adapter, base, answer_id, foil_id)
     layers = list(dict.fromkeys(layer_of(n) for n in base.block_names))

@@ -249,9 +249,7 @@ def patch_grid(
         names = [columns] if isinstance(columns, str) else list(columns)
         if tuple(names) == GROUPS and not region:  # the default groups: the region where one is painted
             names = [n for n in names if n != "region"]
-        sets = position_sets(
-            adapter, clean_trace, inputs, image, question, names, region=region, answer_prefix=answer_prefix
-        )
+        sets = position_sets(adapter, clean_trace, inputs, question, names, region=region, answer_prefix=answer_prefix)
         cols = [sets[n] for n in names]
     blocks = list(range(clean_trace.n_blocks))
     cells = [(b, c) for b in blocks for c, col in enumerate(cols) if col.positions]

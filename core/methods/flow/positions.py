@@ -130,7 +130,7 @@ def word_positions(adapter, ids: list[int], span: tuple[int, int], word: str) ->
 
 
 def position_sets(
-    adapter, trace, inputs, image, question: str, names, *, region=(), answer_prefix=()
+    adapter, trace, inputs, question: str, names, *, region=(), answer_prefix=()
 ) -> dict[str, PositionSet]:
     """Each named set of the captured input ``trace`` (``inputs`` one row). ``region``: the
     visual-token indices of the painted region (:func:`core.forward.geometry.painted_tokens`),
