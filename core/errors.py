@@ -76,6 +76,13 @@ class InterventionError(ReadoutError, ValueError):
     keep working."""
 
 
+class UndefinedReadoutError(ReadoutError, ValueError):
+    """A read-out that has no meaning for this architecture, refused instead of
+    printed: an attention pattern of a layer that computes none (linear attention,
+    a short convolution), a residual decomposition of a stream that is not a sum
+    of writes (Gemma 3n's AltUp). The message names the layer or stream and why."""
+
+
 class OutputError(ReadoutError):
     """An output file or folder cannot be written where asked (read-only or
     full disk, a parent that is a file, a target that is a folder, a FIFO, a

@@ -80,6 +80,8 @@ FLOAT32_STEPS: dict[str, frozenset[str]] = {
     "qwen2_vl": _HF_DECODER,
     "qwen2_5_vl": _HF_DECODER,
     "qwen3_vl": _HF_DECODER,
+    "qwen3_5": _HF_DECODER,
+    "qwen3_vl_moe": _HF_DECODER,
     "mllama": _HF_DECODER,
     "paligemma": _HF_DECODER,
     "gemma3": _HF_DECODER,

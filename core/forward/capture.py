@@ -23,9 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.errors import oom_guard
+from core.errors import UndefinedReadoutError, oom_guard
 from core.forward import attention_rows
 from core.forward.attention_rows import RecomputedRows
+
+
+# The block kinds that attend: they have heads and a pattern (the others are MIXER_KINDS).
+ATTENTION_KINDS = ("self", "cross")
 
 
 @dataclass
@@ -50,7 +54,14 @@ class Trace:
         patterns: per kept block ``(batch, heads, n_query, keys)``: attention weights
             of the kept query positions (keys: sequence positions for self-attention,
             visual tokens for cross-attention).
-        block_names, block_kinds: per block, its name and "self" or "cross".
+        block_names, block_kinds: per block, its name and kind: "self" or "cross"
+            (attention), or a mixer kind without attention pattern ("linear",
+            "conv": :data:`core.models.declaration.MIXER_KINDS`).
+        mixer_out: per mixer block (a kind without pattern) ``(batch, pos, d_model)``:
+            its token mixer's write (such a block has no heads: its ``z`` is None).
+        mlp_in: per mixture-of-experts block ``(batch, pos, d_model)``: what its MoE
+            module read (the router's and experts' input), so each expert's write is
+            recomputed for the positions a read-out asks for.
         kv_source: per block, the stream its keys and values read before their
             norm: None for self-attention (it reads ``resid_pre``), the visual
             tokens ``(batch, n_visual, d_model)`` for cross-attention.
@@ -83,6 +94,8 @@ class Trace:
     z: list[torch.Tensor] = field(default_factory=list)
     attn_out: list[torch.Tensor] = field(default_factory=list)
     mlp_out: list[torch.Tensor] = field(default_factory=list)
+    mixer_out: dict[int, torch.Tensor] = field(default_factory=dict)
+    mlp_in: dict[int, torch.Tensor] = field(default_factory=dict)
     patterns: dict[int, torch.Tensor] = field(default_factory=dict)
     query_positions: torch.Tensor | None = None
     final_resid: torch.Tensor | None = None
@@ -108,8 +121,15 @@ class Trace:
     def n_blocks(self) -> int:
         return len(self.resid_pre)
 
+    @property
+    def attention_blocks(self) -> list[int]:
+        """The blocks that attend (kind "self" or "cross"): the ones with heads and a pattern."""
+        return [b for b, kind in enumerate(self.block_kinds) if kind in ATTENTION_KINDS]
+
     def head_output(self, adapter, block: int, positions: torch.Tensor | int, batch: int = 0) -> torch.Tensor:
         """``W_O^h z^h`` for the given positions: ``(n_pos, heads, d_model)``."""
+        if self.z[block] is None:
+            raise UndefinedReadoutError(adapter.no_pattern(block))
         z = self.z[block][batch, positions]  # (n_pos, heads, d_head) or (heads, d_head)
         return torch.einsum("...hd,hdm->...hm", z, adapter.W_O(block).to(z.dtype))
 
@@ -125,7 +145,7 @@ def on_device_of(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def hooks(registrations: Sequence[tuple[torch.nn.Module, str, object]]) -> Iterator[None]:
-    """Register ``(module, kind, fn)`` hooks (kind: "pre", "pre_kw", "fwd") and
+    """Register ``(module, kind, fn)`` hooks (kind: "pre", "pre_kw", "fwd", "fwd_kw") and
     remove every one on exit, whatever happens inside."""
     handles = []
     try:
@@ -134,6 +154,8 @@ def hooks(registrations: Sequence[tuple[torch.nn.Module, str, object]]) -> Itera
                 handles.append(module.register_forward_pre_hook(fn))
             elif kind == "pre_kw":
                 handles.append(module.register_forward_pre_hook(fn, with_kwargs=True))
+            elif kind == "fwd_kw":
+                handles.append(module.register_forward_hook(fn, with_kwargs=True))
             else:
                 handles.append(module.register_forward_hook(fn))
         yield
@@ -209,7 +231,17 @@ def capture(
         inputs = adapter.prepare([image], [question])
     blocks = adapter.blocks
     n = len(blocks)
-    keep = set(range(n) if pattern_layers is None else pattern_layers)
+    attending = {b for b, (_, kind) in enumerate(blocks) if kind in ATTENTION_KINDS}
+    keep = set(attending if pattern_layers is None else pattern_layers)
+    qk_blocks = attending if keep_qk is True else set(keep_qk or ())
+    for b in sorted((keep | qk_blocks) - attending):
+        if 0 <= b < n:
+            raise UndefinedReadoutError(adapter.no_pattern(b))
+    if pattern_streams and len(attending) < n:
+        raise UndefinedReadoutError(
+            f"{adapter.no_pattern(min(set(range(n)) - attending))}; a product of every layer's pattern "
+            "(rollout) is not defined"
+        )
     qpos = torch.as_tensor(
         list(query_positions) if query_positions is not None else [int(inputs.answer_positions[0])],
         dtype=torch.long,
@@ -238,7 +270,6 @@ def capture(
         pattern_streams=list(pattern_streams),
         keep_attn_out=keep_attn_out,
     )
-    qk_blocks = set(range(n)) if keep_qk is True else set(keep_qk or ())
     try:
         with oom_guard("capturing (keep fewer layers or query positions)"):
             with record_attention(adapter, trace, qk_blocks):

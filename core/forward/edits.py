@@ -23,6 +23,11 @@ Sites (``Edit.site``):
   ``(batch, n_visual, d_model)`` at visual-token indices (CoCa: the image tokens
   after ``ln_post``; ``block=None`` changes it for every cross block, an index
   for that cross block only). ``Trace.kv_source`` records it.
+* ``"mixer"``: the write of a block whose token mixer is not attention (linear
+  attention, a short convolution) ``(batch, pos, d_model)`` at sequence positions.
+* ``"expert"``: one routed expert's write (its output times its router weight) in a
+  mixture-of-experts MLP, at sequence positions: taken out of the MLP's output
+  (zero ablation) or replaced by ``value``; the router and the other experts as they ran.
 * ``"knockout"``: attention edges removed before the softmax: the scores of
   query ``positions`` to key ``keys`` (sequence positions for self-attention,
   visual-token indices for cross-attention) of ``head`` (None: every head) in
@@ -40,9 +45,19 @@ import torch
 
 from core.errors import InterventionError
 
-SITES: tuple[str, ...] = ("z", "mlp", "resid", "vision_out", "projector_out", "kv_source", "knockout")
+SITES: tuple[str, ...] = (
+    "z",
+    "mlp",
+    "resid",
+    "vision_out",
+    "projector_out",
+    "kv_source",
+    "knockout",
+    "mixer",
+    "expert",
+)
 VISUAL_SITES: tuple[str, ...] = ("vision_out", "projector_out", "kv_source")  # indexed by visual token
-BLOCK_SITES: tuple[str, ...] = ("z", "mlp", "resid", "knockout")  # need a block index
+BLOCK_SITES: tuple[str, ...] = ("z", "mlp", "resid", "knockout", "mixer", "expert")  # need a block index
 
 
 def _int_tuple(values, what: str) -> tuple[int, ...] | None:
@@ -87,6 +102,7 @@ class Edit:
             runs several edited copies of one input, an edit set per row.
         add: ``value`` is added to the slice instead of replacing it (the activation stays in
             the autograd graph: a zero value that requires grad reads the gradient there).
+        expert: the routed expert whose write an ``expert`` edit changes.
     """
 
     block: int | None
@@ -97,6 +113,7 @@ class Edit:
     keys: tuple[int, ...] | None = None
     rows: tuple[int, ...] | None = None
     add: bool = False
+    expert: int | None = None
 
     def __post_init__(self):
         site = self.site if self.site is not None else ("z" if self.head is not None else "mlp")
@@ -114,6 +131,10 @@ class Edit:
             raise InterventionError(f"{site!r} lies before the language model's blocks: pass block=None")
         if site == "z" and self.head is None:
             raise InterventionError("a 'z' edit needs a head")
+        if (site == "expert") != (self.expert is not None):
+            raise InterventionError("an 'expert' edit names its expert, and only an expert edit does")
+        if self.expert is not None and self.expert < 0:
+            raise InterventionError(f"expert {self.expert}: expected a non-negative index")
         if site not in ("z", "knockout") and self.head is not None:
             raise InterventionError(f"a {site!r} edit has no head (it changes the whole {site} vector)")
         if site == "knockout":
@@ -144,8 +165,8 @@ class Edit:
 
     def describe(self) -> str:
         where = "all positions" if self.positions is None else f"positions {list(self.positions)}"
-        if self.site == "z" or (self.site == "mlp" and self.block is not None):
-            what = "mlp" if self.site == "mlp" else f"H{self.head}"
+        if self.site in ("z", "mixer", "expert") or (self.site == "mlp" and self.block is not None):
+            what = {"mlp": "mlp", "mixer": "mixer", "expert": f"expert E{self.expert}"}.get(self.site, f"H{self.head}")
             how = "zeroed" if self.value is None else "added to" if self.add else "replaced"
             return f"block {self.block} {what} {how} at {where}"
         how = "zeroed" if self.value is None else "added to" if self.add else "replaced"
@@ -169,6 +190,7 @@ class Edit:
             "site": self.site,
             "block": self.block,
             "head": self.head,
+            **({"expert": self.expert} if self.expert is not None else {}),
             "positions": None if self.positions is None else list(self.positions),
             "keys": None if self.keys is None else list(self.keys),
             "kind": self.kind,
@@ -203,6 +225,20 @@ class Edit:
         for row in self._rows(x.shape[0]):
             x[row, pos, cols] = x[row, pos, cols] + value if self.add else value
         return x
+
+    def apply_part(self, out: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        """A copy of the module output ``out (batch, pos, d_model)`` in which the part
+        ``part`` of it (same shape: one expert's write) is taken out at the edited rows
+        (zero ablation), replaced by ``value``, or has ``value`` added (``add``)."""
+        self._check_range(out.shape[1], "rows")
+        out = out.clone()
+        pos = slice(None) if self.positions is None else list(self.positions)
+        if self.value is not None and self.value.shape[-1] != out.shape[-1]:
+            raise InterventionError(f"{self.describe()}: value width {self.value.shape[-1]}, expected {out.shape[-1]}")
+        value = 0 if self.value is None else self.value.to(out.dtype).to(out.device)
+        for row in self._rows(out.shape[0]):
+            out[row, pos] = out[row, pos] + value if self.add else out[row, pos] - part[row, pos] + value
+        return out
 
     def _rows(self, n: int) -> list:
         """The batch rows to edit, as indices of ``x[row]`` (every row at once: one slice)."""

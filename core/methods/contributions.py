@@ -1,8 +1,9 @@
 """Source contributions (docs/METHODS.md §4.1, §4.4) for every head and source at one
 query position, without materialising ``(layers, heads, sources, d_model)``.
 
-    c^h_{p<-j} = A^h_{p,j} W_O^h (W_V^h Norm(r_j) + b_V^h)
+    c^h_{p<-j} = A^h_{p,j} W_O^h (g^h_p * (W_V^h Norm(r_j) + b_V^h))
 
+(``g`` the query's output gate where the family gates its heads, Qwen3.5; else 1)
 exactly the value path the model computes (biases included; sum_j c = the
 head's output at p). For a readout direction ``g`` in the residual space,
 ``g^T c = A_{p,j} (v_j^h . (W_O^h g))``, so each convention is one matrix
@@ -29,7 +30,8 @@ from core.shell.precision import accumulating
 class SourceContributions:
     """Each field is a list over blocks of ``(heads, sources)``: sources are
     every sequence position for self-attention blocks (keys the mask hides
-    weigh 0) and the visual tokens for cross-attention blocks (``trace.block_kinds``)."""
+    weigh 0) and the visual tokens for cross-attention blocks (``trace.block_kinds``);
+    None for a block without heads (a linear-attention or convolution layer)."""
 
     position: int
     answer_id: int
@@ -49,7 +51,7 @@ def source_contributions(
     position must have been captured at every layer)."""
     pos = int(trace.answer_positions[batch]) if position is None else int(position)
     qi = (trace.query_positions == pos).nonzero()
-    if len(qi) == 0 or len(trace.patterns) != trace.n_blocks:
+    if len(qi) == 0 or not set(trace.attention_blocks) <= set(trace.patterns):
         raise ValueError(f"capture the pattern of position {pos} at every block first")
     qi = int(qi[0])
     x_L = accumulating(trace.final_resid[batch, pos])
@@ -59,6 +61,10 @@ def source_contributions(
     directions = torch.stack([u, norm_f.frozen_readout(x_L, u), norm_f.vjp(x_L, u)])  # (3, d_model)
     out = {k: [] for k in ("norm", "projection", "dla_frozen", "dla_jacobian")}
     for layer in range(trace.n_blocks):
+        if layer not in trace.attention_blocks:  # no heads, no pattern (a hybrid decoder's other layers)
+            for values in out.values():
+                values.append(None)
+            continue
         source = trace.kv_source[layer]
         # every key, not just 0..pos: a prefix-LM (PaliGemma) lets a query read later keys; masked keys weigh 0
         r = trace.resid_pre[layer][batch] if source is None else source[batch]
@@ -69,8 +75,12 @@ def source_contributions(
         # post-norm families (BLIP): the frozen norms between this block's output and x_L, transposed
         dirs = adapter.readout_pullback(trace, layer, pos, directions, batch)
         read = torch.einsum("hdm,km->khd", W_O, dirs.to(W_O.device))  # (3, heads, d_head); a device map: the block's
-        proj = torch.einsum("phd,khd->khp", v, read) * A  # (3, heads, sources)
         gram = torch.einsum("hdm,hem->hde", W_O, W_O)
+        gate = adapter.output_gate(trace, layer, batch)
+        if gate is not None:  # the query's gate scales every source's value alike: fold it into the readers
+            g = gate[pos].to(read.device, dtype)  # (heads, d_head)
+            read, gram = read * g, g[:, :, None] * gram * g[:, None, :]
+        proj = torch.einsum("phd,khd->khp", v, read) * A  # (3, heads, sources)
         nrm = torch.einsum("phd,hde,phe->hp", v, gram, v).clamp_min(0).sqrt() * A
         out["projection"].append(proj[0].to(x_L.device))
         out["dla_frozen"].append(proj[1].to(x_L.device))

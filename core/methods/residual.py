@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.forward.capture import capture
+from core.forward.capture import ATTENTION_KINDS, capture
 from core.forward.edits import Edit
 from core.methods.stats import spearman
 from core.results.audit import AuditRecord
@@ -221,6 +221,10 @@ def component_edit(trace, name: str, positions: tuple[int, ...] | None):
         return Edit(block, None, positions)
     if part.startswith("H") and part[1:].isdigit():
         return Edit(block, int(part[1:]), positions)
+    if part.startswith("E") and part[1:].isdigit():  # a routed expert's write
+        return Edit(block, None, positions, site="expert", expert=int(part[1:]))
+    if trace.block_kinds[block] not in ATTENTION_KINDS and not part.endswith("residue"):  # the mixer's write
+        return Edit(block, None, positions, site="mixer")
     return None
 
 

@@ -8,6 +8,7 @@ and registers itself in :mod:`core.models.registry`.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -114,7 +115,11 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
             cls.frozen_convention = d.frozen_convention or (
                 SANDWICH_CONVENTION if d.decoder.form == "sandwich" else Adapter.frozen_convention
             )
-            cls.edit_sites = (*d.edit_sites, *(("vision_out", "projector_out") if d.visual_sites else ()))
+            cls.edit_sites = (
+                *d.edit_sites,
+                *(("mixer",) if d.decoder.mixers else ()),
+                *(("vision_out", "projector_out") if d.visual_sites else ()),
+            )
         cls.capabilities = frozenset(name for name in CANONICAL_NAMES if hasattr(cls, name))
 
     def __getattr__(self, name: str):
@@ -417,17 +422,55 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
         names = ["embed"]
         vecs = [trace.resid_pre[0][batch, position]]
         for block, block_name in enumerate(trace.block_names):
-            heads = trace.head_output(self, block, position, batch)  # (heads, d_model)
-            names += [f"{block_name}.H{h}" for h in range(heads.shape[0])]
-            vecs += list(heads)
-            b_O = self.b_O(block)
-            if torch.any(b_O != 0):
-                names.append(f"bias.{block_name}.attn_out")
-                vecs.append(b_O.to(heads.dtype))
-            names.append(f"{block_name}.mlp")
-            vecs.append(trace.mlp_out[block][batch, position])
+            mixer = self.mixer(block)
+            if mixer is not None:  # a token mixer without heads: its write is one component
+                names.append(f"{block_name}.{mixer.module}")
+                vecs.append(trace.mixer_out[block][batch, position])
+            else:
+                heads = trace.head_output(self, block, position, batch)  # (heads, d_model)
+                names += [f"{block_name}.H{h}" for h in range(heads.shape[0])]
+                vecs += list(heads)
+                b_O = self.b_O(block)
+                if torch.any(b_O != 0):
+                    names.append(f"bias.{block_name}.attn_out")
+                    vecs.append(b_O.to(heads.dtype))
+            parts = self.mlp_components(trace, block, position, batch)
+            names += [name for name, _ in parts]
+            vecs += [v for _, v in parts]
         device = trace.final_resid.device  # blocks spread over devices meet where x_L is
-        return names, torch.stack([v.to(device) for v in vecs])
+        dtype = functools.reduce(torch.promote_types, (v.dtype for v in vecs))  # a residue is kept wider
+        return names, torch.stack([v.to(device, dtype) for v in vecs])
+
+    def mlp_components(self, trace, block: int, position: int, batch: int = 0) -> list[tuple[str, torch.Tensor]]:
+        """``[(name, (d_model,))]``: block ``block``'s MLP write at ``position`` as
+        components: ``L{l}.mlp`` whole; a mixture-of-experts family splits it into
+        its experts (:meth:`core.models.family_adapter.FamilyAdapter.mlp_components`)."""
+        return [(f"{trace.block_names[block]}.mlp", trace.mlp_out[block][batch, position])]
+
+    # ---- blocks without attention (hybrid decoders, docs/METHODS.md §4.13)
+    def mixer(self, block: int):
+        """The :class:`core.models.declaration.Mixer` of a block whose token mixer is
+        not attention (no heads, no pattern); None for an attention block."""
+        return None
+
+    def output_gate(self, trace, block: int, batch: int = 0) -> torch.Tensor | None:
+        """``(pos, heads, d_head)``: what each query position multiplies its heads'
+        attention output by before the output projection (Qwen3.5's sigmoid gate), so
+        head ``h``'s output at ``p`` is ``(gate[p, h] * sum_j A_pj v_j) W_O^h``; None: ungated."""
+        return None
+
+    def moe_experts(self, block: int) -> int:
+        """How many routed experts block ``block``'s MLP has (0: a dense MLP)."""
+        return 0
+
+    def no_pattern(self, block: int) -> str:
+        """The one line that refuses a per-head or pattern read-out of block ``block``."""
+        from core.models.declaration import MIXER_KINDS
+
+        name, kind = self.blocks[block]
+        mixer = self.mixer(block)
+        what = mixer.what if mixer is not None else kind
+        return f"{name} has no attention pattern and no heads: {what} ({MIXER_KINDS.get(kind, kind)})"
 
     def stream_writes(self, trace) -> list[tuple[str, torch.Tensor]]:
         """``[(name, (batch, pos, d_model))]``: what the model adds to the residual

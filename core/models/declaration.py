@@ -45,6 +45,30 @@ MASK_RULES = {
 }
 
 
+# Block kinds beside "self" and "cross": layers whose token mixer has no attention
+# pattern (docs/METHODS.md §4.13). Their mixer's write is one residual component.
+MIXER_KINDS = {
+    "linear": "linear attention: a recurrent state, no softmax pattern over keys",
+    "conv": "a short causal convolution: fixed taps over the last few positions, no pattern",
+}
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """The token mixer of the decoder layers of one type (``text_config.layer_types``)
+    that have no attention: its attribute at the layer and what it is. Its output
+    is the layer's first write (the block form's "attn" slot)."""
+
+    layer_type: str  # the layer_types value, e.g. "linear_attention", "conv"
+    module: str  # the attribute at the layer, e.g. "linear_attn", "conv"
+    kind: str  # MIXER_KINDS
+    what: str  # named in every refusal, e.g. "Gated DeltaNet linear attention"
+
+    def __post_init__(self):
+        if self.kind not in MIXER_KINDS:
+            raise ValueError(f"mixer kind {self.kind!r}: expected one of {', '.join(MIXER_KINDS)}")
+
+
 @dataclass(frozen=True)
 class Decoder:
     """Where a decoder's parts live, as attribute paths, and its block form.
@@ -76,6 +100,8 @@ class Decoder:
     logit_scale: str | None = None
     # The embedding module multiplies by its embed_scale (Gemma: sqrt(d_model)).
     scaled_embeddings: bool = False
+    # Layers whose token mixer is not attention, by layer type (hybrid decoders: Qwen3.5, LFM2).
+    mixers: tuple[Mixer, ...] = ()
 
     def __post_init__(self):
         if self.form not in BLOCK_FORMS:

@@ -74,6 +74,14 @@ class EditSites:
                     return args, {**kwargs, "hidden_states": e.apply(kwargs["hidden_states"])}
 
                 regs.append((self.layer_module(e.block), "pre_kw", resid))
+            elif e.site == "mixer":
+
+                def mixer(module, args, out, e=e):
+                    return (e.apply(out[0]), *out[1:]) if isinstance(out, tuple) else e.apply(out)
+
+                regs.append((self.mixer_module(e.block), "fwd", mixer))
+            elif e.site == "expert":
+                regs.append((self.mlp_module(e.block), "fwd_kw", self._expert_hook(e)))
             elif e.site == "knockout":
                 regs.append((self.attention_module(e.block), "pre_kw", self._knockout_hook(e)))
             else:  # visual feature sites
@@ -91,6 +99,22 @@ class EditSites:
 
                     regs.append((module, "fwd", fwd))
         return regs
+
+    def _expert_hook(self, e):
+        """A forward hook on a mixture-of-experts MLP that takes expert ``e.expert``'s
+        write (recomputed from the module's own input) out of its output, or replaces it."""
+        if not 0 <= e.expert < self.moe_experts(e.block):
+            raise InterventionError(f"{e.describe()}: block {e.block} has {self.moe_experts(e.block)} routed experts")
+
+        def expert(module, args, kwargs, out, e=e):
+            x = args[0] if args else kwargs["hidden_states"]
+            rows = x.reshape(-1, x.shape[-1])
+            ((_, part),) = self.expert_writes(e.block, rows, expert=e.expert)
+            written = out[0] if isinstance(out, tuple) else out
+            edited = e.apply_part(written, part.view(written.shape).to(written.dtype))
+            return (edited, *out[1:]) if isinstance(out, tuple) else edited
+
+        return expert
 
     def _knockout_hook(self, e):
         """A pre-hook (with kwargs) on an attention module that knocks edges out

@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from core.errors import InterventionError, QuestionError
+from core.errors import InterventionError, QuestionError, UndefinedReadoutError
 from core.forward.attention_rows import WeightsRows
 from core.forward.capture import on_device_of, record_pattern
 from core.models.adapter import Adapter, ModelInputs, config_int, config_value
@@ -156,7 +156,62 @@ class FamilyAdapter(TextConfigSizes, Adapter):
         return self.language_model.layers[block]
 
     def _attn(self, block: int):
+        if self.mixer(block) is not None:
+            raise UndefinedReadoutError(self.no_pattern(block))
         return getattr(self._layer(block), self.declaration.decoder.attention)
+
+    # ---- hybrid decoders: layers whose token mixer is not attention (Decoder.mixers)
+    @cached_property
+    def _mixers(self) -> list:
+        """Per layer its :class:`core.models.declaration.Mixer`, None for attention."""
+        declared = {m.layer_type: m for m in self.declaration.decoder.mixers}
+        if not declared:
+            return [None] * self.n_layers
+        types = getattr(self.text_config, "layer_types", None) or []
+        return [declared.get(types[i]) if i < len(types) else None for i in range(self.n_layers)]
+
+    def mixer(self, block: int):
+        return self._mixers[block]
+
+    def mixer_module(self, block: int):
+        """Block ``block``'s token mixer without attention (its output is the layer's first write)."""
+        mixer = self.mixer(block)
+        if mixer is None:
+            raise ValueError(f"{self.blocks[block][0]} attends: it has no mixer")
+        return getattr(self._layer(block), mixer.module)
+
+    @property
+    def blocks(self) -> list[tuple[str, str]]:
+        """One block per layer: "self" for attention, the mixer's kind for a layer without."""
+        return [(f"L{layer}", "self" if mixer is None else mixer.kind) for layer, mixer in enumerate(self._mixers)]
+
+    @cached_property
+    def first_attention_block(self) -> int:
+        """The first layer that attends (where the shared attention sizes are read)."""
+        return next(b for b, mixer in enumerate(self._mixers) if mixer is None)
+
+    # ---- mixture-of-experts MLPs (a family that has them overrides moe_experts / expert_writes)
+    def expert_writes(self, block: int, x: torch.Tensor, expert: int | None = None) -> list[tuple[str, torch.Tensor]]:
+        """``[(name, (n, d_model))]``: for MLP inputs ``x (n, d_model)`` (what the MoE
+        module reads), each part of its write: ``L{l}.E{e}`` the routed expert ``e``'s
+        output times its router weight (zero rows where the token is not routed to it),
+        ``L{l}.shared_expert`` where the family has one. ``expert``: that routed
+        expert's part only. They sum to the module's output up to rounding."""
+        raise NotImplementedError(f"{self.family}: block {block} has no experts")
+
+    def mlp_components(self, trace, block: int, position: int, batch: int = 0) -> list[tuple[str, torch.Tensor]]:
+        """A dense MLP: ``L{l}.mlp``. A mixture of experts: the routed experts'
+        writes at ``position`` (the ones its router chose) and the shared expert,
+        then ``L{l}.experts_residue``: the MLP's write minus those (the order of the
+        model's own sum: zero but for rounding), so the stack still sums to x_L."""
+        if not self.moe_experts(block):
+            return super().mlp_components(trace, block, position, batch)
+        name = trace.block_names[block]
+        x = trace.mlp_in[block][batch, position][None]
+        parts = [(n, v[0]) for n, v in self.expert_writes(block, x)]
+        chosen = [(n, v) for n, v in parts if torch.any(v != 0) or not n.startswith(f"{name}.E")]
+        residue = accumulating(trace.mlp_out[block][batch, position]) - sum(accumulating(v) for _, v in parts)
+        return [*chosen, (f"{name}.experts_residue", residue)]
 
     def _part(self, block: int, name: str):
         return getattr(self._attn(block), name)
@@ -179,7 +234,7 @@ class FamilyAdapter(TextConfigSizes, Adapter):
     # ---- sizes and attention constants
     @property
     def d_head(self) -> int:
-        return int(self._attn(0).head_dim)
+        return int(self._attn(self.first_attention_block).head_dim)
 
     @property
     def n_kv_heads(self) -> int:
@@ -189,9 +244,11 @@ class FamilyAdapter(TextConfigSizes, Adapter):
         return float(self._attn(block).scaling)
 
     def sliding_window(self, block: int) -> int | None:
-        """The attention module's own ``sliding_window`` where transformers sets it per
+        """None for a layer without attention. The attention module's own ``sliding_window`` where transformers sets it per
         layer (None on full layers: Qwen2, Cohere 2, Gemma 3), else the text config's
         (Mistral), unless its ``layer_types`` call the layer full attention."""
+        if self.mixer(block) is not None:
+            return None
         attn = self._attn(block)
         if hasattr(attn, "sliding_window"):
             window = attn.sliding_window
@@ -450,11 +507,30 @@ class FamilyAdapter(TextConfigSizes, Adapter):
         (the model's own 4-D mask, a reference) and at block 0 the position ids."""
         d = self.declaration.decoder
         block = self._layer(layer)
-        attn = self._attn(layer)
-        o = self.z_module(layer)
 
         def resid_pre(module, args, kwargs):
             trace.resid_pre[layer] = on_device_of(block, args[0] if args else kwargs["hidden_states"])
+
+        def mlp_out(module, args, out):
+            trace.mlp_out[layer] = out[0] if isinstance(out, tuple) else out
+
+        regs = [(block, "pre_kw", resid_pre), (self.mlp_module(layer), "fwd", mlp_out)]
+        if self.moe_experts(layer):
+
+            def mlp_in(module, args, kwargs):
+                trace.mlp_in[layer] = args[0] if args else kwargs["hidden_states"]
+
+            regs.append((self.mlp_module(layer), "pre_kw", mlp_in))
+        if self.declaration.mask.recorded:
+            regs.append((block, "pre_kw", self._record_mask(trace, layer)))
+        if self.mixer(layer) is not None:
+
+            def mixer_out(module, args, out):
+                trace.mixer_out[layer] = out[0] if isinstance(out, tuple) else out
+
+            return [*regs, (self.mixer_module(layer), "fwd", mixer_out)]
+        attn = self._attn(layer)
+        o = self.z_module(layer)
 
         def z_in(module, args):
             x = args[0]
@@ -463,10 +539,7 @@ class FamilyAdapter(TextConfigSizes, Adapter):
         def attn_out(module, args, out):
             trace.attn_out[layer] = out
 
-        def mlp_out(module, args, out):
-            trace.mlp_out[layer] = out
-
-        regs = [(block, "pre_kw", resid_pre), (o, "pre", z_in), (self.mlp_module(layer), "fwd", mlp_out)]
+        regs.append((o, "pre", z_in))
         if trace.keep_attn_out:
             regs.append((o, "fwd", attn_out))
         if keep_pattern:
@@ -478,8 +551,6 @@ class FamilyAdapter(TextConfigSizes, Adapter):
                 trace.norm_inputs[key] = args[0]
 
             regs.append((getattr(block, d.sandwich[0]), "pre", attn_in))
-        if self.declaration.mask.recorded:
-            regs.append((block, "pre_kw", self._record_mask(trace, layer)))
         return regs
 
     @staticmethod

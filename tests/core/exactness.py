@@ -129,8 +129,8 @@ def assert_heads_sum_to_attention_output(adapter, trace):
     the model's dtype, summed in other orders; a gate or LayerScale folded into
     W_O (Mllama, CoCa) is one more rounding. The heads are added here in the
     accumulation dtype (float32 for a half model: no rounding of this side's own)."""
-    acc = opmath_dtype(trace.attn_out[0].dtype)
-    for block in range(trace.n_blocks):
+    acc = opmath_dtype(trace.final_resid.dtype)
+    for block in trace.attention_blocks:  # a block without attention has no heads (its mixer_out is one write)
         pos = torch.arange(trace.input_ids.shape[1])
         heads = trace.head_output(adapter, block, pos)
         terms = head_write_terms(adapter, trace, block, pos).max()
@@ -150,7 +150,11 @@ def reconstruction_tol(adapter, trace, positions=None, batch: int = 0) -> float:
     terms = trace.resid_pre[0][batch, pos].abs()
     n = 1
     for block in range(trace.n_blocks):
-        terms = terms + head_write_terms(adapter, trace, block, pos, batch) + trace.mlp_out[block][batch, pos].abs()
+        terms = terms + trace.mlp_out[block][batch, pos].abs()
+        if block in trace.mixer_out:  # a token mixer without heads: one write
+            terms, n = terms + trace.mixer_out[block][batch, pos].abs(), n + 4
+            continue
+        terms = terms + head_write_terms(adapter, trace, block, pos, batch)
         n += trace.z[block].shape[-2] * trace.z[block].shape[-1] + 4
     for write in stream_writes(adapter, trace):
         terms, n = terms + write[batch, pos].abs(), n + 1
@@ -224,7 +228,9 @@ def assert_reconstruction_and_lens_at_last_layer(adapter, trace):
     the lens on x_L is the model's logits (the same final norm, then the
     unembedding summed in another order)."""
     acc = opmath_dtype(trace.final_resid.dtype)  # the sum here adds no rounding of its own in a half model
-    recon = trace.resid_pre[0].to(acc) + sum(o.to(acc) for o in trace.attn_out) + sum(o.to(acc) for o in trace.mlp_out)
+    # a block without attention writes its mixer's output where an attention block writes attn_out
+    writes = [trace.mixer_out[b] if b in trace.mixer_out else trace.attn_out[b] for b in range(trace.n_blocks)]
+    recon = trace.resid_pre[0].to(acc) + sum(o.to(acc) for o in writes) + sum(o.to(acc) for o in trace.mlp_out)
     recon = recon + sum(w.to(acc) for w in stream_writes(adapter, trace))
     assert (recon - trace.final_resid.to(acc)).abs().max() <= reconstruction_tol(adapter, trace)
     norm_f = adapter.final_norm_layer()
@@ -547,7 +553,8 @@ def assert_source_contributions_sum_to_each_heads_terms(
     component ``r.components`` under each convention in ``fields``."""
     by_name = {c.name: c for c in r.components}
     reads = readout_terms(adapter, trace, r.answer_id, r.foil_id, sc.position)
-    for block, name in enumerate(trace.block_names):
+    for block in trace.attention_blocks:
+        name = trace.block_names[block]
         for h in range(adapter.n_heads):
             comp = by_name[f"{name}.H{h}"]
             for field in fields:
@@ -655,10 +662,11 @@ def assert_recomputed_rows_are_eager(loaded, inputs) -> None:
     adapter = loaded.adapter
     n = inputs.input_ids.shape[1]
     rows = torch.arange(n)
-    sdpa = capture(loaded, None, "", inputs=inputs, query_positions=rows, keep_qk=[0])
-    eager = capture(loaded, None, "", inputs=inputs, query_positions=rows, keep_qk=[0], attention="eager")
+    first = next(b for b, (_, kind) in enumerate(adapter.blocks) if kind in ("self", "cross"))
+    sdpa = capture(loaded, None, "", inputs=inputs, query_positions=rows, keep_qk=[first])
+    eager = capture(loaded, None, "", inputs=inputs, query_positions=rows, keep_qk=[first], attention="eager")
     assert sdpa.attention == "sdpa" and eager.attention == "eager"
-    blocks = list(range(sdpa.n_blocks))
+    blocks = sdpa.attention_blocks
     if not adapter.attention_functions:
         for b in blocks:
             torch.testing.assert_close(sdpa.patterns[b], eager.patterns[b], atol=0, rtol=0)
@@ -680,9 +688,9 @@ def assert_recomputed_rows_are_eager(loaded, inputs) -> None:
         with recording(modules, on_call) as seen:
             adapter.forward_logits(inputs)
     assert seen == set(blocks)
-    call = recomputed[0][2]  # what the capture records as q / k: (batch, pos, heads, d_head)
-    torch.testing.assert_close(call.query.transpose(1, 2), eager.q[0], atol=0, rtol=0)
-    torch.testing.assert_close(call.key.transpose(1, 2), eager.k[0], atol=0, rtol=0)
+    call = recomputed[first][2]  # what the capture records as q / k: (batch, pos, heads, d_head)
+    torch.testing.assert_close(call.query.transpose(1, 2), eager.q[first], atol=0, rtol=0)
+    torch.testing.assert_close(call.key.transpose(1, 2), eager.k[first], atol=0, rtol=0)
     for b in blocks:
         got, scores, _ = recomputed[b]
         scores = scores.double().masked_fill(scores <= torch.finfo(scores.dtype).min / 2, float("-inf"))

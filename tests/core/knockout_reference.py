@@ -66,7 +66,9 @@ def cut_scores(adapter, cuts: dict[int, tuple[list[int], list[int]]], heads=None
         # the replay is compared with open_clip's forward, which knows no cut: not here
         adapter._check_replay = lambda inputs, trace: None
     else:
-        for b in range(len(adapter.blocks)):
+        for b, (_, kind) in enumerate(adapter.blocks):
+            if kind not in ("self", "cross"):  # a layer without attention has no softmax to cut
+                continue
             module = adapter.attention_module(b)
             regs += [(module, "pre", set_block(b)), (module, "fwd", clear)]
     torch.nn.functional.softmax = wrapped("F")

@@ -58,7 +58,9 @@ FAMILY_FILES = (
     "molmo2",
     "paligemma",
     "qwen2_vl",
+    "qwen3_5",
     "qwen3_vl",
+    "qwen3_vl_moe",
 )
 
 
@@ -397,11 +399,13 @@ def test_source_contributions_sum_to_each_heads_output(yes_no_case):
 def _assert_values_recomputed(a, tr) -> None:
     """z = (recorded pattern) @ (norm(source) W_V + b_V) at every query position and
     block: the stream for self blocks, the cross-attended keys for cross blocks."""
-    for block in range(tr.n_blocks):
+    for block in tr.attention_blocks:
         source = tr.kv_source[block]
         src = a.kv_norm(block)(tr.resid_pre[block][0] if source is None else source[0])
         v = torch.einsum("pm,hmd->phd", src, a.W_V(block)) + a.b_V(block)
         z = torch.einsum("hqk,khd->qhd", tr.patterns[block][0], v)
+        gate = a.output_gate(tr, block)  # a gated head (Qwen3.5): the query's gate scales its output
+        z = z if gate is None else z * gate[tr.query_positions]
         tol = values_tol(tr.patterns[block][0], src, a.W_V(block), a.b_V(block))
         torch.testing.assert_close(z, tr.z[block][0, tr.query_positions], atol=tol, rtol=0)
 
@@ -417,7 +421,7 @@ def test_patterns_and_values_recomputed_from_canonical_weights(patterns_case):
     c = patterns_case
     a, tr = c.m.adapter, c.trace
     recompute = c.hook("recompute_patterns")
-    for block in range(tr.n_blocks):
+    for block in tr.attention_blocks:
         pattern, rtol = recompute(a, tr, block)
         torch.testing.assert_close(pattern[:, tr.query_positions], tr.patterns[block][0], atol=0, rtol=rtol)
     _assert_values_recomputed(a, tr)

@@ -141,7 +141,7 @@ def traced():
 # ---- this family's parts of the conformance checks (tests/core/test_family_conformance.py)
 
 ADAPTERS = {"Qwen3VLForConditionalGeneration": Qwen3VLAdapter}
-UNKNOWN_ARCHITECTURE = "Qwen3VLMoeForConditionalGeneration"  # mixture-of-experts MLPs: not mapped
+UNKNOWN_ARCHITECTURE = "Qwen3OmniMoeForConditionalGeneration"  # audio, video and text: not mapped
 DESCRIPTION = {
     "position_scheme": "mrope",
     "final_norm": "rmsnorm",

@@ -295,6 +295,8 @@ def token_routing(
     sc = source_contributions(adapter, trace, answer_id, foil_id, position=pos)
     dla = np.zeros((trace.n_blocks, len(tokens)))
     for block, d in enumerate(sc.dla_frozen):
+        if d is None:  # a block without heads: no source of its write is read off a pattern
+            continue
         d = d.double().cpu().sum(0)  # (sources,) summed over heads
         if trace.block_kinds[block] == "cross":
             dla[block] = d[: len(tokens)].numpy()

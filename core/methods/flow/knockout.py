@@ -383,8 +383,11 @@ def knockout_sweep(
     sets = position_sets(adapter, base, inputs, question, names, region=region, answer_prefix=answer_prefix)
     position = int(base.answer_positions[0])
     original = answer_values(adapter, base, answer_id, foil_id)
-    layers = list(dict.fromkeys(layer_of(n) for n in base.block_names))
-    blocks_of = {layer: [b for b, n in enumerate(base.block_names) if layer_of(n) == layer] for layer in layers}
+    # only blocks that attend have edges to cut: a hybrid decoder's other layers are left as they run
+    attending = base.attention_blocks
+    uncut = [b for b in range(base.n_blocks) if b not in attending]
+    layers = list(dict.fromkeys(layer_of(base.block_names[b]) for b in attending))
+    blocks_of = {layer: [b for b in attending if layer_of(base.block_names[b]) == layer] for layer in layers}
     plan = windows(layers, width)
 
     cuts_of = {}  # (edge index, window index) -> [(block, keys)]
@@ -413,7 +416,7 @@ def knockout_sweep(
             progress(start + len(chunk), len(runs), f"{edges[i].name}, window at {plan[w][0]}")
 
     reach = None
-    if rollout_alpha is not None and base.input_ids.shape[1] <= FULL_PATTERN_LIMIT:
+    if rollout_alpha is not None and base.input_ids.shape[1] <= FULL_PATTERN_LIMIT and not uncut:
         pairs = {e.name: (sets[e.source], sets[e.target]) for e in edges}
         reach = RolloutReach(base.block_names, pairs, rollout_alpha)
         capture(loaded, None, "", inputs=inputs, pattern_layers=[], pattern_streams=[reach])
@@ -453,6 +456,15 @@ def knockout_sweep(
                 "intervention, not a decomposition of the output"
             ]
             if reach is not None
+            else []
+        )
+        + (
+            [
+                f"not cut: {', '.join(base.block_names[b] for b in uncut)} ({adapter.no_pattern(uncut[0])}): "
+                "information still moves between positions there, so a cut of every attention layer is not a "
+                "cut of the edge; no rollout beside the profiles (it needs every layer's pattern)"
+            ]
+            if uncut
             else []
         ),
     )

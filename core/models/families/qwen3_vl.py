@@ -72,13 +72,13 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
 
     def component_stack(self, trace, position: int, batch: int = 0) -> tuple[list[str], torch.Tensor]:
         """The pre-norm stack, with each DeepStack write ``deepstack.L{k}`` after
-        ``L{k}.mlp`` at a visual position (where the model adds it)."""
+        block ``k``'s MLP (its experts, in the MoE variant) at a visual position (where the model adds it)."""
         names, C = super().component_stack(trace, position, batch)
         for layer, (mask, embeds) in enumerate(getattr(trace, "deepstack", [])):
             mask = mask.cpu()
             if bool(mask[batch, position]):
                 row = int(mask[:batch].sum() + mask[batch, :position].sum())  # the model's mask order
-                at = names.index(f"L{layer}.mlp") + 1
+                at = max(i for i, n in enumerate(names) if n.startswith(f"L{layer}.")) + 1  # after its MLP's parts
                 names.insert(at, f"deepstack.L{layer}")
                 write = embeds[row].to(trace.final_resid.dtype).to(C)
                 C = torch.cat([C[:at], write[None], C[at:]])
