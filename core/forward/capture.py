@@ -27,7 +27,6 @@ from core.errors import UndefinedReadoutError, oom_guard
 from core.forward import attention_rows
 from core.forward.attention_rows import RecomputedRows
 
-
 # The block kinds that attend: they have heads and a pattern (the others are MIXER_KINDS).
 ATTENTION_KINDS = ("self", "cross")
 

@@ -19,7 +19,6 @@ from core.models.families.qwen3_5 import Qwen3_5Adapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
     capture_every_position,
-    forwards_tol,
     noise_image,
     pattern_rtol,
     projected_visual_tokens,

@@ -145,7 +145,7 @@ def test_expert_ablation_equals_a_hand_written_hook(traced):
         experts = a._layer(1).mlp.experts
         real = type(experts).forward
 
-        def zeroed(module, hidden, top_k_index, top_k_weights, expert=expert):
+        def zeroed(module, hidden, top_k_index, top_k_weights, expert=expert, real=real):
             weights = top_k_weights.clone()
             at = torch.zeros(hidden.shape[0], dtype=torch.bool)
             at[positions] = True  # one batch row: token index = position
