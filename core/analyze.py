@@ -274,6 +274,13 @@ class AnalyzeResult:
     def audit_records(self) -> list[AuditRecord]:
         return list(self.audit)
 
+    def undefined(self, method: str) -> str | None:
+        """What the audit row of ``method`` ("pattern analysis", "rollout / flow") says this
+        architecture does not define (a hybrid decoder's layers without pattern), or None:
+        what a panel marks beside its view, live and restored alike."""
+        notes = [n for a in self.audit if a.method == method for n in a.notes]
+        return next((n for n in notes if n.startswith(("not defined", "no attention pattern"))), None)
+
     @property
     def answer_text(self) -> AnswerText | None:
         """The answer token read out (None: the first token after the bare prompt)."""

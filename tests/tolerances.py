@@ -82,6 +82,7 @@ FLOAT32_STEPS: dict[str, frozenset[str]] = {
     "qwen3_vl": _HF_DECODER,
     "qwen3_5": _HF_DECODER,
     "qwen3_vl_moe": _HF_DECODER,
+    "qwen3_5_moe": _HF_DECODER,
     "lfm2_vl": _HF_DECODER,
     "llama4": _HF_DECODER,
     "gemma3n": _HF_DECODER,

@@ -466,7 +466,9 @@ class ImageCanvas(QWidget):
             return
         tokens = analysis.input.visual_tokens
         self.set_tokens(tokens, view_names=analysis.input.view_names, token_read=read_token(analysis))
-        self.set_token_note(describe_token_layout(tokens, analysis.model.family))
+        undefined = analysis.undefined("rollout / flow")  # no rollout map, and why
+        note = describe_token_layout(tokens, analysis.model.family)
+        self.set_token_note("\n".join(filter(None, [note, undefined and f"rollout {undefined}"])))
 
     def show_head_map(self, layer: int, head: int) -> bool:
         """The drawn run's head ``head`` of block ``layer``: its answer-row attention over the

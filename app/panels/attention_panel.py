@@ -553,9 +553,11 @@ class AttentionPanel(QWidget):
             grid.plot_item.setLabel("left", "block")
             grid.plot_item.setLabel("bottom", "head")
         if result is not None:
+            undefined = result.undefined("pattern analysis")  # a hybrid decoder's layers without pattern
             self.title.setText(
                 f"{result.model.spec or '?'}: attention of the answer position {result.target.position} "
                 f"(answer {result.target.answer!r}); {len(self.layers)} blocks x {len(self.heads)} heads"
+                + (f"; {undefined}" if undefined else "")
             )
         else:
             self.title.setText(NO_ANALYSIS)

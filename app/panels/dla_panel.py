@@ -96,10 +96,14 @@ KIND_COLORS = {
     "attention head": "#3a78c3",
     "cross-attention head": "#e08214",
     "MLP": "#3a9e4a",
+    "expert": "#7fbf3f",
+    "token mixer (no heads)": "#17a2b8",
     "bias": "#9a5cc6",
     "other": "#c0504d",
 }
 HEAD_NAME = re.compile(r"^(?P<block>.+)\.H(?P<head>\d+)$")
+EXPERT_NAME = re.compile(r"^L\d+\.(E\d+|shared_expert)$")
+MIXER_NAME = re.compile(r"^L\d+\.(linear_attn|conv)$")  # the mixers the hybrid families declare
 
 
 def legend_html() -> str:
@@ -110,7 +114,8 @@ def legend_html() -> str:
 
 def component_kind(name: str) -> str:
     """``embed`` -> embedding, ``L3.H1`` -> attention head, ``L0.xattn.H2`` ->
-    cross-attention head, ``L1.mlp`` -> MLP, ``bias...`` -> bias."""
+    cross-attention head, ``L1.mlp`` -> MLP, ``L1.E3`` / ``L1.shared_expert`` -> expert,
+    ``L0.linear_attn`` / ``L0.conv`` -> token mixer (no heads), ``bias...`` -> bias."""
     if name == "embed" or name.startswith("embed"):
         return "embedding"
     if name.startswith("bias"):
@@ -120,6 +125,10 @@ def component_kind(name: str) -> str:
         return "cross-attention head" if is_cross_block(m.group("block")) else "attention head"
     if name.endswith(".mlp"):
         return "MLP"
+    if EXPERT_NAME.match(name):
+        return "expert"
+    if MIXER_NAME.match(name):
+        return "token mixer (no heads)"
     return "other"
 
 

@@ -227,7 +227,9 @@ class FlowPanel(QWidget):
                 lines.append(f"{profile.edge}: r = {'n/a' if corr is None else f'{corr:+.2f}'}")
         self.knockout_title.setText(
             f"knockout, window of {result.width} layer(s) centred on each layer; dashed: the unedited run "
-            f"({score} {original:+.3f}, '{result.original.answer}')" + (" [cancelled]" if result.cancelled else "")
+            f"({score} {original:+.3f}, '{result.original.answer}')"
+            + (" [cancelled]" if result.cancelled else "")
+            + "".join(f"; {n}" for a in result.audit_records() for n in a.notes if n.startswith("not cut"))
         )
         self.rollout_label.setText(
             "rollout's reach from the source to the target through each layer, and its correlation with the "

@@ -83,7 +83,7 @@ def run(args, load=load_from_args) -> int:
     # function-local: the method and the images import torch / numpy, not needed for --help
 
     from core.files.images import check_image_file, load_image
-    from core.methods.component_ablation import parse_component
+    from core.methods.component_ablation import mixer_modules, parse_component
     from core.methods.counterfactual import mask_from_png
     from core.requests.ablation import AblationRequest
 
@@ -110,7 +110,12 @@ def run(args, load=load_from_args) -> int:
         source_image_path=args.source_image,
     )
     loaded, request = loaded_for(  # a component the model lacks fails before anything runs
-        args, load, request, check=lambda loaded: parse_component(args.component, [n for n, _ in loaded.adapter.blocks])
+        args,
+        load,
+        request,
+        check=lambda loaded: parse_component(
+            args.component, [n for n, _ in loaded.adapter.blocks], mixer_modules(loaded.adapter)
+        ),
     )
     with progress_bar("ablation", quiet=args.quiet, messages=True) as progress:
         result = request.run(loaded, progress)

@@ -133,6 +133,23 @@ class Trace:
         return torch.einsum("...hd,hdm->...hm", z, adapter.W_O(block).to(z.dtype))
 
 
+def no_pattern_note(adapter, trace: Trace) -> str | None:
+    """What a read-out over attention patterns says of a hybrid decoder's other
+    blocks (``"no attention pattern at L0, L2 (Gated DeltaNet linear attention)"``);
+    None when every block attends."""
+    by_what: dict[str, list[str]] = {}
+    for b in range(trace.n_blocks):
+        if b not in trace.attention_blocks:
+            mixer = adapter.mixer(b)
+            by_what.setdefault(mixer.what if mixer is not None else trace.block_kinds[b], []).append(
+                trace.block_names[b]
+            )
+    if not by_what:
+        return None
+    said = "; ".join(f"{', '.join(names)} ({what})" for what, names in by_what.items())
+    return f"no attention pattern and no heads at {said}: not read, and not zero"
+
+
 def on_device_of(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x`` on the device of ``module``'s weights: what a capture hook records of a
     module's input, so a model spread over devices (accelerate's device map, whose

@@ -335,7 +335,9 @@ def _component(trace: Trace, site: str, block: int, head: int | None, batch: int
         return trace.mlp_out[block][batch]
     if site == "resid":
         return trace.resid_pre[block][batch]
-    raise InterventionError(f"activation patching copies 'z', 'mlp' or 'resid', not {site!r}")
+    if site == "mixer":
+        return trace.mixer_out[block][batch]
+    raise InterventionError(f"activation patching copies 'z', 'mlp', 'resid' or 'mixer', not {site!r}")
 
 
 def _positions_tuple(positions) -> tuple[int, ...]:

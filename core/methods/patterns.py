@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from core.files.images import load_image
-from core.forward.capture import capture
+from core.forward.capture import capture, no_pattern_note
 from core.forward.geometry import region_tokens
 from core.results.audit import AuditRecord
 from core.results.readout import from_dict_fields
@@ -187,7 +187,8 @@ def summarize_heads(adapter, trace, tokens, query_index: int = 0, batch: int = 0
         notes=[
             "attention aligned with a region shows routing co-occurrence only; a high weight on a source "
             "whose value is small may not matter"
-        ],
+        ]
+        + [note for note in [no_pattern_note(adapter, trace)] if note],
     )
     return PatternSummary(qpos, heads, audit)
 

@@ -383,7 +383,15 @@ def _weight_level(adapter, block: int, head: int, copy_tokens: list[int] | None)
             "qk/ov circuit",
             controls=["biases and the position scheme left out of QK", "factored SVD (no d_model x d_model matrix)"],
             parameters={"block": block, "head": head, "level": "weight"},
-            notes=["weight-level potential: what the head can select and write, not what it did on an input"],
+            notes=["weight-level potential: what the head can select and write, not what it did on an input"]
+            + (
+                [
+                    f"the head's output is multiplied before W_O by an input-dependent gate ({adapter.head_output_gate}): "
+                    "the OV map and copying score here are the ungated map, not what the head writes"
+                ]
+                if adapter.head_output_gate
+                else []
+            ),
         )
     ]
     copying, skipped = None, None
@@ -404,7 +412,11 @@ def _weight_level(adapter, block: int, head: int, copy_tokens: list[int] | None)
             "singular_values": qk.singular_values.tolist(),
             "left_out": "biases and the position scheme (" + str(adapter.position_scheme) + ")",
         },
-        "ov": {"form": "W_V[h] W_O[h]", "singular_values": ov.singular_values.tolist()},
+        "ov": {
+            "form": "W_V[h] W_O[h]"
+            + (" (ungated: the model gates each query's output first)" if adapter.head_output_gate else ""),
+            "singular_values": ov.singular_values.tolist(),
+        },
         "copying": copying,
         "copying_skipped": skipped,
     }

@@ -447,11 +447,15 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
         its experts (:meth:`core.models.family_adapter.FamilyAdapter.mlp_components`)."""
         return [(f"{trace.block_names[block]}.mlp", trace.mlp_out[block][batch, position])]
 
-    # ---- blocks without attention (hybrid decoders, docs/METHODS.md §4.13)
+    # ---- blocks without attention (hybrid decoders, docs/METHODS.md §4.15.1)
     def mixer(self, block: int):
         """The :class:`core.models.declaration.Mixer` of a block whose token mixer is
         not attention (no heads, no pattern); None for an attention block."""
         return None
+
+    # What multiplies a head's attention output before W_O, per query (None: nothing; Qwen3.5's
+    # sigmoid gate): weight-level circuits are then of the ungated map and say so.
+    head_output_gate: ClassVar[str | None] = None
 
     def output_gate(self, trace, block: int, batch: int = 0) -> torch.Tensor | None:
         """``(pos, heads, d_head)``: what each query position multiplies its heads'
@@ -483,6 +487,11 @@ class Adapter(QuestionChecks, EditSites, Decoding, ABC):
         attention-output space, so ``g' . c`` reads a raw head write as it
         reaches x_L. Pre-norm: the identity (every write is added to x_L as is)."""
         return g
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the model does to ``Norm_f(x) W_U + b_U`` before it returns its logits:
+        nothing by default (a soft-capping family caps them, c tanh(logits / c))."""
+        return logits
 
     def qk_record_hooks(self, trace, blocks: set[int]) -> list | None:
         """Hooks recording ``trace.q`` / ``trace.k`` / ``trace.score_scale`` for

@@ -46,7 +46,7 @@ MASK_RULES = {
 
 
 # Block kinds beside "self" and "cross": layers whose token mixer has no attention
-# pattern (docs/METHODS.md §4.13). Their mixer's write is one residual component.
+# pattern (docs/METHODS.md §4.15.1). Their mixer's write is one residual component.
 MIXER_KINDS = {
     "linear": "linear attention: a recurrent state, no softmax pattern over keys",
     "conv": "a short causal convolution: fixed taps over the last few positions, no pattern",
@@ -98,6 +98,8 @@ class Decoder:
     norm: str = "llama"  # NORM_FORMS
     # A text-config field the logits are multiplied by (Cohere's logit_scale): in W_U.
     logit_scale: str | None = None
+    # A text-config field c the logits are soft-capped at, c tanh(logits / c) (Gemma 3n): cap_logits.
+    logit_softcap: str | None = None
     # The embedding module multiplies by its embed_scale (Gemma: sqrt(d_model)).
     scaled_embeddings: bool = False
     # Layers whose token mixer is not attention, by layer type (hybrid decoders: Qwen3.5, LFM2).

@@ -310,6 +310,14 @@ class FamilyAdapter(TextConfigSizes, Adapter):
         w = self.lm_head.weight.T
         return w if self.declaration.decoder.logit_scale is None else w * self.logit_scale
 
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``c tanh(logits / c)`` where the declaration names the soft-cap's config field, else as they are."""
+        field = self.declaration.decoder.logit_softcap
+        if field is None:
+            return logits
+        cap = float(getattr(self.text_config, field))
+        return torch.tanh(logits / cap) * cap
+
     @property
     def b_U(self) -> torch.Tensor:
         head = self.lm_head

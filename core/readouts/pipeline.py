@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from core.errors import oom_guard
-from core.forward.capture import Trace, capture
+from core.forward.capture import ATTENTION_KINDS, Trace, capture
 from core.methods.patterns import FULL_PATTERN_LIMIT, RolloutStream
 from core.models.inputs import ModelInputs
 from core.models.memory import check_working_set
@@ -101,7 +101,12 @@ def capture_batch(
     n_tokens = inputs.input_ids.shape[1]
     if check_memory:
         check_working_set(loaded, n_tokens, "capture", batch=len(answer_positions), eager=attention == "eager")
-    stream = RolloutStream(options.rollout_alpha) if "rollout" in wanted and n_tokens <= FULL_PATTERN_LIMIT else None
+    every_block_attends = all(kind in ATTENTION_KINDS for _, kind in adapter.blocks)  # rollout multiplies them all
+    stream = (
+        RolloutStream(options.rollout_alpha)
+        if "rollout" in wanted and n_tokens <= FULL_PATTERN_LIMIT and every_block_attends
+        else None
+    )
     rows = pattern_rows(adapter, inputs, len(answer_prefix)) if "text" in wanted else sorted(set(answer_positions))
     trace = capture(  # checked: finite logits at the answers, the processor agreeing with the model
         loaded,

@@ -42,9 +42,16 @@ class RolloutReadout(ReadoutMethod):
     def run(self, ctx):
         """``(RolloutSection, audit)``, or ``(None, None)`` when the capture fed no rollout stream (a long prompt)."""
         # function-local: see core.readouts
+        from core.forward.capture import no_pattern_note
         from core.methods.patterns import primary_image, rollout_audit, rollout_visual_mass
+        from core.results.audit import AuditRecord
 
         if ctx.rollout is None:
+            note = no_pattern_note(ctx.adapter, ctx.trace)  # a hybrid decoder: some layers have no pattern
+            if note is not None:
+                return None, AuditRecord.not_defined(
+                    "rollout / flow", f"rollout multiplies every layer's pattern; {note}"
+                )
             return None, None
         alpha = ctx.options.rollout_alpha
         grids = rollout_visual_mass(ctx.trace, ctx.tokens, alpha, batch=ctx.batch, stream=ctx.rollout)
@@ -57,10 +64,14 @@ class RolloutReadout(ReadoutMethod):
         """The mass on the patch tokens (the grid's cells, float64), on the target
         region (each token weighted by its share inside the mask) and the argmax patch."""
         # function-local: see core.readouts
+        from core.forward.capture import no_pattern_note
         from core.methods.patterns import FULL_PATTERN_LIMIT
 
         alpha = ctx.options.rollout_alpha
         if section is None:
+            note = no_pattern_note(ctx.adapter, ctx.trace)
+            if note is not None:
+                return {"alpha": alpha, "skipped": f"not defined: {note}"}
             return {"alpha": alpha, "skipped": f"prompt longer than {FULL_PATTERN_LIMIT} tokens"}
         if section.visual_patch_mass is None:
             return {"alpha": alpha, "skipped": "the visual tokens cover no patch (a resampler's latents): no patch map"}

@@ -107,7 +107,7 @@ class AblationRequest(AskedRequest):
         from core.files.images import load_image
         from core.forward.capture import capture
         from core.forward.geometry import painted_tokens
-        from core.methods.component_ablation import ablation_edits, parse_component
+        from core.methods.component_ablation import ablation_edits, mixer_modules, parse_component
         from core.methods.interventions import run_interventions
 
         progress, cancel = progress or no_progress, cancel or never_cancelled
@@ -118,7 +118,7 @@ class AblationRequest(AskedRequest):
             return capture(loaded, None, "", pattern_layers=[], inputs=inputs), inputs
 
         base, inputs = capture_of(self.image)
-        component = parse_component(self.component, base.block_names)
+        component = parse_component(self.component, base.block_names, mixer_modules(adapter))
         region = painted_tokens(adapter.visual_tokens(self.image.size), self.mask) if self.positions == "region" else []
         asked = self.ablation_parameters()
         # the result's parameters and audit row, in the order the app has always recorded them

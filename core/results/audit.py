@@ -173,6 +173,14 @@ class AuditRecord:
             list(notes or []),
         )
 
+    @classmethod
+    def not_defined(cls, method: str, reason: str, parameters: dict | None = None):
+        """The row of a read-out this architecture gives no meaning to: nothing was
+        computed, and the note says why (``parameters["defined"]`` False)."""
+        return cls.for_method(
+            method, controls=[], parameters={"defined": False, **(parameters or {})}, notes=[f"not defined: {reason}"]
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -101,8 +101,18 @@ def tiny_processor():
     )
 
 
-def tiny_config(tie: bool = False):
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+# Qwen3.5-MoE's sparse MLPs (every layer): 4 experts, top 2, and a sigmoid-gated shared expert.
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 32}
+
+
+def tiny_config(tie: bool = False, moe: bool = False):
+    """The tiny Qwen3.5 config; ``moe``: Qwen3.5-MoE's (the same decoder with MOE's sparse MLPs)."""
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
 
     ids = {t: i for i, t in enumerate(SPECIAL)}
     text = {
@@ -144,7 +154,9 @@ def tiny_config(tie: bool = False):
         "spatial_merge_size": MERGE,
         "num_position_embeddings": 16,
     }
-    config = Qwen3_5Config(
+    if moe:
+        text.update(MOE)
+    config = (Qwen3_5MoeConfig if moe else Qwen3_5Config)(
         text_config=text,
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
@@ -153,7 +165,7 @@ def tiny_config(tie: bool = False):
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=tie,
     )
-    config.architectures = [Qwen3_5ForConditionalGeneration.__name__]
+    config.architectures = [(Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration).__name__]
     return config
 
 
@@ -181,14 +193,25 @@ def _randomise_gains(model) -> None:
             module.bias.normal_(0, 0.1)
 
 
-def tiny_model(tie: bool = False, seed: int = 0):
-    """``(model, processor)``: a random float64 Qwen3.5 in eval mode, gains randomised."""
-    from transformers import Qwen3_5ForConditionalGeneration
+def tiny_model(tie: bool = False, seed: int = 0, moe: bool = False):
+    """``(model, processor)``: a random float64 Qwen3.5 in eval mode, gains randomised;
+    ``moe``: Qwen3.5-MoE, its experts run eagerly (transformers' default grouped_mm kernel
+    refuses float64), router and experts drawn large enough to route decisively and to matter."""
+    from transformers import AutoModelForImageTextToText
 
-    config = tiny_config(tie)
+    config = tiny_config(tie, moe)
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(config).double().eval()
+    model = AutoModelForImageTextToText.from_config(config).double().eval()
     _randomise_gains(model)
+    if moe:
+        model.set_experts_implementation("eager")
+        with torch.no_grad():
+            for layer in model.model.language_model.layers:
+                layer.mlp.gate.weight.normal_(0, 0.25)
+                layer.mlp.experts.gate_up_proj.normal_(0, 0.15)
+                layer.mlp.experts.down_proj.normal_(0, 0.15)
+                for w in (*layer.mlp.shared_expert.parameters(), layer.mlp.shared_expert_gate.weight):
+                    w.normal_(0, 0.15)
     return model, tiny_processor()
 
 

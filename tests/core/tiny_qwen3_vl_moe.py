@@ -10,6 +10,8 @@ and 2 sparse MoE blocks (4 experts, top-2, no shared expert); two DeepStack laye
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from tests.core.test_qwen2_vl import SPECIAL, WORDS
@@ -175,3 +177,50 @@ def moe_by_hand(block, x: torch.Tensor) -> torch.Tensor:
         if len(rows):
             out[rows] += weights[rows, slot, None] * expert_output(block.experts, e, x[rows])
     return out
+
+
+# ---- the family hooks of the conformance suite's expert checks (Qwen3-VL-MoE's and Qwen3.5-MoE's
+# sparse blocks are the same modules: router ``gate``, fused ``experts``; Qwen3.5-MoE adds a shared expert)
+
+
+@torch.no_grad()
+def expert_parts_by_hand(m, tr, block: int, position: int) -> dict:
+    """``{component name: (d_model,)}``: what block ``block``'s MoE module adds at ``position``
+    for each chosen expert (router weight times expert output, by :func:`route` and
+    :func:`expert_output`) and, where it has one, for the shared expert (``sigmoid(g . x)``
+    times its SwiGLU), from the module's recorded input."""
+    moe = m.adapter._layer(block).mlp
+    x = tr.mlp_in[block][0, position][None]
+    _, weights, chosen = route(moe, x)
+    parts = {
+        f"L{block}.E{e}": weights[0, slot] * expert_output(moe.experts, e, x)[0]
+        for slot, e in enumerate(chosen[0].tolist())
+    }
+    shared = getattr(moe, "shared_expert", None)
+    if shared is not None:
+        mlp = shared
+        swiglu = mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+        parts[f"L{block}.shared_expert"] = (torch.sigmoid(x @ moe.shared_expert_gate.weight.T) * swiglu)[0]
+    return parts
+
+
+@contextmanager
+def zeroed_expert(m, block: int, expert: int, positions):
+    """The library's experts module of ``block`` patched so that expert ``expert``'s output is
+    zero for the tokens at ``positions`` (batch of one: token index = position): its
+    routing weight there set to 0 before the module's own forward runs."""
+    experts = m.adapter._layer(block).mlp.experts
+    real = type(experts).forward
+
+    def zeroed(module, hidden, top_k_index, top_k_weights):
+        weights = top_k_weights.clone()
+        at = torch.zeros(hidden.shape[0], dtype=torch.bool)
+        at[list(positions)] = True
+        weights[at[:, None] & (top_k_index == expert)] = 0
+        return real(module, hidden, top_k_index, weights)
+
+    experts.forward = zeroed.__get__(experts)
+    try:
+        yield
+    finally:
+        del experts.forward

@@ -19,7 +19,7 @@ import torch
 
 from core.errors import QuestionError, oom_guard
 from core.files.images import load_image
-from core.forward.capture import capture
+from core.forward.capture import ATTENTION_KINDS, capture, no_pattern_note
 from core.methods.contributions import source_contributions
 from core.methods.counterfactual.fills import Fill, as_fill
 from core.methods.counterfactual.regions import RegionError, check_mask
@@ -267,14 +267,16 @@ def token_routing(
     if inputs is None:
         inputs = adapter.prepare([img], [question], answer_prefix=answer_prefix)
     n = inputs.input_ids.shape[1]
-    stream = RolloutStream(rollout_alpha) if n <= FULL_PATTERN_LIMIT else None
+    every_block_attends = all(kind in ATTENTION_KINDS for _, kind in adapter.blocks)  # rollout multiplies them all
+    stream = RolloutStream(rollout_alpha) if n <= FULL_PATTERN_LIMIT and every_block_attends else None
     pos = int(inputs.answer_positions[0])
     trace = capture(loaded, img, question, inputs=inputs, pattern_streams=[stream] if stream is not None else [])
+    undefined = no_pattern_note(adapter, trace)  # a hybrid decoder's layers without pattern or heads
     qi = 0
     tokens = adapter.visual_tokens(img.size, trace.visual_positions[0].tolist())
     vis_pos = trace.visual_positions[0]
     heads, rows = [], []
-    for block in range(trace.n_blocks):
+    for block in trace.attention_blocks:
         pat = trace.patterns[block][0, :, qi].double().cpu()  # (heads, keys)
         if trace.block_kinds[block] == "cross":
             vis = pat[:, : len(tokens)]
@@ -312,12 +314,21 @@ def token_routing(
                 "patch-granular",
             ],
             parameters={"position": pos, "n_heads": len(heads), "n_visual_tokens": len(tokens)},
-            notes=["attention on the region shows routing co-occurrence only; compare with the answer effect"],
+            notes=["attention on the region shows routing co-occurrence only; compare with the answer effect"]
+            + ([undefined] if undefined else []),
         )
     )
     if stream is not None:
         audits.append(rollout_audit(rollout_alpha, "mean"))
+    elif undefined:
+        audits.append(
+            AuditRecord.not_defined("rollout / flow", f"rollout multiplies every layer's pattern; {undefined}")
+        )
     audits.append(sc.audit)
+    if undefined:
+        sc.audit.notes.append(
+            f"DLA through region sums the attention heads' writes only; {undefined}: their writes are not split by source"
+        )
     audits[-1].notes.append(
         "DLA through region tokens reads the direct write from those tokens' residuals (self-attention: "
         "positions that earlier layers already mixed) or the vision tower's outputs (cross-attention: "

@@ -172,6 +172,9 @@ def head_problem(
     dev = r.device
     cpu = {"device": "cpu", "dtype": f64}  # everything the search touches: CPU, float64
     v = adapter.kv_norm(block)(r) @ adapter.W_V(block)[head].to(dev, dt) + adapter.b_V(block)[head].to(dev, dt)
+    gate = adapter.output_gate(trace, block, batch)
+    if gate is not None:  # the query's gate scales every key's value alike (Qwen3.5): z = gate * (A v)
+        v = v * gate[pos, head].to(v)
     v = v.to(**cpu)  # (keys, d_head)
     n = v.shape[0]
     A = trace.patterns[block][batch, head, qi, :n].to(**cpu)

@@ -7,7 +7,7 @@ layer's token mixer:
   convolution, then a delta-rule recurrence over a matrix state per value head,
   a gated RMSNorm and ``out_proj``. No softmax over keys, so no attention
   pattern and no heads in the sense of the read-outs: the layer's write is one
-  residual component ``L{l}.linear_attn`` (docs/METHODS.md §4.13), editable as a
+  residual component ``L{l}.linear_attn`` (docs/METHODS.md §4.15.1), editable as a
   whole (edit site ``mixer``); every per-head or pattern read-out of the layer is
   refused with that reason (:meth:`core.models.adapter.Adapter.no_pattern`).
 * ``full_attention``: softmax attention (``self_attn``) with three differences
@@ -23,6 +23,12 @@ Every RMSNorm of the decoder is ``x / rms(x) * (1 + w)`` computed in float32
 (declared ``norm="gemma"``). Generation runs through the model's own hybrid
 cache (key / value for the attention layers, conv and recurrent states for the
 linear ones).
+
+Qwen3.5-MoE (``Qwen3_5MoeForConditionalGeneration``, :class:`Qwen3_5MoeAdapter`):
+the same decoder whose every MLP is a mixture of experts: Qwen3-VL-MoE's router and
+fused experts (:mod:`core.models.families.qwen3_vl_moe`) plus a shared expert scaled
+by ``sigmoid(shared_expert_gate(x))``, its own component ``L{l}.shared_expert``
+(docs/METHODS.md §4.15.2).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 from core.models.declaration import Decoder, Mixer, Rotary
 from core.models.families.qwen2_vl import Qwen2VLAdapter
 from core.models.families.qwen3_vl import QWEN3_PROMPT
+from core.models.families.qwen3_vl_moe import routed_writes
 
 GATED_DELTANET = Mixer("linear_attention", "linear_attn", "linear", "Gated DeltaNet linear attention")
 
@@ -50,6 +57,8 @@ class Qwen3_5Adapter(Qwen2VLAdapter):
         rotary=Rotary("mrope", rotate_half="transformers.models.qwen3_5.modeling_qwen3_5.rotate_half", partial=True),
         edit_sites=("z", "mlp", "resid", "knockout"),
     )
+
+    head_output_gate = "sigmoid of the gate half of q_proj at the query, per head and d_head coordinate"
 
     # ---- the gated query projection: per head [query (d_head), gate (d_head)]
     def _query_and_gate(self, layer: int, bias: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -78,3 +87,27 @@ class Qwen3_5Adapter(Qwen2VLAdapter):
         _, b = self._query_and_gate(block, bias=True)
         g = torch.einsum("pm,hdm->phd", x, w.to(x.dtype))
         return torch.sigmoid(g if b is None else g + b.to(x.dtype))
+
+
+class Qwen3_5MoeAdapter(Qwen3_5Adapter):
+    """Qwen3.5 with mixture-of-experts MLPs and a gated shared expert (see the module docstring)."""
+
+    declaration = replace(
+        Qwen3_5Adapter.declaration,
+        name="qwen3_5_moe",
+        architectures=("Qwen3_5MoeForConditionalGeneration",),
+        edit_sites=(*Qwen3_5Adapter.declaration.edit_sites, "expert"),
+    )
+
+    def moe_experts(self, block: int) -> int:
+        experts = getattr(self._layer(block).mlp, "experts", None)
+        return 0 if experts is None else int(experts.num_experts)
+
+    def expert_writes(self, block: int, x: torch.Tensor, expert: int | None = None) -> list:
+        """The routed experts' writes and ``L{l}.shared_expert``: ``sigmoid(g . x) * shared(x)``."""
+        mlp = self._layer(block).mlp
+        parts = routed_writes(f"L{block}", mlp.gate, mlp.experts, x, expert)
+        if expert is None:
+            shared = torch.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x)
+            parts.append((f"L{block}.shared_expert", shared))
+        return parts

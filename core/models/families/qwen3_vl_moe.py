@@ -12,7 +12,7 @@ So the MLP's write splits into one component per routed expert,
 ``L{l}.E{e} = w_e * expert_e(x)`` (router weight times expert output, as the model
 forms it), plus ``L{l}.experts_residue`` (the write minus those: the model's own
 summation order, zero but for rounding); edit site ``expert`` takes one expert's
-write out of the block's output (docs/METHODS.md §4.14). Dense layers
+write out of the block's output (docs/METHODS.md §4.15.2). Dense layers
 (``mlp_only_layers``, ``decoder_sparse_step``) keep ``L{l}.mlp``.
 """
 

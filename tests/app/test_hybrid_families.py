@@ -1,0 +1,60 @@
+"""The hybrid and mixture-of-experts families of issue 30 (their tiny models:
+tests/core/test_<family>.py), each saved as a user's folder and read out through the
+window: a layer without attention pattern is marked in the Attention tab with the
+reason (never a row of zeros), the rollout map is not drawn and the note above the
+image says why, the DLA tab shows the linear layers' writes and the experts as their
+own components; a head of a linear layer cannot be ablated, its write can."""
+
+import importlib
+
+import pytest
+
+from app.panels.dla_panel import component_kind
+from tests.app.test_canvas_views import shown_analysis
+from tests.app.test_window import run_until_idle
+from tests.core.exactness import noise_image
+
+# family -> (blocks without pattern, a component of each kind it adds)
+FAMILIES = {
+    "qwen3_5": (["L0", "L2"], {"L0.linear_attn": "token mixer (no heads)"}),
+    "qwen3_vl_moe": ([], {}),
+    "qwen3_5_moe": (["L0", "L2"], {"L0.linear_attn": "token mixer (no heads)", "L1.shared_expert": "expert"}),
+}
+
+
+def open_folder(qtbot, window, tmp_path, family):
+    module = importlib.import_module(f"tests.core.test_{family}")
+    tiny = module.traced_case(module.CASES[0])[0]
+    tiny.model.save_pretrained(tmp_path / family, safe_serialization=True)
+    tiny.processor.save_pretrained(tmp_path / family)
+    window.inputs.model_picker.setCurrentText(str(tmp_path / family))
+    assert window.set_image(noise_image(module.IMAGE_SIZE), name="noise")
+    window.set_question(module.QUESTION)
+    run_until_idle(qtbot, window, window.actions.run_readout)
+    analysis = shown_analysis(window)
+    assert analysis is not None, window.inputs.error_label.text()
+    return analysis
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_familys_folder_reads_out_with_undefined_readouts_marked(qtbot, window, tmp_path, family):
+    analysis = open_folder(qtbot, window, tmp_path, family)
+    adapter = window.loaded_model().adapter
+    assert adapter.family == family
+    no_pattern, kinds = FAMILIES[family]
+    attending = [name for name, kind in adapter.blocks if kind in ("self", "cross")]
+    title = window.attention_panel.title.text()
+    assert sorted(analysis.block_names.values()) == sorted(attending)  # rows of the blocks that attend only
+    names = [c.name for c in analysis.residual_decomposition.components]
+    for name, kind in kinds.items():
+        assert name in names and component_kind(name) == kind
+    if no_pattern:
+        assert f"no attention pattern and no heads at {', '.join(no_pattern)}" in title
+        assert analysis.rollout is None
+        assert "rollout not defined" in window.canvas.token_note()
+    else:
+        assert "no attention pattern" not in title and analysis.rollout is not None
+    if any(adapter.moe_experts(b) for b in range(adapter.n_layers)):
+        experts = [n for n in names if component_kind(n) == "expert"]
+        moe_blocks = {f"L{b}" for b in range(adapter.n_layers) if adapter.moe_experts(b)}
+        assert experts and {n.split(".")[0] for n in experts} == moe_blocks
