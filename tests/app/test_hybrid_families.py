@@ -16,6 +16,7 @@ from tests.core.exactness import noise_image
 
 # family -> (blocks without pattern, a component of each kind it adds)
 FAMILIES = {
+    "lfm2_vl": (["L0", "L3"], {"L0.conv": "token mixer (no heads)"}),
     "qwen3_5": (["L0", "L2"], {"L0.linear_attn": "token mixer (no heads)"}),
     "qwen3_vl_moe": ([], {}),
     "qwen3_5_moe": (["L0", "L2"], {"L0.linear_attn": "token mixer (no heads)", "L1.shared_expert": "expert"}),
