@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from core.answer_text import AnswerText, run_parameters
-from core.errors import QuestionError
+from core.errors import QuestionError, UndefinedReadoutError
 from core.files.images import image_sha256, load_image
 from core.forward.geometry import VisualToken
 from core.methods.answer_patterns import AnswerPatterns
@@ -46,6 +46,8 @@ TOP_K = 5
 # Tokens per logit-lens row (``logit_lens[l].top``).
 LENS_TOP_K = 5
 # Progress steps reported before a read-out runs: (step of 4, message).
+# The sections that are lists (empty, not None, where the architecture defines none).
+_LIST_SECTIONS = ("logit_lens", "attention")
 _STEPS = {"dla": (1, "decomposing the residual"), "attention": (2, "summarising attention"), "rollout": (3, "rollout")}
 
 
@@ -164,7 +166,8 @@ class AnalyzeResult:
     :class:`core.results.readout.Target` and ``top`` the model's alternatives there
     (``[(token, prob), ...]``), the JSON's ``target`` together. The sections are
     the read-outs' (:mod:`core.readouts`): ``residual_decomposition`` a
-    :class:`~core.readouts.residual.ResidualSection`, ``logit_lens`` the
+    :class:`~core.readouts.residual.ResidualSection` (None where the architecture gives it no meaning:
+    its audit row says why), ``logit_lens`` the
     :class:`~core.methods.logit_lens.LensRow` s, ``tuned_lens`` a
     :class:`~core.readouts.tuned_lens.TunedLensSection` (None without a lens),
     ``attention`` the :class:`~core.methods.patterns.HeadSummary` s, ``rollout`` a
@@ -180,7 +183,7 @@ class AnalyzeResult:
     input: AnalyzeInput
     target: Target
     top: list[tuple[str, float]]
-    residual_decomposition: ResidualSection
+    residual_decomposition: ResidualSection | None
     logit_lens: list[LensRow]
     tuned_lens: TunedLensSection | None
     attention: list[HeadSummary]
@@ -202,7 +205,7 @@ class AnalyzeResult:
             "model": self.model.to_dict(),
             "input": self.input.to_dict(),
             "target": AnswerSection(self.target, self.top).to_dict(),
-            "residual_decomposition": self.residual_decomposition.to_dict(),
+            "residual_decomposition": _dict_or_none(self.residual_decomposition),
             "logit_lens": [r.to_dict() for r in self.logit_lens],
             "tuned_lens": _dict_or_none(self.tuned_lens),
             "attention": [h.to_dict() for h in self.attention],
@@ -224,7 +227,9 @@ class AnalyzeResult:
             input=input,
             target=answer.target,
             top=answer.top,
-            residual_decomposition=ResidualSection.from_dict(d["residual_decomposition"]),
+            residual_decomposition=(  # null where the architecture gives it no meaning; never missing
+                None if d["residual_decomposition"] is None else ResidualSection.from_dict(d["residual_decomposition"])
+            ),
             logit_lens=[LensRow.from_dict(r) for r in d["logit_lens"]],
             tuned_lens=TunedLensSection.from_dict(d["tuned_lens"]) if d.get("tuned_lens") is not None else None,
             attention=[HeadSummary.from_dict(h) for h in d["attention"]],
@@ -246,6 +251,9 @@ class AnalyzeResult:
         if heads:
             h = max(heads, key=lambda h: h.visual_mass)
             parts.append(f"most visual head L{h.layer}.H{h.head} {h.visual_mass:.2f}")
+        if self.residual_decomposition is None:  # refused: its audit row says why
+            parts.append("residual decomposition " + (self.undefined("residual DLA") or "not defined"))
+            return "; ".join(parts)
         comps = self.residual_decomposition.components
         if comps:
             c = max(comps, key=lambda c: abs(c.dla_frozen))
@@ -373,7 +381,11 @@ def analyze(
             done, message = _STEPS[name]
             step(done, 4, message)
         readout = READOUTS[name]
-        sections[readout.analyze_key], audit = readout.run(ctx)
+        try:
+            sections[readout.analyze_key], audit = readout.run(ctx)
+        except UndefinedReadoutError as e:  # no meaning for this architecture (Gemma 3n's AltUp streams)
+            empty = [] if readout.analyze_key in _LIST_SECTIONS else None
+            sections[readout.analyze_key], audit = empty, AuditRecord.not_defined(readout.audit_method, str(e))
         if audit is not None:
             audits.append(audit)
     step(4, 4, "done")

@@ -269,7 +269,12 @@ class DLAPanel(QWidget):
         self.source_values, self.source_head = None, None
         self.source_grid.clear_grid()  # the map and the head it was for go together
         self.source_label.setText(NO_SOURCES)
-        if result is not None:
+        if result is not None and result.residual_decomposition is None:  # refused for this architecture
+            self.target_label.setText(
+                f"{result.model.spec or '?'}: residual decomposition {result.undefined('residual DLA') or 'not defined'}"
+            )
+            self.error_label.setText("")
+        elif result is not None:
             t, rd = result.target, result.residual_decomposition
             u = f"answer {t.answer!r} minus foil {t.foil!r}" if t.foil else f"answer {t.answer!r}"
             self.target_label.setText(
@@ -361,7 +366,8 @@ class DLAPanel(QWidget):
 
     def components(self) -> list[Component]:
         """The shown result's residual components (none without a result)."""
-        return list(self.result.residual_decomposition.components) if self.result is not None else []
+        rd = self.result.residual_decomposition if self.result is not None else None
+        return list(rd.components) if rd is not None else []
 
     def values(self) -> dict[str, float]:
         """``{component: value}`` of every component under the current convention (not only the shown ones)."""
@@ -369,7 +375,8 @@ class DLAPanel(QWidget):
         if self.convention() in RERUN_CONVENTIONS:
             found = {r.name: getattr(r, field) for r in self.rerun_rows}
         else:
-            found = self.result.residual_decomposition.component_values(field) if self.result is not None else {}
+            rd = self.result.residual_decomposition if self.result is not None else None
+            found = rd.component_values(field) if rd is not None else {}
         return {name: float(v) for name, v in found.items() if v is not None}
 
     def shown_values(self) -> list[tuple[str, float]]:
@@ -444,7 +451,7 @@ class DLAPanel(QWidget):
         parts = [f"{n_shown} of {n_all} components shown; sum of shown bars {shown_sum:+.4f}"]
         if n_shown < n_all:
             parts.append(f"sum of all {sum(values.values()):+.4f}")
-        if conv == "frozen scale" and self.result is not None:
+        if conv == "frozen scale" and self.result is not None and self.result.residual_decomposition is not None:
             expected = _number(self.result.residual_decomposition.frozen_sum_expected)
             parts.append(f"expected (logit - unembedding and final-norm biases) {expected:+.4f}")
         elif conv == "Jacobian":

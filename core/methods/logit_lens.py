@@ -67,13 +67,14 @@ class LogitLens:
 
 
 def lens_logits(adapter, x: torch.Tensor) -> torch.Tensor:
-    """``(..., d_model) -> (..., vocab)``: the final norm recomputed on ``x``, then unembedding,
-    in the accumulation dtype (float32 for a half-precision ``x``)."""
+    """``(..., d_model) -> (..., vocab)``: the final norm recomputed on ``x``, then unembedding
+    (and the model's soft-cap, :meth:`~core.models.adapter.Adapter.cap_logits`), in the
+    accumulation dtype (float32 for a half-precision ``x``)."""
     x = accumulating(x)
     # on the unembedding's device: a device map puts each block's residual on its own device
     W_U = adapter.W_U
     x = x.to(W_U.device)
-    return adapter.final_norm_layer()(x) @ W_U.to(x.dtype) + adapter.b_U.to(x.device, x.dtype)
+    return adapter.cap_logits(adapter.final_norm_layer()(x) @ W_U.to(x.dtype) + adapter.b_U.to(x.device, x.dtype))
 
 
 def lens_row(

@@ -81,6 +81,8 @@ _MODULE_COUNTS = frozenset(
 )
 # Sizes that may be a [height, width] pair (InternVL's tower).
 _PAIR_FIELDS = ("image_size", "patch_size")
+# Sizes that may be a list, one per layer (Gemma 3n's MLP widths).
+_PER_LAYER_FIELDS = ("intermediate_size",)
 # Scales a value is multiplied or divided by: finite and > 0 (None: not applied).
 _POSITIVE_FIELDS = frozenset(
     {
@@ -185,6 +187,8 @@ def _field_problem(key: str, value, in_rope: bool) -> str | None:
         return _positive_problem(value, upper=1)  # the fraction of each head rotated
     if key in _MODULE_COUNTS:
         return _size_problem(value, most=MAX_MODULES)
+    if key in _PER_LAYER_FIELDS and isinstance(value, list) and value:
+        return next((p for p in (_size_problem(v) for v in value) if p is not None), None)
     if key in _SIZE_FIELDS:
         return _size_problem(value, pair=key in _PAIR_FIELDS)
     if key == "vision_feature_select_strategy" and value not in STRATEGIES:

@@ -199,6 +199,12 @@ class FamilyAdapter(TextConfigSizes, Adapter):
         expert's part only. They sum to the module's output up to rounding."""
         raise NotImplementedError(f"{self.family}: block {block} has no experts")
 
+    def expert_parts_at(self, trace, block: int, position: int, batch: int = 0) -> list[tuple[str, torch.Tensor]]:
+        """``[(name, (d_model,))]``: :meth:`expert_writes` of the MoE module's recorded input at
+        ``position`` (a family whose router rounds differently row by row overrides it)."""
+        x = trace.mlp_in[block][batch, position][None]
+        return [(n, v[0]) for n, v in self.expert_writes(block, x)]
+
     def mlp_components(self, trace, block: int, position: int, batch: int = 0) -> list[tuple[str, torch.Tensor]]:
         """A dense MLP: ``L{l}.mlp``. A mixture of experts: the routed experts'
         writes at ``position`` (the ones its router chose) and the shared expert,
@@ -207,8 +213,7 @@ class FamilyAdapter(TextConfigSizes, Adapter):
         if not self.moe_experts(block):
             return super().mlp_components(trace, block, position, batch)
         name = trace.block_names[block]
-        x = trace.mlp_in[block][batch, position][None]
-        parts = [(n, v[0]) for n, v in self.expert_writes(block, x)]
+        parts = self.expert_parts_at(trace, block, position, batch)
         chosen = [(n, v) for n, v in parts if torch.any(v != 0) or not n.startswith(f"{name}.E")]
         residue = accumulating(trace.mlp_out[block][batch, position]) - sum(accumulating(v) for _, v in parts)
         return [*chosen, (f"{name}.experts_residue", residue)]
@@ -311,12 +316,13 @@ class FamilyAdapter(TextConfigSizes, Adapter):
         return w if self.declaration.decoder.logit_scale is None else w * self.logit_scale
 
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """``c tanh(logits / c)`` where the declaration names the soft-cap's config field, else as they are."""
+        """``c tanh(logits / c)`` where the declaration names the soft-cap's config field and the
+        config sets it, else as they are."""
         field = self.declaration.decoder.logit_softcap
-        if field is None:
+        cap = None if field is None else getattr(self.text_config, field, None)
+        if cap is None:
             return logits
-        cap = float(getattr(self.text_config, field))
-        return torch.tanh(logits / cap) * cap
+        return torch.tanh(logits / float(cap)) * float(cap)
 
     @property
     def b_U(self) -> torch.Tensor:

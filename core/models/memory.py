@@ -214,6 +214,8 @@ class ModelSizes:
         def size(*names, default=0):
             for name in names:
                 value = config_value(text, name)
+                if isinstance(value, list | tuple) and value:  # one per layer (Gemma 3n's MLP widths): the widest
+                    value = max(value, key=lambda v: v if isinstance(v, int) else 0)
                 if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                     return value
             return default

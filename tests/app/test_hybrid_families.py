@@ -3,7 +3,7 @@ tests/core/test_<family>.py), each saved as a user's folder and read out through
 window: a layer without attention pattern is marked in the Attention tab with the
 reason (never a row of zeros), the rollout map is not drawn and the note above the
 image says why, the DLA tab shows the linear layers' writes and the experts as their
-own components; a head of a linear layer cannot be ablated, its write can."""
+own components; Gemma 3n's decomposition is refused and the DLA tab says why."""
 
 import importlib
 
@@ -14,8 +14,10 @@ from tests.app.test_canvas_views import shown_analysis
 from tests.app.test_window import run_until_idle
 from tests.core.exactness import noise_image
 
-# family -> (blocks without pattern, a component of each kind it adds)
+# family -> (blocks without pattern, a component of each kind it adds); Gemma 3n: no decomposition
 FAMILIES = {
+    "gemma3n": ([], None),
+    "llama4": ([], {"L1.shared_expert": "expert"}),
     "lfm2_vl": (["L0", "L3"], {"L0.conv": "token mixer (no heads)"}),
     "qwen3_5": (["L0", "L2"], {"L0.linear_attn": "token mixer (no heads)"}),
     "qwen3_vl_moe": ([], {}),
@@ -46,6 +48,11 @@ def test_the_familys_folder_reads_out_with_undefined_readouts_marked(qtbot, wind
     attending = [name for name, kind in adapter.blocks if kind in ("self", "cross")]
     title = window.attention_panel.title.text()
     assert sorted(analysis.block_names.values()) == sorted(attending)  # rows of the blocks that attend only
+    if kinds is None:  # several residual streams: the decomposition is refused, and the DLA tab says why
+        assert analysis.residual_decomposition is None
+        assert "residual decomposition not defined: " in window.dla_panel.target_label.text()
+        assert "AltUp" in window.dla_panel.target_label.text() and window.dla_panel.components() == []
+        return
     names = [c.name for c in analysis.residual_decomposition.components]
     for name, kind in kinds.items():
         assert name in names and component_kind(name) == kind

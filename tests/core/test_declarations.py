@@ -42,7 +42,7 @@ def test_every_served_family_is_a_declaration():
     """Each adapter the registry serves has a declaration of its own, and the names the
     rest of the engine reads (family, architectures, norm, positions, sites) come from it."""
     classes = served()
-    assert len(classes) == 20
+    assert len(classes) == 26
     for cls in classes:
         d = vars(cls).get("declaration")
         assert isinstance(d, Family), cls.__name__
@@ -89,7 +89,10 @@ def test_declared_forms_cover_the_issue_list():
     assert {d.rotary.scheme for d in decls} == {"rope", "mrope", "absolute"}
     assert {d.mask.rule for d in decls} == set(MASK_RULES) - {"cross"}
     per_layer = {d.name: d.rotary.per_layer for d in decls if d.rotary.per_layer}
-    assert per_layer == {"gemma3": "layer_type", "aya_vision": "sliding_only"}
+    assert per_layer == {"gemma3": "layer_type", "gemma3n": "layer_type", "aya_vision": "sliding_only"}
+    # the hybrid decoders name their layers without attention (issue 30)
+    mixers = {d.name: sorted(m.kind for m in d.decoder.mixers) for d in decls if d.decoder.mixers}
+    assert mixers == {"lfm2_vl": ["conv"], "qwen3_5": ["linear"], "qwen3_5_moe": ["linear"]}
 
 
 def _lines(family: str) -> int:

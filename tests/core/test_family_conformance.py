@@ -17,13 +17,14 @@ import torch
 from PIL import Image
 
 from core import load_model
-from core.errors import QuestionError, UnsupportedArchitectureError
-from core.forward.capture import capture, eager_attention
+from core.errors import QuestionError, UndefinedReadoutError, UnsupportedArchitectureError
+from core.forward.capture import capture, eager_attention, edited_logits
+from core.forward.edits import Edit
 from core.methods.contributions import source_contributions
 from core.methods.flow.knockout import ALL_LAYERS, knockout_sweep
 from core.methods.flow.positions import parse_edges
 from core.methods.logit_lens import logit_lens
-from core.methods.residual import decompose
+from core.methods.residual import component_edit, decompose
 from core.models import registry
 from tests.core.exactness import (
     assert_canonical_projections,
@@ -41,16 +42,20 @@ from tests.core.exactness import (
     values_tol,
 )
 from tests.core.knockout_reference import reference_logits
+from tests.tolerances import sum_tol, unit_roundoff
 
 FAMILY_FILES = (
     "aya_vision",
     "blip",
     "gemma3",
+    "gemma3n",
     "glm4v",
     "idefics2",
     "idefics3",
     "internvl",
     "janus",
+    "lfm2_vl",
+    "llama4",
     "llava_next",
     "llava_onevision",
     "mistral3",
@@ -59,6 +64,7 @@ FAMILY_FILES = (
     "paligemma",
     "qwen2_vl",
     "qwen3_5",
+    "qwen3_5_moe",
     "qwen3_vl",
     "qwen3_vl_moe",
 )
@@ -134,19 +140,33 @@ def _all_but(*families: str) -> list[str]:
 
 case = _case_fixture("case")
 # Families whose tiny models answer "yes" / "no" (BLIP's captioner reads its own pair
-# in tests/core/test_blip.py).
-yes_no_case = _case_fixture("yes_no_case", _all_but("blip"))
+# in tests/core/test_blip.py) and whose x_L is a sum of components (not Gemma 3n's AltUp
+# streams: the decomposition, DLA and source contributions are refused, tests/core/test_gemma3n.py).
+yes_no_case = _case_fixture("yes_no_case", _all_but("blip", "gemma3n"))
 model_case = _case_fixture("model_case", per_model=True)
-# decoder_case: x_L = x_0 + sum attn_out + sum mlp_out (not post-norm BLIP, not the sandwich norms)
-decoder_case = _case_fixture("decoder_case", _all_but("blip", "gemma3", "glm4v"))
+# decoder_case: x_L = x_0 + sum attn_out + sum mlp_out (not post-norm BLIP, not the sandwich norms,
+# not Gemma 3n's AltUp streams)
+decoder_case = _case_fixture("decoder_case", _all_but("blip", "gemma3", "gemma3n", "glm4v"))
 padded_case = _case_fixture("padded_case", _all_but("llava_next"), per_model=True)
 question_case = _case_fixture("question_case", _all_but("qwen2_vl"), True)
 append_case = _case_fixture("append_case", per_model=True)
 # The families whose patterns their own files recompute: the values alone here; the others, both.
 _OWN_PATTERNS = ("gemma3", "mllama", "paligemma", "qwen2_vl", "qwen3_vl")
 values_case = _case_fixture("values_case", list(_OWN_PATTERNS))
-patterns_case = _case_fixture("patterns_case", _all_but(*_OWN_PATTERNS))
+# Gemma 3n in neither: no linear value map (v_norm); its file recomputes patterns and values.
+patterns_case = _case_fixture("patterns_case", _all_but(*_OWN_PATTERNS, "gemma3n"))
 lens_case = _case_fixture("lens_case", _all_but("blip", "llava_next", "mllama"))
+
+# Hybrid decoders: layers whose token mixer is not attention (Decoder.mixers).
+_HYBRID = ("lfm2_vl", "qwen3_5", "qwen3_5_moe")
+hybrid_case = _case_fixture("hybrid_case", list(_HYBRID))
+
+# Families with mixture-of-experts MLPs: their files give ``expert_parts_by_hand(m, tr, block,
+# position)`` (each chosen expert's and the shared expert's write at a position, computed
+# independently of the adapter) and ``zeroed_expert(m, block, expert, positions)`` (a context
+# patching the library's own experts module to zero one expert's output there).
+_MOE = ("qwen3_5_moe", "qwen3_vl_moe")
+moe_case = _case_fixture("moe_case", list(_MOE))
 
 _PERTURBED = [
     (family, kind, size)
@@ -494,6 +514,126 @@ def test_hooks_are_removed_and_attention_restored(case):
     extra = case.hook("check_attention_restored")
     if extra is not None:
         extra(m, before)
+
+
+# ---- layers without attention (hybrid decoders)
+
+
+def test_a_layer_without_pattern_is_refused_in_one_line_and_is_one_component(hybrid_case):
+    """Every block whose mixer is not attention: its pattern, queries and keys, a head's write,
+    a head or knockout edit are refused with one line naming the block and the mixer; its
+    source contributions are None (not zeros); its write is one component equal to what the
+    library's mixer module returned, and the blocks that attend have their rows."""
+    c = hybrid_case
+    m, a, tr = c.m, c.m.adapter, c.trace
+    inputs = c.inputs()
+    mixers = [b for b in range(tr.n_blocks) if a.mixer(b) is not None]
+    assert mixers and tr.attention_blocks and sorted(tr.patterns) == tr.attention_blocks
+    a_id, f_id = a.token_id("yes"), a.token_id("no")
+    sc = source_contributions(a, tr, a_id, f_id)
+    answer = int(tr.answer_positions[0])
+    names, C = a.component_stack(tr, answer)
+    for b in mixers:
+        name, what = tr.block_names[b], a.mixer(b).what
+        for call in (
+            lambda b=b: capture(m, None, "", inputs=inputs, pattern_layers=[b]),
+            lambda b=b: capture(m, None, "", inputs=inputs, keep_qk=[b]),
+            lambda b=b: tr.head_output(a, b, answer),
+            lambda b=b: a.queries_keys(tr, b),
+            lambda b=b: edited_logits(m, inputs, [Edit(b, 0, [answer])]),
+            lambda b=b: edited_logits(m, inputs, [Edit(b, None, [answer], site="knockout", keys=[0])]),
+        ):
+            with pytest.raises(UndefinedReadoutError) as refused:
+                call()
+            message = str(refused.value)
+            assert "\n" not in message and message.startswith(f"{name} has no attention pattern") and what in message
+        assert sc.dla_frozen[b] is None and sc.norm[b] is None
+        row = names.index(f"{name}.{a.mixer(b).module}")
+        torch.testing.assert_close(C[row], tr.mixer_out[b][0, answer].to(C.dtype), atol=0, rtol=0)
+        assert not any(n.startswith(f"{name}.H") for n in names)
+    with pytest.raises(UndefinedReadoutError, match="rollout"):  # a product of every layer's pattern
+        capture(m, None, "", inputs=inputs, pattern_streams=[lambda *args: None])
+
+
+def test_a_mixer_ablation_equals_a_hook_on_the_librarys_module(hybrid_case):
+    """component_edit of a mixer's component (edit site "mixer") at some positions equals a
+    forward hook written here zeroing the library's mixer module's output there; it moves the logits."""
+    c = hybrid_case
+    m, a, tr = c.m, c.m.adapter, c.trace
+    inputs = c.inputs()
+    positions = [*tr.visual_positions[0][:3].tolist(), int(tr.answer_positions[0])]
+    for b in [b for b in range(tr.n_blocks) if a.mixer(b) is not None]:
+        edit = component_edit(tr, f"{tr.block_names[b]}.{a.mixer(b).module}", tuple(positions))
+        assert (edit.site, edit.block) == ("mixer", b)
+        got = edited_logits(m, inputs, [edit])
+
+        def zero(module, args, out):
+            written = out[0] if isinstance(out, tuple) else out
+            written = written.clone()
+            written[:, positions] = 0
+            return (written, *out[1:]) if isinstance(out, tuple) else written
+
+        handle = getattr(a.language_model.layers[b], a.mixer(b).module).register_forward_hook(zero)
+        try:
+            with torch.no_grad():
+                want = a.forward_logits(inputs)
+        finally:
+            handle.remove()
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        assert float((got - tr.logits).abs().max()) > forwards_tol(a, want, c.n_keys(want.shape[1]))
+
+
+# ---- mixture-of-experts MLPs
+
+
+def test_expert_components_reconstruct_the_mlp_output(moe_case):
+    """At every position of every MoE block the MLP's components are the experts the router
+    chose there (and the shared expert), each equal to the family's write computed by hand,
+    and they sum to the MoE module's output to float rounding (the residue is that rounding)."""
+    c = moe_case
+    a, tr = c.m.adapter, c.trace
+    blocks = [b for b in range(tr.n_blocks) if a.moe_experts(b)]
+    assert blocks and all(b in tr.mlp_in for b in blocks)
+    for b in blocks:
+        for p in range(tr.input_ids.shape[1]):
+            parts = dict(a.mlp_components(tr, b, p))
+            want = c.hook("expert_parts_by_hand")(c.m, tr, b, p)
+            assert sorted(parts) == sorted([*want, f"L{b}.experts_residue"])
+            terms = sum(v.abs() for v in want.values())
+            for name, w in want.items():  # the same products as the model forms them: a few roundings each
+                tol = 8 * unit_roundoff(w.dtype) * float(terms.max()) + float(torch.finfo(w.dtype).tiny)
+                torch.testing.assert_close(parts[name], w, atol=tol, rtol=0)
+            total = sum(want.values())
+            # the model's sum of the k + 1 parts into zeros and this one, in other orders
+            tol = sum_tol(float(terms.max()), 2 * (len(want) + 1), tr.mlp_out[b].dtype)
+            assert float((total - tr.mlp_out[b][0, p]).abs().max()) <= tol
+            assert float(parts[f"L{b}.experts_residue"].abs().max()) <= tol
+
+
+def test_expert_ablation_equals_a_hand_written_hook(moe_case):
+    """Edit site "expert" (component_edit of ``L{b}.E{e}``) at some positions gives the logits
+    of a forward whose experts module is patched to zero that expert's output there; it moves
+    the logits exactly when some of those positions chose the expert."""
+    c = moe_case
+    m, a, tr = c.m, c.m.adapter, c.trace
+    inputs = c.inputs()
+    block = next(b for b in range(tr.n_blocks) if a.moe_experts(b))
+    answer = int(tr.answer_positions[0])
+    positions = [*tr.visual_positions[0][:4].tolist(), answer]
+    moved_any = False
+    for expert in range(a.moe_experts(block)):
+        edit = component_edit(tr, f"L{block}.E{expert}", tuple(positions))
+        assert (edit.site, edit.block, edit.expert) == ("expert", block, expert)
+        got = edited_logits(m, inputs, [edit])
+        with c.hook("zeroed_expert")(m, block, expert, positions), torch.no_grad():
+            want = a.forward_logits(inputs)
+        tol = forwards_tol(a, want, c.n_keys(want.shape[1]))
+        torch.testing.assert_close(got, want, atol=tol, rtol=0)
+        chose = any(f"L{block}.E{expert}" in c.hook("expert_parts_by_hand")(m, tr, block, p) for p in positions)
+        moved = float((got - tr.logits).abs().max())
+        assert (moved > 2 * tol) if chose else (moved == 0), (expert, moved)
+        moved_any |= chose
+    assert moved_any
 
 
 # ---- geometry

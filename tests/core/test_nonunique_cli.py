@@ -115,15 +115,27 @@ def test_shapes_coca_region_mask_equals_the_library(tmp_path):
     assert _method_part(doc) == lib
 
 
-TINY = _cases(FAMILY_FILES, per_model=True)
+# Gemma 3n refuses non-unique attention (its values pass a per-head norm: no linear value map;
+# tests/core/test_gemma3n.py).
+TINY = _cases([f for f in FAMILY_FILES if f != "gemma3n"], per_model=True)
+
+
+def _reading_block(m, case) -> int:
+    """The first cross block, or the first self-attention block after block 0 whose answer row
+    may read a visual token (a chunked layer's may not: Llama 4's, the image outside its chunk)."""
+    kinds = [k for _, k in m.adapter.blocks]
+    if "cross" in kinds:
+        return kinds.index("cross")
+    tr = capture(m, noise_image(case.image_size), case.question, pattern_layers=[])
+    answer, visual = int(tr.answer_positions[0]), tr.visual_positions[0]
+    return next(b for b in tr.attention_blocks[1:] if bool(m.adapter.allowed_keys(tr, b)[answer, visual].any()))
 
 
 @pytest.mark.parametrize("family,kind", TINY, ids=[k for _, k in TINY])
 def test_tiny_family_models_equal_the_library(family, kind, tmp_path, monkeypatch):
     case = Case(family, kind)
     m = case.m
-    kinds = [k for _, k in m.adapter.blocks]
-    block = kinds.index("cross") if "cross" in kinds else 1
+    block = _reading_block(m, case)
     name = f"{m.adapter.blocks[block][0]}.H0"
     image_path = tmp_path / "noise.png"
     noise_image(case.image_size).save(image_path)
@@ -185,3 +197,21 @@ def test_the_parsers_copies_are_the_methods_levels_and_rule():
 
     # the parser's copies (kept so that --help imports no torch)
     assert LEVELS == tuple(LEVEL_NAMES) and TOP_TOKENS_RULE == METHOD_RULE
+
+
+def test_a_head_that_cannot_reach_the_image_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """Llama 4's chunked layer: the answer's chunk holds no visual token, so the head puts no
+    mass on the image and there is none to move: one line, exit 2, nothing written."""
+    case = Case("llama4", "llama4")
+    m = case.m
+    tr = capture(m, noise_image(case.image_size), case.question, pattern_layers=[])
+    answer, visual = int(tr.answer_positions[0]), tr.visual_positions[0]
+    blind = next(b for b in tr.attention_blocks if not bool(m.adapter.allowed_keys(tr, b)[answer, visual].any()))
+    image_path = tmp_path / "noise.png"
+    noise_image(case.image_size).save(image_path)
+    monkeypatch.setattr(core.cli, "_load", lambda args: m)
+    out = tmp_path / "n.json"
+    argv = ["nonunique", "--model", "tiny", "--image", str(image_path), "--question", case.question]
+    assert main([*argv, "--head", f"{tr.block_names[blind]}.H0", "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "puts no attention on the image" in err[0] and not out.exists()

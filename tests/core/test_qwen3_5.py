@@ -1,9 +1,9 @@
 """Qwen3.5 adapter on a tiny random float64 hybrid model (tests/core/tiny_qwen3_5.py:
-layers [linear, full, linear, full]): the conformance checks over its attention
-layers, and what is its own: the Gated DeltaNet layers have no pattern and no heads
-(every such read-out refused in one line, their write one component, ablated as a
-whole equal to a hand-written hook), the full-attention heads' query gate and
-partial interleaved M-RoPE recomputed here by their formulas."""
+layers [linear, full, linear, full]): the conformance checks (those of a hybrid
+decoder included: the Gated DeltaNet layers have no pattern and no heads, every such
+read-out refused in one line, their write one component, ablated as a whole equal to
+a hook on the library's module), and what is its own: the full-attention heads'
+query gate and partial interleaved M-RoPE recomputed here by their formulas."""
 
 import functools
 import math
@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-from core.errors import InterventionError, QuestionError, UndefinedReadoutError
-from core.forward.capture import capture, edited_logits
+from core.errors import InterventionError, QuestionError
+from core.forward.capture import capture
 from core.forward.edits import Edit
-from core.methods.residual import component_edit, decompose
+from core.methods.residual import decompose
 from core.models.families.qwen3_5 import Qwen3_5Adapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
@@ -165,57 +165,6 @@ def test_blocks_name_each_layers_mixer(traced):
     assert tr.attention_blocks == FULL and sorted(tr.patterns) == FULL and sorted(tr.mixer_out) == LINEAR
     assert all(tr.z[b] is None for b in LINEAR)
     assert "mixer" in m.adapter.edit_sites
-
-
-def test_pattern_and_head_readouts_of_a_linear_layer_are_refused_in_one_line(traced):
-    """A pattern, queries and keys, a head's write, a head or knockout edit and rollout
-    of a Gated DeltaNet layer: each refused with the layer and the reason, never a number."""
-    m, tr = traced
-    a = m.adapter
-    inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
-    reason = "L0 has no attention pattern and no heads: Gated DeltaNet linear attention"
-    for call in (
-        lambda: capture(m, None, "", inputs=inputs, pattern_layers=[0]),
-        lambda: capture(m, None, "", inputs=inputs, keep_qk=[2]),
-        lambda: tr.head_output(a, 0, 3),
-        lambda: a.W_Q(0),
-        lambda: a.queries_keys(tr, 0),
-        lambda: edited_logits(m, inputs, [Edit(0, 1, [3])]),
-        lambda: edited_logits(m, inputs, [Edit(0, None, [3], site="knockout", keys=[1])]),
-        lambda: capture(m, None, "", inputs=inputs, pattern_streams=[lambda *args: None]),
-    ):
-        with pytest.raises(UndefinedReadoutError) as refused:
-            call()
-        message = str(refused.value)
-        assert "\n" not in message and "no attention pattern" in message
-    assert reason in str(pytest.raises(UndefinedReadoutError, a.W_Q, 0).value)
-
-
-def test_a_linear_layers_ablation_equals_a_hand_written_hook(traced):
-    """Edit site "mixer" (what component_edit gives for ``L2.linear_attn``) zeroes the
-    Gated DeltaNet's output at the chosen positions: the same logits as a forward hook
-    written here on the library's module; and it changes the answer's logits."""
-    m, tr = traced
-    a = m.adapter
-    inputs = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
-    positions = tr.visual_positions[0][:5].tolist() + [int(tr.answer_positions[0])]
-    edit = component_edit(tr, "L2.linear_attn", tuple(positions))
-    assert edit.site == "mixer" and edit.block == 2
-    got = edited_logits(m, inputs, [edit])
-
-    def zero(module, args, out):
-        out = out.clone()
-        out[:, positions] = 0
-        return out
-
-    handle = a.language_model.layers[2].linear_attn.register_forward_hook(zero)
-    try:
-        with torch.no_grad():
-            want = a.forward_logits(inputs)
-    finally:
-        handle.remove()
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
-    assert float((got - tr.logits).abs().max()) > 1e-3
 
 
 def test_decomposition_is_exact_at_every_position_and_names_the_linear_writes(traced):

@@ -7,6 +7,7 @@ with no error, no warning and nothing on stderr (tied weights and buffers the
 library recomputes are not "missing").
 """
 
+import copy
 import json
 import random
 import shutil
@@ -413,11 +414,14 @@ def _tiny(family: str):
         test_aya_vision,
         test_blip,
         test_gemma3,
+        test_gemma3n,
         test_glm4v,
         test_idefics2,
         test_idefics3,
         test_internvl,
         test_janus,
+        test_lfm2_vl,
+        test_llama4,
         test_llava_next,
         test_llava_onevision,
         test_mistral3,
@@ -425,7 +429,10 @@ def _tiny(family: str):
         test_molmo2,
         test_paligemma,
         test_qwen2_vl,
+        test_qwen3_5,
+        test_qwen3_5_moe,
         test_qwen3_vl,
+        test_qwen3_vl_moe,
     )
 
     if family == "llava":
@@ -449,8 +456,15 @@ def _tiny(family: str):
         "qwen2_vl": lambda: test_qwen2_vl.tiny_qwen_float64("qwen2_vl"),
         "qwen2_5_vl": lambda: test_qwen2_vl.tiny_qwen_float64("qwen2_5_vl", tie=True),
         "qwen3_vl": test_qwen3_vl.tiny_qwen3_float64,
+        # issue 30: hybrid, mixture-of-experts and multi-stream decoders
+        "qwen3_vl_moe": test_qwen3_vl_moe.tiny_qwen3_vl_moe_float64,
+        "qwen3_5": test_qwen3_5.tiny_qwen3_5_float64,
+        "qwen3_5_moe": test_qwen3_5_moe.tiny_qwen3_5_moe_float64,
+        "lfm2_vl": test_lfm2_vl.tiny_lfm2_vl_float64,
+        "llama4": test_llama4.tiny_llama4_float64,
+        "gemma3n": test_gemma3n.tiny_gemma3n_float64,
     }[family]()
-    return m.model.float(), m.processor
+    return copy.deepcopy(m.model).float(), m.processor  # a builder may share its cached float64 model
 
 
 @pytest.mark.parametrize(
@@ -475,6 +489,12 @@ def _tiny(family: str):
         "aya_vision",
         "mllama",
         "blip",
+        "qwen3_vl_moe",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "lfm2_vl",
+        "llama4",
+        "gemma3n",
     ],
 )
 def test_every_family_round_trips_with_no_error_and_no_warning(tmp_path, family, capfd):

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.errors import QuestionError, oom_guard
+from core.errors import QuestionError, UndefinedReadoutError, oom_guard
 from core.files.images import load_image
 from core.forward.capture import ATTENTION_KINDS, capture, no_pattern_note
 from core.methods.contributions import source_contributions
@@ -141,14 +141,15 @@ class TokenRouting:
             visual token (None when the prompt was too long for full patterns).
         dla: ``(n_blocks, n_tokens)`` frozen-scale DLA through each visual
             token, summed over the block's heads (rows of blocks without
-            visual keys are 0).
+            visual keys are 0); None where the architecture has no linear value
+            path to split (Gemma 3n: its audit row says why).
     """
 
     tokens: list
     heads: list[tuple[int, str, int]]
     attention: np.ndarray
     rollout: np.ndarray | None
-    dla: np.ndarray
+    dla: np.ndarray | None
     rollout_alpha: float
     answer_id: int
     foil_id: int | None
@@ -161,8 +162,10 @@ class TokenRouting:
         return RegionRouting(
             [HeadMass(b, name, h, float(v)) for (b, name, h), v in zip(self.heads, mass)],
             float(self.rollout @ w) if self.rollout is not None else None,
-            float(self.dla.sum(0) @ w),
-            [{"block": b, "dla": float(v)} for b, v in enumerate(self.dla @ w) if self.dla[b].any()],
+            float(self.dla.sum(0) @ w) if self.dla is not None else None,
+            [{"block": b, "dla": float(v)} for b, v in enumerate(self.dla @ w) if self.dla[b].any()]
+            if self.dla is not None
+            else [],
             [{"index": int(i), "weight": float(w[i])} for i in np.nonzero(w)[0]],
             self.rollout_alpha,
         )
@@ -199,14 +202,14 @@ class RegionRouting:
         attention_mass: per head with visual keys, its :class:`HeadMass`.
         rollout_mass: ``sum_t R[answer, t] * weight_t`` (None: no full patterns).
         dla_through_region: frozen-scale DLA through the region's tokens
-            (:data:`DLA_CONVENTION`).
+            (:data:`DLA_CONVENTION`; None: not defined for this architecture).
         dla_by_block: the same per block (blocks with visual keys).
         token_weights: ``{"index", "weight"}`` of every token the region touches.
     """
 
     attention_mass: list[HeadMass]
     rollout_mass: float | None
-    dla_through_region: float
+    dla_through_region: float | None
     dla_by_block: list[dict]
     token_weights: list[dict]
     rollout_alpha: float
@@ -294,9 +297,14 @@ def token_routing(
         r = stream.answer_row(trace).double().cpu()
         vis_nodes = vis_pos.cpu() if vis_pos.numel() else torch.arange(n, r.shape[0])
         roll = r[vis_nodes].numpy()
-    sc = source_contributions(adapter, trace, answer_id, foil_id, position=pos)
-    dla = np.zeros((trace.n_blocks, len(tokens)))
-    for block, d in enumerate(sc.dla_frozen):
+    try:
+        sc = source_contributions(adapter, trace, answer_id, foil_id, position=pos)
+    except UndefinedReadoutError as e:  # no linear value path (Gemma 3n): the effect is measured all the same
+        sc, dla = None, None
+        refused = AuditRecord.not_defined("source contribution", str(e))
+    else:
+        dla = np.zeros((trace.n_blocks, len(tokens)))
+    for block, d in enumerate(sc.dla_frozen if sc is not None else []):
         if d is None:  # a block without heads: no source of its write is read off a pattern
             continue
         d = d.double().cpu().sum(0)  # (sources,) summed over heads
@@ -324,6 +332,9 @@ def token_routing(
         audits.append(
             AuditRecord.not_defined("rollout / flow", f"rollout multiplies every layer's pattern; {undefined}")
         )
+    if sc is None:
+        audits.append(refused)
+        return TokenRouting(tokens, heads, attention, roll, dla, rollout_alpha, answer_id, foil_id, pos, audits)
     audits.append(sc.audit)
     if undefined:
         sc.audit.notes.append(

@@ -49,6 +49,11 @@ def region_keys(trace, block: int, head: int, tokens, mask=None, *, cover: float
     weights = trace.patterns[block][0, head, qi, keys].double().tolist()
     order = sorted(range(len(keys)), key=lambda i: (-weights[i], keys[i]))
     total, held, n = sum(weights), 0.0, 0
+    if total == 0:  # a chunked or sliding-window layer whose answer row cannot reach the image
+        raise InterventionError(
+            f"head {trace.block_names[block]}.H{head} puts no attention on the image at the answer position (its "
+            "mask hides every visual key there): no mass to move; name a head of a block that reads the image"
+        )
     while n < len(order) and (n == 0 or held < share * total):
         held += weights[order[n]]
         n += 1
