@@ -533,6 +533,8 @@ def test_a_layer_without_pattern_is_refused_in_one_line_and_is_one_component(hyb
     sc = source_contributions(a, tr, a_id, f_id)
     answer = int(tr.answer_positions[0])
     names, C = a.component_stack(tr, answer)
+    for position in [0, int(tr.visual_positions[0][3]), answer]:  # exact wherever it is read
+        assert decompose(a, tr, a_id, f_id, position=position).reconstruction_ok
     for b in mixers:
         name, what = tr.block_names[b], a.mixer(b).what
         for call in (

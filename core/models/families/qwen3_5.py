@@ -40,7 +40,7 @@ import torch
 from core.models.declaration import Decoder, Mixer, Rotary
 from core.models.families.qwen2_vl import Qwen2VLAdapter
 from core.models.families.qwen3_vl import QWEN3_PROMPT
-from core.models.families.qwen3_vl_moe import routed_writes
+from core.models.families.qwen3_vl_moe import FusedExperts
 
 GATED_DELTANET = Mixer("linear_attention", "linear_attn", "linear", "Gated DeltaNet linear attention")
 
@@ -89,7 +89,7 @@ class Qwen3_5Adapter(Qwen2VLAdapter):
         return torch.sigmoid(g if b is None else g + b.to(x.dtype))
 
 
-class Qwen3_5MoeAdapter(Qwen3_5Adapter):
+class Qwen3_5MoeAdapter(FusedExperts, Qwen3_5Adapter):
     """Qwen3.5 with mixture-of-experts MLPs and a gated shared expert (see the module docstring)."""
 
     declaration = replace(
@@ -98,16 +98,3 @@ class Qwen3_5MoeAdapter(Qwen3_5Adapter):
         architectures=("Qwen3_5MoeForConditionalGeneration",),
         edit_sites=(*Qwen3_5Adapter.declaration.edit_sites, "expert"),
     )
-
-    def moe_experts(self, block: int) -> int:
-        experts = getattr(self._layer(block).mlp, "experts", None)
-        return 0 if experts is None else int(experts.num_experts)
-
-    def expert_writes(self, block: int, x: torch.Tensor, expert: int | None = None) -> list:
-        """The routed experts' writes and ``L{l}.shared_expert``: ``sigmoid(g . x) * shared(x)``."""
-        mlp = self._layer(block).mlp
-        parts = routed_writes(f"L{block}", mlp.gate, mlp.experts, x, expert)
-        if expert is None:
-            shared = torch.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x)
-            parts.append((f"L{block}.shared_expert", shared))
-        return parts

@@ -47,7 +47,26 @@ def routed_writes(name: str, router, experts, x: torch.Tensor, expert: int | Non
     return out
 
 
-class Qwen3VLMoeAdapter(Qwen3VLAdapter):
+class FusedExperts:
+    """The experts of Qwen's sparse MLP blocks (``mlp.gate`` the router, ``mlp.experts`` fused;
+    Qwen3.5-MoE's also ``mlp.shared_expert`` scaled by ``sigmoid(mlp.shared_expert_gate(x))``),
+    mixed into a family adapter."""
+
+    def moe_experts(self, block: int) -> int:
+        experts = getattr(self._layer(block).mlp, "experts", None)
+        return 0 if experts is None else int(experts.num_experts)
+
+    def expert_writes(self, block: int, x: torch.Tensor, expert: int | None = None) -> list:
+        """The routed experts' writes and, where the block has one, ``L{l}.shared_expert``."""
+        mlp = self._layer(block).mlp
+        parts = routed_writes(f"L{block}", mlp.gate, mlp.experts, x, expert)
+        shared = getattr(mlp, "shared_expert", None)
+        if expert is None and shared is not None:
+            parts.append((f"L{block}.shared_expert", torch.sigmoid(mlp.shared_expert_gate(x)) * shared(x)))
+        return parts
+
+
+class Qwen3VLMoeAdapter(FusedExperts, Qwen3VLAdapter):
     """Qwen3-VL with mixture-of-experts MLPs (see the module docstring)."""
 
     declaration = replace(
@@ -56,11 +75,3 @@ class Qwen3VLMoeAdapter(Qwen3VLAdapter):
         architectures=("Qwen3VLMoeForConditionalGeneration",),
         edit_sites=(*Qwen3VLAdapter.declaration.edit_sites, "expert"),
     )
-
-    def moe_experts(self, block: int) -> int:
-        experts = getattr(self._layer(block).mlp, "experts", None)
-        return 0 if experts is None else int(experts.num_experts)
-
-    def expert_writes(self, block: int, x: torch.Tensor, expert: int | None = None) -> list:
-        mlp = self._layer(block).mlp
-        return routed_writes(f"L{block}", mlp.gate, mlp.experts, x, expert)
