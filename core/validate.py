@@ -481,14 +481,20 @@ class Validation:
         gate = {"not a candidate": (1, 2, 3, 4), "mechanism candidate": (5,)}.get(status, (6, 7))
         return ", ".join(f"{k} {chain.steps[k].status}" for k in gate if chain.steps[k].status != "passed")
 
+    def tested(self) -> str:
+        """What the chains tested, whatever the claim's words: ``relation tested: '...', on
+        <the held-out condition: dataset, split, kinds, n=..., at the query position>``."""
+        return f"relation tested: {self.claim.relation!r}, on {self.heldout.describe()}"
+
     def verdict(self, chain: ValidationChain) -> str:
         """``supported on D`` when all seven steps pass, else the status reached
-        and the steps that hold it back (the full reason is the chain's)."""
+        and the steps that hold it back (the full reason is the chain's); then
+        which steps passed, as ``steps passed: 1 of 7 (step 7)``."""
         status = chain.status().status
         where = self.heldout.describe()
         if status == "supported":
-            return f"supported on {where}"
-        return f"not supported on {where}: {status}, held back by step {self.held_back(chain)}"
+            return f"supported on {where}; {chain.steps_passed()}"
+        return f"not supported on {where}: {status}, held back by step {self.held_back(chain)}; {chain.steps_passed()}"
 
     def verdicts(self) -> list[dict]:
         return [
@@ -498,18 +504,20 @@ class Validation:
                 "supported": c.label().supported,
                 "verdict": self.verdict(c),
                 "reason": c.status().reason,
+                "relation": self.claim.relation,
+                "n": self.heldout.n_samples,
+                "steps_passed": [k for k, s in c.steps.items() if s.status == "passed"],
+                "steps_tested": len(c.steps),
             }
             for c in self.chains
         ]
 
     def summary(self) -> str:
-        """``validate L1.H1: candidate with intervention (steps passed 1-5, 7) on ... n=150``."""
-        parts = []
-        for c in self.chains:
-            passed = [str(k) for k, s in c.steps.items() if s.status == "passed"]
-            parts.append(f"{c.subject}: {c.status().status} (steps passed {','.join(passed) or 'none'})")
+        """``validate L1.H1: candidate with intervention, steps passed: 6 of 7 (steps 1, 2, 3, 4, 5, 7);
+        relation tested: '...', on scenes split 'heldout', ..., n=150, at the answer position``."""
+        parts = [f"{c.subject}: {c.status().status}, {c.steps_passed()}" for c in self.chains]
         tail = " [cancelled]" if self.cancelled else ""
-        return f"validate {'; '.join(parts)} on {self.heldout.dataset} {self.heldout.split!r} n={self.heldout.n_samples}{tail}"
+        return f"validate {'; '.join(parts) or 'no chain'}; {self.tested()}{tail}"
 
     def parameters(self) -> dict:
         return {

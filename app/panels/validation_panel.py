@@ -472,9 +472,9 @@ class ValidationPanel(QWidget):
             return
         status, held = chain.status(), self.validation.held_back(chain)
         said = "supported" if chain.label().supported else f"not supported: {status.status}, held back by step {held}"
-        self.verdict_label.setText(f"{chain.subject}: {said}")
+        self.verdict_label.setText(f"{chain.subject}: {said}; {chain.steps_passed()}")
         self.verdict_label.setToolTip(status.reason)
-        self.distribution_label.setText(f"on {self.validation.heldout.describe()}")
+        self.distribution_label.setText(self.validation.tested())  # the relation, condition and n above the steps
         steps = list(chain.steps.values())
         self.table.blockSignals(True)
         self.table.clearSelection()

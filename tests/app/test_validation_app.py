@@ -53,8 +53,16 @@ def test_the_checklist_shows_the_runs_own_statuses_and_lands_in_the_session(chec
     verdict = result.verdicts()[0]
     said = "supported" if verdict["supported"] else f"not supported: {verdict['status']}, held back by step"
     assert panel.verdict_label.text().startswith(f"{SUBJECT}: {said}")
-    # with the distribution it was measured on
-    assert panel.distribution_label.text() == f"on {result.heldout.describe()}" and "heldout" in verdict["verdict"]
+    # which steps passed, never a bare count (issue 31: "steps passed 7" read as seven passes)
+    passed = [k for k in range(1, 8) if statuses(result)[k - 1] == "passed"]
+    assert panel.verdict_label.text().endswith(
+        f"steps passed: {len(passed)} of 7"
+        + (f" ({'step' if len(passed) == 1 else 'steps'} {', '.join(map(str, passed))})" if passed else "")
+    )
+    # above the steps: the relation actually tested, the distribution it was measured on and its n
+    said = panel.distribution_label.text()
+    assert said == result.tested() and result.claim.relation in said and f"n={result.heldout.n_samples}" in said
+    assert "heldout" in verdict["verdict"] and verdict["steps_passed"] == passed
     for r, step in enumerate(result.chains[0].steps.values()):
         assert panel.table.item(r, COLUMNS.index("title")).text() == step.title
         assert panel.table.item(r, COLUMNS.index("n")).text().startswith(str(step.n))

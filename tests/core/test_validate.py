@@ -304,3 +304,26 @@ def test_help_explains_each_argument(capsys):
     out = capsys.readouterr().out
     for flag in ("--head", "--route", "--candidates", "--claim", "--dataset", "--heldout", "--region", "--session"):
         assert flag in out
+
+
+def test_steps_passed_names_the_steps_and_the_summary_the_relation_tested():
+    """Issue 31: a summary that read "not a candidate (steps passed 7)" was read as seven
+    passes when only step 7 passed: the count is "k of 7" with the steps named, and the
+    summary names the relation tested, the held-out condition and its n."""
+    from core.methods.validation.chain import ChainStep, InputCondition, ValidationChain
+    from core.validate import Claim, Validation
+
+    condition = InputCondition("scenes", "heldout", 1, kinds=("attribute",))
+    chain = ValidationChain("L3.H2", "moves the asked attribute", "m", condition)
+    for k in range(1, 8):
+        status = "passed" if k == 7 else "failed" if k == 1 else "not tested"
+        chain.record(ChainStep(k, "", status, "x", None, 1, "heldout"))
+    assert chain.steps_passed() == "steps passed: 1 of 7 (step 7)"
+    validation = Validation(Claim("writes the yes/no answer"), "m", "", condition, condition, [chain])
+    summary = validation.summary()
+    assert "steps passed: 1 of 7 (step 7)" in summary and "(steps passed 7)" not in summary
+    assert f"relation tested: {validation.claim.relation!r}, on {condition.describe()}" in summary and "n=1," in summary
+    (verdict,) = validation.verdicts()
+    assert verdict["steps_passed"] == [7] and verdict["n"] == 1 and verdict["verdict"].endswith("(step 7)")
+    chain.steps[1].status = chain.steps[2].status = "passed"
+    assert chain.steps_passed() == "steps passed: 3 of 7 (steps 1, 2, 7)"

@@ -459,6 +459,13 @@ class ValidationChain:
             step.criterion = self.criteria.get(step.number, "")
         self.steps[step.number] = step
 
+    def steps_passed(self) -> str:
+        """``"steps passed: 1 of 7 (step 7)"``: how many of the seven steps passed, and
+        which: never a bare count, which reads as "the first k" or as "k passed" alike."""
+        passed = [k for k, s in self.steps.items() if s.status == "passed"]
+        which = f" ({'step' if len(passed) == 1 else 'steps'} {', '.join(map(str, passed))})" if passed else ""
+        return f"steps passed: {len(passed)} of {len(self.steps)}{which}"
+
     def status(self) -> ChainStatus:
         """One of :data:`CHAIN_STATUSES` with the reason (which steps hold it back)."""
         s = self.steps

@@ -576,9 +576,14 @@ def run_chain(
             "search": chain.search.get("split"),
             "evaluation": ctx.eval_condition.split,
             "distribution": ctx.eval_condition.describe(),
+            "relation": RELATION,
+            "n": ctx.eval_condition.n_samples,
             "model": ctx.loaded.spec,
             "fingerprint": getattr(ctx.loaded, "fingerprint", ""),
         },
-        ["the label holds on its input condition only; outside it, it is a hypothesis"],
+        [
+            "the label holds on its input condition only; outside it, it is a hypothesis",
+            f"tested: {RELATION!r} on {ctx.eval_condition.describe()}; {chain.steps_passed()}",
+        ],
     )
     return chain
