@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.answer_text import AnswerText, run_parameters
+from core.errors import UndefinedReadoutError
 from core.results.audit import AuditRecord
 from core.shell.precision import accumulating
 
@@ -318,7 +319,9 @@ class QkOvResult:
             w["flag"],
             f"QK {qk['form']}: singular values {', '.join(f'{s:.3g}' for s in qk['singular_values'][:5])} "
             f"(left out: {qk['left_out']})",
-            f"OV {ov['form']}: singular values {', '.join(f'{s:.3g}' for s in ov['singular_values'][:5])}",
+            f"OV {ov['form']}: singular values {', '.join(f'{s:.3g}' for s in ov['singular_values'][:5])}"
+            if ov["singular_values"] is not None
+            else f"OV not defined: {ov['not_defined']}",
         ]
         copying = w.get("copying")
         if copying is not None:
@@ -348,7 +351,9 @@ class QkOvResult:
         w = self.weight_level
         parts = [
             f"{self.head['name']} ({self.head['block_kind']}): QK sigma_1 {w['qk']['singular_values'][0]:.3f}",
-            f"OV sigma_1 {w['ov']['singular_values'][0]:.3f}",
+            f"OV sigma_1 {w['ov']['singular_values'][0]:.3f}"
+            if w["ov"]["singular_values"] is not None
+            else "OV not defined",
         ]
         if w["copying"] is not None:
             parts.append(
@@ -377,7 +382,11 @@ class QkOvResult:
 
 
 def _weight_level(adapter, block: int, head: int, copy_tokens: list[int] | None) -> tuple[dict, list[AuditRecord]]:
-    qk, ov = qk_circuit(adapter, block, head), ov_circuit(adapter, block, head)
+    qk = qk_circuit(adapter, block, head)
+    try:
+        ov, ov_refused = ov_circuit(adapter, block, head), None
+    except UndefinedReadoutError as e:  # no linear value map (Gemma 3n's per-head value norm): QK stands alone
+        ov, ov_refused = None, str(e)
     audits = [
         AuditRecord.for_method(
             "qk/ov circuit",
@@ -396,7 +405,12 @@ def _weight_level(adapter, block: int, head: int, copy_tokens: list[int] | None)
     ]
     copying, skipped = None, None
     vocab = adapter.W_U.shape[1]
-    if adapter.blocks[block][1] != "self":
+    if ov_refused is not None:
+        skipped = f"not defined: {ov_refused}"
+        audits.append(
+            AuditRecord.not_defined("qk/ov circuit", ov_refused, {"block": block, "head": head, "part": "OV"})
+        )
+    elif adapter.blocks[block][1] != "self":
         skipped = "cross-attention head: its values are visual tokens, not token embeddings"
     elif copy_tokens is None and vocab > COPYING_VOCAB_LIMIT:
         skipped = f"vocabulary of {vocab} tokens (over {COPYING_VOCAB_LIMIT}): name the tokens to score"
@@ -415,7 +429,8 @@ def _weight_level(adapter, block: int, head: int, copy_tokens: list[int] | None)
         "ov": {
             "form": "W_V[h] W_O[h]"
             + (" (ungated: the model gates each query's output first)" if adapter.head_output_gate else ""),
-            "singular_values": ov.singular_values.tolist(),
+            "singular_values": ov.singular_values.tolist() if ov is not None else None,
+            **({"not_defined": ov_refused} if ov_refused is not None else {}),
         },
         "copying": copying,
         "copying_skipped": skipped,

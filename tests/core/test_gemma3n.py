@@ -559,3 +559,23 @@ def test_visual_tokens_tile_the_stretched_image(size):
     w, h = tokens[0].box[2] - tokens[0].box[0], tokens[0].box[3] - tokens[0].box[1]
     cell = IMAGE_SIDE / GRID
     assert (w, h) == pytest.approx((cell * size[0] / IMAGE_SIDE, cell * size[1] / IMAGE_SIDE))
+
+
+def test_qk_stands_where_the_ov_circuit_is_not_defined():
+    """qk-ov of a head: the QK circuit and the realised scores are defined (and equal the
+    model's); the OV circuit and the copying score are not (the values pass a per-head norm):
+    marked not defined in the result, its lines and an audit row, never a number."""
+    from core.methods.qk_ov import qk_ov
+
+    m = traced_case(CASES[0])[0]
+    result = qk_ov(m, "L1.H0", noise_image(IMAGE_SIZE), QUESTION)
+    ov = result.weight_level["ov"]
+    assert ov["singular_values"] is None and "no linear value map W_V" in ov["not_defined"]
+    assert result.weight_level["qk"]["singular_values"] and result.weight_level["copying"] is None
+    assert any(line.startswith("OV not defined: ") for line in result.weight_lines())
+    assert "OV not defined" in result.summary()
+    refused = [a for a in result.audit_records() if a.parameters.get("defined") is False]
+    assert len(refused) == 1 and refused[0].parameters["part"] == "OV"
+    agreement = result.activation_level["agreement"]["max_abs_score_difference"]
+    tr = traced_case(CASES[0])[1]
+    assert agreement <= realized_scores_tol(m.adapter, tr, 1)  # the realised scores are the model's
