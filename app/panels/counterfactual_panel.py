@@ -755,13 +755,24 @@ class CounterfactualPanel(QWidget):
             self.heads_table.setRowCount(0)
             return
         rollout, alpha = routing.rollout_mass, routing.rollout_alpha
+        # what the result's audit rows say is not defined for this architecture (a hybrid decoder's
+        # rollout; Gemma 3n's source contributions), in place of a number
+        undefined = {a.method: a.notes[0] for a in self.result.audit_records() if a.parameters.get("defined") is False}
         self.rollout_value.setText(
             f"{rollout:.4f}" + (f"  (α = {alpha})" if alpha is not None else "")
             if rollout is not None
+            else f"— ({undefined['rollout / flow']})"
+            if "rollout / flow" in undefined
             else "— (prompt too long for full patterns)"
         )
         dla = routing.dla_through_region
-        self.dla_value.setText(_fmt(dla, True) + "  (frozen-scale)" if dla is not None else "—")
+        self.dla_value.setText(
+            _fmt(dla, True) + "  (frozen-scale)"
+            if dla is not None
+            else f"— ({undefined['source contribution']})"
+            if "source contribution" in undefined
+            else "—"
+        )
         heads = routing.attention_mass
         self.mean_mass_value.setText(f"{routing.mean_attention_mass:.4f} over {len(heads)} heads" if heads else "—")
         top = routing.top_heads(min(int(self.top_k.value()), len(heads)))

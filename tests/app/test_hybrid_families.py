@@ -66,3 +66,18 @@ def test_the_familys_folder_reads_out_with_undefined_readouts_marked(qtbot, wind
         experts = [n for n in names if component_kind(n) == "expert"]
         moe_blocks = {f"L{b}" for b in range(adapter.n_layers) if adapter.moe_experts(b)}
         assert experts and {n.split(".")[0] for n in experts} == moe_blocks
+
+
+@pytest.mark.parametrize("family,row", [("qwen3_5", "rollout_value"), ("gemma3n", "dla_value")])
+def test_the_counterfactual_tab_says_what_is_not_defined(qtbot, window, tmp_path, family, row):
+    """A region counterfactual on a hybrid decoder (no rollout) and on Gemma 3n (no source
+    contributions): the effect is measured, and the routing row without a number says why."""
+    import numpy as np
+
+    open_folder(qtbot, window, tmp_path, family)
+    mask = np.zeros((window.image.height, window.image.width), bool)
+    mask[: mask.shape[0] // 2] = True
+    window.counterfactual_panel.canvas.set_mask(mask)
+    run_until_idle(qtbot, window, lambda: window.actions.run_counterfactual(mask, "mean", {}))
+    text = getattr(window.counterfactual_panel, row).text()
+    assert text.startswith("— (not defined: ") and ("rollout" in text if family == "qwen3_5" else "W_V" in text)
