@@ -197,6 +197,7 @@ class ModelSizes:
     d_mlp: int
     vocab: int
     n_visual: int = DEFAULT_VISUAL_TOKENS
+    experts: bool = False  # mixture-of-experts MLPs: the capture also keeps each one's input
 
     @property
     def nominal_tokens(self) -> int:
@@ -229,6 +230,7 @@ class ModelSizes:
             d_mlp=size("intermediate_size", "ffn_dim", "n_inner", default=4 * d_model),
             vocab=size("vocab_size", default=32000),
             n_visual=_visual_tokens(config),
+            experts=bool(size("num_experts", "num_local_experts", "n_routed_experts")),
         )
 
     @classmethod
@@ -298,7 +300,8 @@ def working_set_bytes(
       float32 softmax); sdpa never materialises them;
     * the logits ``T x vocab`` in the model's dtype;
     * "capture" also: what the Trace keeps per block (resid_pre, z, mlp_out:
-      ``3 x blocks x T x d_model`` in the model's dtype), one chunk of
+      ``3 x blocks x T x d_model`` in the model's dtype; a fourth, the MoE
+      module's input, where the MLPs are mixtures of experts), one chunk of
       recomputed pattern rows (``heads x ROW_CHUNK x T`` float32) and a float32
       copy of the logits, which the lens read-outs upcast.
     """
@@ -311,7 +314,7 @@ def working_set_bytes(
         total += s.n_heads * T * T * (size + 4)
     total += T * s.vocab * size
     if readout == "capture":
-        total += 3 * s.n_blocks * T * s.d_model * size
+        total += (4 if s.experts else 3) * s.n_blocks * T * s.d_model * size
         total += s.n_heads * ROW_CHUNK * T * 4
         total += T * s.vocab * 4
     return batch * total

@@ -193,6 +193,12 @@ def test_working_set_grows_with_the_prompt():
     eager = working_set_bytes(sizes, 6400, torch.bfloat16, eager=True)
     assert eager - long == 32 * 6400 * 6400 * (2 + 4)  # one layer's weights and their float32 softmax
     assert working_set_bytes(sizes, 6400, torch.bfloat16, "forward") < long
+    # mixture-of-experts MLPs: each MoE module's input is kept too (one more stream per block)
+    moe = ModelSizes(n_blocks=32, d_model=4096, n_heads=32, d_mlp=11008, vocab=32000, n_visual=576, experts=True)
+    assert working_set_bytes(moe, 6400, torch.bfloat16) - long == 32 * 6400 * 4096 * 2
+    assert ModelSizes.from_hf_config({"text_config": {"num_experts": 128, "hidden_size": 64}}).experts
+    assert ModelSizes.from_hf_config({"text_config": {"num_local_experts": 16}}).experts
+    assert not ModelSizes.from_hf_config({"text_config": {"hidden_size": 64}}).experts
 
 
 def test_a_long_prompt_is_refused_before_the_readout(shapes_llava, monkeypatch):
