@@ -59,6 +59,7 @@ from core.methods.validation import (
     run_chain,
     visual_heads,
 )
+from core.methods.validation.power import StepOnePower, sample_chance
 from core.methods.validation.setting import REGION_MIN_COVER
 from core.results.audit import AuditRecord
 from core.results.readout import jsonable
@@ -621,6 +622,10 @@ def validate(
     search, held = read_chain_data(
         loaded, dataset, heldout, n=n, n_side=n_side, region=region, min_distractors=min_distractors, seed=seed
     )
+    # refused before any forward: a held-out set on which step 1 cannot pass supports nothing
+    power = StepOnePower.of([sample_chance(loaded.adapter, s) for s in held.samples])
+    if not power.can_pass:
+        raise ValidateError(power.refusal())
     ctx = ChainContext(
         loaded,
         search.samples,

@@ -233,3 +233,15 @@ def test_head_actions_refuse_what_is_no_selected_head(qtbot, read_out):
     assert window.selection.current.stale
     assert not window.actions.run_qk_ov() and "select it again" in panel.message_label.text()
     assert window.session.runs("qk-ov") == [] and window.session.runs("nonunique") == []
+
+
+def test_a_held_out_set_too_small_for_step_one_is_refused_with_its_minimum(qtbot, window):
+    """Issue 31's new user: a held-out set of one input cannot pass step 1's exact test at its
+    level, so nothing runs: the window says so with the smallest n that could, and records nothing."""
+    state_claim(window, n=2)
+    window.validation_panel.set_dataset("bundled")  # halved: one input held out, as that user had
+    run_until_idle(qtbot, window, window.actions.run_claim)
+    message = window.inputs.error_label.text()
+    assert "held-out n=1 is too small" in message and "the smallest n at which step 1 could pass is" in message
+    assert window.validation_panel.message_label.text() == message
+    assert window.session.runs("validate") == [] and window.validation_panel.validation is None

@@ -327,3 +327,29 @@ def test_steps_passed_names_the_steps_and_the_summary_the_relation_tested():
     assert verdict["steps_passed"] == [7] and verdict["n"] == 1 and verdict["verdict"].endswith("(step 7)")
     chain.steps[1].status = chain.steps[2].status = "passed"
     assert chain.steps_passed() == "steps passed: 3 of 7 (steps 1, 2, 7)"
+
+
+def test_step_one_power_refuses_a_set_it_cannot_pass_on_with_the_smallest_n():
+    """Every sample a hit is step 1's best case: p = prod chance_i. One sample at chance 0.03
+    gives p = 0.03 > 0.00135: refused, with the smallest n whose best case passes (2: 0.0009)."""
+    from core.methods.validation.power import StepOnePower
+    from core.methods.validation.stats import poisson_binomial_tail
+
+    one = StepOnePower.of([0.03])
+    assert not one.can_pass and one.best_p == pytest.approx(poisson_binomial_tail(1, [0.03]))
+    assert one.minimum_n == 2 and StepOnePower.of([0.03, 0.03]).can_pass
+    assert "held-out n=1 is too small" in one.refusal() and "step 1 could pass is 2" in one.refusal()
+    # a sample whose target covers no patch token cannot hit: it does not help the best case
+    assert StepOnePower.of([0.3, 0.0, 0.3]).best_p == pytest.approx(0.09)
+    # at chance 0.5 six hits give 0.0156, eight 0.0039, ten 0.00098: the minimum is 10
+    assert StepOnePower.of([0.5] * 9).minimum_n == 10 and not StepOnePower.of([0.5] * 9).can_pass
+    assert StepOnePower.of([1.0]).minimum_n is None and "no n could" in StepOnePower.of([1.0]).refusal()
+
+
+def test_a_held_out_set_too_small_for_step_one_is_refused_in_one_line(models, tmp_path, capsys):
+    out = tmp_path / "v.json"
+    argv = ["validate", "--head", "L1.H1", "--claim", "writes the yes/no answer", "--dataset", "scenes", "--n", "1"]
+    assert main([*argv, "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: held-out n=1 is too small") and not out.exists()
+    assert "the smallest n at which step 1 could pass is" in err[0]
