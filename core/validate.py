@@ -42,7 +42,6 @@ import numpy as np
 
 from core.errors import InputFileError, ReadoutError
 from core.methods.validation import (
-    CRITERIA,
     RELATION,
     ChainCancelled,
     ChainContext,
@@ -61,6 +60,8 @@ from core.methods.validation import (
 )
 from core.methods.validation.power import StepOnePower, sample_chance
 from core.methods.validation.setting import REGION_MIN_COVER
+from core.methods.validation.spec import ATTRIBUTE_MOVING, ClaimSpec
+from core.methods.validation.spec import resolve as resolve_spec
 from core.results.audit import AuditRecord
 from core.results.readout import jsonable
 
@@ -470,6 +471,7 @@ class Validation:
     seconds: float = 0.0
     schema_version: int = SCHEMA_VERSION
     dtype_and_device: dict = field(default_factory=dict)  # what the chains ran in (Adapter.dtype_and_device)
+    spec: ClaimSpec = ATTRIBUTE_MOVING  # the specification the chains were derived from
 
     kind = "validate"  # the session's run kind (core.results.readout.Readout)
 
@@ -546,11 +548,12 @@ class Validation:
                 "schema_version": self.schema_version,
                 "kind": self.kind,
                 "claim": self.claim.to_dict(),
+                "specification": self.spec.to_dict(),
                 "model": {"spec": self.model, "fingerprint": self.fingerprint, **self.dtype_and_device},
                 "search": self.search.to_dict(),
                 "heldout": self.heldout.to_dict(),
                 "found_by": self.found_by,
-                "criteria": {str(k): v for k, v in CRITERIA.items()},
+                "criteria": {str(k): v for k, v in self.spec.criteria().items()},
                 "verdicts": self.verdicts(),
                 "chains": [c.to_dict() for c in self.chains],
                 "labels": [{**c.label().to_dict(), "claim": self.claim.text} for c in self.chains],
@@ -577,6 +580,8 @@ class Validation:
             bool(d.get("cancelled", False)),
             float(d.get("seconds", 0.0)),
             dtype_and_device={k: d["model"][k] for k in ("dtype", "device") if k in d["model"]},
+            # a document written before specifications: the attribute relation, which it tested
+            spec=ClaimSpec.from_dict(d["specification"]) if "specification" in d else ATTRIBUTE_MOVING,
         )
 
 
@@ -599,6 +604,7 @@ def validate(
     batch_size: int = 32,
     progress: Callable | None = None,
     cancel: Callable[[], bool] | None = None,
+    spec: str | ClaimSpec | None = None,
 ) -> Validation:
     """Run the seven-step chain on each head or route of ``subjects`` (names,
     :func:`parse_subject`), and with ``candidates=k`` on the top k heads the
@@ -613,9 +619,13 @@ def validate(
             ``seed`` also seeds the matched random heads and the swaps' noise.
         progress: ``progress(done, total, message)``; cancel: returns True to
             stop (the steps done so far are kept; the rest are not tested).
+        spec: the claim's specification (:class:`core.methods.validation.spec.ClaimSpec`,
+            a shipped one's name or a JSON file; default the attribute relation): the
+            relation tested and each step's thresholds.
     """
     t0 = time.perf_counter()
-    the_claim = Claim(claim)
+    spec = resolve_spec(spec)
+    the_claim = Claim(claim, spec.relation)
     named = [parse_subject(s, loaded) for s in subjects]
     if not named and candidates <= 0:
         raise ValidateError("name a head or route to validate, or ask for candidates (--candidates K)")
@@ -623,9 +633,15 @@ def validate(
         loaded, dataset, heldout, n=n, n_side=n_side, region=region, min_distractors=min_distractors, seed=seed
     )
     # refused before any forward: a held-out set on which step 1 cannot pass supports nothing
-    power = StepOnePower.of([sample_chance(loaded.adapter, s) for s in held.samples])
+    power = StepOnePower.of([sample_chance(loaded.adapter, s) for s in held.samples], spec.hit_p)
     if not power.can_pass:
         raise ValidateError(power.refusal())
+    least = spec.minimum_n_step5()
+    if least is not None and held.n < least:
+        raise ValidateError(
+            f"held-out n={held.n} is too small for the stated effect: step 5's 95% interval of the mean drop "
+            f"excludes zero at a standardised effect of {spec.effect_size:g} only from n={least}"
+        )
     ctx = ChainContext(
         loaded,
         search.samples,
@@ -639,6 +655,7 @@ def validate(
         batch_size=batch_size,
         progress=progress,
         cancel=cancel,
+        spec=spec,
     )
     todo: list[tuple[Subject, dict | None]] = [(s, None) for s in named]
     table: list[dict] = []
@@ -672,4 +689,5 @@ def validate(
         cancelled,
         time.perf_counter() - t0,
         dtype_and_device=loaded.adapter.dtype_and_device(),
+        spec=spec,
     )

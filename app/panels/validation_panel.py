@@ -57,11 +57,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+import core
 from app.components import RunInput, ShownRun
 from app.components.selection import SelectedComponent, Selection, is_head
 from app.panels.run_requests import Refusal, RunningLine
 from app.widgets import ElidedLabel, boxed, plain_label, set_columns, set_title, split, stacked, style_plot, text_scroll
 from core.methods.validation.chain import SwapPair
+from core.methods.validation.spec import ATTRIBUTE_MOVING, SHIPPED, ClaimSpec
+from core.methods.validation.spec import resolve as resolve_spec
 from core.requests import ValidateRequest
 
 if TYPE_CHECKING:
@@ -186,6 +189,17 @@ class ValidationPanel(QWidget):
             "where the inputs come from: the bundled samples (halved into search and held-out), the synthetic "
             "shape scenes (their val split searched, the held-out split evaluated), or a folder holding a pairs JSONL"
         )
+        # the claim's specification: the relation tested and each step's thresholds (a shipped one or a file)
+        self.spec_combo = QComboBox()
+        for name in SHIPPED:
+            self.spec_combo.addItem(name, name)
+        self.spec_combo.addItem("file…", "file")
+        self.spec_combo.setToolTip(
+            "the claim's specification: the relation the chain tests and each step's pre-registered threshold "
+            "(a shipped one, or a JSON file of its fields)"
+        )
+        self.spec_combo.activated.connect(self._on_spec_activated)
+        self.spec_loaded: ClaimSpec = ATTRIBUTE_MOVING
         self.n_spin = QSpinBox()
         self.n_spin.setRange(2, 5000)
         self.n_spin.setValue(150)
@@ -251,7 +265,9 @@ class ValidationPanel(QWidget):
         form.addWidget(boxed(QHBoxLayout(), plain_label("n"), self.n_spin, end_stretch=True), 2, 2)
         form.addWidget(self.run_button, 2, 3)
         form.addWidget(self.region_check, 3, 1, 1, 3)
-        form.addWidget(self.message_label, 4, 0, 1, 4)
+        form.addWidget(plain_label("Relation"), 4, 0)
+        form.addWidget(self.spec_combo, 4, 1, 1, 3)
+        form.addWidget(self.message_label, 5, 0, 1, 4)
         form.setColumnStretch(1, 1)
         # the distribution the verdict holds on, and beside it which chain the checklist shows: one row
         chain_row = boxed(QHBoxLayout(), (self.distribution_label, 1), plain_label("chain of"), (self.chain_combo, 1))
@@ -288,6 +304,25 @@ class ValidationPanel(QWidget):
 
     def claim(self) -> str:
         return self.claim_edit.text().strip()
+
+    def set_spec(self, name_or_file: str | Path) -> bool:
+        """Use a shipped specification (its name) or a JSON file's; False, with the one line
+        naming the field in the message line, for a file that cannot be read (the choice stays)."""
+        try:
+            spec = resolve_spec(str(name_or_file))
+        except core.ReadoutError as e:
+            self.show_message(str(e))
+            self.spec_combo.setCurrentIndex(self._spec_index())
+            return False
+        self.spec_loaded = spec
+        shipped = SHIPPED.get(str(name_or_file)) == spec
+        index = self.spec_combo.findData(spec.name if shipped else "file")
+        if not shipped:
+            self.spec_combo.setItemText(index, f"file: {Path(name_or_file).name} ({spec.name})")
+            self.spec_combo.setItemData(index, str(name_or_file), Qt.ItemDataRole.ToolTipRole)
+        self.spec_combo.setCurrentIndex(index)
+        self.choices_changed.emit()
+        return True
 
     def set_dataset(self, key: str) -> None:
         """``bundled``, ``scenes`` or ``folder`` (the folder chosen with :meth:`set_folder`)."""
@@ -357,8 +392,15 @@ class ValidationPanel(QWidget):
                 lambda: not self.uses_region() or painted().any(),
             )
         n = self.n()
+        spec = None if self.spec_loaded == ATTRIBUTE_MOVING else self.spec_loaded.to_dict()  # as the CLI's --spec
         return ValidateRequest(
-            subjects=tuple(subjects), claim=claim, dataset=dataset, n=n, n_side=max(1, n // 3), region=region
+            subjects=tuple(subjects),
+            claim=claim,
+            dataset=dataset,
+            n=n,
+            n_side=max(1, n // 3),
+            region=region,
+            spec=spec,
         )
 
     def show_running(self, request: ValidateRequest) -> None:
@@ -558,6 +600,22 @@ class ValidationPanel(QWidget):
         """A head selected in Attention or DLA names the subject (a lens row or a bar that is no head does not)."""
         if selected is not None and selected.view in ("attention", "dla") and is_head(selected.name):
             self.subject_edit.setText(selected.name)
+
+    def _on_spec_activated(self, index: int) -> None:
+        choice = self.spec_combo.itemData(index)
+        if choice != "file":
+            self.set_spec(choice)
+            return
+        path, _ = QFileDialog.getOpenFileName(self, "Claim specification (JSON)", "", "JSON (*.json)")
+        if path:
+            self.set_spec(path)
+        else:
+            self.spec_combo.setCurrentIndex(self._spec_index())
+
+    def _spec_index(self) -> int:
+        """The combo entry of the specification in use (a shipped one's, or the file's)."""
+        shipped = SHIPPED.get(self.spec_loaded.name) == self.spec_loaded
+        return self.spec_combo.findData(self.spec_loaded.name if shipped else "file")
 
     def _on_dataset_activated(self, index: int) -> None:
         if self.dataset_combo.itemData(index) == "folder":

@@ -33,8 +33,9 @@ def add_command(subparsers, load=load_from_args) -> None:
         "validate",
         help="check a functional label: the seven-step validation chain on held-out inputs",
         description="Run the validation chain of docs/METHODS.md 4.11 on a head or a route and state where the "
-        "claim holds. The claim is checked as the relation 'moves the asked attribute (colour or shape) from the "
-        "target object's visual tokens to the answer position' on attribute questions; candidates are found or "
+        "claim holds. The claim is checked as the relation its specification states (--spec; default "
+        "'attribute-moving': moves the asked attribute (colour or shape) from the target object's visual tokens to "
+        "the answer position) on attribute questions; candidates are found or "
         "named on the search set and every step is measured on the held-out set: 1 the answer row lands on the "
         "target (against chance), 2 the head's write from the target's tokens favours the answer over the foil, "
         "3 its DLA predicts the re-run effect of zeroing it, 4 swapping the attribute onto another object moves "
@@ -72,6 +73,13 @@ def add_command(subparsers, load=load_from_args) -> None:
         metavar="TEXT",
         help="what the head or route is claimed to do, in your words (recorded with the relation and the "
         "distribution it is checked on)",
+    )
+    p.add_argument(
+        "--spec",
+        metavar="NAME_OR_FILE",
+        help="the claim's specification: a shipped one's name (attribute-moving) or a JSON file of its fields "
+        "(name, relation, query, sources, hit_ratio, hit_p, prediction_r, follow_rate, effect_size): the relation "
+        "tested and each step's pre-registered threshold (default: attribute-moving)",
     )
     p.add_argument("--dataset", required=True, metavar="SOURCE", help="the search set: " + SOURCE_HELP)
     p.add_argument(
@@ -147,10 +155,12 @@ def checklist(chain) -> list[str]:
 def run(args, load=load_from_args) -> int:
     # function-local: the chain imports torch and numpy, not needed for --help
     from core.files.images import load_mask
+    from core.methods.validation.spec import resolve as resolve_spec
     from core.shell.terminal import progress_bar
 
     check_outputs(args)  # fail fast, before the model loads
     region = load_mask(args.region) if args.region else None
+    spec = resolve_spec(args.spec).to_dict() if args.spec else None  # a bad file: one line, nothing loaded
     request = ValidateRequest(
         subjects=(*args.head, *args.route),
         claim=args.claim,
@@ -163,6 +173,7 @@ def run(args, load=load_from_args) -> int:
         min_distractors=args.min_distractors,
         seed=args.seed,
         batch_size=args.batch_size,
+        spec=spec,
     )
     loaded = load(args)
     with progress_bar("validate", quiet=args.quiet, messages=True) as progress:

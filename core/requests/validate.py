@@ -1,4 +1,4 @@
-"""The validate request: a functional claim checked by the seven-step chain on named
+"""The validate request: a functional claim, as its specification states it, checked by the seven-step chain on named
 heads and routes, or on the candidates the search set proposes (``vlm-readout
 validate``, the Validation tab; :func:`core.validate.validate`, docs/METHODS.md §4.11)."""
 
@@ -26,6 +26,9 @@ class ValidateRequest(Request):
         n, n_side: the attribute inputs of each set; the inputs of each other question kind (step 7).
         region: ``(H, W)`` bool, a painted region: the target of every line without a mask of its own.
         min_distractors, seed, batch_size: :func:`core.validate.validate`'s.
+        spec: the claim's specification as its fields (``ClaimSpec.to_dict``), or a shipped
+            one's name; None: the attribute relation. Kept as fields, so the session re-runs it
+            without the file it was read from.
     """
 
     name: ClassVar[str] = "validate"
@@ -41,6 +44,7 @@ class ValidateRequest(Request):
     min_distractors: int = 1
     seed: int = 0
     batch_size: int = 32
+    spec: Any = None
 
     def parameters(self) -> dict[str, Any]:
         """The subjects as typed, the set sizes and options, whether a painted region was the
@@ -58,6 +62,7 @@ class ValidateRequest(Request):
             "min_distractors": self.min_distractors,
             "seed": self.seed,
             "batch_size": self.batch_size,
+            **({"specification": self.spec} if self.spec is not None else {}),
             **source_files(self.dataset, self.heldout),
         }
 
@@ -80,4 +85,5 @@ class ValidateRequest(Request):
             batch_size=self.batch_size,
             progress=progress,
             cancel=cancel,
+            spec=self.spec,
         )

@@ -245,3 +245,30 @@ def test_a_held_out_set_too_small_for_step_one_is_refused_with_its_minimum(qtbot
     assert "held-out n=1 is too small" in message and "the smallest n at which step 1 could pass is" in message
     assert window.validation_panel.message_label.text() == message
     assert window.session.runs("validate") == [] and window.validation_panel.validation is None
+
+
+def test_a_specification_file_is_chosen_run_and_recorded(qtbot, window, tmp_path):
+    """The Relation field: a file that cannot be read is one line naming the field (the
+    choice stays); a user's file runs, its relation is what the tab says was tested above the
+    steps, and the run records its fields."""
+    import json
+
+    panel = window.validation_panel
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "x", "relation": "y", "prediction_r": 1.5}')
+    assert not panel.set_spec(bad)
+    assert (
+        "'prediction_r' 1.5 is outside" in panel.message_label.text() and panel.spec_loaded.name == "attribute-moving"
+    )
+    good = tmp_path / "claim.json"
+    fields = {"name": "colour-reader", "relation": "reads the colour of the asked shape", "prediction_r": 0.6}
+    good.write_text(json.dumps(fields))
+    assert panel.set_spec(good) and panel.spec_combo.currentText().startswith("file: claim.json")
+    state_claim(window)
+    run_until_idle(qtbot, window, window.actions.run_claim)
+    assert window.inputs.error_label.text() == ""
+    result = shown_result(window, "validate")
+    assert result.spec.relation == fields["relation"] and "r >= 0.6" in result.spec.criteria()[3]
+    assert panel.distribution_label.text().startswith("relation tested: 'reads the colour of the asked shape'")
+    (info,) = window.session.runs("validate")
+    assert window.session.run(info.id).parameters["specification"]["prediction_r"] == 0.6

@@ -353,3 +353,82 @@ def test_a_held_out_set_too_small_for_step_one_is_refused_in_one_line(models, tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: held-out n=1 is too small") and not out.exists()
     assert "the smallest n at which step 1 could pass is" in err[0]
+
+
+def test_a_users_specification_file_round_trips(models, tmp_path, monkeypatch, capsys):
+    """A specification file of the user's: its thresholds decide the steps (the criteria the
+    result records name them), the verdict names its relation, and it is recorded, exported
+    and read back (load, run, record, export, reopen) with the same fields."""
+    from core.methods.validation.spec import ClaimSpec
+    from core.session import Session
+
+    m = models["shapes-llava"]
+    monkeypatch.setattr(core.cli, "_load", lambda args: m)
+    fields = {
+        "name": "colour-reader",
+        "relation": "reads the colour of the asked shape at the answer position",
+        "hit_p": 0.001,
+        "prediction_r": 0.6,
+        "effect_size": 1.5,
+    }
+    spec_file, out, session = tmp_path / "claim.json", tmp_path / "v.json", tmp_path / "s.vlmr"
+    spec_file.write_text(json.dumps(fields))
+    args = _validate_args(out, "--head", "L1.H1", "--dataset", "scenes", "--spec", str(spec_file))
+    assert main([*args, "--session", str(session)]) == 0
+    got = json.loads(out.read_text())
+    spec = ClaimSpec.from_dict(got["specification"])
+    assert spec == ClaimSpec(**fields) and got["claim"]["relation"] == fields["relation"]
+    assert "<= 0.001" in got["criteria"]["1"] and "r >= 0.6" in got["criteria"]["3"]
+    assert "relation tested: 'reads the colour of the asked shape" in capsys.readouterr().out
+    back = Validation.from_dict(got)
+    assert back.spec == spec and back.to_dict() == got
+    with Session.open(session, read_only=True) as s:  # reopened: the run and its specification
+        (info,) = s.runs("validate")
+        restored = s.run(info.id)
+        assert restored.parameters["specification"] == ClaimSpec(**fields).to_dict()  # every field, defaults too
+        assert restored.readout.spec == spec and restored.readout.to_dict() == got
+    export = tmp_path / "audit.csv"
+    assert main(["export", "--session", str(session), "--format", "csv", "--out", str(export)]) == 0
+    rows = list(csv.DictReader(export.open()))
+    assert any("reads the colour of the asked shape" in r["notes"] for r in rows)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"name": "x", "relation": "y", "hit_p": 2}', "'hit_p' 2 is outside (0, 1]"),
+        ('{"name": "x", "relation": "y", "sorces": "z"}', "unknown field 'sorces'"),
+        ('{"relation": "y"}', "missing field 'name'"),
+        ('{"name": "x", "relation": "y", "sources": "previous_token"}', "'sources' 'previous_token'"),
+        ('{"name": "x", "relation": "y", "effect_size": "big"}', "'effect_size' must be a finite number"),
+        ("[1, 2]", "expected an object of fields"),
+        ("{not json", "not JSON"),
+    ],
+)
+def test_an_invalid_specification_file_is_one_line_naming_the_field(tmp_path, monkeypatch, capsys, content, message):
+    spec_file, out = tmp_path / "claim.json", tmp_path / "v.json"
+    spec_file.write_text(content)
+    monkeypatch.setattr(core.cli, "_load", lambda args: pytest.fail("the model loads only for a readable claim"))
+    args = _validate_args(out, "--head", "L1.H1", "--dataset", "scenes", "--spec", str(spec_file))
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {spec_file}") and message in err[0], err
+    assert not out.exists()
+
+
+def test_a_stated_effect_sets_step_fives_minimum_n(models, tmp_path, monkeypatch, capsys):
+    """At a standardised drop of 0.5, step 5's 95% interval excludes zero only from n = 16
+    (1.96 / sqrt(n) < 0.5): a held-out set of 6 is refused before any forward, with that n."""
+    from core.methods.validation.spec import ClaimSpec
+
+    assert ClaimSpec("x", "y", effect_size=0.5).minimum_n_step5() == 16
+    assert ClaimSpec("x", "y", effect_size=1.96 / 3).minimum_n_step5() == 10  # 1.96 / sqrt(9) is not below it
+    assert ClaimSpec("x", "y").minimum_n_step5() is None
+    m = models["shapes-llava"]
+    monkeypatch.setattr(core.cli, "_load", lambda args: m)
+    spec_file, out = tmp_path / "claim.json", tmp_path / "v.json"
+    spec_file.write_text(json.dumps({"name": "x", "relation": "y", "effect_size": 0.5}))
+    args = _validate_args(out, "--head", "L1.H1", "--dataset", "scenes", "--spec", str(spec_file))
+    assert main([*args, "--n", "6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "held-out n=6 is too small for the stated effect" in err[0] and "from n=16" in err[0]

@@ -27,6 +27,7 @@ from core.methods.validation.observations import (
     run_edited,
 )
 from core.methods.validation.setting import REGION_MIN_COVER, HeadRef, RouteRef, Subject, _members, visual_heads
+from core.methods.validation.spec import resolve
 from core.methods.validation.stats import _stats
 from core.results.audit import AuditRecord
 
@@ -104,6 +105,7 @@ class ChainContext:
         batch_size: int = 32,
         progress=None,
         cancel=None,
+        spec=None,
     ):
         if search_condition.split == eval_condition.split:
             raise LabelError("the evaluation split must differ from the search split (held-out inputs)")
@@ -117,6 +119,8 @@ class ChainContext:
         self.batch_size = batch_size
         self.progress = progress
         self.cancel = cancel
+        self.spec = resolve(spec)  # the claim specification: the relation and each step's thresholds
+        self.criteria = self.spec.criteria()
         self.pool = visual_heads(loaded)
         self._cache: dict = {}
         self._routes: list[RouteRef] = []  # routes planned so far: every observation gets their columns

@@ -55,6 +55,7 @@ class StepOnePower:
 
     @classmethod
     def of(cls, chances, level: float = HIT_P_MAX) -> StepOnePower:
+        """``level``: the specification's step 1 level (``ClaimSpec.hit_p``)."""
         c = [float(x) for x in chances]
         can_hit = [x for x in c if x > 0]
         best_p = float(np.prod(can_hit)) if can_hit else 1.0

@@ -15,13 +15,7 @@ from core.methods.validation.chain import Baseline, ChainStep, ValidationChain
 from core.methods.validation.context import ChainContext, _audit, _baselines, _group_values
 from core.methods.validation.observations import ChainCancelled
 from core.methods.validation.setting import (
-    CRITERIA,
-    FOLLOW_RATE_MIN,
-    HIT_P_MAX,
-    HIT_RATIO_MIN,
-    PREDICT_R_MIN,
     REGION_MIN_COVER,
-    RELATION,
     HeadRef,
     RouteRef,
     Subject,
@@ -43,7 +37,7 @@ def step1_pattern(ctx: ChainContext, cand: Subject) -> ChainStep:
     # hits are a sum of Bernoulli(p_i) under a uniform head: mean sum p_i, variance sum p_i (1 - p_i)
     z = (k - chance_i.sum()) / math.sqrt(max(float((chance_i * (1 - chance_i)).sum()), 1e-12))
     p_value = poisson_binomial_tail(int(round(k)), chance_i)
-    passed = rate >= HIT_RATIO_MIN * chance and p_value <= HIT_P_MAX
+    passed = rate >= ctx.spec.hit_ratio * chance and p_value <= ctx.spec.hit_p
     groups = _group_values(ctx, plan, lambda h: hits[:, obs.col(h)])
     fixed = np.array([float(plan.fixed_patch in t) for t in obs.target])
     groups += [
@@ -93,7 +87,7 @@ def step1_pattern(ctx: ChainContext, cand: Subject) -> ChainStep:
     )
     return ChainStep(
         1,
-        CRITERIA[1],
+        ctx.criteria[1],
         "passed" if passed else "failed",
         "hit rate",
         rate,
@@ -144,7 +138,7 @@ def step2_content(ctx: ChainContext, cand: Subject) -> ChainStep:
     )
     return ChainStep(
         2,
-        CRITERIA[2],
+        ctx.criteria[2],
         "passed" if passed else "failed",
         "target DLA",
         t_st["mean"],
@@ -174,7 +168,7 @@ def step3_prediction(ctx: ChainContext, cand: Subject) -> ChainStep:
     y = ctx.drop([cand], "zero")
     r, rho = _pearson(x, y), _spearman(x, y)
     same_sign = np.sign(x.mean()) == np.sign(y.mean())
-    passed = bool(np.isfinite(r) and r >= PREDICT_R_MIN and same_sign)
+    passed = bool(np.isfinite(r) and r >= ctx.spec.prediction_r and same_sign)
     groups = []
     for kind, heads, *_ in _group_values(ctx, plan, lambda h: np.zeros(obs.n)):
         rs = [_pearson(obs.head_dla[:, obs.col(h)], ctx.drop([h], "zero")) for h in heads]
@@ -204,7 +198,7 @@ def step3_prediction(ctx: ChainContext, cand: Subject) -> ChainStep:
     why = f"r={r:.2f} (rho={rho:.2f}); mean DLA {x.mean():.3g} vs mean re-run drop {y.mean():.3g}"
     return ChainStep(
         3,
-        CRITERIA[3],
+        ctx.criteria[3],
         "passed" if passed else "failed",
         "Pearson r",
         r,
@@ -228,17 +222,17 @@ def step4_swap(ctx: ChainContext, cand: Subject) -> ChainStep:
     """Swap the asked attribute onto another object; does the attention follow?"""
     if ctx.swap is None:
         return ChainStep(
-            4, CRITERIA[4], "not tested", notes=["the context was built without a swap (ChainContext(swap=...))"]
+            4, ctx.criteria[4], "not tested", notes=["the context was built without a swap (ChainContext(swap=...))"]
         )
     sw, plan = ctx.swap_obs, ctx.plan(cand)
     m = len(sw.rows)
     if m == 0:
-        return ChainStep(4, CRITERIA[4], "not tested", notes=["no evaluation sample admitted a swap"])
+        return ChainStep(4, ctx.criteria[4], "not tested", notes=["no evaluation sample admitted a swap"])
     c = sw.col(cand)
     shift, follows = sw.shift(), sw.follows()
     st = _stats(shift[:, c])
     rate = float(follows[:, c].mean())
-    passed = _lower(st) > 0 and rate >= FOLLOW_RATE_MIN
+    passed = _lower(st) > 0 and rate >= ctx.spec.follow_rate
     groups = _group_values(ctx, plan, lambda h: shift[:, sw.col(h)])
     groups.append(("position: fixed patch", [f"visual token {plan.fixed_patch}"], np.zeros(m)))
     audit = _audit(
@@ -254,7 +248,7 @@ def step4_swap(ctx: ChainContext, cand: Subject) -> ChainStep:
     why = f"follow rate {rate:.2f}; mean mass shift {st['mean']:.3g} (95% lower {_lower(st):.3g})"
     return ChainStep(
         4,
-        CRITERIA[4],
+        ctx.criteria[4],
         "passed" if passed else "failed",
         "follow rate",
         rate,
@@ -316,7 +310,7 @@ def step5_ablation(ctx: ChainContext, cand: Subject) -> ChainStep:
     )
     return ChainStep(
         5,
-        CRITERIA[5],
+        ctx.criteria[5],
         "passed" if passed else "failed",
         "mean-ablation drop",
         st["mean"],
@@ -392,7 +386,7 @@ def step6_baselines(ctx: ChainContext, cand: Subject, chain: ValidationChain | N
             if worst is None or _lower(st) < _lower(worst["paired_difference"]) or not np.isfinite(_lower(st)):
                 worst = row
     if not comparisons:
-        return ChainStep(6, CRITERIA[6], "not tested", notes=["no step 1, 2, 4 or 5 evidence to compare"])
+        return ChainStep(6, ctx.criteria[6], "not tested", notes=["no step 1, 2, 4 or 5 evidence to compare"])
     passed = all(r["weaker"] for r in comparisons)
     n_weaker = sum(r["weaker"] for r in comparisons)
     layer_max = {}
@@ -439,7 +433,7 @@ def step6_baselines(ctx: ChainContext, cand: Subject, chain: ValidationChain | N
     )
     return ChainStep(
         6,
-        CRITERIA[6],
+        ctx.criteria[6],
         "passed" if passed else "failed",
         "comparisons won",
         n_weaker / len(comparisons),
@@ -519,7 +513,7 @@ def step7_side_effects(ctx: ChainContext, cand: Subject) -> ChainStep:
     why = "; ".join(notes) if notes else ("reported: no large side effect, no stronger joint route" if done else "")
     return ChainStep(
         7,
-        CRITERIA[7],
+        ctx.criteria[7],
         "passed" if done else "not tested",
         "largest side-effect drop",
         max((v["mean_ablation_drop"]["mean"] or 0.0 for v in side.values()), default=None, key=abs) if side else None,
@@ -551,12 +545,12 @@ def run_chain(
     was done (the rest stays not tested)."""
     chain = ValidationChain(
         cand.name,
-        RELATION,
+        ctx.spec.relation,
         ctx.loaded.spec,
         ctx.eval_condition,
         subject_kind="route" if isinstance(cand, RouteRef) else "head",
         search={k: v for k, v in (search or {"split": ctx.search_condition.split}).items() if k != "table"},
-        criteria=dict(CRITERIA),
+        criteria=dict(ctx.criteria),
     )
     try:
         for k in sorted(steps):
@@ -576,14 +570,15 @@ def run_chain(
             "search": chain.search.get("split"),
             "evaluation": ctx.eval_condition.split,
             "distribution": ctx.eval_condition.describe(),
-            "relation": RELATION,
+            "relation": ctx.spec.relation,
+            "specification": ctx.spec.name,
             "n": ctx.eval_condition.n_samples,
             "model": ctx.loaded.spec,
             "fingerprint": getattr(ctx.loaded, "fingerprint", ""),
         },
         [
             "the label holds on its input condition only; outside it, it is a hypothesis",
-            f"tested: {RELATION!r} on {ctx.eval_condition.describe()}; {chain.steps_passed()}",
+            f"tested: {ctx.spec.relation!r} on {ctx.eval_condition.describe()}; {chain.steps_passed()}",
         ],
     )
     return chain
