@@ -25,7 +25,7 @@ Sites (``Edit.site``):
   for that cross block only). ``Trace.kv_source`` records it.
 * ``"mixer"``: the write of a block whose token mixer is not attention (linear
   attention, a short convolution) ``(batch, pos, d_model)`` at sequence positions.
-* ``"expert"``: one routed expert's write (its output times its router weight) in a
+* ``"expert"``: one routed expert's write (what the model adds for it: Adapter.expert_writes) in a
   mixture-of-experts MLP, at sequence positions: taken out of the MLP's output
   (zero ablation) or replaced by ``value``; the router and the other experts as they ran.
 * ``"knockout"``: attention edges removed before the softmax: the scores of
