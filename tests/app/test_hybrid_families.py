@@ -6,6 +6,7 @@ image says why, the DLA tab shows the linear layers' writes and the experts as t
 own components; Gemma 3n's decomposition is refused and the DLA tab says why."""
 
 import importlib
+import json
 
 import pytest
 
@@ -52,6 +53,11 @@ def test_the_familys_folder_reads_out_with_undefined_readouts_marked(qtbot, wind
         assert analysis.residual_decomposition is None
         assert "residual decomposition not defined: " in window.dla_panel.target_label.text()
         assert "AltUp" in window.dla_panel.target_label.text() and window.dla_panel.components() == []
+        # stored and restored (a session reopened): still refused, still saying why
+        back = type(analysis).from_dict(json.loads(json.dumps(analysis.to_dict())))
+        assert back.residual_decomposition is None and back.undefined("residual DLA") == analysis.undefined(
+            "residual DLA"
+        )
         return
     names = [c.name for c in analysis.residual_decomposition.components]
     for name, kind in kinds.items():

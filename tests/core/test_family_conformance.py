@@ -229,7 +229,8 @@ def test_canonical_weights_match_the_projections(model_case):
 def test_saved_folder_loads_with_this_adapter(model_case, tmp_path):
     """load_model on a saved folder (the model in float32) picks this adapter and
     runs the same model: as the saved float32 weights do, and as the float64
-    model does up to float32 arithmetic; the same prompt and visual tokens."""
+    model does up to float32 arithmetic; the same prompt and visual tokens; its
+    recomputed attention rows are an eager forward's of the same folder."""
     c = model_case
     m = c.m
     saved = copy.deepcopy(m.model).float()  # the session's float64 model stays as it is
@@ -250,6 +251,8 @@ def test_saved_folder_loads_with_this_adapter(model_case, tmp_path):
     torch.testing.assert_close(got, want64, atol=forwards_tol(loaded.adapter, want64, n_keys), rtol=0)
     assert loaded.adapter.prompt(q) == m.adapter.prompt(q)
     assert len(loaded.adapter.visual_tokens(c.image_size)) == len(m.adapter.visual_tokens(c.image_size))
+    # the folder's own attention rows (the default capture's, recomputed) are an eager forward's of the same folder
+    assert_recomputed_rows_are_eager(loaded, got_inputs)
     extra = c.hook("check_loaded")
     if extra is not None:
         extra(m, loaded)

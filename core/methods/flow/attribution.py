@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from core.errors import InterventionError
-from core.forward.capture import edited_logits, gradient_logits
+from core.forward.capture import gradient_logits
 from core.forward.edits import Edit
-from core.methods.flow.batches import copies
+from core.methods.flow.batches import edited_rows
 from core.methods.flow.patch_grid import paired_runs
 from core.methods.interventions import activation_patch
 from core.results.audit import AuditRecord
@@ -234,15 +234,17 @@ def attribution_patching(
     checked = sorted(components, key=lambda c: -abs(c.estimate))[:top_k]
     if progress is not None:
         progress(1, 2, f"patching the top {len(checked)}…")
-    for start in range(0, len(checked), batch_size):
-        chunk = checked[start : start + batch_size]
-        batch = copies(adapter, pair.inputs, len(chunk), image, question, answer_prefix)
-        row_edits = []
-        for row, c in enumerate(chunk):
-            site = "z" if c.site == "head" else c.site
-            edit = activation_patch(source_trace, site, names.index(c.block), c.head, [c.position])
-            row_edits.append(dataclasses.replace(edit, rows=(row,)))
-        patched = edited_logits(loaded, batch, row_edits)[:, pos].double()
+
+    def patch_of(c):
+        site = "z" if c.site == "head" else c.site
+        return [activation_patch(source_trace, site, names.index(c.block), c.head, [c.position])]
+
+    rows = edited_rows(
+        loaded, pair.inputs, checked, patch_of,
+        batch_size=batch_size, image=image, question=question, answer_prefix=answer_prefix,
+    )  # fmt: skip
+    for _, chunk, logits in rows:
+        patched = logits[:, pos].double()
         for row, c in enumerate(chunk):
             c.actual = (float(patched[row, answer_id] - patched[row, foil_id]) - pair.clean.logit_diff) / span
     rho = spearman([c.estimate for c in checked], [c.actual for c in checked])

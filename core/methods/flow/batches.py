@@ -1,11 +1,13 @@
-"""Copies of one prepared input as the rows of a batch: what the flow methods run
-their edited forwards on (one edit set per row, ``Edit.rows``)."""
+"""Copies of one prepared input as the rows of a batch, and the batched edited forwards
+the flow methods run on them (one edit set per row, ``Edit.rows``)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+
+from core.forward.capture import edited_logits
 
 
 def copies(adapter, inputs, n: int, image, question: str, answer_prefix=()):
@@ -27,3 +29,20 @@ def copies(adapter, inputs, n: int, image, question: str, answer_prefix=()):
             prompts=list(inputs.prompts) * n,
         )
     return adapter.prepare([image] * n, [question] * n, answer_prefix=list(answer_prefix))
+
+
+def edited_rows(
+    loaded, inputs, keys, edits_of, *, batch_size: int, image, question: str, answer_prefix=(), cancel=None
+):
+    """Each of ``keys`` as one row of batched edited forwards of ``inputs`` (its edits
+    ``edits_of(key)`` in its row only), ``batch_size`` rows a forward, nothing recorded
+    (:func:`core.forward.capture.edited_logits`): yields ``(done, chunk, logits)`` per
+    forward, ``logits`` ``(len(chunk), pos, vocab)``; stops before a forward when ``cancel()``
+    (then fewer than ``len(keys)`` are done)."""
+    for start in range(0, len(keys), batch_size):
+        if cancel is not None and cancel():
+            return
+        chunk = keys[start : start + batch_size]
+        batch = copies(loaded.adapter, inputs, len(chunk), image, question, answer_prefix)
+        edits = [dataclasses.replace(e, rows=(row,)) for row, key in enumerate(chunk) for e in edits_of(key)]
+        yield start + len(chunk), chunk, edited_logits(loaded, batch, edits)

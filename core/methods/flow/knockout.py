@@ -25,16 +25,15 @@ the source (indirect routes), and the renormalised mass goes somewhere.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from core.errors import InterventionError
-from core.forward.capture import Trace, capture, edited_logits
+from core.forward.capture import Trace, capture
 from core.forward.edits import Edit
-from core.methods.flow.batches import copies
+from core.methods.flow.batches import edited_rows
 from core.methods.flow.positions import EdgeKind, PositionSet, position_sets
 from core.methods.interventions import answer_values
 from core.methods.patterns import FULL_PATTERN_LIMIT
@@ -396,24 +395,18 @@ def knockout_sweep(
         for w, (_, in_window) in enumerate(plan):
             cuts_of[i, w] = block_cuts(base, source, target, [b for layer in in_window for b in blocks_of[layer]])
     runs = [key for key, cuts in cuts_of.items() if cuts]
-    edited_of, cancelled = {}, False
-    for start in range(0, len(runs), batch_size):
-        if cancel is not None and cancel():
-            cancelled = True
-            break
-        chunk = runs[start : start + batch_size]
-        batch = copies(adapter, inputs, len(chunk), image, question, answer_prefix)
-        row_edits = [
-            dataclasses.replace(e, rows=(row,))
-            for row, (i, w) in enumerate(chunk)
-            for e in knockout_edits(base, cuts_of[i, w], sets[edges[i].target], heads)
-        ]
-        logits = edited_logits(loaded, batch, row_edits)
+    edited_of = {}
+    rows = edited_rows(
+        loaded, inputs, runs, lambda key: knockout_edits(base, cuts_of[key], sets[edges[key[0]].target], heads),
+        batch_size=batch_size, image=image, question=question, answer_prefix=answer_prefix, cancel=cancel,
+    )  # fmt: skip
+    for done, chunk, logits in rows:
         for row, key in enumerate(chunk):
             edited_of[key] = Target.from_logits(adapter, logits[row, position], answer_id, foil_id, position=position)
         if progress is not None:
             i, w = chunk[-1]
-            progress(start + len(chunk), len(runs), f"{edges[i].name}, window at {plan[w][0]}")
+            progress(done, len(runs), f"{edges[i].name}, window at {plan[w][0]}")
+    cancelled = len(edited_of) < len(runs)
 
     reach = None
     if rollout_alpha is not None and base.input_ids.shape[1] <= FULL_PATTERN_LIMIT and not uncut:

@@ -26,15 +26,14 @@ uniqueness of the route, or behaviour away from this pair.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from core.errors import InterventionError
-from core.forward.capture import Trace, capture, edited_logits
-from core.methods.flow.batches import copies
+from core.forward.capture import Trace, capture
+from core.methods.flow.batches import edited_rows
 from core.methods.flow.positions import PositionSet, position_sets
 from core.methods.interventions import activation_patch, answer_values
 from core.results.audit import AuditRecord
@@ -254,24 +253,18 @@ def patch_grid(
     blocks = list(range(clean_trace.n_blocks))
     cells = [(b, c) for b in blocks for c, col in enumerate(cols) if col.positions]
     values: dict[tuple[int, int], float] = {}
-    cancelled = False
-    for start in range(0, len(cells), batch_size):
-        if cancel is not None and cancel():
-            cancelled = True
-            break
-        chunk = cells[start : start + batch_size]
-        batch = copies(adapter, inputs, len(chunk), image, question, answer_prefix)
-        edits = [
-            dataclasses.replace(e, rows=(row,))
-            for row, (b, c) in enumerate(chunk)
-            for e in cell_edits(source_trace, site, b, head, cols[c].positions, adapter.n_heads)
-        ]
-        logits = edited_logits(loaded, batch, edits)[:, pos].double()
+    rows = edited_rows(
+        loaded, inputs, cells, lambda key: cell_edits(source_trace, site, key[0], head, cols[key[1]].positions, adapter.n_heads),
+        batch_size=batch_size, image=image, question=question, answer_prefix=answer_prefix, cancel=cancel,
+    )  # fmt: skip
+    for done, chunk, logits in rows:
+        logits = logits[:, pos].double()
         for row, key in enumerate(chunk):
             values[key] = float(logits[row, answer_id] - logits[row, foil_id])
         if progress is not None:
             b, c = chunk[-1]
-            progress(start + len(chunk), len(cells), f"{clean_trace.block_names[b]} x {cols[c].name}")
+            progress(done, len(cells), f"{clean_trace.block_names[b]} x {cols[c].name}")
+    cancelled = len(values) < len(cells)
     logit_diff = [[values.get((b, c)) for c in range(len(cols))] for b in blocks]
     metric = [[None if v is None else (v - clean.logit_diff) / span for v in row] for row in logit_diff]
     audit = AuditRecord.for_method(
