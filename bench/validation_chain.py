@@ -1,19 +1,21 @@
 """The validation chain (docs/METHODS.md §4.11) on the default models, through
-``vlm-readout validate``, with its negative control.
+``vlm-readout validate``, for every shipped claim specification, with its
+negative control.
 
-For each model the command finds the heads that move the asked attribute
-(colour or shape) from the target object to the answer position on the
-``val`` scenes and runs the seven steps on them, and on the routes of blocks
-holding two or more, on the ``heldout`` scenes; the same command then runs on
-a copy of the model with random weights (``core.zoo.random_weights``: each
-tensor replaced by noise of its own mean and standard deviation), where no
-label may come out "supported". Each run's JSON is the command's own:
+For each model and specification (``--spec``: attribute-moving, object-name-copying,
+previous-token, induction, sink-delimiter) the command finds candidate heads on the
+``val`` scenes and runs the seven steps derived from the specification on them, and on
+the routes of blocks holding two or more, on the ``heldout`` scenes; the same command
+then runs on a copy of the model with random weights (``core.zoo.random_weights``: each
+tensor replaced by noise of its own mean and standard deviation) with at least five
+candidate heads, where no label may come out "supported". Each run's JSON is the
+command's own:
 
-    bench/results/validation_chain_<model>.json
-    bench/results/validation_chain_<model>_random.json
+    bench/results/validation_chain_<model>_<spec>.json
+    bench/results/validation_chain_<model>_<spec>_random.json
 
     python bench/validation_chain.py --threads 1 --markdown
-    python bench/validation_chain.py --models shapes-llava --n 200
+    python bench/validation_chain.py --models shapes-llava --specs induction --n 200
 
 ``--markdown`` prints the README tables from those files (``--from-results``:
 without running anything).
@@ -30,20 +32,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CLAIM = "moves the asked colour or shape from the target object to the answer"
+SPECS = ("attribute-moving", "object-name-copying", "previous-token", "induction", "sink-delimiter")
 STEP_SHORT = {1: "pattern", 2: "content", 3: "predicts S", 4: "swap", 5: "ablation", 6: "baselines", 7: "side effects"}
 
 
-def command(model: str, out: Path, args) -> list[str]:
-    """The ``vlm-readout validate`` command line of one run."""
+def command(model: str, spec: str, out: Path, args, k: int) -> list[str]:
+    """The ``vlm-readout validate`` command line of one run (the claim: the specification's relation)."""
+    from core.methods.validation.spec import SHIPPED
+
     return [
         "validate",
         "--model",
         model,
+        "--spec",
+        spec,
         "--candidates",
-        str(args.k),
+        str(k),
         "--claim",
-        CLAIM,
+        SHIPPED[spec].relation,
         "--dataset",
         "scenes",
         "--n",
@@ -58,28 +64,32 @@ def command(model: str, out: Path, args) -> list[str]:
     ]
 
 
-def run(spec: str, args) -> None:
+def result_path(args, model: str, spec: str, suffix: str = "") -> Path:
+    return Path(args.out_dir) / f"validation_chain_{model}_{spec}{suffix}.json"
+
+
+def run(model: str, specs, args) -> None:
     from core.cli import main
+    from core.files.atomic import write_text_atomic
     from core.zoo.random_weights import randomize_folder
 
-    out_dir = Path(args.out_dir)
-    trained = out_dir / f"validation_chain_{spec}.json"
-    if main(command(spec, trained, args)) != 0:
-        raise SystemExit(f"validate failed on {spec}")
+    for spec in specs:
+        if main(command(model, spec, result_path(args, model, spec), args, args.k)) != 0:
+            raise SystemExit(f"validate failed on {model} ({spec})")
     with tempfile.TemporaryDirectory() as tmp:
-        folder = randomize_folder(spec, Path(tmp) / f"{spec}-random", seed=args.seed)
-        random = out_dir / f"validation_chain_{spec}_random.json"
-        if main(command(str(folder), random, args)) != 0:
-            raise SystemExit(f"validate failed on the random copy of {spec}")
-    doc = json.loads(random.read_text())
-    doc["model"]["folder_as_run"] = doc["model"]["spec"]  # a temporary folder: named for what it held
-    doc["model"]["spec"] = f"{spec} with random weights (core.zoo.random_weights, seed {args.seed})"
-    from core.files.atomic import write_text_atomic
-
-    write_text_atomic(random, json.dumps(doc, allow_nan=False) + "\n")  # the temporary folder's path means nothing
-    supported = [v["subject"] for v in doc["verdicts"] if v["supported"]]
-    if supported:
-        raise SystemExit(f"negative control failed: random weights 'support' {supported} on {spec}")
+        folder = randomize_folder(model, Path(tmp) / f"{model}-random", seed=args.seed)
+        for spec in specs:
+            random = result_path(args, model, spec, "_random")
+            if main(command(str(folder), spec, random, args, max(args.k, 5))) != 0:
+                raise SystemExit(f"validate failed on the random copy of {model} ({spec})")
+            doc = json.loads(random.read_text())
+            doc["model"]["folder_as_run"] = doc["model"]["spec"]  # a temporary folder: named for what it held
+            doc["model"]["spec"] = f"{model} with random weights (core.zoo.random_weights, seed {args.seed})"
+            write_text_atomic(random, json.dumps(doc, allow_nan=False) + "\n")  # the folder's path means nothing
+            supported = [v["subject"] for v in doc["verdicts"] if v["supported"]]
+            heads = [c for c in doc["chains"] if c["subject_kind"] == "head"]
+            if supported or len(heads) < 5:
+                raise SystemExit(f"negative control failed on {model} ({spec}): {supported or 'fewer than 5 heads'}")
 
 
 def markdown(result: dict) -> str:
@@ -98,21 +108,27 @@ def markdown(result: dict) -> str:
 
 
 def header(result: dict) -> str:
-    step5 = result["chains"][0]["steps"]["5"]["numbers"] if result["chains"] else {}
     step4 = result["chains"][0]["steps"]["4"]["numbers"] if result["chains"] else {}
+    heads = sum(c["subject_kind"] == "head" for c in result["chains"])
     return (
-        f"{result['model']['spec']} (fingerprint {result['model']['fingerprint']}; accuracy on the evaluation set "
-        f"{step5.get('accuracy', float('nan')):.3f}, n={result['heldout']['n_samples']}; "
-        f"{len(step4.get('pairs', []))} scenes admitted a swap; {result['seconds']} s)"
+        f"{result['model']['spec']}, {result['specification']['name']} (fingerprint "
+        f"{result['model']['fingerprint']}; n={result['heldout']['n_samples']} at the {result['heldout']['query']}; "
+        f"{len(step4.get('pairs', []))} inputs admitted step 4's counterfactual; {heads} heads; {result['seconds']} s)"
     )
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["shapes-coca", "shapes-llava"])
+    p.add_argument("--specs", nargs="+", default=list(SPECS), choices=SPECS)
     p.add_argument("--n", type=int, default=150, help="attribute scenes of each split")
     p.add_argument("--n-side", type=int, default=50, help="scenes of each other question kind (step 7)")
-    p.add_argument("--k", type=int, default=3, help="candidates by target-source DLA (+ the top attention head)")
+    p.add_argument(
+        "--k",
+        type=int,
+        default=3,
+        help="candidates on the search set (+ the top attention head); >= 5 on random weights",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
@@ -123,13 +139,15 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    for spec in args.models:
+    for model in args.models:
         if not args.from_results:
-            run(spec, args)
-        if args.markdown:
-            for suffix in ("", "_random"):
-                result = json.loads((Path(args.out_dir) / f"validation_chain_{spec}{suffix}.json").read_text())
-                print(f"\n{header(result)}:\n\n{markdown(result)}\n")
+            run(model, args.specs, args)
+    if args.markdown:
+        for spec in args.specs:
+            for model in args.models:
+                for suffix in ("", "_random"):
+                    result = json.loads(result_path(args, model, spec, suffix).read_text())
+                    print(f"\n{header(result)}:\n\n{markdown(result)}\n")
     return 0
 
 

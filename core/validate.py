@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -56,11 +56,10 @@ from core.methods.validation import (
     find_candidates,
     find_routes,
     run_chain,
-    visual_heads,
 )
-from core.methods.validation.power import StepOnePower, sample_chance
-from core.methods.validation.setting import REGION_MIN_COVER
-from core.methods.validation.spec import ATTRIBUTE_MOVING, ClaimSpec
+from core.methods.validation.power import power_refusal
+from core.methods.validation.setting import REGION_MIN_COVER, relation_heads
+from core.methods.validation.spec import ATTRIBUTE_MOVING, QUERY_WORDS, ClaimSpec
 from core.methods.validation.spec import resolve as resolve_spec
 from core.results.audit import AuditRecord
 from core.results.readout import jsonable
@@ -68,7 +67,7 @@ from core.results.readout import jsonable
 SCHEMA_VERSION = 1
 SCENES = "scenes"  # the source name of the synthetic shape scenes ("scenes" or "scenes:SPLIT")
 CLAIM_KIND = "attribute"  # the question kind the chain's relation is about
-QUERY_POSITION = "answer position"
+QUERY_POSITION = QUERY_WORDS["answer"]  # the attribute relation's (a document written before specifications)
 
 
 class ValidateError(ReadoutError):
@@ -107,34 +106,114 @@ def swap_of(sample, seed: int = 0) -> SwapScene | None:
     return swap_attribute(sample, seed)
 
 
-def _scene_data(loaded, split: str, n: int, n_side: int, min_distractors: int) -> ChainData:
+def _scene_data(loaded, split: str, n: int, n_side: int, min_distractors: int, reading: Reading) -> ChainData:
     from core.methods.validation import SIDE_KINDS
     from core.zoo import scenes
     from core.zoo.label_scenes import scene_samples
 
     if split not in scenes.SPLIT_SEEDS:
         raise ValidateError(f"{SCENES}:{split}: no such scene split; the splits are {', '.join(scenes.SPLIT_SEEDS)}")
-    samples, condition = scene_samples(loaded, split, n, min_distractors=min_distractors)
+    spec = reading.spec
+    samples, condition = scene_samples(
+        loaded, split, n, min_distractors=min_distractors, templates=spec.templates, target_tokens=spec.on_image
+    )
+    if spec.query == "repeat":  # the scenes' questions have no repeat: each image gets a seeded repeated sequence
+        samples = [_with_question(s, _repeated_words(reading.words, reading.seed, s.index)) for s in samples]
+        condition = replace(
+            condition,
+            templates=("repeated word sequence",),
+            seeds={**condition.seeds, "sequence_seed": reading.seed, "sequence_words": len(reading.words)},
+        )
+    samples, left_out = reading.readable(loaded, samples, n)
+    condition = reading.condition(condition, samples, left_out, split)
     side = {k: scene_samples(loaded, split, n_side, k)[0] for k in SIDE_KINDS} if n_side else {}
     return ChainData(samples, condition, side, {_digest(s.image, s.question) for s in samples})
 
 
-class _TokenCache:
-    """The model's visual tokens of an image size (and question), computed once."""
+REPEAT_WORDS = 5  # the distinct words of a generated repeated sequence
 
-    def __init__(self, loaded):
-        self.loaded, self.cache = loaded, {}
 
-    def __call__(self, image: np.ndarray, question: str):
-        from PIL import Image
+def _repeated_words(words: Sequence[str], seed: int, index: int) -> str:
+    """``w1 .. wk w1 .. wj`` (1 <= j < k), seeded by the input: its last word repeats the j-th,
+    which was followed by the (j+1)-th (what an induction head attends to and copies)."""
+    if len(words) < REPEAT_WORDS + 1:
+        raise ValidateError(f"a repeated sequence needs {REPEAT_WORDS + 1} words of the model's; it has {len(words)}")
+    rng = np.random.default_rng([seed, index, 3])
+    chosen = [words[int(i)] for i in rng.choice(len(words), REPEAT_WORDS, replace=False)]
+    j = int(rng.integers(1, REPEAT_WORDS))
+    return " ".join(chosen + chosen[:j])
 
-        key = (image.shape, question)
-        if key not in self.cache:
-            a = self.loaded.adapter
-            inputs = a.prepare([Image.fromarray(image)], [question])
-            positions = a.visual_positions(inputs)[0].tolist()
-            self.cache[key] = a.visual_tokens((image.shape[1], image.shape[0]), positions)
-        return self.cache[key]
+
+def _with_question(sample, question: str) -> ChainSample:
+    """``sample``'s image (and regions) under another question, as a :class:`ChainSample`."""
+    return ChainSample(
+        sample.image,
+        question,
+        "",
+        "",
+        [RegionObject(o.mask, getattr(o, "source", "")) for o in sample.objects],
+        sample.target,
+        list(sample.distractors),
+        kind=sample.kind,
+        template="repeated word sequence",
+        split=sample.split,
+        index=sample.index,
+        where=getattr(sample, "where", ""),
+    )
+
+
+@dataclass
+class Reading:
+    """How the chain reads each input: the claim's specification, the seed and the words a
+    relation draws its foil and inserted words from; :meth:`readable` keeps the inputs the
+    relation can be read on (:func:`core.methods.validation.relations.locate`)."""
+
+    spec: ClaimSpec
+    seed: int = 0
+    words: tuple[str, ...] = ()
+
+    def readable(self, loaded, samples, n: int) -> tuple[list, dict[str, int]]:
+        """The first ``n`` of ``samples`` the relation reads (of its templates), and why others were left out."""
+        from core.methods.validation.relations import Unreadable, locate, prepared
+
+        out, left_out = [], {}
+        for s in samples:
+            if len(out) >= n:
+                break
+            if self.spec.templates and getattr(s, "template", "") not in self.spec.templates:
+                left_out["another template"] = left_out.get("another template", 0) + 1
+                continue
+            try:
+                locate(loaded.adapter, self.spec, s, prepared(loaded.adapter, s), seed=self.seed, words=self.words)
+            except Unreadable as e:
+                left_out[str(e)] = left_out.get(str(e), 0) + 1
+                continue
+            out.append(s)
+        return out, left_out
+
+    def condition(self, condition: InputCondition, samples, left_out: dict, where: str) -> InputCondition:
+        """``condition`` of the inputs kept, with what the relation left out and its query."""
+        if not samples:
+            raise ValidateError(
+                f"{where}: the relation {self.spec.name!r} reads none of its inputs ("
+                + "; ".join(f"{v}: {k}" for k, v in left_out.items())
+                + ")"
+            )
+        filters = {**condition.filters, **({"relation_left_out": left_out} if left_out else {})}
+        seeds = dict(condition.seeds)
+        for key in ("indices", "lines"):
+            if key in seeds:
+                seeds[key] = [s.index for s in samples]
+        if self.spec.templates:
+            filters["templates"] = list(self.spec.templates)
+        return replace(
+            condition,
+            n_samples=len(samples),
+            templates=tuple(sorted({s.template for s in samples if s.template})) or condition.templates,
+            filters=filters,
+            seeds=seeds,
+            query=QUERY_WORDS[self.spec.query],
+        )
 
 
 def _masks(pair, names, size, key: str) -> list[RegionObject]:
@@ -215,8 +294,9 @@ def _swap_of_row(pair, row: dict, size) -> SwapScene | None:
     return SwapScene(image, -1, fields["answer"], fields["foil"], a, b)
 
 
-def _file_rows(loaded, source: str, kind: str, region, role: str):
-    """``(claim samples, {kind: side samples}, file)`` of every line of a pairs file, in file order."""
+def _file_rows(loaded, source: str, kind: str, region, role: str, reading: Reading):
+    """``(claim samples, {kind: side samples}, file)`` of every line of a pairs file, in file order
+    (a relation of the sequence's own tokens reads no region: its lines need no mask)."""
     from core.files.pairs import load_pair_image, pairs_file, read_pairs
     from core.models.question_checks import QuestionError
     from core.zoo.label_scenes import scene_of_row
@@ -226,19 +306,22 @@ def _file_rows(loaded, source: str, kind: str, region, role: str):
     claim, side = [], {}
     for pair in read_pairs(path, what="dataset file"):
         row = pair.row or {}
-        if pair.answer is None or pair.foil is None:
-            raise InputFileError(f'{pair.where}: the chain needs "answer" and "foil" (S is their logit difference)')
-        for word in (pair.answer, pair.foil):
-            try:
-                a.token_id(word)
-            except QuestionError as e:
-                raise InputFileError(f"{pair.where}: {e}") from None
+        line_kind = pair.kind or kind
+        # a copying claim's S is the source token against a foil word: its own lines need no answer
+        if line_kind != kind or reading.spec.content != "copy":
+            if pair.answer is None or pair.foil is None:
+                raise InputFileError(f'{pair.where}: the chain needs "answer" and "foil" (S is their logit difference)')
+            for word in (pair.answer, pair.foil):
+                try:
+                    a.token_id(word)
+                except QuestionError as e:
+                    raise InputFileError(f"{pair.where}: {e}") from None
         image = np.asarray(load_pair_image(pair))
         size = (image.shape[1], image.shape[0])
-        line_kind = pair.kind or kind
         common = dict(kind=line_kind, template=pair.template or "", split=role, index=pair.line, where=pair.where)
-        if line_kind != kind:
-            side.setdefault(line_kind, []).append(ChainSample(image, pair.question, pair.answer, pair.foil, **common))
+        if line_kind != kind or not reading.spec.on_image:
+            bucket = side.setdefault(line_kind, []) if line_kind != kind else claim
+            bucket.append(ChainSample(image, pair.question, pair.answer or "", pair.foil or "", **common))
             continue
         objects, target, distractors = _regions(pair, row, size, region)
         scene = scene_of_row(row, image, [o.mask for o in objects], target, pair.question, pair.answer, pair.foil)
@@ -253,34 +336,38 @@ def _file_rows(loaded, source: str, kind: str, region, role: str):
     return claim, side, path
 
 
-def _keep(loaded, samples, n: int, min_distractors: int) -> tuple[list, dict]:
-    """The first ``n`` claim samples that pass the chain's filters, and what was skipped."""
-    from core.forward.geometry import region_tokens
-
-    tokens = _TokenCache(loaded)
-    out, skipped = [], {"too_few_distractors": 0, "target_covers_no_token": 0}
-    for s in samples:
-        if len(out) >= n:
-            break
-        if len(s.distractors) < min_distractors:
-            skipped["too_few_distractors"] += 1
-            continue
-        if not region_tokens(tokens(s.image, s.question), s.objects[s.target].mask, REGION_MIN_COVER):
-            skipped["target_covers_no_token"] += 1
-            continue
-        out.append(s)
-    return out, skipped
+def _keep(loaded, samples, n: int, min_distractors: int, reading: Reading) -> tuple[list, dict, dict]:
+    """The first ``n`` claim samples that pass the chain's filters and that the relation reads,
+    what the filters skipped, and what the relation left out (why: how many)."""
+    skipped = {"too_few_distractors": 0}
+    if reading.spec.on_image:
+        enough = [s for s in samples if len(s.distractors) >= min_distractors]
+        skipped["too_few_distractors"] = len(samples) - len(enough)
+        samples = enough
+    out, left_out = reading.readable(loaded, samples, n)
+    return out, skipped, left_out
 
 
-def _file_condition(path, role: str, samples, skipped: dict, min_distractors: int, kind: str, extra: dict):
+def _file_condition(
+    path, role: str, samples, skipped: dict, min_distractors: int, kind: str, extra: dict, reading: Reading
+):
     if not samples:
         raise ValidateError(
-            f"{path}: no {kind} input of the {role} set passes the filters (at least {min_distractors} distractor "
-            f"region(s), a target covering a visual token by {REGION_MIN_COVER:g}; skipped: "
+            f"{path}: no {kind} input of the {role} set passes the filters"
+            + (
+                f" (at least {min_distractors} distractor region(s), a target covering a visual token by "
+                f"{REGION_MIN_COVER:g})"
+                if reading.spec.on_image
+                else f" of the relation {reading.spec.name!r}"
+            )
+            + "; skipped: "
             + ", ".join(f"{k} {v}" for k, v in skipped.items())
-            + ")"
         )
-    filters = {"min_distractors": min_distractors, "target_tokens_min": 1, "region_min_cover": REGION_MIN_COVER}
+    filters = (
+        {"min_distractors": min_distractors, "target_tokens_min": 1, "region_min_cover": REGION_MIN_COVER}
+        if reading.spec.on_image
+        else {}
+    )
     return InputCondition(
         str(path),
         role,
@@ -293,10 +380,11 @@ def _file_condition(path, role: str, samples, skipped: dict, min_distractors: in
     )
 
 
-def _file_data(loaded, rows, role, path, n, n_side, min_distractors, kind, extra=None) -> ChainData:
+def _file_data(loaded, rows, role, path, n, n_side, min_distractors, kind, reading: Reading, extra=None) -> ChainData:
     claim, side = rows
-    kept, skipped = _keep(loaded, claim, n, min_distractors)
-    condition = _file_condition(path, role, kept, skipped, min_distractors, kind, extra or {})
+    kept, skipped, left_out = _keep(loaded, claim, n, min_distractors, reading)
+    condition = _file_condition(path, role, kept, {**skipped, **left_out}, min_distractors, kind, extra or {}, reading)
+    condition = reading.condition(condition, kept, left_out, str(path))
     side = {k: v[:n_side] for k, v in sorted(side.items()) if n_side}
     return ChainData(kept, condition, side, {_digest(s.image, s.question) for s in kept})
 
@@ -324,17 +412,20 @@ def read_chain_data(
     region: np.ndarray | None = None,
     min_distractors: int = 1,
     seed: int = 0,
+    reading: Reading | None = None,
 ) -> tuple[ChainData, ChainData]:
     """``(search, heldout)``: the chain's data from ``source`` and the held-out
     ``heldout`` (see the module docstring). Without ``heldout``, a scene split
     other than ``heldout`` is held out against the ``heldout`` split, and a
     file against the seeded other half of its own lines. ``n``: the first n
-    inputs of each set that pass the filters; ``n_side``: of each other kind."""
+    inputs of each set that pass the filters and that the relation reads
+    (``reading``: default the attribute relation's); ``n_side``: of each other kind."""
+    reading = reading or Reading(ATTRIBUTE_MOVING, seed)
 
     def one(src: str, role: str) -> tuple[str, object]:
         if src == SCENES or src.startswith(SCENES + ":"):
             return "scenes", src.partition(":")[2] or ("val" if role == "search" else "heldout")
-        return "file", _file_rows(loaded, src, kind, region, role)
+        return "file", _file_rows(loaded, src, kind, region, role, reading)
 
     if kind != CLAIM_KIND:
         raise ValidateError(f"the chain's relation is about {CLAIM_KIND} questions, not {kind!r}")
@@ -356,23 +447,24 @@ def read_chain_data(
                 n_side,
                 min_distractors,
                 kind,
+                reading,
                 {"halved_with_seed": seed},
             )
             for i, (claim_half, role) in enumerate(((cs, "search half"), (ch, "held-out half")))
         )
     else:
         search = (
-            _scene_data(loaded, got, n, n_side, min_distractors)
+            _scene_data(loaded, got, n, n_side, min_distractors, reading)
             if what == "scenes"
-            else _file_data(loaded, got[:2], "search", got[2], n, n_side, min_distractors, kind)
+            else _file_data(loaded, got[:2], "search", got[2], n, n_side, min_distractors, kind, reading)
         )
         h_what, h_got = one(heldout or f"{SCENES}:heldout", "heldout")
         if h_what == "scenes":
-            held = _scene_data(loaded, h_got, n, n_side, min_distractors)
+            held = _scene_data(loaded, h_got, n, n_side, min_distractors, reading)
         else:
             if what == "file" and Path(h_got[2]).resolve() == Path(got[2]).resolve():
                 raise ValidateError(f"{h_got[2]}: the held-out set is the search set's file; give another file")
-            held = _file_data(loaded, h_got[:2], "heldout", h_got[2], n, n_side, min_distractors, kind)
+            held = _file_data(loaded, h_got[:2], "heldout", h_got[2], n, n_side, min_distractors, kind, reading)
         if search.condition.split == held.condition.split and search.condition.dataset == held.condition.dataset:
             raise ValidateError(f"the held-out set is the search set ({search.condition.describe()})")
     both = search.digests & held.digests
@@ -397,12 +489,22 @@ def source_files(dataset: str, heldout: str | None = None) -> dict:
     return out
 
 
+def relation_words() -> tuple[str, ...]:
+    """The words a relation draws its foil words, inserted words and repeated sequences from:
+    the default models' vocabulary of words (each used only where it is one token of the model)."""
+    from core.zoo.vocab import words
+
+    return tuple(w for w in words() if w.isalpha())
+
+
 # ------------------------------------------------------------------ subjects
 
 
-def parse_subject(name: str, loaded) -> Subject:
+def parse_subject(name: str, loaded, spec: ClaimSpec = ATTRIBUTE_MOVING) -> Subject:
     """A head (``L1.H1``) or a route of one block (``L1.H0+L1.H1``, or ``L1.H0+H1``)
-    among the heads that read the image; a one-line error otherwise."""
+    among the heads a claim of ``spec`` can be about (those that read the image, or
+    for a relation of the sequence's own tokens the self-attention heads); a one-line
+    error otherwise."""
     from core.methods.component_ablation import parse_head
 
     adapter = loaded.adapter
@@ -411,14 +513,18 @@ def parse_subject(name: str, loaded) -> Subject:
         raise ValidateError(f"{name!r}: a route is heads joined by '+', e.g. L1.H0+L1.H1")
     block_name = parts[0].rsplit(".H", 1)[0] if ".H" in parts[0] else ""
     heads = [parse_head(p if "." in p else f"{block_name}.{p}", adapter) for p in parts]
-    pool = visual_heads(loaded)
+    pool = relation_heads(loaded, spec)
     readers = sorted({h.name.rsplit(".H", 1)[0] for h in pool}, key=[b for b, _ in adapter.blocks].index)
     reading = {(h.block, h.head) for h in pool}
     for h in heads:
         if (h.block, h.head) not in reading:
             raise ValidateError(
-                f"{h.name} reads no visual token (its block's keys are text): the chain's heads are those of "
-                f"{', '.join(readers)}"
+                (
+                    f"{h.name} reads no visual token (its block's keys are text)"
+                    if spec.on_image
+                    else f"{h.name} reads none of the sequence's own tokens (its keys are the image's)"
+                )
+                + f": the chain's heads for {spec.name!r} are those of {', '.join(readers)}"
             )
     block = adapter.blocks[heads[0].block][0]
     if len(heads) == 1:
@@ -625,23 +731,22 @@ def validate(
     """
     t0 = time.perf_counter()
     spec = resolve_spec(spec)
-    the_claim = Claim(claim, spec.relation)
-    named = [parse_subject(s, loaded) for s in subjects]
+    the_claim = Claim(claim, spec.relation, QUERY_WORDS[spec.query])
+    named = [parse_subject(s, loaded, spec) for s in subjects]
     if not named and candidates <= 0:
         raise ValidateError("name a head or route to validate, or ask for candidates (--candidates K)")
+    reading = Reading(spec, seed, relation_words())
     search, held = read_chain_data(
-        loaded, dataset, heldout, n=n, n_side=n_side, region=region, min_distractors=min_distractors, seed=seed
+        loaded,
+        dataset,
+        heldout,
+        n=n,
+        n_side=n_side,
+        region=region,
+        min_distractors=min_distractors,
+        seed=seed,
+        reading=reading,
     )
-    # refused before any forward: a held-out set on which step 1 cannot pass supports nothing
-    power = StepOnePower.of([sample_chance(loaded.adapter, s) for s in held.samples], spec.hit_p)
-    if not power.can_pass:
-        raise ValidateError(power.refusal())
-    least = spec.minimum_n_step5()
-    if least is not None and held.n < least:
-        raise ValidateError(
-            f"held-out n={held.n} is too small for the stated effect: step 5's 95% interval of the mean drop "
-            f"excludes zero at a standardised effect of {spec.effect_size:g} only from n={least}"
-        )
     ctx = ChainContext(
         loaded,
         search.samples,
@@ -656,7 +761,13 @@ def validate(
         progress=progress,
         cancel=cancel,
         spec=spec,
+        words=reading.words,
     )
+    # refused before any forward (the rows read token ids and geometry only): a held-out set on
+    # which step 1 cannot pass, or steps 3 and 5 cannot at the stated effects, supports nothing
+    refusal = power_refusal(spec, [row.chance for row in ctx.rows("eval")])
+    if refusal:
+        raise ValidateError(refusal)
     todo: list[tuple[Subject, dict | None]] = [(s, None) for s in named]
     table: list[dict] = []
     found_by = "named"

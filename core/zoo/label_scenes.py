@@ -27,13 +27,16 @@ def scene_samples(
     min_distractors: int = 1,
     start: int = 0,
     max_tries: int | None = None,
+    templates: tuple[str, ...] = (),
+    target_tokens: bool = True,
 ) -> tuple[list, InputCondition]:
     """The first ``n`` samples of ``split`` (from index ``start``) of question
     ``kind`` that pass the filters, and their :class:`InputCondition`.
 
     For ``kind="attribute"`` a sample must have at least ``min_distractors``
-    distractors and a target covering at least one visual token (region
-    cover >= 0.25 of the token's box); other kinds are taken as drawn.
+    distractors and (``target_tokens``) a target covering at least one visual token
+    (region cover >= 0.25 of the token's box); other kinds are taken as drawn.
+    ``templates``: only questions of these templates (empty: every one).
     """
 
     out, indices, skipped = [], [], 0
@@ -43,23 +46,28 @@ def scene_samples(
     while len(out) < n and i < start + limit:
         s = scenes.make_sample(split, i, kind=kind)
         i += 1
+        if templates and s.template not in templates:
+            skipped += 1
+            continue
         if kind == "attribute":
             if len(s.distractors) < min_distractors:
                 skipped += 1
                 continue
-            if toks is None:
+            if target_tokens and toks is None:
                 inp = loaded.adapter.prepare([_image(s)], [s.question])
                 toks = _tokens(
                     loaded, (s.image.shape[1], s.image.shape[0]), loaded.adapter.visual_positions(inp)[0].tolist()
                 )
-            if not region_tokens(toks, s.objects[s.target].mask, REGION_MIN_COVER):
+            if target_tokens and not region_tokens(toks, s.objects[s.target].mask, REGION_MIN_COVER):
                 skipped += 1
                 continue
         out.append(s)
         indices.append(s.index)
     if not out:
         raise LabelError(f"no {kind} sample of split {split!r} passes the filters")
-    filters = {"min_distractors": min_distractors, "target_tokens_min": 1, "region_min_cover": REGION_MIN_COVER}
+    filters = {"min_distractors": min_distractors}
+    if target_tokens:
+        filters.update(target_tokens_min=1, region_min_cover=REGION_MIN_COVER)
     cond = InputCondition(
         "core.zoo.scenes",
         split,

@@ -272,3 +272,32 @@ def test_a_specification_file_is_chosen_run_and_recorded(qtbot, window, tmp_path
     assert panel.distribution_label.text().startswith("relation tested: 'reads the colour of the asked shape'")
     (info,) = window.session.runs("validate")
     assert window.session.run(info.id).parameters["specification"]["prediction_r"] == 0.6
+
+
+@pytest.mark.parametrize("spec", ["induction", "sink-delimiter"])
+def test_a_shipped_text_relation_runs_from_the_relation_field(qtbot, window, spec):
+    """Another shipped relation picked in the Relation field: the chain runs on the heads it is
+    about, and the tab says above the steps which relation was tested, at which query, on what n;
+    a held-out set too small for it is refused in the window with the smallest n (the sink's)."""
+    from core.methods.validation.spec import QUERY_WORDS, SHIPPED
+
+    panel = window.validation_panel
+    index = panel.spec_combo.findData(spec)
+    assert index >= 0
+    panel.spec_combo.setCurrentIndex(index)
+    panel._on_spec_activated(index)
+    assert panel.spec_loaded == SHIPPED[spec]
+    state_claim(window, subject="L0.H1")
+    run_until_idle(qtbot, window, window.actions.run_claim)
+    assert window.inputs.error_label.text() == ""
+    result = shown_result(window, "validate")
+    assert result.spec == SHIPPED[spec] and [c.subject for c in result.chains] == ["L0.H1"]
+    label = panel.distribution_label.text()
+    assert label.startswith(f"relation tested: {SHIPPED[spec].relation!r}") and f"n={SMALL_N}" in label
+    assert f"at the {QUERY_WORDS[SHIPPED[spec].query]}" in label
+    assert panel.status_texts() == statuses(result)
+    if spec == "sink-delimiter":  # the first token and the delimiters: a chance of about 0.05 per input
+        state_claim(window, subject="L0.H1", n=2)
+        run_until_idle(qtbot, window, window.actions.run_claim)
+        message = window.inputs.error_label.text()
+        assert "held-out n=2 is too small" in message and "the smallest n at which step 1 could pass is 3" in message

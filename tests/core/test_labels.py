@@ -209,9 +209,10 @@ def test_mean_ablation_value_is_the_mean_z_over_the_reference_set(coca, ctx):
     expected = stacked.mean(0)
     # batched runs against single runs (relative to z's terms), and the mean's sum in another order
     mean_tol = batch_tol(coca, z_terms) + sum_tol(stacked.abs().mean(0).max(), len(zs) + 1, torch.float64)
-    torch.testing.assert_close(L.mean_ablation_value(coca, ref, head), expected, atol=mean_tol, rtol=0)
+    rows = [ctx.locate(s) for s in ref]
+    torch.testing.assert_close(L.mean_ablation_value(coca, ref, rows, head), expected, atol=mean_tol, rtol=0)
     # the context's value for attribute questions is the same mean over its whole search split
-    whole = L.mean_ablation_value(coca, ctx.search_samples, head)
+    whole = L.mean_ablation_value(coca, ctx.search_samples, ctx.rows("search"), head)
     tol = batch_tol(coca, z_terms) + sum_tol(ctx.mean_z(head).abs().max(), len(ctx.search_samples) + 1, torch.float64)
     torch.testing.assert_close(ctx.mean_z(head), whole, atol=tol, rtol=0)
     # the edited run writes exactly that value into the head's z at the answer position
@@ -244,7 +245,7 @@ def test_observations_match_decompose_and_the_rerun(coca, ctx):
     assert ctx.drop([head], "zero")[3] == pytest.approx(row.total_removal, abs=drop_tol)
     # hits: argmax of the answer row over the visual tokens lies on the target's tokens
     pat = tr.patterns[head.block][0, head.head, 0]
-    assert obs.hits()[3, obs.col(head)] == float(int(pat.argmax()) in obs.target[3])
+    assert obs.hits()[3, obs.col(head)] == float(int(pat.argmax()) in obs.sources[3])
 
 
 def test_swap_moves_the_asked_attribute_and_nothing_else():
@@ -314,14 +315,12 @@ def test_route_columns_are_the_heads_mean_pattern_and_summed_write(coca, ctx):
     assert c == len(obs.heads) + obs.routes.index(route) and obs.col(route) == c  # added once
     # the route's column is its members' mean / sum, taken again here in another order (float64)
     n = len(members) + 1
-    mass = np.abs(obs.vis_attn[:, members]).mean(1).max()
+    mass = np.abs(obs.attn[:, members]).mean(1).max()
     np.testing.assert_allclose(
-        obs.vis_attn[:, c], obs.vis_attn[:, members].mean(1), rtol=0, atol=sum_tol(mass, n, torch.float64)
+        obs.attn[:, c], obs.attn[:, members].mean(1), rtol=0, atol=sum_tol(mass, n, torch.float64)
     )
-    terms = np.abs(obs.dla_vis[:, members]).sum(1).max()
-    np.testing.assert_allclose(
-        obs.dla_vis[:, c], obs.dla_vis[:, members].sum(1), rtol=0, atol=sum_tol(terms, n, torch.float64)
-    )
+    terms = np.abs(obs.dla[:, members]).sum(1).max()
+    np.testing.assert_allclose(obs.dla[:, c], obs.dla[:, members].sum(1), rtol=0, atol=sum_tol(terms, n, torch.float64))
     assert torch.isnan(obs.z[:, c]).all()  # no single z: ablation goes through the heads
 
     s = ctx.eval_samples[2]
@@ -333,7 +332,10 @@ def test_route_columns_are_the_heads_mean_pattern_and_summed_write(coca, ctx):
     assert obs.head_dla[2, c] == pytest.approx(sum(comps[m].dla_frozen for m in names), abs=tol)
 
     by_hand = L.run_edited(
-        coca, ctx.eval_samples, lambda pos: [L.head_edit(m, pos, ctx.mean_z(m)) for m in route.members]
+        coca,
+        ctx.eval_samples,
+        ctx.rows("eval"),
+        lambda row: [L.head_edit(m, row.query, ctx.mean_z(m)) for m in route.members],
     )
     # the same edits, batched alike: two logits each, as far as two forwards may be apart
     np.testing.assert_allclose(

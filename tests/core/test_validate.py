@@ -22,6 +22,7 @@ import core.cli
 from core import load_model
 from core.cli import main
 from core.methods.validation import STEP_STATUSES
+from core.methods.validation.spec import SHIPPED
 from core.methods.validation.stats import poisson_binomial_tail
 from core.validate import Validation, read_chain_data, validate
 from core.zoo.dataset import JSONL_NAME, write_dataset
@@ -151,14 +152,24 @@ def _scene_files(tmp_path, written_scenes, n, question=None, words=None) -> dict
     return out
 
 
+@pytest.fixture(scope="module")
+def random_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("random")
+    return {name: randomize_folder(name, root / name) for name in SUBJECTS}
+
+
+@pytest.mark.parametrize("spec", list(SHIPPED))
 @pytest.mark.parametrize("name", ["shapes-llava", "shapes-coca"])
-def test_random_weights_support_no_label(name, tmp_path):
-    """The negative control through the command: a noise copy of the default model, five
-    candidates found on the scenes, and no chain may come out "supported"."""
-    folder = randomize_folder(name, tmp_path / "random")
+def test_random_weights_support_no_label(name, spec, random_folders, tmp_path):
+    """The negative control through the command, for every shipped specification: a noise
+    copy of the default model, five candidates found on the scenes, and no chain may come
+    out "supported"."""
+    folder = random_folders[name]
     out = tmp_path / "v.json"
-    assert main(_validate_args(out, "--model", str(folder), "--candidates", "5", "--dataset", "scenes")) == 0
+    args = ["--model", str(folder), "--candidates", "5", "--dataset", "scenes", "--spec", spec]
+    assert main(_validate_args(out, *args)) == 0
     got = json.loads(out.read_text())
+    assert got["specification"] == SHIPPED[spec].to_dict()
     heads = [c for c in got["chains"] if c["subject_kind"] == "head"]
     assert len(heads) >= 5
     assert got["model"]["fingerprint"] != load_model(name).fingerprint
@@ -399,7 +410,15 @@ def test_a_users_specification_file_round_trips(models, tmp_path, monkeypatch, c
         ('{"name": "x", "relation": "y", "hit_p": 2}', "'hit_p' 2 is outside (0, 1]"),
         ('{"name": "x", "relation": "y", "sorces": "z"}', "unknown field 'sorces'"),
         ('{"relation": "y"}', "missing field 'name'"),
-        ('{"name": "x", "relation": "y", "sources": "previous_token"}', "'sources' 'previous_token'"),
+        ('{"name": "x", "relation": "y", "sources": "nowhere"}', "'sources' 'nowhere': expected one of"),
+        ('{"name": "x", "relation": "y", "sources": "previous_token"}', "'counterfactual' 'attribute_swap' does not"),
+        (
+            '{"name": "x", "relation": "y", "sources": "after_earlier_occurrence", "content": "copy", '
+            '"counterfactual": "shift"}',
+            "'query' 'answer' does not fit",
+        ),
+        ('{"name": "x", "relation": "y", "templates": "shape_of_color"}', "'templates' must be a list"),
+        ('{"name": "x", "relation": "y", "stated_r": 1.5}', "'stated_r' 1.5 is outside (0, 1)"),
         ('{"name": "x", "relation": "y", "effect_size": "big"}', "'effect_size' must be a finite number"),
         ("[1, 2]", "expected an object of fields"),
         ("{not json", "not JSON"),

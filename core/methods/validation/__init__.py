@@ -18,15 +18,20 @@ baselines). :meth:`ValidationChain.status` turns the checklist into one of
 * and step 5 passes -> ``candidate with intervention``;
 * and steps 6 and 7 pass -> ``supported``. Nothing less is shown as supported.
 
-The steps are defined for the synthetic shape scenes (:mod:`core.zoo.scenes`),
-whose ground-truth object masks make each step checkable: candidates are heads
-that move the asked attribute (colour or shape) from the target object to the
-answer position, found on one split (``val``) and tested on another
-(``heldout``). Conventions: the target ``S`` is the answer-minus-foil logit
-difference at the answer position; DLA is the frozen-final-norm-scale DLA of
-:mod:`core.methods.contributions`; ablations edit the head's ``z`` at the
-answer position only (the write the claim is about), through
-:class:`core.forward.edits.Edit`.
+What the steps test is derived from the claim's specification
+(:mod:`.spec`, :class:`ClaimSpec`): its query and source positions, located on
+each input by :mod:`.relations`, its pattern relation, content claim,
+counterfactual and predicted effect. The shipped ones (:data:`SHIPPED`:
+attribute-moving, object-name-copying, previous-token, induction,
+sink-delimiter) run on the synthetic shape scenes (:mod:`core.zoo.scenes`),
+whose ground-truth object masks make the visual relations checkable; the
+candidates are found on one split (``val``) and tested on another
+(``heldout``). Conventions: ``S`` is the logit difference of the relation's
+answer and foil at its query (the dataset's answer minus foil at the answer
+position, or the copied token minus a foil word); DLA is the
+frozen-final-norm-scale DLA of :mod:`core.methods.contributions`; ablations
+edit the head's ``z`` at the query only (the write the claim is about),
+through :class:`core.forward.edits.Edit`.
 
 A subject is a head (:class:`HeadRef`) or a route (:class:`RouteRef`: several
 heads of one block taken together, for a function the heads of a block share):
@@ -35,8 +40,9 @@ testing, and a route's baselines are routes of the same size
 (:class:`BaselinePlan`).
 
 The package, lowest first: :mod:`.chain` (the chain model), :mod:`.stats`,
-:mod:`.setting` (pass rules, relation, subjects), :mod:`.samples` (what the
-chain reads of one input), :mod:`.observations`, :mod:`.context`
+:mod:`.spec` (claim specifications), :mod:`.setting` (pass rules, subjects),
+:mod:`.samples` (what the chain reads of one input), :mod:`.relations` (where a
+relation is read on it), :mod:`.power`, :mod:`.observations`, :mod:`.context`
 (:class:`ChainContext`, baselines), :mod:`.steps` (the seven steps,
 :func:`run_chain`) and :mod:`.candidates`. What draws the scenes
 (:func:`scene_samples`, :func:`swap_attribute`, :func:`attribute_context`)
@@ -68,10 +74,13 @@ from core.methods.validation.observations import (
     SwapObservations,
     head_edit,
     mean_ablation_value,
+    observe_counterfactuals,
     observe_heads,
     observe_swaps,
     run_edited,
+    z_norms,
 )
+from core.methods.validation.relations import Counterfactual, Row, Unreadable, locate
 from core.methods.validation.samples import ChainSample, RegionObject, SwapScene
 from core.methods.validation.setting import (
     ATTRIBUTE_TEMPLATES,
@@ -86,8 +95,11 @@ from core.methods.validation.setting import (
     HeadRef,
     RouteRef,
     Subject,
+    relation_heads,
+    text_heads,
     visual_heads,
 )
+from core.methods.validation.spec import SHIPPED, ClaimSpec, SpecError
 from core.methods.validation.steps import (
     STEP_FUNCTIONS,
     run_chain,
@@ -112,6 +124,7 @@ __all__ = [
     "REGION_MIN_COVER",
     "RELATION",
     "SCHEMA_VERSION",
+    "SHIPPED",
     "SIDE_KINDS",
     "STEP_FUNCTIONS",
     "STEP_STATUSES",
@@ -123,6 +136,8 @@ __all__ = [
     "ChainContext",
     "ChainStatus",
     "ChainStep",
+    "ClaimSpec",
+    "Counterfactual",
     "HeadObservations",
     "HeadRef",
     "InputCondition",
@@ -130,15 +145,20 @@ __all__ = [
     "LabelError",
     "RegionObject",
     "RouteRef",
+    "Row",
     "RunNumbers",
+    "SpecError",
     "Subject",
     "SwapObservations",
     "SwapScene",
+    "Unreadable",
     "ValidationChain",
     "find_candidates",
     "find_routes",
     "head_edit",
+    "locate",
     "mean_ablation_value",
+    "observe_counterfactuals",
     "observe_heads",
     "observe_swaps",
     "run_chain",
@@ -150,5 +170,8 @@ __all__ = [
     "step5_ablation",
     "step6_baselines",
     "step7_side_effects",
+    "relation_heads",
+    "text_heads",
     "visual_heads",
+    "z_norms",
 ]

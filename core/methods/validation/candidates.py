@@ -13,16 +13,16 @@ from core.methods.validation.setting import HeadRef, RouteRef
 
 
 def find_candidates(ctx: ChainContext, k: int = 3, *, add_attention_top: bool = True) -> list[tuple[HeadRef, dict]]:
-    """Heads that write the target's attribute toward the answer, ranked on
-    the *search* split by mean target-source DLA (answer minus foil); the top
-    ``k``, plus the head with the highest target hit rate if it is not among
-    them (an attention-picked candidate, for contrast). Returns ``(head, search
+    """Heads that write from the sources toward S's answer, ranked on the *search*
+    split by mean source DLA (answer minus foil; a quiet sink's claim: by mean mass
+    on the sources); the top ``k``, plus the head with the highest hit rate if it is
+    not among them (an attention-picked candidate, for contrast). Returns ``(head, search
     numbers)`` with the search table of every head under ``"table"``."""
     obs = ctx.search_obs
     nh = len(obs.heads)  # the heads' columns (routes planned so far come after them)
-    target_dla = obs.region_sum(obs.dla_vis, obs.target).mean(0)[:nh]
+    target_dla = obs.region_sum(obs.dla, obs.sources).mean(0)[:nh]
     hits = obs.hits().mean(0)[:nh]
-    mass = obs.region_sum(obs.vis_attn, obs.target).mean(0)[:nh]
+    mass = obs.region_sum(obs.attn, obs.sources).mean(0)[:nh]
     chance = float(obs.chance().mean())
     table = [
         {
@@ -34,8 +34,10 @@ def find_candidates(ctx: ChainContext, k: int = 3, *, add_attention_top: bool = 
         }
         for c, h in enumerate(obs.heads)
     ]
-    order = list(np.argsort(-target_dla))
-    picked = [(int(c), "top target-source DLA") for c in order[:k]]
+    # a quiet sink is found by where it attends (its write is what it is claimed not to have)
+    rank, by = (mass, "top source mass") if ctx.spec.content == "quiet" else (target_dla, "top target-source DLA")
+    order = list(np.argsort(-rank))
+    picked = [(int(c), by) for c in order[:k]]
     if add_attention_top:
         top_att = int(np.argmax(hits))
         if top_att not in [c for c, _ in picked]:
@@ -95,10 +97,10 @@ def find_routes(ctx: ChainContext, found: Sequence[tuple[HeadRef, dict]]) -> lis
                         "n": obs.n,
                         "picked_by": why,
                         "members": [m.name for m in route.members],
-                        "target_dla": float(obs.region_sum(obs.dla_vis, obs.target)[:, c].mean()),
+                        "target_dla": float(obs.region_sum(obs.dla, obs.sources)[:, c].mean()),
                         "hit_rate": float(obs.hits()[:, c].mean()),
                         "chance_hit_rate": float(obs.chance().mean()),
-                        "target_mass": float(obs.region_sum(obs.vis_attn, obs.target)[:, c].mean()),
+                        "target_mass": float(obs.region_sum(obs.attn, obs.sources)[:, c].mean()),
                         "condition": ctx.search_condition.to_dict(),
                     },
                 )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from core.forward.edits import Edit
 from core.methods.patterns import pattern_statistics
 from core.methods.validation.chain import Baseline, InputCondition, LabelError, _finite
 from core.methods.validation.observations import (
@@ -22,11 +23,14 @@ from core.methods.validation.observations import (
     SwapObservations,
     head_edit,
     mean_ablation_value,
+    observe_counterfactuals,
     observe_heads,
     observe_swaps,
     run_edited,
+    z_norms,
 )
-from core.methods.validation.setting import REGION_MIN_COVER, HeadRef, RouteRef, Subject, _members, visual_heads
+from core.methods.validation.relations import Row, Unreadable, answer_row, locate, other_image, prepared, shifted
+from core.methods.validation.setting import REGION_MIN_COVER, HeadRef, RouteRef, Subject, _members, relation_heads
 from core.methods.validation.spec import resolve
 from core.methods.validation.stats import _stats
 from core.results.audit import AuditRecord
@@ -88,6 +92,11 @@ class ChainContext:
             which :func:`core.zoo.label_scenes.attribute_context` gives); without
             it step 4 is not run.
         progress: ``progress(done, total, message)``; cancel: returns True to stop.
+        spec: the claim's specification (:func:`core.methods.validation.spec.resolve`):
+            where each input is read (:func:`core.methods.validation.relations.locate`)
+            and each step's variant and threshold.
+        words: the words a relation may draw a foil word or an inserted word from (each
+            must be one token of the model to be used).
     """
 
     def __init__(
@@ -106,6 +115,7 @@ class ChainContext:
         progress=None,
         cancel=None,
         spec=None,
+        words: Sequence[str] = (),
     ):
         if search_condition.split == eval_condition.split:
             raise LabelError("the evaluation split must differ from the search split (held-out inputs)")
@@ -121,7 +131,8 @@ class ChainContext:
         self.cancel = cancel
         self.spec = resolve(spec)  # the claim specification: the relation and each step's thresholds
         self.criteria = self.spec.criteria()
-        self.pool = visual_heads(loaded)
+        self.words = list(words)
+        self.pool = relation_heads(loaded, self.spec)
         self._cache: dict = {}
         self._routes: list[RouteRef] = []  # routes planned so far: every observation gets their columns
 
@@ -145,6 +156,7 @@ class ChainContext:
             lambda: observe_heads(
                 self.loaded,
                 self.search_samples,
+                self.rows("search"),
                 self.pool,
                 split=self.search_condition.split,
                 batch_size=self.batch_size,
@@ -160,6 +172,7 @@ class ChainContext:
             lambda: observe_heads(
                 self.loaded,
                 self.eval_samples,
+                self.rows("eval"),
                 self.pool,
                 split=self.eval_condition.split,
                 batch_size=self.batch_size,
@@ -168,8 +181,36 @@ class ChainContext:
             ),
         )
 
+    def rows(self, which: str) -> list[Row]:
+        """Where each input of ``which`` ("search", "eval", a side kind, or ``"reference:"``
+        and a side kind) is read: the relation's rows for the claim's own inputs, the
+        answer position (S: the line's answer minus its foil) for the other kinds."""
+
+        def make():
+            samples = self.samples(which)
+            if which not in ("search", "eval"):
+                return [answer_row(self.loaded.adapter, s, prepared(self.loaded.adapter, s)) for s in samples]
+            out = []
+            for s in samples:
+                try:
+                    out.append(self.locate(s))
+                except Unreadable as e:
+                    raise LabelError(f"{which} input {getattr(s, 'index', '?')}: {e} (leave it out first)") from None
+            return out
+
+        return self._get(("rows", which), make)
+
+    def locate(self, sample) -> Row:
+        """Where the specification is read on ``sample`` (:func:`core.methods.validation.relations.locate`)."""
+        a = self.loaded.adapter
+        return locate(a, self.spec, sample, prepared(a, sample), seed=self.seed, words=self.words)
+
     @property
     def swap_obs(self) -> SwapObservations:
+        """Step 4's observations: the attribute swap (``swap``), or for a relation of the
+        sequence's own tokens its inserted word or another input's image."""
+        if self.spec.counterfactual != "attribute_swap":
+            return self._get("swap_obs", self._counterfactual_obs)
         if self.swap is None:
             raise LabelError("this context has no swap (ChainContext(swap=...)): step 4 cannot be observed")
         return self._get(
@@ -177,6 +218,34 @@ class ChainContext:
             lambda: observe_swaps(
                 self.loaded, self.eval_samples, self.pool, swap=self.swap, seed=self.seed, cancel=self.cancel
             ),
+        )
+
+    def _counterfactual_obs(self) -> SwapObservations:
+        a, samples, rows = self.loaded.adapter, self.eval_samples, self.rows("eval")
+        if self.spec.counterfactual == "shift":
+
+            def make(i):
+                return shifted(a, self.spec, samples[i], rows[i], seed=self.seed, words=self.words)
+
+        else:
+            # the partner: a seeded other input whose image differs
+            order = np.random.default_rng([self.seed, len(samples), 5]).permutation(len(samples))
+
+            def make(i):
+                for j in order:
+                    partner = samples[int(j)]
+                    if not np.array_equal(np.asarray(partner.image), np.asarray(samples[i].image)):
+                        return other_image(a, self.spec, samples[i], rows[i], partner)
+                raise Unreadable("every input has the same image")
+
+        return observe_counterfactuals(
+            self.loaded,
+            samples,
+            rows,
+            self.pool,
+            make,
+            stays=self.spec.counterfactual == "other_image",
+            cancel=self.cancel,
         )
 
     @property
@@ -187,6 +256,8 @@ class ChainContext:
         result, or the error's one-line text when it cannot run on this model."""
 
         def make():
+            if not self.spec.on_image:
+                return "its estimator reads an image region; this relation's sources are the sequence's own tokens"
             items = [(s.image, s.question, s.objects[s.target].mask) for s in self.eval_samples]
             try:
                 out = pattern_statistics(self.loaded, items, region_min_cover=REGION_MIN_COVER, cancel=self.cancel)
@@ -206,7 +277,13 @@ class ChainContext:
             return self.search_obs.z[:, self.search_obs.col(head)].mean(0)
         return self._get(
             ("mean_z", kind, head),
-            lambda: mean_ablation_value(self.loaded, self.side_reference[kind], head, batch_size=self.batch_size),
+            lambda: mean_ablation_value(
+                self.loaded,
+                self.side_reference[kind],
+                self.rows(f"reference:{kind}"),
+                head,
+                batch_size=self.batch_size,
+            ),
         )
 
     def eval_ids(self) -> list[int]:
@@ -214,13 +291,22 @@ class ChainContext:
         return [int(getattr(s, "index", i)) for i, s in enumerate(self.eval_samples)]
 
     def samples(self, which: str):
-        return self.eval_samples if which == "eval" else self.side_samples[which]
+        if which in ("eval", "search"):
+            return self.eval_samples if which == "eval" else self.search_samples
+        if which.startswith("reference:"):
+            return self.side_reference[which.partition(":")[2]]
+        return self.side_samples[which]
 
     def base(self, which: str = "eval") -> RunNumbers:
         return self._get(
             ("base", which),
             lambda: run_edited(
-                self.loaded, self.samples(which), lambda pos: [], batch_size=self.batch_size, cancel=self.cancel
+                self.loaded,
+                self.samples(which),
+                self.rows(which),
+                lambda row: [],
+                batch_size=self.batch_size,
+                cancel=self.cancel,
             ),
         )
 
@@ -237,7 +323,8 @@ class ChainContext:
             return run_edited(
                 self.loaded,
                 self.samples(which),
-                lambda pos: [head_edit(h, pos, values[h]) for h in heads],
+                self.rows(which),
+                lambda row: [head_edit(h, row.query, values[h]) for h in heads],
                 batch_size=self.batch_size,
                 cancel=self.cancel,
             )
@@ -247,6 +334,25 @@ class ChainContext:
     def drop(self, heads: Sequence[Subject], mode: str, which: str = "eval") -> np.ndarray:
         """``(n,)`` S(model) - S(ablated): positive when the ablation lowers the answer's margin."""
         return self.base(which).logit_diff - self.ablated(heads, mode, which).logit_diff
+
+    def unparked(self, subject: Subject) -> np.ndarray:
+        """``(n,)`` the rise in the norm of the subject's z (a route: its heads' summed) at each
+        evaluation query when its edges from the query to the sources are cut before the softmax."""
+        heads = tuple(_members(subject))
+        rows, obs = self.rows("eval"), self.eval_obs
+
+        def cut(row: Row) -> list[Edit]:
+            keys = tuple(row.keys[k] for k in row.sources)
+            return [Edit(h.block, h.head, (row.query,), site="knockout", keys=keys) for h in heads]
+
+        after = self._get(
+            ("z_norm_cut", heads),
+            lambda: z_norms(
+                self.loaded, self.eval_samples, rows, heads, cut, batch_size=self.batch_size, cancel=self.cancel
+            ),
+        )
+        before = sum(obs.z[:, obs.col(h)].norm(dim=-1).numpy() for h in heads)  # the observed run's own z
+        return after - before
 
     def plan(self, cand: Subject) -> BaselinePlan:
         """The candidate's baselines (:class:`BaselinePlan`). A route and the
@@ -269,7 +375,7 @@ class ChainContext:
             # a whole block is compared with every other block: there are few, and entropy
             # matching alone would leave out a block that matters (LLaVA's L0, say)
             whole_block = isinstance(cand, RouteRef) and not layer
-            counts = np.bincount(obs.argmax_patch()[:, cols[cand]], minlength=obs.vis_attn.shape[2])
+            counts = np.bincount(obs.argmax_slot()[:, cols[cand]], minlength=obs.attn.shape[2])
             matched = others if whole_block else others[:2]
             return BaselinePlan(random_head, layer, matched, int(counts.argmax()), self.seed, whole_block)
 

@@ -1,14 +1,19 @@
 """What the steps measure on the model, per sample: one capture of every
-visual-reading head (:func:`observe_heads`), the (edited) runs of the ablation
-steps (:func:`run_edited`, :func:`head_edit`, :func:`mean_ablation_value`), and
-each head's attention before and after an attribute swap (:func:`observe_swaps`;
-the swap is drawn by the function it is given, for the shape scenes
-:func:`core.zoo.label_scenes.swap_attribute`).
+head of the relation's pool at each input's query (:func:`observe_heads`), the
+(edited) runs of the ablation steps (:func:`run_edited`, :func:`head_edit`,
+:func:`mean_ablation_value`, :func:`z_norms`), and each head's attention before
+and after step 4's counterfactual (:func:`observe_swaps`: the attribute swap
+drawn by the function it is given, for the shape scenes
+:func:`core.zoo.label_scenes.swap_attribute`; :func:`observe_counterfactuals`:
+the relations whose sources are the sequence's own tokens).
+
+Where each input is read (its query, keys, sources and the tokens of S) is its
+:class:`core.methods.validation.relations.Row`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,33 +24,28 @@ from core.forward.edits import Edit
 from core.forward.geometry import region_tokens
 from core.methods.contributions import source_contributions
 from core.methods.patterns import entropy
+from core.methods.validation.relations import Counterfactual, Row, _image
 from core.methods.validation.setting import REGION_MIN_COVER, HeadRef, RouteRef, Subject, visual_heads
-
-
-def _image(sample):
-    from PIL import Image
-
-    return Image.fromarray(sample.image)
 
 
 def _tokens(loaded, size, positions):
     return loaded.adapter.visual_tokens(size, positions)
 
 
-def _length_groups(loaded, samples, batch_size: int) -> list[list[int]]:
-    """Sample indices grouped by prompt length (no padding inside a group, so
-    one edit position serves every row), in chunks of ``batch_size``."""
-    a = loaded.adapter
-    lengths: dict[str, int] = {}
-    by_len: dict[int, list[int]] = {}
-    for i, s in enumerate(samples):
-        if s.question not in lengths:
-            lengths[s.question] = int(a.prepare([_image(s)], [s.question]).input_ids.shape[1])
-        by_len.setdefault(lengths[s.question], []).append(i)
+def _groups(rows: Sequence[Row], batch_size: int) -> list[list[int]]:
+    """Sample indices grouped by prompt length and query position (no padding inside a
+    group, so one edit position serves every row), in chunks of ``batch_size``."""
+    by_key: dict[tuple[int, int], list[int]] = {}
+    for i, r in enumerate(rows):
+        by_key.setdefault((r.length, r.query), []).append(i)
     groups = []
-    for _, idx in sorted(by_len.items()):
+    for _, idx in sorted(by_key.items()):
         groups += [idx[k : k + batch_size] for k in range(0, len(idx), batch_size)]
     return groups
+
+
+def _prepare(loaded, batch):
+    return loaded.adapter.prepare([_image(s) for s in batch], [s.question for s in batch])
 
 
 class ChainCancelled(Exception):
@@ -55,40 +55,46 @@ class ChainCancelled(Exception):
 
 @dataclass
 class HeadObservations:
-    """Per-sample read-outs of every visual-reading head (one capture per sample).
+    """Per-sample read-outs of every head of the pool (one capture per sample, at its query).
+
+    A sample's keys are its :class:`Row`'s slots; arrays over slots are padded with zeros
+    to the longest sample's (the padding is in no sample's ``scored`` slots).
 
     Attributes:
         heads: the heads, in column order.
-        vis_attn: ``(n, heads, n_visual)`` answer-row attention on each visual token.
-        dla_vis: ``(n, heads, n_visual)`` frozen-scale DLA (answer minus foil)
-            of each visual token's source contribution.
-        head_dla: ``(n, heads)`` the head's whole frozen-scale DLA at the answer
-            position (every source; equals the residual component's ``dla_frozen``).
-        entropy: ``(n, heads)`` entropy (nats) of the full answer row.
-        z: ``(n, heads, d_head)`` the head's z at the answer position.
-        logit_diff, correct: ``(n,)`` S and whether the top token is the answer.
-        target, distractors, background, patches: per sample, visual-token index lists.
+        attn: ``(n, heads, slots)`` the query row's attention on each slot.
+        dla: ``(n, heads, slots)`` frozen-scale DLA (S's answer minus foil) of each slot's
+            source contribution.
+        write: ``(n, heads, slots)`` the norm of each slot's source contribution (the head's
+            write from it: attention times the norm of its value through W_O).
+        head_dla: ``(n, heads)`` the head's whole frozen-scale DLA at the query
+            (every source; equals the residual component's ``dla_frozen``).
+        entropy: ``(n, heads)`` entropy (nats) of the full query row.
+        z: ``(n, heads, d_head)`` the head's z at the query.
+        logit_diff, correct: ``(n,)`` S and whether the top token is S's answer token.
+        sources, distractors, background, scored: per sample, slot index lists.
         routes: the :class:`RouteRef` columns after the heads' (added by :meth:`col` on first use).
     """
 
     split: str
     heads: list[HeadRef]
-    vis_attn: np.ndarray
-    dla_vis: np.ndarray
+    attn: np.ndarray
+    dla: np.ndarray
+    write: np.ndarray
     head_dla: np.ndarray
     entropy: np.ndarray
     z: torch.Tensor
     logit_diff: np.ndarray
     correct: np.ndarray
-    target: list[list[int]]
+    sources: list[list[int]]
     distractors: list[list[list[int]]]
     background: list[list[int]]
-    patches: list[list[int]]
+    scored: list[list[int]]
     routes: list[RouteRef] = field(default_factory=list)
 
     @property
     def n(self) -> int:
-        return len(self.target)
+        return len(self.sources)
 
     def col(self, subject: Subject) -> int:
         """The column of a head, or of a route (derived from its heads' columns on first use)."""
@@ -96,37 +102,39 @@ class HeadObservations:
             return self.heads.index(subject)
         if subject not in self.routes:
             cols = [self.heads.index(m) for m in subject.members]
-            self.vis_attn = np.concatenate([self.vis_attn, self.vis_attn[:, cols].mean(1, keepdims=True)], 1)
-            self.dla_vis = np.concatenate([self.dla_vis, self.dla_vis[:, cols].sum(1, keepdims=True)], 1)
-            self.head_dla = np.concatenate([self.head_dla, self.head_dla[:, cols].sum(1, keepdims=True)], 1)
-            self.entropy = np.concatenate([self.entropy, self.entropy[:, cols].mean(1, keepdims=True)], 1)
+
+            def add(values, how):
+                return np.concatenate([values, how(values[:, cols], 1)[:, None]], 1)
+
+            self.attn = add(self.attn, np.mean)
+            self.dla = add(self.dla, np.sum)
+            self.write = add(self.write, np.sum)
+            self.head_dla = add(self.head_dla, np.sum)
+            self.entropy = add(self.entropy, np.mean)
             # a route has no single z: its ablation uses each head's own (ChainContext.ablated)
             self.z = torch.cat([self.z, torch.full_like(self.z[:, :1], float("nan"))], 1)
             self.routes.append(subject)
         return len(self.heads) + self.routes.index(subject)
 
-    def hits(self) -> np.ndarray:
-        """``(n, heads)`` 1 where the argmax over patch tokens is a target token."""
-        out = np.zeros(self.vis_attn.shape[:2])
+    def argmax_slot(self) -> np.ndarray:
+        """``(n, heads)`` the scored slot each head's query row puts its argmax on."""
+        out = np.zeros(self.attn.shape[:2], dtype=np.int64)
         for i in range(self.n):
-            p = np.asarray(self.patches[i])
-            best = p[self.vis_attn[i][:, p].argmax(-1)]
-            out[i] = np.isin(best, self.target[i])
+            p = np.asarray(self.scored[i])
+            out[i] = p[self.attn[i][:, p].argmax(-1)]
         return out
 
-    def argmax_patch(self) -> np.ndarray:
-        out = np.zeros(self.vis_attn.shape[:2], dtype=np.int64)
-        for i in range(self.n):
-            p = np.asarray(self.patches[i])
-            out[i] = p[self.vis_attn[i][:, p].argmax(-1)]
-        return out
+    def hits(self) -> np.ndarray:
+        """``(n, heads)`` 1 where the argmax over the scored slots is a source."""
+        best = self.argmax_slot()
+        return np.stack([np.isin(best[i], self.sources[i]) for i in range(self.n)]).astype(float)
 
     def chance(self) -> np.ndarray:
-        """``(n,)`` share of patch tokens in the target: a uniform head's hit probability."""
-        return np.array([len(t) / len(p) for t, p in zip(self.target, self.patches)])
+        """``(n,)`` share of the scored slots that are sources: a uniform head's hit probability."""
+        return np.array([len(t) / len(p) for t, p in zip(self.sources, self.scored)])
 
     def region_sum(self, values: np.ndarray, regions: list[list[int]]) -> np.ndarray:
-        """``values (n, heads, n_visual)`` summed over each sample's region -> ``(n, heads)``."""
+        """``values (n, heads, slots)`` summed over each sample's region -> ``(n, heads)``."""
         return np.stack([values[i][:, r].sum(-1) if r else np.zeros(values.shape[1]) for i, r in enumerate(regions)])
 
     def distractor_max(self, values: np.ndarray) -> np.ndarray:
@@ -138,10 +146,25 @@ class HeadObservations:
                 out[i] = np.max(np.stack(sums), axis=0)
         return out
 
+    def quiet(self) -> np.ndarray:
+        """``(n, heads)`` log(the other keys' write per unit of attention / the sources'):
+        positive where the sources write less per unit of attention (a quiet sink)."""
+        out = np.full(self.attn.shape[:2], np.nan)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for i in range(self.n):
+                src = self.sources[i]
+                rest = [k for k in self.scored[i] if k not in set(src)]
+                per_src = self.write[i][:, src].sum(-1) / self.attn[i][:, src].sum(-1)
+                per_rest = self.write[i][:, rest].sum(-1) / self.attn[i][:, rest].sum(-1)
+                out[i] = np.log(per_rest / per_src)
+        out[~np.isfinite(out)] = np.nan  # no mass on either side: undefined, left out of the means
+        return out
+
 
 def observe_heads(
     loaded,
     samples,
+    rows: Sequence[Row],
     heads: list[HeadRef] | None = None,
     *,
     split: str = "",
@@ -149,101 +172,73 @@ def observe_heads(
     progress=None,
     cancel=None,
 ) -> HeadObservations:
-    """One capture per sample (batched by prompt length): answer-row
-    attention, source DLA, entropy and z of every head in ``heads`` (default
-    :func:`visual_heads`), with each sample's target / distractor / background token sets."""
+    """One capture per sample (batched by prompt length and query): the query row's
+    attention, source DLA and write norm, entropy and z of every head in ``heads``
+    (default :func:`visual_heads`), over each sample's :class:`Row` slots."""
 
     a = loaded.adapter
     heads = heads or visual_heads(loaded)
     n = len(samples)
-    n_vis = None
-    rows: dict[int, dict] = {}
+    width = max(r.n_slots for r in rows)
+    attn, dla, write = (np.zeros((n, len(heads), width)) for _ in range(3))
+    hd, ent = np.zeros((n, len(heads))), np.zeros((n, len(heads)))
+    z = torch.zeros(n, len(heads), a.d_head, dtype=torch.float64)
+    ld, ok = np.zeros(n), np.zeros(n, dtype=bool)
     done = 0
-    for group in _length_groups(loaded, samples, batch_size):
+    for group in _groups(rows, batch_size):
         if cancel is not None and cancel():
             raise ChainCancelled()
         batch = [samples[i] for i in group]
-        inputs = a.prepare([_image(s) for s in batch], [s.question for s in batch])
-        tr = capture(loaded, None, "", inputs=inputs)
-        pos = int(inputs.answer_positions[0])
-        for b, (i, s) in enumerate(zip(group, batch)):
-            vpos = tr.visual_positions[b].tolist()
-            toks = _tokens(loaded, (s.image.shape[1], s.image.shape[0]), vpos)
-            n_vis = len(toks)
-            aid, fid = a.token_id(s.answer), a.token_id(s.foil)
-            sc = source_contributions(a, tr, aid, fid, batch=b)
-            att = np.zeros((len(heads), n_vis))
-            dla = np.zeros((len(heads), n_vis))
-            hd = np.zeros(len(heads))
-            ent = np.zeros(len(heads))
-            z = torch.zeros(len(heads), a.d_head, dtype=torch.float64)
+        q = rows[group[0]].query
+        tr = capture(loaded, None, "", inputs=_prepare(loaded, batch), query_positions=[q])
+        for b, i in enumerate(group):
+            row = rows[i]
+            sc = source_contributions(a, tr, row.answer_id, row.foil_id, position=q, batch=b)
             for c, hr in enumerate(heads):
-                keys = torch.arange(n_vis) if tr.block_kinds[hr.block] == "cross" else torch.as_tensor(vpos)
+                keys = torch.as_tensor(row.key_positions(tr.block_kinds[hr.block]))
                 pat = tr.patterns[hr.block][b, hr.head, 0].double()
-                att[c] = pat[keys].cpu().numpy()
-                ent[c] = float(entropy(pat))
+                k = len(keys)
+                attn[i, c, :k] = pat[keys].cpu().numpy()
+                ent[i, c] = float(entropy(pat))
                 d = sc.dla_frozen[hr.block][hr.head].double()
-                dla[c] = d[keys].cpu().numpy()
-                hd[c] = float(d.sum())
-                z[c] = tr.z[hr.block][b, pos, hr.head].double().cpu()
-            target = region_tokens(toks, s.objects[s.target].mask, REGION_MIN_COVER) if s.target is not None else []
-            ds = [
-                [t for t in region_tokens(toks, s.objects[d].mask, REGION_MIN_COVER) if t not in target]
-                for d in s.distractors
-            ]
-            union = np.zeros(s.image.shape[:2], dtype=bool)
-            for o in s.objects:
-                union |= o.mask
-            touched = set(region_tokens(toks, union, 1e-9))
-            patches = [k for k, t in enumerate(toks) if t.col >= 0]
-            logits = tr.logits[b, pos].double()
-            rows[i] = dict(
-                att=att,
-                dla=dla,
-                hd=hd,
-                ent=ent,
-                z=z,
-                ld=float(logits[aid] - logits[fid]),
-                ok=bool(int(logits.argmax()) == aid),
-                target=target,
-                ds=ds,
-                bg=[k for k in patches if k not in touched],
-                patches=patches,
-            )
+                dla[i, c, :k] = d[keys].cpu().numpy()
+                write[i, c, :k] = sc.norm[hr.block][hr.head].double()[keys].cpu().numpy()
+                hd[i, c] = float(d.sum())
+                z[i, c] = tr.z[hr.block][b, q, hr.head].double().cpu()
+            logits = tr.logits[b, q].double()
+            ld[i] = float(logits[row.answer_id] - logits[row.foil_id])
+            ok[i] = int(logits.argmax()) == row.answer_id
         done += len(group)
         if progress:
             progress(done, n, f"observing heads ({split})")
-    r = [rows[i] for i in range(n)]
     return HeadObservations(
         split,
         list(heads),
-        np.stack([x["att"] for x in r]),
-        np.stack([x["dla"] for x in r]),
-        np.stack([x["hd"] for x in r]),
-        np.stack([x["ent"] for x in r]),
-        torch.stack([x["z"] for x in r]),
-        np.array([x["ld"] for x in r]),
-        np.array([x["ok"] for x in r]),
-        [x["target"] for x in r],
-        [x["ds"] for x in r],
-        [x["bg"] for x in r],
-        [x["patches"] for x in r],
+        attn,
+        dla,
+        write,
+        hd,
+        ent,
+        z,
+        ld,
+        ok,
+        [list(r.sources) for r in rows],
+        [list(r.distractors) for r in rows],
+        [list(r.background) for r in rows],
+        [list(r.scored) for r in rows],
     )
 
 
 @torch.no_grad()
-def mean_ablation_value(loaded, reference_samples, head: HeadRef, *, batch_size: int = 32) -> torch.Tensor:
-    """``(d_head,)`` the mean of the head's z at the answer position over the
-    reference samples: what mean ablation writes in place of the head's own z."""
+def mean_ablation_value(loaded, reference_samples, rows: Sequence[Row], head: HeadRef, *, batch_size: int = 32):
+    """``(d_head,)`` the mean of the head's z at each reference sample's query: what mean
+    ablation writes in place of the head's own z."""
 
-    a = loaded.adapter
-    total = torch.zeros(a.d_head, dtype=torch.float64)
-    for group in _length_groups(loaded, reference_samples, batch_size):
+    total = torch.zeros(loaded.adapter.d_head, dtype=torch.float64)
+    for group in _groups(rows, batch_size):
         batch = [reference_samples[i] for i in group]
-        inputs = a.prepare([_image(s) for s in batch], [s.question for s in batch])
-        tr = capture(loaded, None, "", inputs=inputs, pattern_layers=[])
-        pos = int(inputs.answer_positions[0])
-        total += tr.z[head.block][:, pos, head.head].double().sum(0).cpu()
+        tr = capture(loaded, None, "", inputs=_prepare(loaded, batch), pattern_layers=[])
+        total += tr.z[head.block][:, rows[group[0]].query, head.head].double().sum(0).cpu()
     return total / len(reference_samples)
 
 
@@ -256,45 +251,75 @@ def head_edit(head: HeadRef, position: int, value: torch.Tensor | None = None):
 
 @dataclass
 class RunNumbers:
-    """``(n,)`` S = answer-minus-foil logit difference and top-token correctness of one (edited) run."""
+    """``(n,)`` S and top-token correctness of one (edited) run."""
 
     logit_diff: np.ndarray
     correct: np.ndarray
 
 
 @torch.no_grad()
-def run_edited(loaded, samples, make_edits: Callable[[int], list], *, batch_size: int = 32, cancel=None) -> RunNumbers:
-    """S and correctness of every sample under the edits ``make_edits(answer_position)``
-    (an empty list: the model as is). Batched by prompt length."""
+def run_edited(
+    loaded, samples, rows: Sequence[Row], make_edits: Callable[[Row], list], *, batch_size: int = 32, cancel=None
+) -> RunNumbers:
+    """S and correctness of every sample under the edits ``make_edits(row)`` (rows of one
+    batch share their length and query; an empty list: the model as is)."""
 
-    a = loaded.adapter
     ld = np.zeros(len(samples))
     ok = np.zeros(len(samples), dtype=bool)
-    for group in _length_groups(loaded, samples, batch_size):
+    for group in _groups(rows, batch_size):
         if cancel is not None and cancel():
             raise ChainCancelled()
         batch = [samples[i] for i in group]
-        inputs = a.prepare([_image(s) for s in batch], [s.question for s in batch])
-        pos = int(inputs.answer_positions[0])
-        tr = capture(loaded, None, "", inputs=inputs, pattern_layers=[], edits=make_edits(pos))
-        logits = tr.logits[:, pos].double()
-        for b, (i, s) in enumerate(zip(group, batch)):
-            aid, fid = a.token_id(s.answer), a.token_id(s.foil)
-            ld[i] = float(logits[b, aid] - logits[b, fid])
-            ok[i] = int(logits[b].argmax()) == aid
+        first = rows[group[0]]
+        tr = capture(loaded, None, "", inputs=_prepare(loaded, batch), pattern_layers=[], edits=make_edits(first))
+        logits = tr.logits[:, first.query].double()
+        for b, i in enumerate(group):
+            ld[i] = float(logits[b, rows[i].answer_id] - logits[b, rows[i].foil_id])
+            ok[i] = int(logits[b].argmax()) == rows[i].answer_id
     return RunNumbers(ld, ok)
+
+
+@torch.no_grad()
+def z_norms(
+    loaded,
+    samples,
+    rows: Sequence[Row],
+    heads: Sequence[HeadRef],
+    make_edits: Callable[[Row], list],
+    *,
+    batch_size: int = 32,
+    cancel=None,
+) -> np.ndarray:
+    """``(n,)`` the summed norm of ``heads``' z at each sample's query under ``make_edits(row)``."""
+
+    out = np.zeros(len(samples))
+    for group in _groups(rows, batch_size):
+        if cancel is not None and cancel():
+            raise ChainCancelled()
+        batch = [samples[i] for i in group]
+        first = rows[group[0]]
+        tr = capture(loaded, None, "", inputs=_prepare(loaded, batch), pattern_layers=[], edits=make_edits(first))
+        for b, i in enumerate(group):
+            out[i] = sum(float(tr.z[h.block][b, first.query, h.head].double().norm()) for h in heads)
+    return out
 
 
 @dataclass
 class SwapObservations:
-    """Answer-row attention of every head before and after the swap.
+    """The query row's attention of every head before and after step 4's counterfactual.
 
     Attributes:
-        rows: indices into the evaluation samples that admitted a swap.
+        rows: indices into the evaluation samples that admitted a counterfactual.
         mass_a_orig, mass_b_orig, mass_a_swap, mass_b_swap: ``(m, heads)`` mass on
-            the target's location (a) and the partner's location (b).
-        swap_logit_diff, swap_correct: ``(m,)`` the model on the swapped scene
-            (new answer minus new foil; whether the top token is the new answer).
+            the sources' place before (a) and after (b), in the original and in the
+            counterfactual.
+        swap_logit_diff, swap_correct: ``(m,)`` the model on the counterfactual (S of its
+            own answer and foil; whether the top token is its answer); NaN where the
+            counterfactual states no answer.
+        stays: the sources stay (another image): the pattern should stay, not move.
+        attn_orig, attn_swap: for the staying relations, each pair's query rows ``(heads,
+            keys up to the query)`` (where a head's argmax is); ``a_slots`` / ``b_slots`` the
+            sources in each; ``chance_swap`` a uniform head's mass on them after.
     """
 
     rows: list[int]
@@ -306,11 +331,39 @@ class SwapObservations:
     swap_correct: np.ndarray
     n_tried: int
     heads: list[HeadRef] = field(default_factory=list)
-    n_unreadable: int = 0  # swaps whose new answer or foil is no single token of the model (left out)
+    n_unreadable: int = 0  # counterfactuals the model cannot read as stated (left out)
     routes: list[RouteRef] = field(default_factory=list)
+    stays: bool = False
+    attn_orig: list[np.ndarray] = field(default_factory=list)
+    attn_swap: list[np.ndarray] = field(default_factory=list)
+    chance_swap: np.ndarray | None = None
+    a_slots: list[list[int]] = field(default_factory=list)
+    b_slots: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def collected(cls, out: dict, n_tried: int, heads, unreadable: int, **extra) -> SwapObservations:
+        """From the per-pair lists an observer collected: ``rows``, the masses ``ao``, ``bo``,
+        ``as``, ``bs`` (each ``(heads,)``), and the model's ``ld`` and ``ok`` on the counterfactual."""
+
+        def arr(k):
+            return np.stack(out[k]) if out[k] else np.zeros((0, len(heads)))
+
+        return cls(
+            out["rows"],
+            arr("ao"),
+            arr("bo"),
+            arr("as"),
+            arr("bs"),
+            np.array(out["ld"]),
+            np.array(out["ok"]),
+            n_tried,
+            list(heads),
+            n_unreadable=unreadable,
+            **extra,
+        )
 
     def col(self, subject: Subject) -> int:
-        """The column of a head, or of a route (its heads' mean mass, added on first use)."""
+        """The column of a head, or of a route (its heads' mean mass and rows, added on first use)."""
         if isinstance(subject, HeadRef):
             return self.heads.index(subject)
         if subject not in self.routes:
@@ -318,6 +371,8 @@ class SwapObservations:
             for key in ("mass_a_orig", "mass_b_orig", "mass_a_swap", "mass_b_swap"):
                 v = getattr(self, key)
                 setattr(self, key, np.concatenate([v, v[:, cols].mean(1, keepdims=True)], 1))
+            for key in ("attn_orig", "attn_swap"):
+                setattr(self, key, [np.concatenate([r, r[cols].mean(0, keepdims=True)]) for r in getattr(self, key)])
             self.routes.append(subject)
         return len(self.heads) + self.routes.index(subject)
 
@@ -326,8 +381,92 @@ class SwapObservations:
         return 0.5 * ((self.mass_b_swap - self.mass_b_orig) + (self.mass_a_orig - self.mass_a_swap))
 
     def follows(self) -> np.ndarray:
-        """``(m, heads)`` 1 where the head prefers a before and b after the swap."""
+        """``(m, heads)`` 1 where the head prefers a before and b after the counterfactual
+        (staying relations: where its argmax is on the sources in both)."""
+        if self.stays:
+            return np.stack(
+                [
+                    np.isin(o.argmax(-1), a) & np.isin(w.argmax(-1), b)
+                    for o, w, a, b in zip(self.attn_orig, self.attn_swap, self.a_slots, self.b_slots)
+                ]
+            ).astype(float)
         return ((self.mass_a_orig > self.mass_b_orig) & (self.mass_b_swap > self.mass_a_swap)).astype(float)
+
+    def moved(self) -> np.ndarray:
+        """``(m, heads)`` step 4's per-pair metric: the mass shift (:meth:`shift`), or for a
+        staying relation the mass kept on the sources beyond a uniform head's share."""
+        if self.stays:
+            return self.mass_b_swap - self.chance_swap[:, None]
+        return self.shift()
+
+
+@torch.no_grad()
+def observe_counterfactuals(
+    loaded,
+    samples,
+    rows: Sequence[Row],
+    heads: list[HeadRef],
+    make: Callable[[int], Counterfactual],
+    *,
+    stays: bool,
+    cancel=None,
+) -> SwapObservations:
+    """Capture every sample at its query and its counterfactual ``make(i)`` (a
+    :class:`Counterfactual`; :class:`core.methods.validation.relations.Unreadable`
+    leaves the sample out, counted) at its own, and measure each head's mass on the
+    sources' place before (a) and after (b). For a staying relation each head's two
+    query rows are kept (where its argmax is)."""
+    from core.methods.validation.relations import Unreadable, prepared
+
+    a = loaded.adapter
+    out = {k: [] for k in ("rows", "ao", "bo", "as", "bs", "ld", "ok", "ro", "rs", "ch", "cf")}
+    unreadable = 0
+    for i, s in enumerate(samples):
+        if cancel is not None and cancel():
+            raise ChainCancelled()
+        try:
+            cf = make(i)
+        except Unreadable:
+            unreadable += 1
+            continue
+        row = rows[i]
+        from PIL import Image
+
+        orig = capture(loaded, None, "", inputs=prepared(a, s), query_positions=[row.query])
+        swapped = a.prepare([Image.fromarray(cf.image)], [cf.question])
+        tr = capture(loaded, None, "", inputs=swapped, query_positions=[cf.query])
+        m = np.zeros((4, len(heads)))
+        ro, rs = [], []
+        for c, hr in enumerate(heads):
+            before = orig.patterns[hr.block][0, hr.head, 0].double().cpu().numpy()
+            after = tr.patterns[hr.block][0, hr.head, 0].double().cpu().numpy()
+            m[:, c] = before[cf.a].sum(), before[cf.b].sum(), after[cf.a].sum(), after[cf.b].sum()
+            if stays:
+                ro.append(before[: row.query + 1])
+                rs.append(after[cf.scored])
+        logits = tr.logits[0, cf.query].double()
+        out["rows"].append(i)
+        for key, value in zip(("ao", "bo", "as", "bs"), m):
+            out[key].append(value)
+        out["ld"].append(float("nan") if stays else float(logits[row.answer_id] - logits[row.foil_id]))
+        out["ok"].append(bool(not stays and int(logits.argmax()) == row.answer_id))
+        if stays:
+            out["ro"].append(np.stack(ro))
+            out["rs"].append(np.stack(rs))
+        out["ch"].append(len(cf.b) / len(cf.scored))
+        out["cf"].append(cf)
+    return SwapObservations.collected(
+        out,
+        len(samples),
+        heads,
+        unreadable,
+        stays=stays,
+        attn_orig=out["ro"],
+        attn_swap=out["rs"],
+        chance_swap=np.array(out["ch"]),
+        a_slots=[list(c.a) for c in out["cf"]],
+        b_slots=[list(c.b) for c in out["cf"]],
+    )
 
 
 @torch.no_grad()
@@ -384,20 +523,4 @@ def observe_swaps(
         out["bs"].append(masses[1][1])
         out["ld"].append(float(logits[aid] - logits[fid]))
         out["ok"].append(int(logits.argmax()) == aid)
-    h = len(heads)
-
-    def arr(k):
-        return np.stack(out[k]) if out[k] else np.zeros((0, h))
-
-    return SwapObservations(
-        out["rows"],
-        arr("ao"),
-        arr("bo"),
-        arr("as"),
-        arr("bs"),
-        np.array(out["ld"]),
-        np.array(out["ok"]),
-        len(samples),
-        list(heads),
-        n_unreadable=unreadable,
-    )
+    return SwapObservations.collected(out, len(samples), heads, unreadable)

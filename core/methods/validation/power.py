@@ -1,5 +1,5 @@
 """Whether a held-out set is large enough for the chain to support anything, decided
-before any forward (docs/METHODS.md §4.11, "Power").
+before any forward (docs/METHODS.md §4.11, "Power"): :func:`power_refusal`.
 
 Step 1 gates every status: a chain whose step 1 cannot pass supports nothing. Its
 exact test (:func:`core.methods.validation.stats.poisson_binomial_tail`) is most
@@ -16,23 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.forward.geometry import region_tokens
-from core.methods.validation.setting import HIT_P_MAX, REGION_MIN_COVER
-
-
-def sample_chance(adapter, sample) -> float:
-    """A uniform head's chance to land on ``sample``'s target: the share of its patch
-    tokens the target covers by :data:`REGION_MIN_COVER` (0 without a target). The
-    geometry alone: no forward."""
-    if sample.target is None:
-        return 0.0
-    image = np.asarray(sample.image)
-    tokens = adapter.visual_tokens((image.shape[1], image.shape[0]))
-    patches = [t for t in tokens if t.col >= 0]
-    if not patches:
-        return 0.0
-    # as the chain's observations count it (ChainObservations.chance)
-    return len(region_tokens(tokens, sample.objects[sample.target].mask, REGION_MIN_COVER)) / len(patches)
+from core.methods.validation.setting import HIT_P_MAX
 
 
 @dataclass(frozen=True)
@@ -82,3 +66,25 @@ class StepOnePower:
             f"held-out n={self.n} is too small: step 1's exact test cannot pass at p <= {self.level:g} on it (were "
             f"every sample a hit, p = {self.best_p:.2g}), so no step could support the claim; {smallest}"
         )
+
+
+def power_refusal(spec, chances) -> str | None:
+    """The one line refusing a held-out set (each sample's step 1 chance, from its
+    :class:`core.methods.validation.relations.Row`) on which ``spec``'s claim cannot be
+    supported: step 1's exact test cannot pass, or steps 3 and 5's intervals cannot exclude
+    zero at the effects the specification states; None where it can."""
+    power = StepOnePower.of(chances, spec.hit_p)
+    if not power.can_pass:
+        return power.refusal()
+    n = len(chances)
+    for step, least, stated in (
+        (3, spec.minimum_n_step3(), f"a correlation of {spec.stated_r or 0:g}"),
+        (5, spec.minimum_n_step5(), f"a standardised effect of {spec.effect_size or 0:g}"),
+    ):
+        if least is not None and n < least:
+            interval = "Fisher 95% interval of r" if step == 3 else "95% interval of the mean effect"
+            return (
+                f"held-out n={n} is too small for the stated effect: step {step}'s {interval} excludes zero at "
+                f"{stated} only from n={least}"
+            )
+    return None

@@ -82,6 +82,24 @@ def visual_heads(loaded) -> list[HeadRef]:
     return [
         HeadRef(b, h, f"{name}.H{h}")
         for b, (name, kind) in enumerate(a.blocks)
-        if kind == "cross" or not cross
+        if kind == "cross" or (not cross and kind == "self")
         for h in range(a.n_heads)
     ]
+
+
+def text_heads(loaded) -> list[HeadRef]:
+    """Every head of a self-attention block: the heads whose keys are the sequence's own tokens."""
+    a = loaded.adapter
+    return [
+        HeadRef(b, h, f"{name}.H{h}")
+        for b, (name, kind) in enumerate(a.blocks)
+        if kind == "self"
+        for h in range(a.n_heads)
+    ]
+
+
+def relation_heads(loaded, spec) -> list[HeadRef]:
+    """The heads a claim of ``spec`` can be about: those that read the image for a relation
+    of visual tokens (:func:`visual_heads`), the self-attention heads for one of the sequence's
+    own tokens (:func:`text_heads`)."""
+    return visual_heads(loaded) if spec.on_image else text_heads(loaded)

@@ -42,6 +42,14 @@ def _spearman(a, b) -> float:
     return _nan_if_none(spearman(np.ravel(a), np.ravel(b)))
 
 
+def fisher_lower(r: float, n: int) -> float:
+    """The lower end of r's 95% interval by Fisher's transform, tanh(atanh(r) - 1.96 / sqrt(n - 3));
+    NaN where r is undefined or n <= 3."""
+    if not np.isfinite(r) or n <= 3:
+        return float("nan")
+    return float(math.tanh(math.atanh(min(max(r, -0.999999999), 0.999999999)) - 1.96 / math.sqrt(n - 3)))
+
+
 def poisson_binomial_tail(k: int, p) -> float:
     """P(X >= k) for X a sum of independent Bernoulli(p_i): the exact one-sided
     p-value of k hits where sample i hits by chance with probability p_i (the

@@ -21,7 +21,32 @@ from core.methods.validation.setting import (
     Subject,
     _members,
 )
-from core.methods.validation.stats import _lower, _pearson, _spearman, _stats, poisson_binomial_tail
+from core.methods.validation.spec import KEY_WORDS, QUERY_WORDS, SOURCE_WORDS, metric_words
+from core.methods.validation.stats import _lower, _pearson, _spearman, _stats, fisher_lower, poisson_binomial_tail
+
+
+def content_values(ctx: ChainContext) -> np.ndarray:
+    """``(n, columns)`` step 2's per-sample metric on the evaluation split: the sources'
+    DLA (answer and copy claims), or :meth:`HeadObservations.quiet` (a quiet sink)."""
+    obs = ctx.eval_obs
+    return obs.quiet() if ctx.spec.content == "quiet" else obs.region_sum(obs.dla, obs.sources)
+
+
+def effect_values(ctx: ChainContext, subject: Subject) -> np.ndarray:
+    """``(n,)`` step 5's per-sample metric: the mean-ablation drop in S, or the rise in the
+    subject's z norm when its edges to the sources are cut."""
+    return ctx.unparked(subject) if ctx.spec.effect == "unparks" else ctx.drop([subject], "mean")
+
+
+def key_name(ctx: ChainContext, slot: int) -> str:
+    return f"visual token {slot}" if ctx.spec.on_image else f"position {slot}"
+
+
+def fixed_position(ctx: ChainContext, plan) -> np.ndarray | None:
+    """``(n,)`` 1 where the plan's fixed key is a source; None where it is one in every
+    sample (a head that always attends there *is* the relation, not a baseline of it)."""
+    fixed = np.array([float(plan.fixed_patch in t) for t in ctx.eval_obs.sources])
+    return None if fixed.all() else fixed
 
 
 def step1_pattern(ctx: ChainContext, cand: Subject) -> ChainStep:
@@ -39,12 +64,11 @@ def step1_pattern(ctx: ChainContext, cand: Subject) -> ChainStep:
     p_value = poisson_binomial_tail(int(round(k)), chance_i)
     passed = rate >= ctx.spec.hit_ratio * chance and p_value <= ctx.spec.hit_p
     groups = _group_values(ctx, plan, lambda h: hits[:, obs.col(h)])
-    fixed = np.array([float(plan.fixed_patch in t) for t in obs.target])
-    groups += [
-        ("position: uniform", ["uniform over the patch tokens"], chance_i),
-        ("position: fixed patch", [f"visual token {plan.fixed_patch}"], fixed),
-    ]
-    mass = obs.region_sum(obs.vis_attn, obs.target)[:, c]
+    groups.append(("position: uniform", [f"uniform over {KEY_WORDS[ctx.spec.on_image]}"], chance_i))
+    fixed = fixed_position(ctx, plan)
+    if fixed is not None:
+        groups.append(("position: fixed patch", [key_name(ctx, plan.fixed_patch)], fixed))
+    mass = obs.region_sum(obs.attn, obs.sources)[:, c]
     numbers = {
         "hit_rate": rate,
         "chance_hit_rate": chance,
@@ -57,6 +81,8 @@ def step1_pattern(ctx: ChainContext, cand: Subject) -> ChainStep:
         "per_sample": {"sample": ctx.eval_ids(), "hit": hits[:, c], "target_mass": mass, "chance": chance_i},
     }
     notes = ["a hit rate above chance is a routing regularity on this distribution, not evidence the head is used"]
+    if fixed is None:
+        notes.append(f"no fixed-position baseline: {key_name(ctx, plan.fixed_patch)} is a source in every sample")
     stats = None if isinstance(cand, RouteRef) else ctx.pattern_stats
     if stats is None:
         numbers["pattern_statistics_hit_rate"] = None
@@ -72,13 +98,28 @@ def step1_pattern(ctx: ChainContext, cand: Subject) -> ChainStep:
     audit = _audit(
         "pattern analysis",
         [
-            "argmax over patch tokens only (sink, delimiters, text excluded)",
-            f"target tokens: box covered >= {REGION_MIN_COVER:g} by the ground-truth mask",
+            (
+                "argmax over patch tokens only (sink, delimiters, text excluded)"
+                if ctx.spec.on_image
+                else "argmax over every key up to the query (the causal row)"
+            ),
+            (
+                f"target tokens: box covered >= {REGION_MIN_COVER:g} by the ground-truth mask"
+                if ctx.spec.on_image
+                else f"sources: {SOURCE_WORDS[ctx.spec.sources]}, read from the token ids"
+            ),
             "chance = a uniform head's hit probability, per sample",
             "evaluation split held out from the search split",
             "matched random / same-layer / entropy-matched heads and fixed-patch position baseline",
         ],
-        {"n": n, "split": obs.split, "search_split": ctx.search_condition.split, "head": cand.name},
+        {
+            "n": n,
+            "split": obs.split,
+            "search_split": ctx.search_condition.split,
+            "head": cand.name,
+            "query": ctx.spec.query,
+            "sources": ctx.spec.sources,
+        },
         notes[:1],
     )
     why = (
@@ -102,27 +143,35 @@ def step1_pattern(ctx: ChainContext, cand: Subject) -> ChainStep:
 
 
 def step2_content(ctx: ChainContext, cand: Subject) -> ChainStep:
-    """Frozen-scale DLA (answer minus foil) from the target's tokens versus distractor regions."""
+    """The content claim: frozen-scale DLA (S's answer minus foil) from the sources versus the
+    strongest distractor; for a quiet sink, the sources' write per unit of attention against
+    the other keys'."""
+    if ctx.spec.content == "quiet":
+        return _step2_quiet(ctx, cand)
     obs, plan = ctx.eval_obs, ctx.plan(cand)
-    target = obs.region_sum(obs.dla_vis, obs.target)
-    dmax = obs.distractor_max(obs.dla_vis)
+    target = content_values(ctx)
+    dmax = obs.distractor_max(obs.dla)
     c = obs.col(cand)
     t_st, diff_st = _stats(target[:, c]), _stats(target[:, c] - dmax[:, c])
-    passed = _lower(t_st) > 0 and _lower(diff_st) > 0
+    contrasted = diff_st["n"] > 0
+    passed = _lower(t_st) > 0 and (_lower(diff_st) > 0 if contrasted else True)
     groups = _group_values(ctx, plan, lambda h: target[:, obs.col(h)])
-    bg = obs.region_sum(obs.dla_vis, obs.background)
-    scale = np.array([len(t) / len(b) if b else np.nan for t, b in zip(obs.target, obs.background)])
-    groups.append(
-        ("position: background tokens", ["object-free tokens, scaled to the target's token count"], bg[:, c] * scale)
-    )
-    mass = obs.region_sum(obs.vis_attn, obs.target)[:, c]
+    bg = obs.region_sum(obs.dla, obs.background)
+    scale = np.array([len(t) / len(b) if b else np.nan for t, b in zip(obs.sources, obs.background)])
+    groups.append(("position: background tokens", ["the other keys, scaled to the sources' count"], bg[:, c] * scale))
+    mass = obs.region_sum(obs.attn, obs.sources)[:, c]
+    toward = "answer minus foil" if ctx.spec.content == "answer" else "the source token minus a foil word"
     audit = _audit(
         "source contribution",
         [
             "value path as computed (biases included)",
             f"{ctx.loaded.adapter.frozen_convention} (dla_frozen)",
-            "signed, toward answer minus foil (competing token)",
-            "target versus the strongest distractor region, per sample",
+            f"signed, toward {toward}",
+            (
+                "target versus the strongest distractor region, per sample"
+                if ctx.spec.on_image
+                else "sources versus the strongest other single key, per sample"
+            ),
             "background-token position baseline",
         ],
         {"n": obs.n, "split": obs.split, "region_min_cover": REGION_MIN_COVER, "head": cand.name},
@@ -132,9 +181,10 @@ def step2_content(ctx: ChainContext, cand: Subject) -> ChainStep:
             "earlier layers may already have mixed other positions into it",
         ],
     )
-    why = (
-        f"target DLA {t_st['mean']:.3g} (95% lower {_lower(t_st):.3g}); target minus strongest distractor "
-        f"{diff_st['mean']:.3g} (95% lower {_lower(diff_st):.3g})"
+    why = f"sources' DLA {t_st['mean']:.3g} (95% lower {_lower(t_st):.3g}); " + (
+        f"minus the strongest distractor {diff_st['mean']:.3g} (95% lower {_lower(diff_st):.3g})"
+        if contrasted
+        else "no distractor to contrast with"
     )
     return ChainStep(
         2,
@@ -148,12 +198,47 @@ def step2_content(ctx: ChainContext, cand: Subject) -> ChainStep:
             "target_dla": t_st,
             "strongest_distractor_dla": _stats(dmax[:, c]),
             "target_minus_distractor": diff_st,
-            "target_dla_per_token": _stats(target[:, c] / np.maximum([len(t) for t in obs.target], 1)),
+            "target_dla_per_token": _stats(target[:, c] / np.maximum([len(t) for t in obs.sources], 1)),
             "target_attention_mass": _stats(mass),
             "share_of_head_dla_from_target": _stats(
                 target[:, c] / np.where(obs.head_dla[:, c] == 0, np.nan, obs.head_dla[:, c])
             ),
         },
+        _baselines(groups, obs.n),
+        audit,
+        [] if contrasted else ["no sample had a distractor: the contrast with one was not made"],
+        why=why,
+    )
+
+
+def _step2_quiet(ctx: ChainContext, cand: Subject) -> ChainStep:
+    obs, plan = ctx.eval_obs, ctx.plan(cand)
+    quiet = content_values(ctx)
+    c = obs.col(cand)
+    st = _stats(quiet[:, c])
+    passed = _lower(st) > 0
+    groups = _group_values(ctx, plan, lambda h: quiet[:, obs.col(h)])
+    audit = _audit(
+        "source contribution",
+        [
+            "write = the norm of each key's value through W_O, times its attention (value path as computed)",
+            "per unit of attention: summed write over summed attention, sources against every other key",
+            "log ratio per sample; samples with no attention on either side left out",
+        ],
+        {"n": obs.n, "split": obs.split, "head": cand.name, "sources": ctx.spec.sources},
+        ["a quiet sink writes little per unit of attention; it does not show the attention there is unused"],
+    )
+    mass = obs.region_sum(obs.attn, obs.sources)[:, c]
+    why = f"log(other keys' write / sources' write) per unit attention {st['mean']:.3g} (95% lower {_lower(st):.3g})"
+    return ChainStep(
+        2,
+        ctx.criteria[2],
+        "passed" if passed else "failed",
+        "log write ratio",
+        st["mean"],
+        st["n"],
+        obs.split,
+        {"log_write_ratio": st, "source_attention_mass": _stats(mass), "n_undefined": int(obs.n - st["n"])},
         _baselines(groups, obs.n),
         audit,
         why=why,
@@ -167,8 +252,9 @@ def step3_prediction(ctx: ChainContext, cand: Subject) -> ChainStep:
     x = obs.head_dla[:, c]
     y = ctx.drop([cand], "zero")
     r, rho = _pearson(x, y), _spearman(x, y)
+    r_lower = fisher_lower(r, obs.n)
     same_sign = np.sign(x.mean()) == np.sign(y.mean())
-    passed = bool(np.isfinite(r) and r >= ctx.spec.prediction_r and same_sign)
+    passed = bool(np.isfinite(r) and r >= ctx.spec.prediction_r and r_lower > 0 and same_sign)
     groups = []
     for kind, heads, *_ in _group_values(ctx, plan, lambda h: np.zeros(obs.n)):
         rs = [_pearson(obs.head_dla[:, obs.col(h)], ctx.drop([h], "zero")) for h in heads]
@@ -188,14 +274,17 @@ def step3_prediction(ctx: ChainContext, cand: Subject) -> ChainStep:
         "residual DLA",
         [
             f"{ctx.loaded.adapter.frozen_convention} (dla_frozen)",
-            "actual re-run: the head's z zeroed at the answer position, later layers recomputed",
-            "competing token (foil)",
+            "actual re-run: the head's z zeroed at the query, later layers recomputed",
+            metric_words(ctx.spec),
             "per-sample correlation on the evaluation split",
         ],
-        {"n": obs.n, "split": obs.split, "head": cand.name, "edited_positions": "answer position"},
+        {"n": obs.n, "split": obs.split, "head": cand.name, "edited_positions": QUERY_WORDS[ctx.spec.query]},
         ["zero ablation moves activations off their distribution; the re-run is one intervention"],
     )
-    why = f"r={r:.2f} (rho={rho:.2f}); mean DLA {x.mean():.3g} vs mean re-run drop {y.mean():.3g}"
+    why = (
+        f"r={r:.2f} (Fisher 95% lower {r_lower:.2f}; rho={rho:.2f}); mean DLA {x.mean():.3g} vs mean re-run drop "
+        f"{y.mean():.3g}"
+    )
     return ChainStep(
         3,
         ctx.criteria[3],
@@ -206,6 +295,7 @@ def step3_prediction(ctx: ChainContext, cand: Subject) -> ChainStep:
         obs.split,
         {
             "pearson_r": r,
+            "pearson_r_lower95": r_lower,
             "spearman_rho": rho,
             "slope": slope,
             "head_dla": _stats(x),
@@ -218,50 +308,77 @@ def step3_prediction(ctx: ChainContext, cand: Subject) -> ChainStep:
     )
 
 
+SWAP_CONTROLS = {
+    "attribute_swap": [
+        "paired scenes: same question, geometry and other objects; only the asked attribute moved",
+        "mass on the union of the old and redrawn ink at each location",
+        "tokens touching both locations left out",
+    ],
+    "shift": [
+        "paired inputs: one seeded word (absent from the input) inserted before the sources' anchor",
+        "the longer question must tokenize as the same tokens plus one (else left out, counted)",
+        "a = the sources' position before, b = after the insertion",
+    ],
+    "other_image": [
+        "paired inputs: the same question under a seeded other input's image",
+        "the sources relocated in the new input (the image's token count may differ)",
+        "metric: mass kept on the sources minus a uniform head's share",
+    ],
+}
+
+
 def step4_swap(ctx: ChainContext, cand: Subject) -> ChainStep:
-    """Swap the asked attribute onto another object; does the attention follow?"""
-    if ctx.swap is None:
+    """Step 4's counterfactual: does the attention follow the sources when they move (the
+    attribute swapped onto another object, a word inserted before them), or stay on them
+    when what surrounds them changes (another image)?"""
+    if ctx.spec.counterfactual == "attribute_swap" and ctx.swap is None:
         return ChainStep(
             4, ctx.criteria[4], "not tested", notes=["the context was built without a swap (ChainContext(swap=...))"]
         )
     sw, plan = ctx.swap_obs, ctx.plan(cand)
     m = len(sw.rows)
     if m == 0:
-        return ChainStep(4, ctx.criteria[4], "not tested", notes=["no evaluation sample admitted a swap"])
+        return ChainStep(4, ctx.criteria[4], "not tested", notes=["no evaluation sample admitted a counterfactual"])
     c = sw.col(cand)
-    shift, follows = sw.shift(), sw.follows()
-    st = _stats(shift[:, c])
+    moved, follows = sw.moved(), sw.follows()
+    st = _stats(moved[:, c])
     rate = float(follows[:, c].mean())
     passed = _lower(st) > 0 and rate >= ctx.spec.follow_rate
-    groups = _group_values(ctx, plan, lambda h: shift[:, sw.col(h)])
-    groups.append(("position: fixed patch", [f"visual token {plan.fixed_patch}"], np.zeros(m)))
+    groups = _group_values(ctx, plan, lambda h: moved[:, sw.col(h)])
+    notes = []
+    if not sw.stays:
+        groups.append(("position: fixed patch", [key_name(ctx, plan.fixed_patch)], np.zeros(m)))
+        notes.append("the fixed-position baseline cannot move: its shift is 0 by construction")
     audit = _audit(
         "pattern analysis",
-        [
-            "paired scenes: same question, geometry and other objects; only the asked attribute moved",
-            "mass on the union of the old and redrawn ink at each location",
-            "tokens touching both locations left out",
-        ],
-        {"n_swapped": m, "n_tried": sw.n_tried, "split": ctx.eval_condition.split, "head": cand.name},
-        ["a pattern that follows the attribute is routing sensitivity, not the swap's effect on the answer"],
+        SWAP_CONTROLS[ctx.spec.counterfactual],
+        {
+            "n_swapped": m,
+            "n_tried": sw.n_tried,
+            "split": ctx.eval_condition.split,
+            "head": cand.name,
+            "counterfactual": ctx.spec.counterfactual,
+        },
+        ["a pattern that follows the sources is routing sensitivity, not the counterfactual's effect on the answer"],
     )
-    why = f"follow rate {rate:.2f}; mean mass shift {st['mean']:.3g} (95% lower {_lower(st):.3g})"
+    what = "stay rate" if sw.stays else "follow rate"
+    why = f"{what} {rate:.2f}; mean {'kept mass' if sw.stays else 'mass shift'} {st['mean']:.3g} (95% lower {_lower(st):.3g})"
     return ChainStep(
         4,
         ctx.criteria[4],
         "passed" if passed else "failed",
-        "follow rate",
+        what,
         rate,
         m,
         ctx.eval_condition.split,
         {
             "follow_rate": rate,
-            "mass_shift": st,
+            "mass_shift" if not sw.stays else "kept_mass_over_uniform": st,
             "mass_target_location_before": _stats(sw.mass_a_orig[:, c]),
             "mass_target_location_after": _stats(sw.mass_a_swap[:, c]),
             "mass_partner_location_before": _stats(sw.mass_b_orig[:, c]),
             "mass_partner_location_after": _stats(sw.mass_b_swap[:, c]),
-            "model_follows_swap_accuracy": float(sw.swap_correct.mean()),
+            "model_follows_swap_accuracy": None if sw.stays else float(sw.swap_correct.mean()),
             "model_swap_logit_diff": _stats(sw.swap_logit_diff),
             "n_tried": sw.n_tried,
             "n_unreadable": sw.n_unreadable,
@@ -279,13 +396,16 @@ def step4_swap(ctx: ChainContext, cand: Subject) -> ChainStep:
         },
         _baselines(groups, m),
         audit,
-        ["the fixed-patch position baseline cannot move: its shift is 0 by construction"],
+        notes,
         why=why,
     )
 
 
 def step5_ablation(ctx: ChainContext, cand: Subject) -> ChainStep:
-    """Zero and mean ablation of the head at the answer position."""
+    """The predicted effect: zero and mean ablation of the subject at the query (or, for a
+    parked head, its z norm when its edges to the sources are cut)."""
+    if ctx.spec.effect == "unparks":
+        return _step5_unparks(ctx, cand)
     plan = ctx.plan(cand)
     base = ctx.base("eval")
     n = len(base.logit_diff)
@@ -298,8 +418,8 @@ def step5_ablation(ctx: ChainContext, cand: Subject) -> ChainStep:
         "functional label",
         [
             "mean ablation (mean z over the search-split reference set) and zero ablation",
-            "edited at the answer position only",
-            "S = answer-minus-foil logit difference",
+            f"edited at the {QUERY_WORDS[ctx.spec.query]} only",
+            metric_words(ctx.spec),
         ],
         {"n": n, "split": ctx.eval_condition.split, "head": cand.name, "reference": ctx.search_condition.split},
         ["an ablation shows the head's write is used here; it does not show which feature of the write is"],
@@ -332,36 +452,78 @@ def step5_ablation(ctx: ChainContext, cand: Subject) -> ChainStep:
     )
 
 
+def _step5_unparks(ctx: ChainContext, cand: Subject) -> ChainStep:
+    plan = ctx.plan(cand)
+    rise = effect_values(ctx, cand)
+    n = len(rise)
+    st = _stats(rise)
+    passed = _lower(st) > 0
+    groups = _group_values(ctx, plan, lambda h: effect_values(ctx, h))
+    audit = _audit(
+        "functional label",
+        [
+            "the subject's edges from the query to the sources knocked out before the softmax (renormalised "
+            "over the other keys), its heads alone",
+            "metric: the norm of the subject's z at the query (a route: its heads' summed), cut minus as is",
+        ],
+        {"n": n, "split": ctx.eval_condition.split, "head": cand.name, "sources": ctx.spec.sources},
+        ["a head that writes more once its sink is cut was parked there; it does not say what it would write"],
+    )
+    why = f"z norm rise when the edges to the sources are cut {st['mean']:.3g} (95% lower {_lower(st):.3g})"
+    return ChainStep(
+        5,
+        ctx.criteria[5],
+        "passed" if passed else "failed",
+        "z norm rise",
+        st["mean"],
+        n,
+        ctx.eval_condition.split,
+        {
+            "z_norm_rise": st,
+            "mean_ablation_drop": _stats(ctx.drop([cand], "mean")),
+            "per_sample": {"sample": ctx.eval_ids(), "z_norm_rise": rise},
+        },
+        _baselines(groups, n),
+        audit,
+        why=why,
+    )
+
+
 def step6_baselines(ctx: ChainContext, cand: Subject, chain: ValidationChain | None = None) -> ChainStep:
     """Paired comparisons of the candidate with every baseline on the step 1, 2, 4, 5 metrics."""
     obs, plan = ctx.eval_obs, ctx.plan(cand)
     hits = obs.hits()
-    target = obs.region_sum(obs.dla_vis, obs.target)
-    bg = obs.region_sum(obs.dla_vis, obs.background)
-    scale = np.array([len(t) / len(b) if b else np.nan for t, b in zip(obs.target, obs.background)])
+    content = content_values(ctx)
+    positions_1 = {"position: uniform": obs.chance()}
+    fixed = fixed_position(ctx, plan)
+    if fixed is not None:
+        positions_1["position: fixed patch"] = fixed
+    positions_2 = {}
+    if ctx.spec.content != "quiet":
+        bg = obs.region_sum(obs.dla, obs.background)
+        scale = np.array([len(t) / len(b) if b else np.nan for t, b in zip(obs.sources, obs.background)])
+        positions_2["position: background tokens"] = bg[:, obs.col(cand)] * scale
     metrics: dict[int, tuple[str, Callable, dict]] = {
-        1: (
-            "hit",
-            lambda h: hits[:, obs.col(h)],
-            {
-                "position: uniform": obs.chance(),
-                "position: fixed patch": np.array([float(plan.fixed_patch in t) for t in obs.target]),
-            },
-        ),
+        1: ("hit", lambda h: hits[:, obs.col(h)], positions_1),
         2: (
-            "target DLA",
-            lambda h: target[:, obs.col(h)],
-            {"position: background tokens": bg[:, obs.col(cand)] * scale},
+            "log write ratio" if ctx.spec.content == "quiet" else "target DLA",
+            lambda h: content[:, obs.col(h)],
+            positions_2,
         ),
-        5: ("mean-ablation drop", lambda h: ctx.drop([h], "mean"), {}),
+        5: (
+            "z norm rise" if ctx.spec.effect == "unparks" else "mean-ablation drop",
+            lambda h: effect_values(ctx, h),
+            {},
+        ),
     }
     ran = {k for k, s in chain.steps.items() if s.status != "not tested"} if chain is not None else {1, 2, 4, 5}
-    if 4 in ran and ctx.swap is not None and len(ctx.swap_obs.rows):
+    has_swap = ctx.spec.counterfactual != "attribute_swap" or ctx.swap is not None
+    if 4 in ran and has_swap and len(ctx.swap_obs.rows):
         sw = ctx.swap_obs
         metrics[4] = (
-            "mass shift",
-            lambda h: sw.shift()[:, sw.col(h)],
-            {"position: fixed patch": np.zeros(len(sw.rows))},
+            "kept mass" if sw.stays else "mass shift",
+            lambda h: sw.moved()[:, sw.col(h)],
+            {} if sw.stays else {"position: fixed patch": np.zeros(len(sw.rows))},
         )
     comparisons, worst = [], None
     for k in sorted(metrics):
@@ -492,7 +654,9 @@ def step7_side_effects(ctx: ChainContext, cand: Subject) -> ChainStep:
     for kind, v in side.items():
         d = v["mean_ablation_drop"]["mean"] or 0.0
         if task > 0 and abs(d) >= 0.5 * task:
-            notes.append(f"not specific: mean ablation also moves {kind} questions by {d:.3g} (attribute: {task:.3g})")
+            notes.append(
+                f"not specific: mean ablation also moves {kind} questions by {d:.3g} (the claim's S: {task:.3g})"
+            )
     if route and route["joint_larger_than_either"]:
         r = route["additivity_ratio"]
         notes.append(
