@@ -226,6 +226,8 @@ def test_a_users_file_gives_an_induction_claim_its_lines_with_a_repeat(tmp_path)
     ids = prepared(llava.adapter, held.samples[0]).input_ids[0].tolist()
     (row,) = ctx.rows("eval")[:1]
     assert llava.adapter.tokenizer.decode([ids[row.query]]).strip() == "circle"
-    assert llava.adapter.tokenizer.decode([ids[row.sources[0]]]).strip() == "blue" == llava.adapter.tokenizer.decode(
-        [row.answer_id]
-    ).strip()
+    assert (
+        llava.adapter.tokenizer.decode([ids[row.sources[0]]]).strip()
+        == "blue"
+        == llava.adapter.tokenizer.decode([row.answer_id]).strip()
+    )
