@@ -50,6 +50,7 @@ from app.samples import Sample, bundled_pairs_file, bundled_samples
 from app.session_view import SessionController
 from app.widgets import DetachedTabs, ScrollPage, box
 from core.files.images import image_sha256
+from core.validate import subject_labels
 
 
 class MainWindow(QMainWindow):
@@ -123,6 +124,9 @@ class MainWindow(QMainWindow):
         self.counterfactual_panel.host_interventions(self.intervention_panel)
         self.validation_panel = ValidationPanel(self.selection, self.workspace)
         self.validation_panel.bundled = bundled_pairs_file().parent
+        self.validation_panel.labels_source = lambda subject, fingerprint: subject_labels(
+            self.session, subject, fingerprint
+        )
         self.head_methods = HeadMethodsPanel(self.selection)
         self.flow_panel = FlowPanel()
         self.audit_panel = AuditPanel()

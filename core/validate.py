@@ -121,7 +121,8 @@ def _scene_data(loaded, split: str, n: int, n_side: int, min_distractors: int, r
         samples = [_with_question(s, _repeated_words(reading.words, reading.seed, s.index)) for s in samples]
         condition = replace(
             condition,
-            templates=("repeated word sequence",),
+            kinds=("repeated-word",),
+            templates=(REPEATED_SEQUENCE,),
             seeds={**condition.seeds, "sequence_seed": reading.seed, "sequence_words": len(reading.words)},
         )
     samples, left_out = reading.readable(loaded, samples, n)
@@ -131,6 +132,7 @@ def _scene_data(loaded, split: str, n: int, n_side: int, min_distractors: int, r
 
 
 REPEAT_WORDS = 5  # the distinct words of a generated repeated sequence
+REPEATED_SEQUENCE = f"{REPEAT_WORDS} seeded words, then the first j of them again"  # its template, as described
 
 
 def _repeated_words(words: Sequence[str], seed: int, index: int) -> str:
@@ -155,7 +157,7 @@ def _with_question(sample, question: str) -> ChainSample:
         sample.target,
         list(sample.distractors),
         kind=sample.kind,
-        template="repeated word sequence",
+        template=REPEATED_SEQUENCE,
         split=sample.split,
         index=sample.index,
         where=getattr(sample, "where", ""),
@@ -689,6 +691,36 @@ class Validation:
             # a document written before specifications: the attribute relation, which it tested
             spec=ClaimSpec.from_dict(d["specification"]) if "specification" in d else ATTRIBUTE_MOVING,
         )
+
+
+def subject_labels(session, subject: str, fingerprint: str) -> list[dict]:
+    """Every label the validate runs of ``session`` gave ``subject`` on the weights
+    ``fingerprint``, oldest first: one head may hold several, each on its relation and
+    input condition (4.5). Each: ``{"run", "specification", "relation", "condition",
+    "status", "supported"}``. A run the session cannot read back is left out; no session, none."""
+    from core.session import SessionError
+
+    out = []
+    for info in session.runs("validate") if session is not None else []:
+        try:
+            validation = session.run(info.id).readout
+        except SessionError:
+            continue
+        if (validation.fingerprint or "") != (fingerprint or ""):
+            continue
+        for chain in validation.chains:
+            if chain.subject == subject:
+                out.append(
+                    {
+                        "run": info.id,
+                        "specification": validation.spec.name,
+                        "relation": validation.claim.relation,
+                        "condition": validation.heldout.describe(),
+                        "status": chain.status().status,
+                        "supported": chain.label().supported,
+                    }
+                )
+    return out
 
 
 # ------------------------------------------------------------------ the call

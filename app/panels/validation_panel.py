@@ -216,10 +216,15 @@ class ValidationPanel(QWidget):
         # two lines, empty or not (the whole in the tooltip when cut): a verdict never moves the chain choice
         self.verdict_label = ElidedLabel(NO_RESULT, lines=2, selectable=True)
         self.verdict_label.setStyleSheet("font-weight: bold;")
-        # one line each, the whole text a tooltip: the checklist keeps its room below
-        self.distribution_label = ElidedLabel(selectable=True)
+        # fixed heights, the whole text a tooltip: the checklist keeps its room below; what was
+        # tested (relation, condition, query, n) gets three lines: it is the verdict's scope
+        self.distribution_label = ElidedLabel(lines=3, selectable=True)
         self.condition_label = ElidedLabel(selectable=True)
         self.condition_label.setStyleSheet("color: #444;")
+        # one head may hold several labels, each on its relation and condition (4.5): the session's, listed
+        self.labels_label = ElidedLabel(lines=2, selectable=True)
+        self.labels_label.setStyleSheet("color: #444;")
+        self.labels_source = None  # (subject, fingerprint) -> the session's labels of it (the window sets it)
         self.chain_combo = QComboBox()
         self.chain_combo.setToolTip("one chain per subject: the checklist shows this one")
         self.chain_combo.currentIndexChanged.connect(lambda _i: self._show_chain())
@@ -269,16 +274,18 @@ class ValidationPanel(QWidget):
         form.addWidget(self.spec_combo, 4, 1, 1, 3)
         form.addWidget(self.message_label, 5, 0, 1, 4)
         form.setColumnStretch(1, 1)
-        # the distribution the verdict holds on, and beside it which chain the checklist shows: one row
-        chain_row = boxed(QHBoxLayout(), (self.distribution_label, 1), plain_label("chain of"), (self.chain_combo, 1))
+        # which chain the checklist shows, below the distribution the verdict holds on
+        chain_row = boxed(QHBoxLayout(), plain_label("chain of"), (self.chain_combo, 1))
         evidence = stacked((self.plot, 1), (self.pairs_table, 1), self.evidence_note)
         lower = split(Qt.Orientation.Horizontal, self.details_scroll, evidence, sizes=[420, 380])
         body = split(Qt.Orientation.Vertical, self.table, lower, sizes=[300, 300])
         layout = QVBoxLayout(self)
         layout.addLayout(form)
         layout.addWidget(self.verdict_label)
+        layout.addWidget(self.distribution_label)
         layout.addWidget(chain_row)
         layout.addWidget(self.condition_label)
+        layout.addWidget(self.labels_label)
         layout.addWidget(body, 1)
 
         disconnects = [
@@ -482,6 +489,7 @@ class ValidationPanel(QWidget):
         self.verdict_label.setText(note or NO_RESULT)
         self.condition_label.setText("")
         self.distribution_label.setText("")
+        self.labels_label.setText("")
         self.table.setRowCount(0)
         self._show_step(None)
 
@@ -517,6 +525,7 @@ class ValidationPanel(QWidget):
         self.verdict_label.setText(f"{chain.subject}: {said}; {chain.steps_passed()}")
         self.verdict_label.setToolTip(status.reason)
         self.distribution_label.setText(self.validation.tested())  # the relation, condition and n above the steps
+        self._show_labels(chain.subject)
         steps = list(chain.steps.values())
         self.table.blockSignals(True)
         self.table.clearSelection()
@@ -531,6 +540,16 @@ class ValidationPanel(QWidget):
                 self.table.setItem(r, c, item)
         self.table.blockSignals(False)
         self._show_step(None)
+
+    def _show_labels(self, subject: str) -> None:
+        """Every label the session's validate runs gave ``subject`` on these weights, each with its
+        relation's specification, status and condition (the whole list in the tooltip when cut)."""
+        labels = self.labels_source(subject, self.validation.fingerprint) if self.labels_source else []
+        if not labels:
+            self.labels_label.setText("")
+            return
+        said = "; ".join(f"#{x['run']} {x['specification']}: {x['status']} on {x['condition']}" for x in labels)
+        self.labels_label.setText(f"labels of {subject} in this session ({len(labels)}): {said}")
 
     def _on_step_selected(self) -> None:
         rows = self.table.selectionModel().selectedRows()

@@ -247,13 +247,14 @@ def shifted(adapter, spec: ClaimSpec, sample, row: Row, *, seed: int = 0, words=
     start, end = _span(adapter, ids, sample.question)
     if not start <= anchor < end:
         raise Unreadable("the sources' anchor is not in the question")
-    word, token = foil_word(adapter, list(words), set(ids), seed, int(getattr(sample, "index", 0)) + 1)
+    word, _ = foil_word(adapter, list(words), set(ids), seed, int(getattr(sample, "index", 0)) + 1)
     before = adapter.tokenizer.decode(ids[start:anchor]).strip()
     after = adapter.tokenizer.decode(ids[anchor:end]).strip()
     question = " ".join(t for t in (before, word, after) if t)
     moved = prepared(adapter, sample, question)
     got = [int(t) for t in moved.input_ids[0].tolist()]
-    if got != ids[:anchor] + [token] + ids[anchor:]:
+    # the word as the tokenizer writes it there (a BPE's " word" is not its "word"): one token, nothing else moved
+    if len(got) != len(ids) + 1 or got[:anchor] != ids[:anchor] or got[anchor + 1 :] != ids[anchor:]:
         raise Unreadable("the question with one word inserted is not the same tokens plus one")
     return Counterfactual(
         np.asarray(sample.image), question, row.query + 1, [source], [source + 1], len(got), list(range(row.query + 2))

@@ -190,7 +190,7 @@ def step2_content(ctx: ChainContext, cand: Subject) -> ChainStep:
         2,
         ctx.criteria[2],
         "passed" if passed else "failed",
-        "target DLA",
+        "target DLA" if ctx.spec.on_image else "source DLA",
         t_st["mean"],
         t_st["n"],
         obs.split,
@@ -506,7 +506,7 @@ def step6_baselines(ctx: ChainContext, cand: Subject, chain: ValidationChain | N
     metrics: dict[int, tuple[str, Callable, dict]] = {
         1: ("hit", lambda h: hits[:, obs.col(h)], positions_1),
         2: (
-            "log write ratio" if ctx.spec.content == "quiet" else "target DLA",
+            "log write ratio" if ctx.spec.content == "quiet" else ("target DLA" if ctx.spec.on_image else "source DLA"),
             lambda h: content[:, obs.col(h)],
             positions_2,
         ),
