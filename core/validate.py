@@ -341,7 +341,7 @@ def _file_rows(loaded, source: str, kind: str, region, role: str, reading: Readi
 def _keep(loaded, samples, n: int, min_distractors: int, reading: Reading) -> tuple[list, dict, dict]:
     """The first ``n`` claim samples that pass the chain's filters and that the relation reads,
     what the filters skipped, and what the relation left out (why: how many)."""
-    skipped = {"too_few_distractors": 0}
+    skipped = {}
     if reading.spec.on_image:
         enough = [s for s in samples if len(s.distractors) >= min_distractors]
         skipped["too_few_distractors"] = len(samples) - len(enough)

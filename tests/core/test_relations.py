@@ -20,7 +20,7 @@ from core.methods.validation import ChainContext
 from core.methods.validation.relations import Unreadable, locate, prepared, shifted
 from core.methods.validation.spec import SHIPPED, ClaimSpec
 from core.validate import Reading, ValidateError, parse_subject, read_chain_data, relation_words, validate
-from tests.core.exactness import pattern_rtol
+from tests.core.exactness import forwards_tol, pattern_rtol
 from tests.core.test_capture_llava import tiny_llava_float64
 from tests.tolerances import sum_tol
 
@@ -106,7 +106,9 @@ def test_observations_are_the_models_eager_attention_at_each_query(tiny, name):
             np.testing.assert_allclose(obs.attn[i, c, : row.query + 1], want, atol=0, rtol=rtol)
             assert hits[i, c] == float(int(want.argmax()) in row.sources)
         logits = tr.logits[0, row.query].double()
-        assert obs.logit_diff[i] == float(logits[row.answer_id] - logits[row.foil_id])
+        # the observation's forward is batched with the inputs of its length and query: two forwards apart
+        tol = 2 * forwards_tol(a, logits[[row.answer_id, row.foil_id]], inputs.input_ids.shape[1])
+        assert obs.logit_diff[i] == pytest.approx(float(logits[row.answer_id] - logits[row.foil_id]), abs=tol)
 
 
 def test_the_inserted_word_moves_the_sources_one_position_on(tiny):
@@ -231,3 +233,53 @@ def test_a_users_file_gives_an_induction_claim_its_lines_with_a_repeat(tmp_path)
         == "blue"
         == llava.adapter.tokenizer.decode([row.answer_id]).strip()
     )
+
+
+@pytest.mark.parametrize(
+    "fields, refused",
+    [
+        ({"sources": "first_token", "content": "quiet", "counterfactual": "other_image", "effect": "unparks"}, None),
+        ({"query": "question_word", "sources": "previous_token", "content": "answer"}, "'content' 'answer'"),
+        ({"sources": "previous_token", "content": "answer"}, "'counterfactual' 'shift' does not fit: the word"),
+        ({"query": "question_word", "sources": "first_token"}, "'content' 'copy' does not fit"),
+        ({"query": "repeat", "sources": "after_earlier_occurrence", "effect": "unparks"}, None),
+    ],
+)
+def test_a_users_combination_of_fields_runs_every_step_or_names_the_field(tiny, fields, refused):
+    """A specification the shipped ones do not make: its steps come from its fields (each of the
+    seven tested, the criteria worded for them), or one line names the field that does not fit."""
+    from core.methods.validation import SpecError, run_chain
+    from core.methods.validation.spec import criteria
+
+    base = {"name": "mine", "relation": "my relation", "counterfactual": "shift", "content": "copy"}
+    if refused:
+        with pytest.raises(SpecError, match=refused):
+            ClaimSpec.from_dict({**base, **fields})
+        return
+    spec = ClaimSpec.from_dict({**base, **fields})
+    reading = Reading(spec, 0, relation_words())
+    search, held = read_chain_data(tiny, "scenes", n=5, n_side=2, reading=reading)
+    ctx = ChainContext(
+        tiny,
+        search.samples,
+        search.condition,
+        held.samples,
+        held.condition,
+        side_samples=held.side,
+        side_reference=search.side,
+        spec=spec,
+        words=reading.words,
+    )
+    chain = run_chain(ctx, ctx.pool[1])
+    assert [s.status != "not tested" for s in chain.steps.values()] == [True] * 7
+    assert chain.criteria == {k: v for k, v in criteria(spec).items()}
+    sources = {"first_token": "the first token", "after_earlier_occurrence": "the token after"}[spec.sources]
+    assert sources in chain.criteria[1] and chain.relation == "my relation"
+    if spec.sources == "first_token":
+        assert all(row.sources == [0] for row in ctx.rows("eval"))
+        kinds = {b.kind for b in chain.steps[1].baselines}
+        if ctx.plan(ctx.pool[1]).fixed_patch == 0:  # a head always at position 0 is the relation itself
+            assert "no fixed-position baseline" in " ".join(chain.steps[1].notes)
+            assert "position: fixed patch" not in kinds
+        else:
+            assert "position: fixed patch" in kinds

@@ -339,6 +339,7 @@ class SwapObservations:
     chance_swap: np.ndarray | None = None
     a_slots: list[list[int]] = field(default_factory=list)
     b_slots: list[list[int]] = field(default_factory=list)
+    unreadable_reasons: dict[str, int] = field(default_factory=dict)  # why counterfactuals were left out: how many
 
     @classmethod
     def collected(cls, out: dict, n_tried: int, heads, unreadable: int, **extra) -> SwapObservations:
@@ -420,14 +421,15 @@ def observe_counterfactuals(
 
     a = loaded.adapter
     out = {k: [] for k in ("rows", "ao", "bo", "as", "bs", "ld", "ok", "ro", "rs", "ch", "cf")}
-    unreadable = 0
+    unreadable, reasons = 0, {}
     for i, s in enumerate(samples):
         if cancel is not None and cancel():
             raise ChainCancelled()
         try:
             cf = make(i)
-        except Unreadable:
+        except Unreadable as e:
             unreadable += 1
+            reasons[str(e)] = reasons.get(str(e), 0) + 1
             continue
         row = rows[i]
         from PIL import Image
@@ -466,6 +468,7 @@ def observe_counterfactuals(
         chance_swap=np.array(out["ch"]),
         a_slots=[list(c.a) for c in out["cf"]],
         b_slots=[list(c.b) for c in out["cf"]],
+        unreadable_reasons=reasons,
     )
 
 

@@ -148,6 +148,10 @@ class ClaimSpec:
                 and "an inserted word moves a token source (previous_token or after_earlier_occurrence)"
             )
             or (
+                (self.counterfactual == "shift" and self.query == "answer")
+                and "the word is inserted inside the question: the query must be in it (question_word or repeat)"
+            )
+            or (
                 (self.counterfactual == "other_image" and self.sources not in ("first_token", "sink_or_delimiter"))
                 and "another image leaves only the first token and the delimiters where they were"
             ),

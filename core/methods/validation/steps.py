@@ -50,8 +50,8 @@ def fixed_position(ctx: ChainContext, plan) -> np.ndarray | None:
 
 
 def step1_pattern(ctx: ChainContext, cand: Subject) -> ChainStep:
-    """Answer-row argmax over the patch tokens on the target's tokens, against
-    chance, on the evaluation split (the estimator of
+    """The query row's argmax over the relation's keys on its sources, against chance, on the
+    evaluation split (for the target object's tokens, the estimator of
     :func:`core.methods.patterns.pattern_statistics`, which is run beside it as a check)."""
 
     obs, plan = ctx.eval_obs, ctx.plan(cand)
@@ -338,7 +338,13 @@ def step4_swap(ctx: ChainContext, cand: Subject) -> ChainStep:
     sw, plan = ctx.swap_obs, ctx.plan(cand)
     m = len(sw.rows)
     if m == 0:
-        return ChainStep(4, ctx.criteria[4], "not tested", notes=["no evaluation sample admitted a counterfactual"])
+        why = "; ".join(f"{k}: {v}" for k, v in sw.unreadable_reasons.items())
+        return ChainStep(
+            4,
+            ctx.criteria[4],
+            "not tested",
+            notes=["no evaluation sample admitted a counterfactual" + (f" ({why})" if why else "")],
+        )
     c = sw.col(cand)
     moved, follows = sw.moved(), sw.follows()
     st = _stats(moved[:, c])
