@@ -235,9 +235,7 @@ def mean_ablation_value(loaded, reference_samples, rows: Sequence[Row], head: He
     ablation writes in place of the head's own z."""
 
     total = torch.zeros(loaded.adapter.d_head, dtype=torch.float64)
-    for group in _groups(rows, batch_size):
-        batch = [reference_samples[i] for i in group]
-        tr = capture(loaded, None, "", inputs=_prepare(loaded, batch), pattern_layers=[])
+    for group, tr in _edited_runs(loaded, reference_samples, rows, lambda row: [], batch_size, None):
         total += tr.z[head.block][:, rows[group[0]].query, head.head].double().sum(0).cpu()
     return total / len(reference_samples)
 
@@ -247,6 +245,17 @@ def head_edit(head: HeadRef, position: int, value: torch.Tensor | None = None):
     ``(d_head,)`` the head's z at ``position``."""
 
     return Edit(head.block, head.head, (int(position),), None if value is None else value.reshape(1, -1))
+
+
+def _edited_runs(loaded, samples, rows: Sequence[Row], make_edits: Callable[[Row], list], batch_size: int, cancel):
+    """``(group, trace)`` of each batch of inputs sharing a length and query, run under
+    ``make_edits(row)`` of its first row (the edits are stated at that query)."""
+    for group in _groups(rows, batch_size):
+        if cancel is not None and cancel():
+            raise ChainCancelled()
+        batch = [samples[i] for i in group]
+        edits = make_edits(rows[group[0]])
+        yield group, capture(loaded, None, "", inputs=_prepare(loaded, batch), pattern_layers=[], edits=edits)
 
 
 @dataclass
@@ -266,13 +275,8 @@ def run_edited(
 
     ld = np.zeros(len(samples))
     ok = np.zeros(len(samples), dtype=bool)
-    for group in _groups(rows, batch_size):
-        if cancel is not None and cancel():
-            raise ChainCancelled()
-        batch = [samples[i] for i in group]
-        first = rows[group[0]]
-        tr = capture(loaded, None, "", inputs=_prepare(loaded, batch), pattern_layers=[], edits=make_edits(first))
-        logits = tr.logits[:, first.query].double()
+    for group, tr in _edited_runs(loaded, samples, rows, make_edits, batch_size, cancel):
+        logits = tr.logits[:, rows[group[0]].query].double()
         for b, i in enumerate(group):
             ld[i] = float(logits[b, rows[i].answer_id] - logits[b, rows[i].foil_id])
             ok[i] = int(logits[b].argmax()) == rows[i].answer_id
@@ -293,14 +297,9 @@ def z_norms(
     """``(n,)`` the summed norm of ``heads``' z at each sample's query under ``make_edits(row)``."""
 
     out = np.zeros(len(samples))
-    for group in _groups(rows, batch_size):
-        if cancel is not None and cancel():
-            raise ChainCancelled()
-        batch = [samples[i] for i in group]
-        first = rows[group[0]]
-        tr = capture(loaded, None, "", inputs=_prepare(loaded, batch), pattern_layers=[], edits=make_edits(first))
+    for group, tr in _edited_runs(loaded, samples, rows, make_edits, batch_size, cancel):
         for b, i in enumerate(group):
-            out[i] = sum(float(tr.z[h.block][b, first.query, h.head].double().norm()) for h in heads)
+            out[i] = sum(float(tr.z[h.block][b, rows[i].query, h.head].double().norm()) for h in heads)
     return out
 
 
