@@ -124,8 +124,9 @@ class MainWindow(QMainWindow):
         self.counterfactual_panel.host_interventions(self.intervention_panel)
         self.validation_panel = ValidationPanel(self.selection, self.workspace)
         self.validation_panel.bundled = bundled_pairs_file().parent
+        read_labels: dict = {}  # each recorded run's labels, read once (a run never changes)
         self.validation_panel.labels_source = lambda subject, fingerprint: subject_labels(
-            self.session, subject, fingerprint
+            self.session, subject, fingerprint, read_labels
         )
         self.head_methods = HeadMethodsPanel(self.selection)
         self.flow_panel = FlowPanel()

@@ -693,33 +693,40 @@ class Validation:
         )
 
 
-def subject_labels(session, subject: str, fingerprint: str) -> list[dict]:
+def subject_labels(session, subject: str, fingerprint: str, cache: dict | None = None) -> list[dict]:
     """Every label the validate runs of ``session`` gave ``subject`` on the weights
     ``fingerprint``, oldest first: one head may hold several, each on its relation and
     input condition (4.5). Each: ``{"run", "specification", "relation", "condition",
-    "status", "supported"}``. A run the session cannot read back is left out; no session, none."""
+    "status", "supported"}``. A run the session cannot read back is left out; no session, none.
+    ``cache``: a dict kept between calls, so that each recorded run (which never changes) is
+    read once: ``{(session file, run id): (fingerprint, [label of each chain])}``."""
     from core.session import SessionError
 
+    cache = {} if cache is None else cache
     out = []
     for info in session.runs("validate") if session is not None else []:
-        try:
-            validation = session.run(info.id).readout
-        except SessionError:
-            continue
-        if (validation.fingerprint or "") != (fingerprint or ""):
-            continue
-        for chain in validation.chains:
-            if chain.subject == subject:
-                out.append(
-                    {
-                        "run": info.id,
-                        "specification": validation.spec.name,
-                        "relation": validation.claim.relation,
-                        "condition": validation.heldout.describe(),
-                        "status": chain.status().status,
-                        "supported": chain.label().supported,
-                    }
-                )
+        key = (str(session.path), info.id)
+        if key not in cache:
+            try:
+                validation = session.run(info.id).readout
+            except SessionError:
+                continue
+            labels = [
+                {
+                    "subject": chain.subject,
+                    "run": info.id,
+                    "specification": validation.spec.name,
+                    "relation": validation.claim.relation,
+                    "condition": validation.heldout.describe(),
+                    "status": chain.status().status,
+                    "supported": chain.label().supported,
+                }
+                for chain in validation.chains
+            ]
+            cache[key] = (validation.fingerprint or "", labels)
+        weights, labels = cache[key]
+        if weights == (fingerprint or ""):
+            out += [{k: v for k, v in x.items() if k != "subject"} for x in labels if x["subject"] == subject]
     return out
 
 

@@ -317,7 +317,7 @@ def test_each_shipped_relation_runs_from_the_relation_field(qtbot, window, model
     window.inputs.model_picker.setCurrentText("shapes-llava")
 
 
-def test_one_head_holds_a_label_per_relation_and_condition(qtbot, window):
+def test_one_head_holds_a_label_per_relation_and_condition(qtbot, window, monkeypatch):
     """The same head checked under two relations: the session holds two labels of it, each with
     its specification, status and condition, and the tab lists both under the steps."""
     from core.validate import subject_labels
@@ -345,3 +345,10 @@ def test_one_head_holds_a_label_per_relation_and_condition(qtbot, window):
         and "previous-token" in said
     )
     assert subject_labels(window.session, "L1.H1", "another fingerprint") == []
+    # a run read once is not read again (its labels are kept by run): the same list, no session read
+    cache: dict = {}
+    assert subject_labels(window.session, "L1.H1", result.fingerprint, cache) == labels
+    reads = []
+    real = window.session.run
+    monkeypatch.setattr(window.session, "run", lambda run_id: reads.append(run_id) or real(run_id))
+    assert subject_labels(window.session, "L1.H1", result.fingerprint, cache) == labels and reads == []

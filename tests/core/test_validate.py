@@ -422,6 +422,8 @@ def test_a_users_specification_file_round_trips(models, tmp_path, monkeypatch, c
         ('{"name": "x", "relation": "y", "effect_size": "big"}', "'effect_size' must be a finite number"),
         ("[1, 2]", "expected an object of fields"),
         ("{not json", "not JSON"),
+        ("[" * 100_000 + "]" * 100_000, "JSON nested too deep"),  # hostile: no traceback
+        (" " * (1 << 21), "is not a claim specification (at most 1,048,576)"),
     ],
 )
 def test_an_invalid_specification_file_is_one_line_naming_the_field(tmp_path, monkeypatch, capsys, content, message):

@@ -46,6 +46,9 @@ COUNTERFACTUALS = ("attribute_swap", "shift", "other_image")
 EFFECTS = ("lowers", "unparks")
 
 
+MAX_SPEC_BYTES = 1 << 20
+
+
 class SpecError(ReadoutError):
     """A claim specification that cannot be read (the message names the field)."""
 
@@ -212,6 +215,9 @@ class ClaimSpec:
         """A specification file (JSON); one line naming the file and the field otherwise."""
         p = Path(path)
         try:
+            size = p.stat().st_size
+            if size > MAX_SPEC_BYTES:  # a specification is a few fields: a file this large is not one
+                raise SpecError(f"{p}: {size:,} bytes is not a claim specification (at most {MAX_SPEC_BYTES:,})")
             text = p.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise SpecError(f"{p}: cannot read the claim specification ({type(e).__name__})") from None
@@ -219,6 +225,8 @@ class ClaimSpec:
             d = json.loads(text)
         except ValueError as e:
             raise SpecError(f"{p}: not JSON ({e})") from None
+        except RecursionError:
+            raise SpecError(f"{p}: not a claim specification (JSON nested too deep)") from None
         return cls.from_dict(d, where=str(p))
 
 
