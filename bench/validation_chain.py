@@ -117,6 +117,37 @@ def header(result: dict) -> str:
     )
 
 
+def compare_with(rev: str, args) -> None:
+    """Print how far each attribute-moving run is from the one-relation chain's JSON at commit
+    ``rev`` (``validation_chain_<model>[_random].json`` there): chains whose status differs, and
+    the largest relative difference of any step's value over the chains both have."""
+    import subprocess
+
+    for model in args.models:
+        for suffix in ("", "_random"):
+            shown = subprocess.run(
+                ["git", "show", f"{rev}:bench/results/validation_chain_{model}{suffix}.json"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            old = {c["subject"]: c for c in json.loads(shown.stdout)["chains"]}
+            new = json.loads(result_path(args, model, "attribute-moving", suffix).read_text())["chains"]
+            worst, differ, common = 0.0, [], [c for c in new if c["subject"] in old]
+            for c in common:
+                o = old[c["subject"]]
+                differ += [c["subject"]] if o["status"] != c["status"] else []
+                for k, step in c["steps"].items():
+                    a, b = o["steps"][k]["value"], step["value"]
+                    if a is not None and b is not None:
+                        worst = max(worst, abs(a - b) / max(abs(a), 1e-12))
+            print(
+                f"{model}{suffix}: {len(common)} chains in both ({len(new) - len(common)} new), status differs: "
+                f"{differ or 'none'}, largest relative difference of a step's value {worst:.1g}"
+            )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["shapes-coca", "shapes-llava"])
@@ -134,6 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--markdown", action="store_true", help="print the README tables")
     p.add_argument("--from-results", action="store_true", help="only print the tables of the JSON already written")
+    p.add_argument("--compare-with", metavar="REV", help="compare attribute-moving with the one-relation run at REV")
     args = p.parse_args(argv)
 
     import torch
@@ -142,6 +174,8 @@ def main(argv=None) -> int:
     for model in args.models:
         if not args.from_results:
             run(model, args.specs, args)
+    if args.compare_with:
+        compare_with(args.compare_with, args)
     if args.markdown:
         for spec in args.specs:
             for model in args.models:

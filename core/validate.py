@@ -173,6 +173,8 @@ class Reading:
     spec: ClaimSpec
     seed: int = 0
     words: tuple[str, ...] = ()
+    # each kept input's Row, by the input object (the chain's context reads it again from here)
+    located: dict = field(default_factory=dict, repr=False)
 
     def readable(self, loaded, samples, n: int) -> tuple[list, dict[str, int]]:
         """The first ``n`` of ``samples`` the relation reads (of its templates), and why others were left out."""
@@ -186,10 +188,13 @@ class Reading:
                 left_out["another template"] = left_out.get("another template", 0) + 1
                 continue
             try:
-                locate(loaded.adapter, self.spec, s, prepared(loaded.adapter, s), seed=self.seed, words=self.words)
+                row = locate(
+                    loaded.adapter, self.spec, s, prepared(loaded.adapter, s), seed=self.seed, words=self.words
+                )
             except Unreadable as e:
                 left_out[str(e)] = left_out.get(str(e), 0) + 1
                 continue
+            self.located[id(s)] = row
             out.append(s)
         return out, left_out
 
@@ -801,6 +806,7 @@ def validate(
         cancel=cancel,
         spec=spec,
         words=reading.words,
+        located=reading.located,
     )
     # refused before any forward (the rows read token ids and geometry only): a held-out set on
     # which step 1 cannot pass, or steps 3 and 5 cannot at the stated effects, supports nothing

@@ -707,3 +707,21 @@ def assert_recomputed_rows_are_eager(loaded, inputs) -> None:
         size = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
         tol = forwards_tol(adapter, size, n_keys)
         torch.testing.assert_close(sdpa.patterns[b], eager.patterns[b].to(sdpa.patterns[b].dtype), atol=tol, rtol=0)
+
+
+@torch.no_grad()
+def assert_queries_keys_are_the_models(m, trace, blocks, inputs) -> None:
+    """``adapter.queries_keys`` of ``trace`` gives the model's own scores at each of ``blocks``
+    (every attention layer): the q and k its attention function received on ``inputs`` (the
+    trace's input), grouped keys expanded, each scaled as that layer scales its scores."""
+    from core.forward.capture import capture
+
+    a = m.adapter
+    kept = capture(m, None, "", inputs=inputs, keep_qk=True)
+    assert sorted(kept.q) == sorted(blocks)
+    for block in blocks:
+        q, k = a.queries_keys(trace, block)
+        model_k = kept.k[block][0].repeat_interleave(a.n_heads // a.n_kv_heads, dim=1)
+        ours = torch.einsum("qhd,khd->hqk", q, k) * a.score_scale(block)
+        theirs = torch.einsum("qhd,khd->hqk", kept.q[block][0], model_k) * kept.score_scale[block]
+        torch.testing.assert_close(ours, theirs, atol=realized_scores_tol(a, trace, block), rtol=0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from core.errors import InterventionError, QuestionError, UndefinedReadoutError, UnsupportedArchitectureError
+from core.errors import InterventionError, UndefinedReadoutError, UnsupportedArchitectureError
 from core.forward.capture import capture, edited_logits
 from core.forward.edits import Edit
 from core.methods.residual import component_edit
@@ -23,6 +23,7 @@ from core.models.families.lfm2_vl import Lfm2VlAdapter
 from core.models.loading import LoadedModel
 from core.views import image_views
 from tests.core.exactness import (
+    assert_queries_keys_are_the_models,
     capture_every_position,
     invert_around_box_centre,
     noise_image,
@@ -138,16 +139,6 @@ def check_canonical_weights(m, x) -> None:
     final = m.model.model.language_model.embedding_norm
     torch.testing.assert_close(a.final_norm_layer()(x), final(x), atol=0, rtol=0)
     assert a.W_U.data_ptr() == a.language_model.embed_tokens.weight.data_ptr()
-
-
-def check_question_errors(m, monkeypatch) -> None:
-    """Fits as text; prepare sees the image's real token count."""
-    a = m.adapter
-    n = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION]).input_ids.shape[1]
-    monkeypatch.setattr(a, "max_positions", lambda: n - 1)
-    a.check_question(QUESTION)
-    with pytest.raises(QuestionError, match=f"{n} tokens with the image"):
-        a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
 
 
 def check_padded_batch(m, batch) -> None:
@@ -367,15 +358,7 @@ def test_queries_keys_are_the_models(traced):
     """adapter.queries_keys (q/k layernorms, RoPE) gives the model's own scores at each
     attention layer (the q and k its attention function received)."""
     m, tr = traced
-    a = m.adapter
-    kept = capture(m, None, "", inputs=a.prepare([noise_image(IMAGE_SIZE)], [QUESTION]), keep_qk=True)
-    assert sorted(kept.q) == FULL
-    for block in FULL:
-        q, k = a.queries_keys(tr, block)
-        model_k = kept.k[block][0].repeat_interleave(a.n_heads // a.n_kv_heads, dim=1)
-        ours = torch.einsum("qhd,khd->hqk", q, k) * a.score_scale(block)
-        theirs = torch.einsum("qhd,khd->hqk", kept.q[block][0], model_k) * kept.score_scale[block]
-        torch.testing.assert_close(ours, theirs, atol=realized_scores_tol(a, tr, block), rtol=0)
+    assert_queries_keys_are_the_models(m, tr, FULL, m.adapter.prepare([noise_image(IMAGE_SIZE)], [QUESTION]))
 
 
 def test_the_stream_ends_in_embedding_norm(traced):

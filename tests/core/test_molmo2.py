@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from core.errors import InterventionError, QuestionError, UnsupportedArchitectureError
+from core.errors import InterventionError, UnsupportedArchitectureError
 from core.forward.capture import capture
 from core.forward.edits import Edit
 from core.models.families.molmo2 import Molmo2Adapter
@@ -222,16 +222,6 @@ def check_padded_batch(m, batch) -> None:
     assert (
         int(types[0].sum()) == int(types[1].sum()) == N_VISUAL + 2 * 2 + 2 + 3
     )  # patches, starts and ends, one <im_col> a row
-
-
-def check_question_errors(m, monkeypatch) -> None:
-    """Fits as text; prepare sees the image's real token count."""
-    a = m.adapter
-    n = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION]).input_ids.shape[1]
-    monkeypatch.setattr(a, "max_positions", lambda: n - 1)
-    a.check_question(QUESTION)
-    with pytest.raises(QuestionError, match=f"{n} tokens with the image"):
-        a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
 
 
 def pooled_features(m, image) -> torch.Tensor:

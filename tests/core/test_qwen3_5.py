@@ -11,12 +11,12 @@ import math
 import pytest
 import torch
 
-from core.errors import InterventionError, QuestionError
-from core.forward.capture import capture
+from core.errors import InterventionError
 from core.forward.edits import Edit
 from core.models.families.qwen3_5 import Qwen3_5Adapter
 from core.models.loading import LoadedModel
 from tests.core.exactness import (
+    assert_queries_keys_are_the_models,
     capture_every_position,
     noise_image,
     pattern_rtol,
@@ -80,15 +80,6 @@ def check_canonical_weights(m, x) -> None:
     q = rows[..., : a.d_head]
     torch.testing.assert_close(a.q_norm(1)(q), attn.q_norm(q), atol=0, rtol=0)
     torch.testing.assert_close(a.k_norm(1)(q), attn.k_norm(q), atol=0, rtol=0)
-
-
-def check_question_errors(m, monkeypatch) -> None:
-    a = m.adapter
-    n = a.prepare([noise_image(IMAGE_SIZE)], [QUESTION]).input_ids.shape[1]
-    monkeypatch.setattr(a, "max_positions", lambda: n - 1)
-    a.check_question(QUESTION)
-    with pytest.raises(QuestionError, match=f"{n} tokens with the image"):
-        a.prepare([noise_image(IMAGE_SIZE)], [QUESTION])
 
 
 def visual_inputs(m, image) -> torch.Tensor:
@@ -170,15 +161,7 @@ def test_queries_keys_are_the_models(traced):
     """adapter.queries_keys (the query half, (1 + w) q/k norms, partial M-RoPE) gives the
     model's own scores at each full-attention layer."""
     m, tr = traced
-    a = m.adapter
-    kept = capture(m, None, "", inputs=a.prepare([noise_image(IMAGE_SIZE)], [QUESTION]), keep_qk=True)
-    assert sorted(kept.q) == FULL
-    for block in FULL:
-        q, k = a.queries_keys(tr, block)
-        model_k = kept.k[block][0].repeat_interleave(a.n_heads // a.n_kv_heads, dim=1)
-        ours = torch.einsum("qhd,khd->hqk", q, k) * a.score_scale(block)
-        theirs = torch.einsum("qhd,khd->hqk", kept.q[block][0], model_k) * kept.score_scale[block]
-        torch.testing.assert_close(ours, theirs, atol=realized_scores_tol(a, tr, block), rtol=0)
+    assert_queries_keys_are_the_models(m, tr, FULL, m.adapter.prepare([noise_image(IMAGE_SIZE)], [QUESTION]))
 
 
 def test_output_gate_is_the_models(traced):

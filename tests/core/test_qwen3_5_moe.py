@@ -52,7 +52,6 @@ ANSWER_TOKEN = base.ANSWER_TOKEN
 BAD_QUESTIONS = base.BAD_QUESTIONS
 PERTURB_SIZES = base.PERTURB_SIZES
 check_canonical_weights = base.check_canonical_weights
-check_question_errors = base.check_question_errors
 visual_inputs = base.visual_inputs
 perturbation_features = base.perturbation_features
 recompute_patterns = base.recompute_patterns

@@ -64,7 +64,6 @@ ANSWER_TOKEN = base.ANSWER_TOKEN
 BAD_QUESTIONS = base.BAD_QUESTIONS
 PERTURB_SIZES = base.PERTURB_SIZES
 check_canonical_weights = base.check_canonical_weights
-check_question_errors = base.check_question_errors
 check_padded_batch = base.check_padded_batch
 check_appended_token = base.check_appended_token
 visual_inputs = base.visual_inputs

@@ -97,6 +97,8 @@ class ChainContext:
             and each step's variant and threshold.
         words: the words a relation may draw a foil word or an inserted word from (each
             must be one token of the model to be used).
+        located: rows already located for some of the inputs, by ``id(input)`` (as
+            :class:`core.validate.Reading` keeps them): not located again.
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class ChainContext:
         cancel=None,
         spec=None,
         words: Sequence[str] = (),
+        located: dict | None = None,
     ):
         if search_condition.split == eval_condition.split:
             raise LabelError("the evaluation split must differ from the search split (held-out inputs)")
@@ -132,6 +135,7 @@ class ChainContext:
         self.spec = resolve(spec)  # the claim specification: the relation and each step's thresholds
         self.criteria = self.spec.criteria()
         self.words = list(words)
+        self._located = dict(located or {})  # rows already located, by input object (id)
         self.pool = relation_heads(loaded, self.spec)
         self._cache: dict = {}
         self._routes: list[RouteRef] = []  # routes planned so far: every observation gets their columns
@@ -202,6 +206,8 @@ class ChainContext:
 
     def locate(self, sample) -> Row:
         """Where the specification is read on ``sample`` (:func:`core.methods.validation.relations.locate`)."""
+        if id(sample) in self._located:  # located when the data was read: the same row
+            return self._located[id(sample)]
         a = self.loaded.adapter
         return locate(a, self.spec, sample, prepared(a, sample), seed=self.seed, words=self.words)
 
