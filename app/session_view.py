@@ -49,6 +49,7 @@ from app.run_frame import VIEW_KINDS
 from app.widgets import ElidedLabel
 from core.answer_text import AnswerText
 from core.files.images import image_sha256
+from core.methods.validation.spec import SHIPPED
 from core.requests import RecordedParameters
 from core.results.readout import Readout, Target
 from core.session import DamagedRunError, Run, RunInfo, Session, SessionError
@@ -211,7 +212,7 @@ def restore_claim_choices(panel, run: Run, validation) -> str | None:
     """Put a ``validate`` run's choices back in the Validation panel (its request's parameters:
     :meth:`core.requests.ValidateRequest.parameters`; a run of an
     older session: its chains' subjects and its search set's size): subjects, claim, data, n, the
-    painted-region box. The painted region itself is not stored with the run: returns a line saying
+    painted-region box, the claim's specification. The painted region itself is not stored with the run: returns a line saying
     so when the run used one (None otherwise)."""
     recorded = recorded_of(run)
     panel.subject_edit.setText(recorded.typed_subjects or ", ".join(c.subject for c in validation.chains))
@@ -225,6 +226,9 @@ def restore_claim_choices(panel, run: Run, validation) -> str | None:
         panel.set_folder(source)
     panel.n_spin.setValue(recorded.n or validation.search.n_samples)
     panel.region_check.setChecked(recorded.painted_region)
+    # the relation it checked: a shipped one by name, a user's as recorded with the run (its file may be gone)
+    shipped = SHIPPED.get(validation.spec.name) == validation.spec
+    panel.use_spec(validation.spec, None if shipped else f"run #{run.id}", "the specification recorded with the run")
     if recorded.painted_region:
         return (
             f"run #{run.id} used a painted region that is not stored with it: the region painted now is not the run's"

@@ -321,15 +321,20 @@ class ValidationPanel(QWidget):
             self.show_message(str(e))
             self.spec_combo.setCurrentIndex(self._spec_index())
             return False
-        self.spec_loaded = spec
         shipped = SHIPPED.get(str(name_or_file)) == spec
-        index = self.spec_combo.findData(spec.name if shipped else "file")
-        if not shipped:
-            self.spec_combo.setItemText(index, f"file: {Path(name_or_file).name} ({spec.name})")
-            self.spec_combo.setItemData(index, str(name_or_file), Qt.ItemDataRole.ToolTipRole)
+        self.use_spec(spec, None if shipped else f"file: {Path(name_or_file).name}", str(name_or_file))
+        return True
+
+    def use_spec(self, spec: ClaimSpec, label: str | None = None, where: str = "") -> None:
+        """Check claims as ``spec``: a shipped one (``label`` None) picked in the Relation field,
+        another shown as ``label`` (a file's, or a restored run's) with ``where`` as its tooltip."""
+        self.spec_loaded = spec
+        index = self.spec_combo.findData(spec.name if label is None else "file")
+        if label is not None:
+            self.spec_combo.setItemText(index, f"{label} ({spec.name})")
+            self.spec_combo.setItemData(index, where, Qt.ItemDataRole.ToolTipRole)
         self.spec_combo.setCurrentIndex(index)
         self.choices_changed.emit()
-        return True
 
     def set_dataset(self, key: str) -> None:
         """``bundled``, ``scenes`` or ``folder`` (the folder chosen with :meth:`set_folder`)."""

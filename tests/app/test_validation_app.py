@@ -352,3 +352,31 @@ def test_one_head_holds_a_label_per_relation_and_condition(qtbot, window, monkey
     real = window.session.run
     monkeypatch.setattr(window.session, "run", lambda run_id: reads.append(run_id) or real(run_id))
     assert subject_labels(window.session, "L1.H1", result.fingerprint, cache) == labels and reads == []
+
+
+def test_the_history_restores_the_relation_a_run_checked(qtbot, window, tmp_path):
+    """A run restored from the History puts back the relation it checked, not the one picked since:
+    a shipped one by name, a user's file as recorded with the run (the file itself gone); run
+    again, it checks that relation."""
+    import json
+
+    from core.methods.validation.spec import ATTRIBUTE_MOVING, SHIPPED
+
+    panel = window.validation_panel
+    assert panel.set_spec("induction")
+    state_claim(window, subject="L0.H1")
+    run_until_idle(qtbot, window, window.actions.run_claim)
+    mine = tmp_path / "mine.json"
+    fields = dict(SHIPPED["previous-token"].to_dict(), name="my-previous", hit_ratio=3.0)
+    mine.write_text(json.dumps(fields))
+    assert panel.set_spec(mine)
+    run_until_idle(qtbot, window, window.actions.run_claim)
+    mine.unlink()
+    first, second = (info.id for info in window.session.runs("validate"))
+    assert panel.set_spec("attribute-moving") and panel.spec_loaded == ATTRIBUTE_MOVING
+    assert window.history_panel.select_run(first)
+    assert panel.spec_loaded == SHIPPED["induction"] and panel.spec_combo.currentData() == "induction"
+    assert window.history_panel.select_run(second)
+    assert panel.spec_loaded.to_dict() == fields and panel.spec_combo.currentText() == f"run #{second} (my-previous)"
+    run_until_idle(qtbot, window, window.actions.run_claim)  # again: the recorded specification, not attribute-moving
+    assert shown_result(window, "validate").spec.to_dict() == fields
